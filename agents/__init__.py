@@ -1,0 +1,1 @@
+"""Policy sources: heuristics, exact solvers, Optuna and reinforcement-learning searchers."""

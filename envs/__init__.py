@@ -1,0 +1,1 @@
+"""Simulator and gymnasium environments (see ARCHITECTURE in the README)."""
