@@ -1,0 +1,144 @@
+"""Stable keys for saved activations: the name a policy uses for a tensor, computed the same way at trace
+time and at training time.
+
+NOTE [ Key format ]
+    ``<module path>#<call>.<ordinal>:<producer>``, e.g. ``layer1.0.conv2#0.0:Convolution`` or
+    ``layer1.0.relu#2.0:Relu``.
+
+    * ``module path`` is the innermost module whose forward is running when autograd packs the tensor
+      (``<root>`` for the model itself, ``<loss>`` outside the model, e.g. the loss function);
+    * ``call`` counts the calls of that module since the model's forward started (torchvision's
+      Bottleneck calls its one ``relu`` three times);
+    * ``ordinal`` counts the distinct storages first packed during that call;
+    * ``producer`` is the autograd node of the packed tensor without its ``Backward<n>`` suffix, or
+      ``nograd`` for a tensor without a grad_fn (an input, a non-differentiable output). It is
+      descriptive, and it makes a key written
+      for another model fail to match instead of matching the wrong tensor.
+
+    Only the first pack of a storage names it: later packs of the same storage (a ReLU output that the
+    next convolution also saves, a view of it) get the same key, found through the live storage object
+    (NOTE in PYTORCH-NOTES: never by ``data_ptr()``, addresses are reused within one forward).
+
+    The keys depend only on the order of module calls and packs, which is the same in fake and real mode
+    and from one iteration to the next, so the tracer and the runtime agree on them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+ROOT = "<root>"
+OUTSIDE = "<loss>"
+_BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
+
+
+@dataclass
+class KeyedTensor:
+    """What the keyer knows of a storage packed in this forward."""
+
+    key: str | None  # None for parameters, buffers and other excluded storages
+    first_pack: bool  # True the first time this storage is packed in this forward
+
+
+class SavedTensorKeyer:
+    """Tracks module calls on one model and names each packed storage (NOTE [ Key format ]).
+
+    Use :meth:`attached` around the iterations, :meth:`new_forward` at the start of each forward (it is
+    called automatically when the root module's forward starts), and :meth:`key_for` inside a pack hook.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._stack: list[tuple[str, int]] = []  # (module path, call index) of running forwards
+        self._calls: dict[str, int] = {}
+        self._ordinals: dict[tuple[str, int], int] = {}
+        self._keys: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> key
+        self._excluded: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> True
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    # -- module tracking ---------------------------------------------------------------------------------
+    @contextmanager
+    def attached(self) -> Iterator[SavedTensorKeyer]:
+        """Register forward pre/post hooks on every submodule for the duration of the block."""
+        self.exclude_model_state()
+        for path, mod in self.model.named_modules():
+            name = path or ROOT
+            self._handles.append(mod.register_forward_pre_hook(self._make_pre(name)))
+            self._handles.append(mod.register_forward_hook(self._make_post(name), always_call=True))
+        try:
+            yield self
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self._stack.clear()
+
+    def _make_pre(self, name: str):  # type: ignore[no-untyped-def]
+        def pre(_mod: torch.nn.Module, _args: object) -> None:
+            if name == ROOT and not self._stack:
+                self.new_forward()
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            self._stack.append((name, call))
+
+        return pre
+
+    def _make_post(self, name: str):  # type: ignore[no-untyped-def]
+        def post(_mod: torch.nn.Module, _args: object, _out: object) -> None:
+            # always_call=True: also runs when forward raised, so the stack stays balanced.
+            if self._stack and self._stack[-1][0] == name:
+                self._stack.pop()
+
+        return post
+
+    def new_forward(self) -> None:
+        """Forget the calls and keys of the previous forward."""
+        self._calls.clear()
+        self._ordinals.clear()
+        self._keys = WeakIdKeyDictionary()
+
+    def exclude_model_state(self) -> None:
+        """Parameters and buffers are never candidates (Linear saves its weight as a transposed view, so
+        they are recognised by storage, not by type)."""
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            self._excluded[t.untyped_storage()] = True
+
+    def exclude(self, *tensors: torch.Tensor) -> None:
+        """Exclude more storages (the input batch)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._excluded[t.untyped_storage()] = True
+
+    @property
+    def current_module(self) -> str:
+        return self._stack[-1][0] if self._stack else OUTSIDE
+
+    # -- naming ------------------------------------------------------------------------------------------
+    def key_for(self, t: torch.Tensor) -> KeyedTensor:
+        """Name the storage of a tensor being packed (call from a pack hook)."""
+        storage = t.untyped_storage()
+        if storage in self._excluded:
+            return KeyedTensor(None, False)
+        key = self._keys.get(storage)
+        if key is not None:
+            return KeyedTensor(key, False)
+        frame = self._stack[-1] if self._stack else (OUTSIDE, 0)
+        ordinal = self._ordinals.get(frame, 0)
+        self._ordinals[frame] = ordinal + 1
+        key = f"{frame[0]}#{frame[1]}.{ordinal}:{producer_name(t)}"
+        self._keys[storage] = key
+        return KeyedTensor(key, True)
+
+
+def producer_name(t: torch.Tensor) -> str:
+    """``ConvolutionBackward0`` -> ``Convolution``; ``nograd`` for tensors without a grad_fn."""
+    fn = t.grad_fn
+    if fn is None:
+        return "nograd"
+    return _BACKWARD_SUFFIX.sub("", fn.name()) or fn.name()

@@ -1,0 +1,481 @@
+"""Capture one training iteration of a PyTorch model as a :class:`~runtime.workload.Workload`.
+
+Usage::
+
+    w = capture(lambda: (model, batch, loss_fn), name="resnet18", batch_size=8, fake=True)
+
+``build`` is called inside the capture so that, in fake mode, parameters and batch are FakeTensors: no
+memory is allocated and ResNet-101 at batch 64 traces in seconds. In real mode the ops run on the device
+and each op is timed.
+
+NOTE [ What is recorded ]
+    A ``TorchDispatchMode`` sees every aten op below autograd, in forward, backward and the optimizer step.
+    For each op it records the storages read and written (see runtime/workload.py, NOTE [ Tensors are
+    storages ]), FLOPs (PyTorch's own ``flop_counter`` formulas for matmuls, convolutions and attention;
+    one per output element for everything else), bytes moved, the module it belongs to and, in real mode,
+    its time. Ops that only alias (views, ``detach``) and ``prim`` metadata queries are not recorded.
+    Releases are observed, not guessed: a weak reference to each storage object fires when PyTorch frees
+    it, and the release is placed after the last recorded op. So the lifetimes include Python's own
+    references (a local that outlives its last use), the autograd engine's releases in backward and the
+    optimizer's temporaries.
+
+NOTE [ Steady state ]
+    The recorded iteration is a steady-state one: optimizer state exists before it starts (a warm-up step
+    creates it: a full iteration in real mode, a step on zero gradients in fake mode), gradients are
+    ``None`` at its start (``zero_grad(set_to_none=True)``) and are released at its end.
+
+NOTE [ Modules of backward ops ]
+    A forward module post-hook walks the autograd graph back from the module's outputs and tags each new
+    node with the module path in ``node.metadata``; a pre-hook first tags the nodes that produced the
+    module's inputs with the enclosing module, so work done between submodules is not credited to the next
+    one. In backward, ``torch._C._current_autograd_node()`` gives the node whose ops are running, hence its
+    forward module. Nodes that no module produced (the loss) are tagged ``<loss>``.
+
+NOTE [ Drop pass ]
+    Before the recorded iteration, one forward runs with pack hooks that keep only the key (no tensor),
+    as the runtime does for a tensor it swaps or recomputes. The release points seen there are each
+    candidate's ``free_if_dropped_op``: what the simulator must use when a policy drops the tensor. The
+    forward of the drop pass runs the same ops in the same order as the recorded one, so op indices agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakIdKeyDictionary
+
+from runtime.errors import AutotuneError
+from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer
+from runtime.workload import Candidate, OpInfo, Phase, TensorInfo, TensorKind, Workload
+
+Batch = tuple[torch.Tensor, ...]
+LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
+BuildFn = Callable[[], tuple[torch.nn.Module, Batch, LossFn]]
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+_MODULE_TAG = "autotune_module"
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    """The optimizers a workload can be traced with; hyper-parameters do not change memory or time."""
+    name = name.lower()
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    raise AutotuneError(f"unknown optimizer '{name}': expected one of {', '.join(OPTIMIZERS)}")
+
+
+# -- one tensor/op record per storage/op while capturing ------------------------------------------------
+@dataclass
+class _Tensor:
+    id: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    kind: TensorKind
+    alloc_op: int
+    free_op: int | None = None
+    phase: Phase | None = None  # phase of the allocating op
+    writers: list[int] = field(default_factory=list)
+    readers: list[int] = field(default_factory=list)
+
+
+class _Recorder(TorchDispatchMode):
+    """Records ops, storages and their releases (NOTE [ What is recorded ])."""
+
+    def __init__(self, time_ops: bool) -> None:
+        super().__init__()
+        self.ops: list[OpInfo] = []
+        self.tensors: list[_Tensor] = []
+        self.ids: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> tensor id
+        self._refs: list[weakref.ref[Any]] = []
+        self.phase = Phase.FORWARD
+        self.paused = False
+        self.closed = False
+        self.module_of: Callable[[], str] = lambda: OUTSIDE
+        self._time_ops = time_ops
+        self._cuda_events: list[tuple[int, Any, Any]] = []
+
+    # -- storages ----------------------------------------------------------------------------------------
+    def register(self, t: torch.Tensor, kind: TensorKind, alloc_op: int = -1) -> int:
+        storage = t.untyped_storage()
+        tid = self.ids.get(storage)
+        if tid is not None:
+            return tid
+        tid = len(self.tensors)
+        self.tensors.append(
+            _Tensor(
+                tid,
+                storage.nbytes(),
+                tuple(t.shape),
+                str(t.dtype).removeprefix("torch."),
+                kind,
+                alloc_op,
+                phase=self.phase if alloc_op >= 0 else None,
+            )
+        )
+        self.ids[storage] = tid
+        self._refs.append(weakref.ref(storage, self._released(tid)))
+        return tid
+
+    def _released(self, tid: int) -> Callable[[Any], None]:
+        def callback(_ref: Any) -> None:
+            if not self.closed:
+                self.tensors[tid].free_op = len(self.ops) - 1
+
+        return callback
+
+    def tensor_id(self, t: torch.Tensor) -> int | None:
+        return self.ids.get(t.untyped_storage())
+
+    # -- ops ---------------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if self.paused or func.namespace == "prim":
+            return func(*args, **kwargs)
+        start = self._clock()
+        out = func(*args, **kwargs)
+        end = self._clock()
+
+        written = _written_args(func, args, kwargs)
+        in_tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        out_tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        new = [t for t in out_tensors if t.untyped_storage() not in self.ids]
+        if not new and not written:
+            return out  # an alias (view, detach) or a query: no memory effect, nothing to run on a device
+
+        index = len(self.ops)
+        inputs: list[int] = []
+        for t in in_tensors:
+            tid = self.register(t, TensorKind.BUFFER)  # unseen storage: state created before the capture
+            if tid not in inputs:
+                inputs.append(tid)
+        outputs = [self.register(t, TensorKind.TEMPORARY, alloc_op=index) for t in new]
+        for t in written:
+            tid = self.register(t, TensorKind.BUFFER)
+            if tid not in outputs:
+                outputs.append(tid)
+                self.tensors[tid].writers.append(index)
+        for tid in inputs:
+            self.tensors[tid].readers.append(index)
+
+        dtype = next(
+            (str(t.dtype).removeprefix("torch.") for t in out_tensors if t.is_floating_point()), "float32"
+        )
+        self.ops.append(
+            OpInfo(
+                index=index,
+                name=str(func),
+                phase=self.phase,
+                module=self.module_of(),
+                flops=_flops(func, args, kwargs, out, out_tensors),
+                bytes_moved=sum(_view_bytes(t) for t in in_tensors)
+                + sum(_view_bytes(t) for t in out_tensors),
+                inputs=tuple(inputs),
+                outputs=tuple(outputs),
+                dtype=dtype,
+            )
+        )
+        if self._time_ops:
+            if isinstance(start, float):
+                self.ops[-1].time_s = float(end) - start
+            else:
+                self._cuda_events.append((index, start, end))
+        return out
+
+    def _clock(self) -> Any:
+        if not self._time_ops:
+            return 0.0
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def finish_timing(self) -> None:
+        if self._cuda_events:
+            torch.cuda.synchronize()
+            for index, start, end in self._cuda_events:
+                self.ops[index].time_s = start.elapsed_time(end) / 1e3
+
+
+def _written_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """Tensors an op mutates (in-place and out= arguments), from its schema's alias annotations."""
+    out: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        out.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return out
+
+
+def _view_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _flops(func: Any, args: Any, kwargs: dict[str, Any], out: Any, out_tensors: list[torch.Tensor]) -> float:
+    fn = flop_registry.get(func.overloadpacket)
+    if fn is not None:
+        try:
+            return float(fn(*args, **kwargs, out_val=out))
+        except Exception:  # a formula that does not accept this overload's arguments: estimate below
+            pass
+    return float(sum(t.numel() for t in out_tensors))
+
+
+# -- module attribution (NOTE [ Modules of backward ops ]) -------------------------------------------------
+def _metadata(node: Any) -> dict[str, Any]:
+    return cast(dict[str, Any], node.metadata)  # a dict attribute; typed as a method in torch's stubs
+
+
+def _tag_graph(roots: Any, module: str) -> None:
+    stack = [t.grad_fn for t in tree_leaves(roots) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or _MODULE_TAG in _metadata(node):
+            continue
+        _metadata(node)[_MODULE_TAG] = module
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+
+
+def _outputs_of(out: Any) -> Any:
+    # HF ModelOutput is a dict subclass; pytree may not know it.
+    return list(out.values()) if isinstance(out, dict) else out
+
+
+@contextlib.contextmanager
+def _attribute_backward(model: torch.nn.Module, keyer: SavedTensorKeyer) -> Iterator[None]:
+    handles = []
+    for path, mod in model.named_modules():
+        name = path or ROOT
+
+        def pre(_m: torch.nn.Module, args: Any) -> None:
+            _tag_graph(args, keyer.current_module)  # runs before the keyer's pre-hook pushes this module
+
+        def post(_m: torch.nn.Module, _args: Any, out: Any, name: str = name) -> None:
+            _tag_graph(_outputs_of(out), name)
+
+        handles.append(mod.register_forward_pre_hook(pre, prepend=True))
+        handles.append(mod.register_forward_hook(post, prepend=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _backward_module() -> str:
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return OUTSIDE
+    return str(_metadata(node).get(_MODULE_TAG, OUTSIDE))
+
+
+# -- the capture -------------------------------------------------------------------------------------------
+def capture(
+    build: BuildFn,
+    *,
+    name: str,
+    batch_size: int,
+    seq_len: int | None = None,
+    optimizer: str = "sgd",
+    fake: bool = True,
+    device: str = "cpu",
+) -> Workload:
+    """Trace one steady-state training iteration (NOTE [ Steady state ]) and return its Workload."""
+    mode: contextlib.AbstractContextManager[Any] = FakeTensorMode() if fake else contextlib.nullcontext()
+    with mode:
+        model, batch, loss_fn = build()
+        model.train()
+        opt = make_optimizer(optimizer, model.parameters())
+        _warm_up(model, batch, loss_fn, opt, full=not fake)
+        keyer = SavedTensorKeyer(model)
+        keyer.exclude(*batch)
+        with keyer.attached():
+            dropped = _drop_pass(model, batch, loss_fn, opt, keyer)
+            rec, cand_order = _record(model, batch, loss_fn, opt, keyer, time_ops=not fake)
+    return _build_workload(
+        rec,
+        cand_order,
+        dropped,
+        model=name,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        optimizer=optimizer,
+        mode="fake" if fake else "real",
+        device=_device_name(device),
+    )
+
+
+def _warm_up(
+    model: torch.nn.Module, batch: Batch, loss_fn: LossFn, opt: torch.optim.Optimizer, full: bool
+) -> None:
+    if full:
+        loss_fn(model, batch).backward()
+    else:  # no compute to warm up in fake mode: only create the optimizer state
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _register_state(rec: _Recorder, model: torch.nn.Module, batch: Batch, opt: torch.optim.Optimizer) -> None:
+    for p in model.parameters():
+        rec.register(p, TensorKind.PARAMETER)
+    for b in model.buffers():
+        rec.register(b, TensorKind.BUFFER)
+    for t in batch:
+        rec.register(t, TensorKind.INPUT)
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                rec.register(v, TensorKind.OPTIMIZER_STATE)
+
+
+def _drop_pass(
+    model: torch.nn.Module, batch: Batch, loss_fn: LossFn, opt: torch.optim.Optimizer, keyer: SavedTensorKeyer
+) -> dict[str, int]:
+    """Forward only, autograd keeping no saved tensor (NOTE [ Drop pass ]): key -> release op."""
+    rec = _Recorder(time_ops=False)
+    _register_state(rec, model, batch, opt)
+    keys: dict[int, str] = {}  # tensor id -> key
+
+    def pack(t: torch.Tensor) -> str | None:
+        rec.paused = True
+        try:
+            k = keyer.key_for(t)
+            tid = rec.tensor_id(t)
+            if k.key is not None and tid is not None:
+                keys.setdefault(tid, k.key)
+            return k.key
+        finally:
+            rec.paused = False
+
+    def unpack(_key: Any) -> torch.Tensor:
+        raise AssertionError("the drop pass never runs backward")
+
+    with rec, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        loss = loss_fn(model, batch)
+    end_of_forward = len(rec.ops) - 1
+    released = {key: rec.tensors[tid].free_op for tid, key in keys.items()}
+    del loss
+    rec.closed = True
+    # Still alive after the forward: something other than autograd holds it; dropping frees nothing.
+    return {key: (op if op is not None and op <= end_of_forward else -1) for key, op in released.items()}
+
+
+def _record(
+    model: torch.nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    opt: torch.optim.Optimizer,
+    keyer: SavedTensorKeyer,
+    time_ops: bool,
+) -> tuple[_Recorder, dict[int, str]]:
+    rec = _Recorder(time_ops=time_ops)
+    _register_state(rec, model, batch, opt)
+    cand: dict[int, str] = {}  # tensor id -> key, in first-pack order
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        rec.paused = True
+        try:
+            k = keyer.key_for(t)
+            tid = rec.tensor_id(t)
+            if k.key is not None and tid is not None and rec.tensors[tid].phase == Phase.FORWARD:
+                cand.setdefault(tid, k.key)
+            return t.detach()  # not t itself: a saved output holding its own grad_fn would never be freed
+        finally:
+            rec.paused = False
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    with _attribute_backward(model, keyer), rec:
+        rec.phase = Phase.FORWARD
+        rec.module_of = lambda: keyer.current_module
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            loss = loss_fn(model, batch)
+        _tag_graph(loss, OUTSIDE)
+        rec.phase = Phase.BACKWARD
+        rec.module_of = _backward_module
+        loss.backward()
+        del loss
+        rec.phase = Phase.OPTIMIZER
+        rec.module_of = lambda: "<optimizer>"
+        opt.step()
+        for p in model.parameters():
+            if p.grad is not None:
+                rec.tensors[rec.register(p.grad, TensorKind.GRADIENT)].kind = TensorKind.GRADIENT
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    rec.tensors[rec.register(v, TensorKind.OPTIMIZER_STATE)].kind = TensorKind.OPTIMIZER_STATE
+        opt.zero_grad(set_to_none=True)  # gradients die here, after the last op
+    rec.closed = True
+    rec.finish_timing()
+    return rec, cand
+
+
+def _build_workload(rec: _Recorder, cand: dict[int, str], dropped: dict[str, int], **info: Any) -> Workload:
+    tensors = [
+        TensorInfo(
+            id=t.id,
+            nbytes=t.nbytes,
+            shape=t.shape,
+            dtype=t.dtype,
+            kind=TensorKind.ACTIVATION if t.id in cand else t.kind,
+            alloc_op=t.alloc_op,
+            free_op=t.free_op,
+        )
+        for t in rec.tensors
+    ]
+    n_fwd = sum(1 for op in rec.ops if op.phase == Phase.FORWARD)
+    candidates = []
+    for tid, key in cand.items():
+        t = rec.tensors[tid]
+        fwd_writers = [i for i in t.writers if i < n_fwd]
+        fwd_uses = [i for i in t.readers + fwd_writers if i < n_fwd]
+        chain = [t.alloc_op, *fwd_writers]
+        needs = {i for op in chain for i in rec.ops[op].inputs} - {tid}
+        last_fwd = max(fwd_uses, default=t.alloc_op)
+        drop_at = dropped.get(key, -1)
+        candidates.append(
+            Candidate(
+                key=key,
+                tensor=tid,
+                nbytes=t.nbytes,
+                producer=t.alloc_op,
+                writers=tuple(fwd_writers),
+                last_fwd_use=last_fwd,
+                bwd_uses=tuple(i for i in t.readers if rec.ops[i].phase == Phase.BACKWARD),
+                # A release before the last use would be a tracing bug; -1 means dropping frees nothing.
+                free_if_dropped_op=max(drop_at, last_fwd)
+                if drop_at >= 0
+                else (t.free_op or len(rec.ops) - 1),
+                recompute_inputs=tuple(sorted(needs)),
+            )
+        )
+    w = Workload(ops=rec.ops, tensors=tensors, candidates=candidates, torch_version=torch.__version__, **info)
+    w.compute_fingerprints()
+    return w
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    return device

@@ -1,0 +1,326 @@
+"""The ``Workload``: one training iteration as a schedule of ops over tensors.
+
+A workload is what :mod:`runtime.trace` captures and what the simulator, the searchers and the runtime all
+read. It is plain data (dataclasses of ints, floats and strings) so it can be saved as JSON and compared.
+
+NOTE [ Tensors are storages ]
+    Memory is allocated per storage, not per tensor: a view, a ``detach()`` or an in-place op's result
+    shares its input's storage. So a :class:`TensorInfo` here is one *storage* allocation, identified by a
+    small integer id, with the shape and dtype of the first tensor seen over it.
+
+NOTE [ Op indices and lifetimes ]
+    Ops are numbered 0..n-1 in execution order; ops that only alias (views, ``detach``) are not recorded.
+    A tensor is live from ``alloc_op`` (the op that created it, or -1 for tensors that exist before the
+    iteration starts) through ``free_op`` inclusive (the last op that completed before its storage was
+    released, or ``None`` when it outlives the iteration). The live bytes during op ``i`` are therefore the
+    sum of ``nbytes`` over tensors with ``alloc_op <= i`` and (``free_op is None`` or ``free_op >= i``):
+    inputs and outputs of an op are both counted while it runs. The peak of the iteration is the maximum of
+    that sum over ops (see :func:`memory_timeline`).
+
+NOTE [ Candidates ]
+    A candidate is an activation saved for backward: a storage allocated during the forward (or the loss)
+    that autograd packed for a backward node. Parameters, buffers and input batches are excluded (dropping
+    them would free nothing). Each candidate carries a stable ``key`` computed by
+    :class:`runtime.keys.SavedTensorKeyer`, the same code the runtime runs at training time, so a policy
+    written for a key finds its tensor again. ``free_op`` of its tensor is where it dies when kept;
+    ``free_if_dropped_op`` is where it would die if autograd did not hold it (measured, not guessed: see
+    NOTE [ Drop pass ] in runtime/trace.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import gzip
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime.errors import AutotuneError
+
+FORMAT = "autotune.workload/v1"
+
+
+class TensorKind(str, enum.Enum):
+    """What a storage holds, for the memory breakdown."""
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"  # module state that is not a parameter (BatchNorm running stats, masks)
+    GRADIENT = "gradient"
+    OPTIMIZER_STATE = "optimizer_state"
+    INPUT = "input"  # the batch
+    ACTIVATION = "activation"  # allocated in forward and saved for backward: the candidates
+    TEMPORARY = "temporary"  # everything else allocated during the iteration
+
+
+class Phase(str, enum.Enum):
+    FORWARD = "forward"  # the model's forward and the loss
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+@dataclass
+class TensorInfo:
+    """One storage allocation (see NOTE [ Tensors are storages ])."""
+
+    id: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    kind: TensorKind
+    alloc_op: int  # -1: exists before the iteration starts
+    free_op: int | None  # None: outlives the iteration
+
+    @property
+    def persistent(self) -> bool:
+        return self.alloc_op < 0 and self.free_op is None
+
+
+@dataclass
+class OpInfo:
+    """One aten op of the iteration (see NOTE [ Op indices and lifetimes ])."""
+
+    index: int
+    name: str  # e.g. "aten.convolution.default"
+    phase: Phase
+    module: str  # innermost module path in forward; for backward ops the module of the forward op
+    flops: float
+    bytes_moved: int  # bytes read and written (view sizes, not storage sizes)
+    inputs: tuple[int, ...]  # tensor ids read (unique, in argument order)
+    outputs: tuple[int, ...]  # tensor ids written: newly allocated, then mutated in place
+    time_s: float | None = None  # measured on the trace's device in real mode
+    dtype: str = "float32"  # dtype of the first floating-point output (decides the FLOP rate)
+
+
+@dataclass
+class Candidate:
+    """An activation saved for backward (see NOTE [ Candidates ])."""
+
+    key: str
+    tensor: int  # TensorInfo.id
+    nbytes: int
+    producer: int  # op that allocated the storage
+    writers: tuple[int, ...]  # later forward ops that wrote it in place (e.g. ReLU(inplace=True))
+    last_fwd_use: int  # last forward op reading or writing it
+    bwd_uses: tuple[int, ...]  # backward ops reading it, in order
+    free_if_dropped_op: int  # last forward op before its storage would be released were it not saved
+    recompute_inputs: tuple[int, ...]  # tensors the producer chain (producer + writers) reads
+
+    @property
+    def recompute_ops(self) -> tuple[int, ...]:
+        """Ops that regenerate the storage, in order: its producer then its in-place writers."""
+        return (self.producer, *self.writers)
+
+
+@dataclass
+class Workload:
+    """One training iteration of one model at one batch size."""
+
+    model: str
+    batch_size: int
+    seq_len: int | None
+    optimizer: str
+    device: str  # where it was traced: "cpu", "cuda:0 (NVIDIA H200)", ...
+    mode: str  # "fake" (no memory, no times) or "real" (measured op times)
+    torch_version: str
+    ops: list[OpInfo]
+    tensors: list[TensorInfo]
+    candidates: list[Candidate]
+    fingerprint: str = ""
+    shape_fingerprint: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # -- structure ---------------------------------------------------------------------------------------
+    def phase_range(self, phase: Phase) -> range:
+        """Op indices of one phase (phases are contiguous)."""
+        idx = [op.index for op in self.ops if op.phase == phase]
+        return range(idx[0], idx[-1] + 1) if idx else range(0)
+
+    def candidate(self, key: str) -> Candidate:
+        for c in self.candidates:
+            if c.key == key:
+                return c
+        raise KeyError(key)
+
+    def bytes_by_kind(self, persistent_only: bool = False) -> dict[TensorKind, int]:
+        """Total bytes of every storage of each kind (each counted once, whenever it lived)."""
+        out = {k: 0 for k in TensorKind}
+        for t in self.tensors:
+            if not persistent_only or t.alloc_op < 0:
+                out[t.kind] += t.nbytes
+        return out
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of all saved activations (the candidates), parameters excluded."""
+        return sum(c.nbytes for c in self.candidates)
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors if t.kind == TensorKind.PARAMETER)
+
+    def compute_fingerprints(self) -> None:
+        """Set ``fingerprint`` (structure only) and ``shape_fingerprint`` (structure and every size).
+
+        ``fingerprint`` hashes the op names, their modules and phases, the parameter shapes and the
+        candidate keys: it changes when the model changes (a layer, a width, an op) and not with the batch
+        size or sequence length. ``shape_fingerprint`` also hashes every tensor's shape and dtype.
+        """
+        h = hashlib.sha256()
+        for op in self.ops:
+            h.update(f"{op.name}|{op.phase.value}|{op.module};".encode())
+        for t in self.tensors:
+            if t.kind == TensorKind.PARAMETER:
+                h.update(f"P{t.shape}{t.dtype};".encode())
+        for c in self.candidates:
+            h.update(f"C{c.key};".encode())
+        self.fingerprint = h.hexdigest()[:16]
+        h2 = hashlib.sha256(self.fingerprint.encode())
+        for t in self.tensors:
+            h2.update(f"{t.shape}{t.dtype}{t.nbytes};".encode())
+        self.shape_fingerprint = h2.hexdigest()[:16]
+
+    # -- persistence -------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["format"] = FORMAT
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "<dict>") -> Workload:
+        fmt = d.get("format") if isinstance(d, dict) else None
+        if fmt != FORMAT:
+            raise AutotuneError(
+                f"{source}: workload format {fmt!r} is not supported: expected {FORMAT!r}; "
+                "trace the model again with `autotune profile --model M --out FILE`"
+            )
+        try:
+            ops = [
+                OpInfo(
+                    **{
+                        **o,
+                        "phase": Phase(o["phase"]),
+                        "inputs": tuple(o["inputs"]),
+                        "outputs": tuple(o["outputs"]),
+                    }
+                )
+                for o in d["ops"]
+            ]
+            tensors = [
+                TensorInfo(**{**t, "kind": TensorKind(t["kind"]), "shape": tuple(t["shape"])})
+                for t in d["tensors"]
+            ]
+            cands = [
+                Candidate(
+                    **{
+                        **c,
+                        "writers": tuple(c["writers"]),
+                        "bwd_uses": tuple(c["bwd_uses"]),
+                        "recompute_inputs": tuple(c["recompute_inputs"]),
+                    }
+                )
+                for c in d["candidates"]
+            ]
+            rest = {
+                k: d[k]
+                for k in (
+                    "model",
+                    "batch_size",
+                    "seq_len",
+                    "optimizer",
+                    "device",
+                    "mode",
+                    "torch_version",
+                    "fingerprint",
+                    "shape_fingerprint",
+                    "meta",
+                )
+            }
+        except (KeyError, TypeError, ValueError) as e:
+            raise AutotuneError(
+                f"{source}: corrupted workload file ({type(e).__name__}: {e}); "
+                "trace the model again with `autotune profile --model M --out FILE`"
+            ) from None
+        return cls(ops=ops, tensors=tensors, candidates=cands, **rest)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write JSON (gzip-compressed when the name ends in .gz), atomically: temp file, then rename."""
+        path = Path(path)
+        data = json.dumps(self.to_dict(), separators=(",", ":")).encode()
+        if path.suffix == ".gz":
+            data = gzip.compress(data, mtime=0)
+        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Workload:
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise AutotuneError(f"cannot read workload file '{path}': {e.strerror}") from None
+        try:
+            if raw[:2] == b"\x1f\x8b":
+                raw = gzip.decompress(raw)
+            d = json.loads(raw)
+        except (OSError, EOFError, ValueError) as e:
+            raise AutotuneError(
+                f"'{path}' is not a workload file (not valid JSON: {e}); "
+                "trace the model again with `autotune profile --model M --out FILE`"
+            ) from None
+        return cls.from_dict(d, source=str(path))
+
+
+# -- memory accounting ---------------------------------------------------------------------------------
+@dataclass
+class PeakReport:
+    """The no-policy peak of one iteration and what was live at that moment."""
+
+    peak_bytes: int
+    peak_op: int  # index of the op during which the peak occurs
+    by_kind_bytes: dict[str, int]  # live bytes per TensorKind at the peak
+    persistent_bytes: int  # live across the whole iteration (parameters, optimizer state, ...)
+
+
+def memory_timeline(w: Workload) -> np.ndarray:
+    """Live bytes during each op with no policy (NOTE [ Op indices and lifetimes ]). Shape (n_ops,)."""
+    n = len(w.ops)
+    delta = np.zeros(n + 1, dtype=np.int64)  # difference array: +nbytes at alloc, -nbytes after free
+    for t in w.tensors:
+        start = max(t.alloc_op, 0)
+        end = n if t.free_op is None else t.free_op + 1
+        if end <= start:  # allocated and released outside any recorded op
+            continue
+        delta[start] += t.nbytes
+        delta[end] -= t.nbytes
+    return np.cumsum(delta[:n])
+
+
+def peak_report(w: Workload) -> PeakReport:
+    """Peak of the no-policy iteration with a breakdown by tensor kind at the peak."""
+    timeline = memory_timeline(w)
+    i = int(np.argmax(timeline)) if len(timeline) else 0
+    by_kind = {k.value: 0 for k in TensorKind}
+    for t in _live_at(w.tensors, i, len(w.ops)):
+        by_kind[t.kind.value] += t.nbytes
+    persistent = sum(t.nbytes for t in w.tensors if t.persistent)
+    return PeakReport(int(timeline[i]) if len(timeline) else persistent, i, by_kind, persistent)
+
+
+def _live_at(tensors: Iterable[TensorInfo], i: int, n_ops: int) -> Iterable[TensorInfo]:
+    for t in tensors:
+        end = n_ops if t.free_op is None else t.free_op
+        if max(t.alloc_op, 0) <= i <= end:
+            yield t
