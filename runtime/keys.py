@@ -142,3 +142,29 @@ def producer_name(t: torch.Tensor) -> str:
     if fn is None:
         return "nograd"
     return _BACKWARD_SUFFIX.sub("", fn.name()) or fn.name()
+
+
+_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+def block_paths(model: torch.nn.Module) -> dict[str, str]:
+    """Module path -> the block it belongs to: the shortest prefix of the path that is an element of a
+    container (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``), e.g. ``layer1.0`` for
+    ``layer1.0.conv2`` in a ResNet or ``transformer.h.3`` for ``transformer.h.3.attn.c_attn`` in GPT-2; a
+    module with no such prefix is its own block (``conv1``, ``transformer.ln_f``). Blocks are the regions that
+    ``torch.utils.checkpoint`` users wrap, and a candidate saved in another block than the one that produced
+    it is that block's input."""
+    modules = dict(model.named_modules())
+    out = {ROOT: ROOT, OUTSIDE: OUTSIDE}
+    for path in modules:
+        if not path:
+            continue
+        parts = path.split(".")
+        block = path
+        for i in range(1, len(parts) + 1):
+            parent = ".".join(parts[: i - 1])
+            if isinstance(modules.get(parent), _CONTAINERS):
+                block = ".".join(parts[:i])
+                break
+        out[path] = block
+    return out

@@ -55,7 +55,7 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 from runtime.errors import AutotuneError
-from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer
+from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, block_paths
 from runtime.workload import Candidate, OpInfo, Phase, TensorInfo, TensorKind, Workload
 
 Batch = tuple[torch.Tensor, ...]
@@ -307,11 +307,16 @@ def capture(
         keyer.exclude(*batch)
         with keyer.attached():
             dropped = _drop_pass(model, batch, loss_fn, opt, keyer)
-            rec, cand_order = _record(model, batch, loss_fn, opt, keyer, time_ops=not fake)
+            rec, cand_order, (saved_after, saved_in) = _record(
+                model, batch, loss_fn, opt, keyer, time_ops=not fake
+            )
     return _build_workload(
         rec,
         cand_order,
+        saved_after,
+        saved_in,
         dropped,
+        block_paths(model),
         model=name,
         batch_size=batch_size,
         seq_len=seq_len,
@@ -386,10 +391,12 @@ def _record(
     opt: torch.optim.Optimizer,
     keyer: SavedTensorKeyer,
     time_ops: bool,
-) -> tuple[_Recorder, dict[int, str]]:
+) -> tuple[_Recorder, dict[int, str], tuple[dict[int, int], dict[int, set[str]]]]:
     rec = _Recorder(time_ops=time_ops)
     _register_state(rec, model, batch, opt)
     cand: dict[int, str] = {}  # tensor id -> key, in first-pack order
+    saved_after: dict[int, int] = {}  # tensor id -> last op completed at its first pack
+    saved_in: dict[int, set[str]] = {}  # tensor id -> modules whose ops saved it
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         rec.paused = True
@@ -398,6 +405,8 @@ def _record(
             tid = rec.tensor_id(t)
             if k.key is not None and tid is not None and rec.tensors[tid].phase == Phase.FORWARD:
                 cand.setdefault(tid, k.key)
+                saved_after.setdefault(tid, len(rec.ops) - 1)
+                saved_in.setdefault(tid, set()).add(keyer.current_module)
             return t.detach()  # not t itself: a saved output holding its own grad_fn would never be freed
         finally:
             rec.paused = False
@@ -428,10 +437,18 @@ def _record(
         opt.zero_grad(set_to_none=True)  # gradients die here, after the last op
     rec.closed = True
     rec.finish_timing()
-    return rec, cand
+    return rec, cand, (saved_after, saved_in)
 
 
-def _build_workload(rec: _Recorder, cand: dict[int, str], dropped: dict[str, int], **info: Any) -> Workload:
+def _build_workload(
+    rec: _Recorder,
+    cand: dict[int, str],
+    saved_after: dict[int, int],
+    saved_in: dict[int, set[str]],
+    dropped: dict[str, int],
+    blocks: dict[str, str],
+    **info: Any,
+) -> Workload:
     tensors = [
         TensorInfo(
             id=t.id,
@@ -461,18 +478,27 @@ def _build_workload(rec: _Recorder, cand: dict[int, str], dropped: dict[str, int
                 nbytes=t.nbytes,
                 producer=t.alloc_op,
                 writers=tuple(fwd_writers),
+                save_op=max(saved_after[tid], t.alloc_op, *fwd_writers),
                 last_fwd_use=last_fwd,
                 bwd_uses=tuple(i for i in t.readers if rec.ops[i].phase == Phase.BACKWARD),
                 # A release before the last use would be a tracing bug; -1 means dropping frees nothing.
                 free_if_dropped_op=max(drop_at, last_fwd)
                 if drop_at >= 0
-                else (t.free_op or len(rec.ops) - 1),
+                else (len(rec.ops) - 1 if t.free_op is None else t.free_op),
                 recompute_inputs=tuple(sorted(needs)),
+                block=_block(blocks, rec.ops[t.alloc_op].module),
+                block_input=any(
+                    _block(blocks, m) != _block(blocks, rec.ops[t.alloc_op].module) for m in saved_in[tid]
+                ),
             )
         )
     w = Workload(ops=rec.ops, tensors=tensors, candidates=candidates, torch_version=torch.__version__, **info)
     w.compute_fingerprints()
     return w
+
+
+def _block(blocks: dict[str, str], module: str) -> str:
+    return blocks.get(module, module)
 
 
 def _device_name(device: str) -> str:

@@ -107,10 +107,13 @@ class Candidate:
     nbytes: int
     producer: int  # op that allocated the storage
     writers: tuple[int, ...]  # later forward ops that wrote it in place (e.g. ReLU(inplace=True))
+    save_op: int  # last op completed when autograd first saved it: its value is final from here on
     last_fwd_use: int  # last forward op reading or writing it
     bwd_uses: tuple[int, ...]  # backward ops reading it, in order
     free_if_dropped_op: int  # last forward op before its storage would be released were it not saved
     recompute_inputs: tuple[int, ...]  # tensors the producer chain (producer + writers) reads
+    block: str = ""  # block of the producer (runtime.keys.block_paths): a recompute region
+    block_input: bool = False  # also saved in another block than its producer's: a block boundary
 
     @property
     def recompute_ops(self) -> tuple[int, ...]:
@@ -294,7 +297,12 @@ class PeakReport:
     persistent_bytes: int  # live across the whole iteration (parameters, optimizer state, ...)
 
 
-def memory_timeline(w: Workload) -> np.ndarray:
+def rounded(nbytes: int, granularity_bytes: int) -> int:
+    """``nbytes`` rounded up to the allocator's granularity (512 B on CUDA, 1 on the CPU tracker)."""
+    return -(-nbytes // granularity_bytes) * granularity_bytes
+
+
+def memory_timeline(w: Workload, granularity_bytes: int = 1) -> np.ndarray:
     """Live bytes during each op with no policy (NOTE [ Op indices and lifetimes ]). Shape (n_ops,)."""
     n = len(w.ops)
     delta = np.zeros(n + 1, dtype=np.int64)  # difference array: +nbytes at alloc, -nbytes after free
@@ -303,19 +311,21 @@ def memory_timeline(w: Workload) -> np.ndarray:
         end = n if t.free_op is None else t.free_op + 1
         if end <= start:  # allocated and released outside any recorded op
             continue
-        delta[start] += t.nbytes
-        delta[end] -= t.nbytes
+        size = rounded(t.nbytes, granularity_bytes)
+        delta[start] += size
+        delta[end] -= size
     return np.cumsum(delta[:n])
 
 
-def peak_report(w: Workload) -> PeakReport:
-    """Peak of the no-policy iteration with a breakdown by tensor kind at the peak."""
-    timeline = memory_timeline(w)
+def peak_report(w: Workload, granularity_bytes: int = 1) -> PeakReport:
+    """Peak of the no-policy iteration with a breakdown by tensor kind at the peak; every allocation
+    rounded up to ``granularity_bytes`` (see ``HardwareProfile.alloc_granularity_bytes``)."""
+    timeline = memory_timeline(w, granularity_bytes)
     i = int(np.argmax(timeline)) if len(timeline) else 0
     by_kind = {k.value: 0 for k in TensorKind}
     for t in _live_at(w.tensors, i, len(w.ops)):
-        by_kind[t.kind.value] += t.nbytes
-    persistent = sum(t.nbytes for t in w.tensors if t.persistent)
+        by_kind[t.kind.value] += rounded(t.nbytes, granularity_bytes)
+    persistent = sum(rounded(t.nbytes, granularity_bytes) for t in w.tensors if t.persistent)
     return PeakReport(int(timeline[i]) if len(timeline) else persistent, i, by_kind, persistent)
 
 
