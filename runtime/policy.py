@@ -1,0 +1,423 @@
+"""The ``Policy``: one action per saved activation, and the versioned JSON file it is stored in.
+
+A policy says, for every candidate of a :class:`~runtime.workload.Workload` (an activation saved for
+backward, named by its stable key), what the runtime does with it between forward and backward:
+
+- ``keep``: leave it in device memory (what PyTorch does anyway);
+- ``swap``: copy it to host memory after its last forward use and back before its first backward use,
+  ``options.prefetch_lookahead`` unpack points ahead (0: on demand, stalling backward);
+- ``recompute``: free it and re-run its producer chain in backward;
+- ``compress``: keep it in ``options.compress_dtype``; lossy, so only with ``options.lossy: true``.
+
+File format ``autotune.policy/v1`` (JSON, sorted keys; schema in ``runtime/policy.schema.json``; every
+field is explained in docs/policy-format.md)::
+
+    {
+      "actions": {"1#0.0:Relu": "swap", "<loss>#0.0:LogSoftmax": "recompute", "<loss>#0.1:nograd": "keep"},
+      "batch_size": 3,
+      "budget_bytes": 900,
+      "fingerprint": "1fc92ed67127c1cd",
+      "format": "autotune.policy/v1",
+      "hardware": "a100-40gb",
+      "measured": null,
+      "model": "mlp",
+      "options": {"compress_dtype": "bfloat16", "lossy": false, "prefetch_lookahead": 2},
+      "precision": "fp32",
+      "predicted": {"iter_s": 0.0012, "peak_bytes": 808, "samples_per_s": 2500.0},
+      "provenance": {"autotune_version": "0.1.0", "created": "2025-01-31T12:00:00Z",
+                     "searcher": "optuna-tpe", "trials": 200, "wall_s": 41.5},
+      "seq_len": null,
+      "shape_fingerprint": "29c1c92f175b5575"
+    }
+
+NOTE [ Policies are tied to a shape ]
+    A policy is refused for a workload whose ``fingerprint`` (structure) differs: its keys would name other
+    tensors. One whose ``shape_fingerprint`` differs (same model, other batch size or sequence length) is
+    refused too unless ``allow_other_shapes=True``: which tensors must leave the device to fit a budget
+    depends on their sizes, so a plan for batch 64 is not a plan for batch 128.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import functools
+import importlib.metadata
+import importlib.resources
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime.errors import AutotuneError
+from runtime.workload import Workload
+
+FORMAT = "autotune.policy/v1"
+COMPRESS_DTYPES: tuple[str, ...] = ("bfloat16", "float8_e4m3fn")
+
+
+class Action(str, enum.Enum):
+    """What the runtime does with one saved activation; ``code`` is its index in action vectors."""
+
+    KEEP = "keep"
+    SWAP = "swap"
+    RECOMPUTE = "recompute"
+    COMPRESS = "compress"
+
+    @property
+    def code(self) -> int:
+        return ACTIONS.index(self)
+
+
+ACTIONS: tuple[Action, ...] = (Action.KEEP, Action.SWAP, Action.RECOMPUTE, Action.COMPRESS)  # codes 0..3
+
+
+@dataclass
+class PolicyOptions:
+    """Global settings the runtime applies a policy with."""
+
+    prefetch_lookahead: int = 2  # unpack points ahead of first backward use a swap-in starts; 0: on demand
+    compress_dtype: str = "bfloat16"  # one of COMPRESS_DTYPES
+    lossy: bool = False  # the user's consent to `compress`, which changes the gradients
+
+    def __post_init__(self) -> None:
+        if self.compress_dtype not in COMPRESS_DTYPES:
+            raise AutotuneError(
+                f"compress_dtype={self.compress_dtype!r} is not supported: "
+                f"expected one of {list(COMPRESS_DTYPES)}"
+            )
+        if self.prefetch_lookahead < 0:
+            raise AutotuneError(
+                f"prefetch_lookahead={self.prefetch_lookahead} is negative: "
+                "expected 0 (fetch on demand) or more"
+            )
+
+
+@dataclass
+class Prediction:
+    """Peak memory and speed of one iteration under the policy (simulated, or measured on real runs)."""
+
+    peak_bytes: int
+    iter_s: float
+    samples_per_s: float
+
+
+@dataclass
+class Provenance:
+    """Who made the policy, how, and when."""
+
+    searcher: str
+    trials: int  # policies evaluated to find this one; 0 for policies made by hand (uniform, vector)
+    autotune_version: str
+    created: str  # ISO 8601, UTC
+    wall_s: float | None = None  # search wall time
+
+    @classmethod
+    def now(cls, searcher: str, trials: int = 0, wall_s: float | None = None) -> Provenance:
+        created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return cls(searcher, trials, _autotune_version(), created, wall_s)
+
+
+@dataclass(kw_only=True)
+class Policy:
+    """One action per candidate key of one workload, and what it was made for (see module docstring)."""
+
+    actions: dict[str, Action]  # every candidate of the workload, keep included
+    options: PolicyOptions = field(default_factory=PolicyOptions)
+    model: str
+    batch_size: int
+    seq_len: int | None = None
+    fingerprint: str
+    shape_fingerprint: str
+    budget_bytes: int | None = None
+    hardware: str  # hardware profile name, e.g. "a100-40gb"
+    precision: str = "fp32"
+    predicted: Prediction | None = None
+    measured: Prediction | None = None
+    provenance: Provenance
+
+    def __post_init__(self) -> None:
+        compressed = [k for k, a in self.actions.items() if a == Action.COMPRESS]
+        if compressed and not self.options.lossy:
+            raise AutotuneError(
+                f"options.lossy is false but {_n(len(compressed), 'tensor')} would be compressed "
+                f"({_some(compressed)}): compression changes the gradients, so it must be allowed with "
+                '"lossy": true in the file\'s options (PolicyOptions(lossy=True) in code)'
+            )
+
+    # -- construction ------------------------------------------------------------------------------------
+    @classmethod
+    def from_vector(
+        cls,
+        workload: Workload,
+        vector: Sequence[int] | np.ndarray,
+        *,
+        hardware: str,
+        budget_bytes: int | None = None,
+        options: PolicyOptions | None = None,
+        searcher: str = "vector",
+        trials: int = 0,
+        precision: str = "fp32",
+        predicted: Prediction | None = None,
+        wall_s: float | None = None,
+    ) -> Policy:
+        """A policy from action codes (``Action.code``) indexed like ``workload.candidates``."""
+        codes = np.asarray(vector).reshape(-1)
+        if len(codes) != len(workload.candidates):
+            raise ValueError(
+                f"action vector has {len(codes)} entries but {workload.model} has "
+                f"{len(workload.candidates)} candidates: expected one code per candidate"
+            )
+        if len(codes) and not (
+            np.issubdtype(codes.dtype, np.integer) and 0 <= codes.min() <= codes.max() < 4
+        ):
+            raise ValueError(
+                f"action codes {np.unique(codes).tolist()} are not all integers in 0..3 (keep..compress)"
+            )
+        return cls(
+            actions={c.key: ACTIONS[int(a)] for c, a in zip(workload.candidates, codes, strict=True)},
+            options=options if options is not None else PolicyOptions(),
+            model=workload.model,
+            batch_size=workload.batch_size,
+            seq_len=workload.seq_len,
+            fingerprint=workload.fingerprint,
+            shape_fingerprint=workload.shape_fingerprint,
+            budget_bytes=budget_bytes,
+            hardware=hardware,
+            precision=precision,
+            predicted=predicted,
+            provenance=Provenance.now(searcher, trials, wall_s),
+        )
+
+    @classmethod
+    def uniform(
+        cls,
+        workload: Workload,
+        action: Action,
+        *,
+        hardware: str,
+        budget_bytes: int | None = None,
+        options: PolicyOptions | None = None,
+        searcher: str = "uniform",
+    ) -> Policy:
+        """The same action for every candidate (``keep`` everywhere is PyTorch's default behaviour)."""
+        vector = np.full(len(workload.candidates), Action(action).code, dtype=np.int8)
+        return cls.from_vector(
+            workload, vector, hardware=hardware, budget_bytes=budget_bytes, options=options, searcher=searcher
+        )
+
+    # -- views ---------------------------------------------------------------------------------------------
+    def to_vector(self, workload: Workload) -> np.ndarray:
+        """Action codes in ``workload.candidates`` order, shape (n_candidates,), int8."""
+        self._check_keys(workload, "policy")
+        return np.array([self.actions[c.key].code for c in workload.candidates], dtype=np.int8)
+
+    def counts(self) -> dict[Action, int]:
+        """Number of candidates per action, every action present (zero included)."""
+        out = dict.fromkeys(ACTIONS, 0)
+        for a in self.actions.values():
+            out[a] += 1
+        return out
+
+    def bytes_by_action(self, workload: Workload) -> dict[Action, int]:
+        """Candidate bytes per action (each candidate's full size: before compression)."""
+        self._check_keys(workload, "policy")
+        out = dict.fromkeys(ACTIONS, 0)
+        for c in workload.candidates:
+            out[self.actions[c.key]] += c.nbytes
+        return out
+
+    # -- checks against a workload ----------------------------------------------------------------------
+    def check_against(
+        self, workload: Workload, *, allow_other_shapes: bool = False, source: str = "policy"
+    ) -> None:
+        """Raise :class:`AutotuneError` unless this policy fits ``workload``.
+
+        See NOTE [ Policies are tied to a shape ]. ``source`` (the file name) starts every message.
+        """
+        if self.fingerprint != workload.fingerprint:
+            same = (
+                " (same name, other structure: the model changed after the search)"
+                if self.model == workload.model
+                else ""
+            )
+            raise AutotuneError(
+                f"{source}: policy was made for {self.model} (fingerprint {self.fingerprint}) but the "
+                f"workload is {workload.model} (fingerprint {workload.fingerprint}){same}; search a policy "
+                f"for this model with `autotune search --model {workload.model} ...`"
+            )
+        self._check_keys(workload, source)
+        if self.shape_fingerprint != workload.shape_fingerprint and not allow_other_shapes:
+            mine = _shape(self.batch_size, self.seq_len)
+            theirs = _shape(workload.batch_size, workload.seq_len)
+            if mine == theirs:
+                theirs += " with other tensor sizes"
+            seq = f" --seq-len {workload.seq_len}" if workload.seq_len is not None else ""
+            raise AutotuneError(
+                f"{source}: policy was made for {self.model} at {mine} but the workload is at {theirs} "
+                f"(shape fingerprint {self.shape_fingerprint} vs {workload.shape_fingerprint}): a plan for "
+                "one shape is not a plan for another; search again with `autotune search --model "
+                f"{workload.model} --batch-size {workload.batch_size}{seq} ...`, "
+                "or pass allow_other_shapes=True to apply it anyway"
+            )
+
+    def _check_keys(self, workload: Workload, source: str) -> None:
+        wanted = [c.key for c in workload.candidates]
+        extra = sorted(set(self.actions) - set(wanted))
+        if extra:
+            raise AutotuneError(
+                f"{source}: actions name {_n(len(extra), 'tensor')} that {workload.model} does not save "
+                f"({_some(extra)}); remove them or {_fix(workload.model)}"
+            )
+        missing = [k for k in wanted if k not in self.actions]
+        if missing:
+            raise AutotuneError(
+                f"{source}: no action for {_n(len(missing), 'candidate')} of {workload.model} "
+                f"({_some(missing)}); "
+                f"every candidate needs one (keep is explicit): add them or {_fix(workload.model)}"
+            )
+
+    # -- persistence ---------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)  # Action is a str enum: json writes its value
+        d["actions"] = {k: a.value for k, a in self.actions.items()}
+        d["format"] = FORMAT
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "<dict>") -> Policy:
+        """Validate ``d`` against the format and the schema, then build the policy."""
+        if not isinstance(d, dict):
+            raise AutotuneError(
+                f"{source}: the file holds a JSON {type(d).__name__}, not an object: expected a policy "
+                f"(format {FORMAT!r}); {_fix()}"
+            )
+        fmt = d.get("format")
+        if fmt is None:
+            raise AutotuneError(f'{source}: no "format" field: expected "format": "{FORMAT}"; {_fix()}')
+        if fmt != FORMAT:
+            raise AutotuneError(f"{source}: format {fmt!r} is not supported: expected {FORMAT!r}; {_fix()}")
+        _validate(d, source)
+        pred, meas = d.get("predicted"), d.get("measured")
+        try:
+            return cls(
+                actions={k: Action(a) for k, a in d["actions"].items()},
+                options=PolicyOptions(**d.get("options", {})),
+                model=d["model"],
+                batch_size=d["batch_size"],
+                seq_len=d.get("seq_len"),
+                fingerprint=d["fingerprint"],
+                shape_fingerprint=d["shape_fingerprint"],
+                budget_bytes=d.get("budget_bytes"),
+                hardware=d["hardware"],
+                precision=d.get("precision", "fp32"),
+                predicted=Prediction(**pred) if pred is not None else None,
+                measured=Prediction(**meas) if meas is not None else None,
+                provenance=Provenance(**d["provenance"]),
+            )
+        except AutotuneError as e:  # the lossy check: say which file
+            raise AutotuneError(f"{source}: {e}") from None
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write pretty JSON with sorted keys (for diffs), atomically: a temp file beside it, then rename."""
+        path = Path(path)
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+
+def load_policy(
+    path: str | os.PathLike[str], workload: Workload | None = None, *, allow_other_shapes: bool = False
+) -> Policy:
+    """Read and validate a policy file; with ``workload``, also check that it was made for it."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise AutotuneError(f"cannot read policy file '{path}': {why}") from None
+    try:
+        d = json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise AutotuneError(f"{path}: key {e} appears twice in one object: keep one of them") from None
+    except ValueError as e:
+        raise AutotuneError(f"'{path}' is not a policy file (not valid JSON: {e}); {_fix()}") from None
+    policy = Policy.from_dict(d, source=str(path))
+    if workload is not None:
+        policy.check_against(workload, allow_other_shapes=allow_other_shapes, source=str(path))
+    return policy
+
+
+# -- helpers -------------------------------------------------------------------------------------------------
+@functools.cache
+def schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of ``autotune.policy/v1``, shipped as package data."""
+    return json.loads((importlib.resources.files("runtime") / "policy.schema.json").read_text("utf-8"))
+
+
+def _validate(d: dict[str, Any], source: str) -> None:
+    try:  # a declared dependency, imported here so that importing runtime stays light
+        import jsonschema
+        from jsonschema.exceptions import best_match
+    except ImportError:
+        raise AutotuneError("reading policy files needs jsonschema: pip install 'jsonschema>=4.18'") from None
+    errors = list(jsonschema.Draft202012Validator(schema()).iter_errors(d))
+    if errors:
+        err = best_match(errors)
+        where = ".".join(str(p) for p in err.absolute_path) or "top level"
+        more = f" (and {_n(len(errors) - 1, 'more problem')})" if len(errors) > 1 else ""
+        raise AutotuneError(f"{source}: {where}: {err.message}{more}")
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json keeps the last of duplicate keys silently; in a hand-merged policy that hides a conflict.
+    seen: set[str] = set()
+    for k, _ in pairs:
+        if k in seen:
+            raise _DuplicateKey(repr(k))
+        seen.add(k)
+    return dict(pairs)
+
+
+def _some(keys: Sequence[str], n: int = 3) -> str:
+    """Up to ``n`` keys, quoted, and how many more."""
+    shown = ", ".join(repr(k) for k in keys[:n])
+    return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
+
+
+def _fix(model: str = "M") -> str:
+    return f"search a new one with `autotune search --model {model} --budget B`"
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _shape(batch_size: int, seq_len: int | None) -> str:
+    return f"batch size {batch_size}" + (f", sequence length {seq_len}" if seq_len is not None else "")
+
+
+def _autotune_version() -> str:
+    # From the installed distribution's metadata: runtime must not import the autotune package.
+    try:
+        return importlib.metadata.version("autotune")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
