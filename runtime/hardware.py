@@ -85,6 +85,10 @@ class HardwareProfile:
     d2h_bytes_per_s: float
     launch_overhead_s: float
     is_gpu: bool
+    # Every allocation is rounded up to this many bytes. PyTorch's CUDA caching allocator rounds requests
+    # to multiples of 512 B (kMinBlockSize in c10/cuda/CUDACachingAllocator.cpp), and
+    # max_memory_allocated counts the rounded blocks. The CPU tracker counts storage bytes as they are.
+    alloc_granularity_bytes: int = 512
 
     def __post_init__(self) -> None:
         # Profiles can come from a user's JSON file, so bad values are user errors, not assertions.
@@ -119,6 +123,11 @@ class HardwareProfile:
         object.__setattr__(self, "flops_per_s", types.MappingProxyType(rates))
         if not isinstance(self.is_gpu, bool):
             raise AutotuneError(f"{where}: is_gpu={self.is_gpu!r}, expected true or false")
+        if type(self.alloc_granularity_bytes) is not int or self.alloc_granularity_bytes <= 0:
+            raise AutotuneError(
+                f"{where}: alloc_granularity_bytes={self.alloc_granularity_bytes!r}, expected a positive "
+                "whole number of bytes (512 for CUDA's caching allocator, 1 for none)"
+            )
 
     def rate_flops_per_s(self, compute_class: str) -> float:
         """Peak FLOP/s of a compute class, falling back to fp32 where the device lacks the class
@@ -533,6 +542,7 @@ def _calibrate_cpu(seconds: float) -> HardwareProfile:
         d2h_bytes_per_s=nbytes / copy_s,
         launch_overhead_s=launch_s,
         is_gpu=False,
+        alloc_granularity_bytes=1,  # the CPU tracker (runtime.measure) counts storage bytes exactly
     )
 
 
