@@ -1,0 +1,86 @@
+"""Model factories for tests/test_models.py, one per return form of the ``package.module:factory`` contract.
+
+Referenced by path, e.g. ``build_model("tests.fixtures_models:make_pair", batch_size=4)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+IN_FEATURES = 8
+OUT_FEATURES = 4
+FIXED_BATCH_SIZE = 3
+NOT_A_FACTORY = 42
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(IN_FEATURES, 16), nn.ReLU(), nn.Linear(16, OUT_FEATURES))
+
+
+def make_pair(batch_size: int) -> tuple[nn.Module, torch.Tensor]:
+    """(module, batch) with the batch a single tensor."""
+    return _mlp(), torch.randn(batch_size, IN_FEATURES)
+
+
+def make_pair_tuple(batch_size: int = 5) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """(module, batch) with the batch a tuple; batch_size has a default."""
+    return _mlp(), (torch.randn(batch_size, IN_FEATURES),)
+
+
+def cross_entropy_loss(module: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(module(x), y)
+
+
+def make_triple(batch_size: int) -> tuple[nn.Module, tuple[torch.Tensor, ...], object]:
+    """(module, (inputs, targets), loss_fn)."""
+    x = torch.randn(batch_size, IN_FEATURES)
+    y = torch.randint(0, OUT_FEATURES, (batch_size,))
+    return _mlp(), (x, y), cross_entropy_loss
+
+
+def make_fixed() -> tuple[nn.Module, torch.Tensor]:
+    """No batch_size parameter: the factory decides the batch size."""
+    return _mlp(), torch.randn(FIXED_BATCH_SIZE, IN_FEATURES)
+
+
+def make_sequence(batch_size: int, seq_len: int = 16) -> tuple[nn.Module, torch.Tensor]:
+    """Takes seq_len too: a (B, T, C) batch."""
+    return _mlp(), torch.randn(batch_size, seq_len, IN_FEATURES)
+
+
+def make_wide(batch_size: int, hidden: int = 16) -> tuple[nn.Module, torch.Tensor]:
+    """Takes a keyword that config_overrides can set."""
+    module = nn.Sequential(nn.Linear(IN_FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, OUT_FEATURES))
+    return module, torch.randn(batch_size, IN_FEATURES)
+
+
+def make_module_only() -> nn.Module:
+    return _mlp()
+
+
+def make_string() -> str:
+    return "not a model"
+
+
+def make_bad_batch() -> tuple[nn.Module, list[object]]:
+    return _mlp(), [1, 2, 3]
+
+
+def make_raises() -> tuple[nn.Module, torch.Tensor]:
+    raise ValueError("no data for this model")
+
+
+def make_integer_output() -> tuple[nn.Module, torch.Tensor]:
+    """A module whose output is not floating point: the default loss cannot use it."""
+    return _ArgMax(), torch.randn(2, IN_FEATURES)
+
+
+class _ArgMax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(IN_FEATURES, OUT_FEATURES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).argmax(dim=-1)
