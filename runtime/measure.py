@@ -1,0 +1,188 @@
+"""Measure real training iterations: peak device memory and time.
+
+NOTE [ Device memory on the CPU ]
+    On CUDA the caching allocator's statistics give the peak (``torch.cuda.max_memory_allocated``). The CPU
+    has no separate device memory and process RSS is useless (the allocator keeps freed pages, Python and
+    libraries share the heap), so :class:`StorageTracker` counts exactly the storages that hold the
+    training's tensors: the model's parameters and buffers, the batch, the optimizer state and gradients
+    that exist when it starts, and every storage an aten op creates while it is active, until PyTorch
+    releases it (a weak reference to the storage fires). Storages created inside :meth:`StorageTracker.host`
+    are not counted: that is where the runtime keeps swapped tensors, the CPU's stand-in for host memory.
+    Scratch buffers that kernels allocate internally are invisible to it (they are to the trace too);
+    ``profiler_peak_bytes`` reads the CPU allocator's own events, scratch included, to cross-check it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+Batch = tuple[torch.Tensor, ...]
+LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
+
+
+class StorageTracker(TorchDispatchMode):
+    """Live bytes of the storages a training iteration uses on the CPU (NOTE [ Device memory on the CPU ])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> nbytes
+        self._refs: dict[int, weakref.ref[Any]] = {}
+        self._host_depth = 0
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def track(self, *tensors: Any) -> None:
+        """Count storages that exist already (parameters, batch, optimizer state)."""
+        for t in tree_leaves(tensors):
+            if isinstance(t, torch.Tensor):
+                self._add(t.untyped_storage())
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        if storage in self._live:
+            return
+        n = storage.nbytes()
+        self._live[storage] = n
+        key = id(storage)
+        self._refs[key] = weakref.ref(storage, functools.partial(self._release, key, n))
+        self.live_bytes += n
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _release(self, key: int, n: int, _ref: object = None) -> None:
+        self._refs.pop(key, None)
+        self.live_bytes -= n
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    @contextlib.contextmanager
+    def host(self) -> Iterator[None]:
+        """Storages created inside this block live in host memory: not counted."""
+        self._host_depth += 1
+        try:
+            yield
+        finally:
+            self._host_depth -= 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if self._host_depth == 0:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    self._add(t.untyped_storage())
+        return out
+
+
+@dataclass
+class IterationMeasurement:
+    """One real training iteration."""
+
+    peak_bytes: int  # peak device memory during the iteration, persistent state included
+    iter_s: float
+    samples_per_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def training_state(model: torch.nn.Module, batch: Batch, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Tensors alive between iterations: parameters, buffers, gradients, optimizer state and the batch."""
+    state: list[torch.Tensor] = [*model.parameters(), *model.buffers(), *batch]
+    state += [p.grad for p in model.parameters() if p.grad is not None]
+    state += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return state
+
+
+def run_iterations(
+    model: torch.nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    opt: torch.optim.Optimizer,
+    *,
+    steps: int,
+    batch_size: int,
+    around_step: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    warmup: int = 1,
+) -> list[IterationMeasurement]:
+    """Run ``warmup`` then ``steps`` training iterations (zero_grad, forward, loss, backward, step) and
+    measure each one's peak device memory and wall time. ``around_step`` wraps forward and backward (the
+    runtime applies a policy there)."""
+    device = next(model.parameters()).device
+    ctx = around_step or contextlib.nullcontext
+    results: list[IterationMeasurement] = []
+    for i in range(warmup + steps):
+        opt.zero_grad(set_to_none=True)
+        with _peak_meter(device, training_state(model, batch, opt)) as meter:
+            start = time.perf_counter()
+            with ctx():
+                loss = loss_fn(model, batch)
+                loss.backward()
+                del loss
+            opt.step()
+            _sync(device)
+            elapsed = time.perf_counter() - start
+        if i >= warmup:
+            results.append(IterationMeasurement(meter.peak_bytes, elapsed, batch_size / elapsed))
+    opt.zero_grad(set_to_none=True)
+    return results
+
+
+class _Meter:
+    peak_bytes = 0
+
+
+@contextlib.contextmanager
+def _peak_meter(device: torch.device, state: list[torch.Tensor]) -> Iterator[_Meter]:
+    meter = _Meter()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        yield meter
+        torch.cuda.synchronize(device)
+        meter.peak_bytes = torch.cuda.max_memory_allocated(device)
+        return
+    tracker = StorageTracker()
+    tracker.track(state)
+    del state
+    with tracker:
+        yield meter
+    meter.peak_bytes = tracker.peak_bytes
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def profiler_peak_bytes(fn: Callable[[], None], baseline_bytes: int) -> int:
+    """Peak of the CPU allocator while ``fn`` runs, from the profiler's raw allocation events (scratch
+    buffers inside ops included), plus ``baseline_bytes`` already allocated before it. A cross-check of
+    :class:`StorageTracker`, not used by the runtime (it is slow)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return baseline_bytes + peak
