@@ -39,7 +39,6 @@ NOTE [ Policies are tied to a shape ]
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import functools
@@ -47,7 +46,6 @@ import importlib.metadata
 import importlib.resources
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -57,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import AutotuneError
+from runtime.fileio import atomic_write
 from runtime.workload import Workload
 
 FORMAT = "autotune.policy/v1"
@@ -90,13 +89,11 @@ class PolicyOptions:
     def __post_init__(self) -> None:
         if self.compress_dtype not in COMPRESS_DTYPES:
             raise AutotuneError(
-                f"compress_dtype={self.compress_dtype!r} is not supported: "
-                f"expected one of {list(COMPRESS_DTYPES)}"
+                f"compress_dtype={self.compress_dtype!r} is not supported: expected one of {list(COMPRESS_DTYPES)}"
             )
         if self.prefetch_lookahead < 0:
             raise AutotuneError(
-                f"prefetch_lookahead={self.prefetch_lookahead} is negative: "
-                "expected 0 (fetch on demand) or more"
+                f"prefetch_lookahead={self.prefetch_lookahead} is negative: expected 0 (fetch on demand) or more"
             )
 
 
@@ -175,12 +172,8 @@ class Policy:
                 f"action vector has {len(codes)} entries but {workload.model} has "
                 f"{len(workload.candidates)} candidates: expected one code per candidate"
             )
-        if len(codes) and not (
-            np.issubdtype(codes.dtype, np.integer) and 0 <= codes.min() <= codes.max() < 4
-        ):
-            raise ValueError(
-                f"action codes {np.unique(codes).tolist()} are not all integers in 0..3 (keep..compress)"
-            )
+        if len(codes) and not (np.issubdtype(codes.dtype, np.integer) and 0 <= codes.min() <= codes.max() < 4):
+            raise ValueError(f"action codes {np.unique(codes).tolist()} are not all integers in 0..3 (keep..compress)")
         return cls(
             actions={c.key: ACTIONS[int(a)] for c, a in zip(workload.candidates, codes, strict=True)},
             options=options if options is not None else PolicyOptions(),
@@ -235,9 +228,7 @@ class Policy:
         return out
 
     # -- checks against a workload ----------------------------------------------------------------------
-    def check_against(
-        self, workload: Workload, *, allow_other_shapes: bool = False, source: str = "policy"
-    ) -> None:
+    def check_against(self, workload: Workload, *, allow_other_shapes: bool = False, source: str = "policy") -> None:
         """Raise :class:`AutotuneError` unless this policy fits ``workload``.
 
         See NOTE [ Policies are tied to a shape ]. ``source`` (the file name) starts every message.
@@ -328,16 +319,7 @@ class Policy:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write pretty JSON with sorted keys (for diffs), atomically: a temp file beside it, then rename."""
         path = Path(path)
-        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic_write(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
 
 def load_policy(

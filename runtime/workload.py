@@ -34,7 +34,6 @@ import gzip
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import AutotuneError
+from runtime.fileio import atomic_write
 
 FORMAT = "autotune.workload/v1"
 
@@ -216,8 +216,7 @@ class Workload:
                 for o in d["ops"]
             ]
             tensors = [
-                TensorInfo(**{**t, "kind": TensorKind(t["kind"]), "shape": tuple(t["shape"])})
-                for t in d["tensors"]
+                TensorInfo(**{**t, "kind": TensorKind(t["kind"]), "shape": tuple(t["shape"])}) for t in d["tensors"]
             ]
             cands = [
                 Candidate(
@@ -258,14 +257,7 @@ class Workload:
         data = json.dumps(self.to_dict(), separators=(",", ":")).encode()
         if path.suffix == ".gz":
             data = gzip.compress(data, mtime=0)
-        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(path, data)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Workload:
