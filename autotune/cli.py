@@ -1,0 +1,272 @@
+"""The ``autotune`` command line.
+
+Errors a user can cause are :class:`~runtime.errors.AutotuneError`: printed on one line, exit code 2, no
+traceback unless ``--debug`` is given (anywhere on the command line).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from autotune import __version__
+from runtime.errors import AutotuneError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Make deep-learning training fit in GPU memory: capture, simulate and search memory policies.",
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True, soft_wrap=True)  # a message stays on one line, however long
+_DEBUG = False
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"autotune {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """autotune: keep / swap / recompute / compress saved activations to fit a memory budget."""
+
+
+ModelOpt = Annotated[
+    str, typer.Option("--model", "-m", help="Model name (see `autotune models`) or package.module:factory.")
+]
+BatchOpt = Annotated[
+    int | None,
+    typer.Option("--batch-size", "-b", help="Batch size [default: the model's, 64 for CNNs, 8 for LMs]."),
+]
+SeqOpt = Annotated[int | None, typer.Option("--seq-len", help="Tokens per sample (language models).")]
+GpuOpt = Annotated[
+    str | None,
+    typer.Option("--gpu", help="Hardware profile to plan for (see `autotune hardware`); default: the detected GPU."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+
+
+@app.command()
+def profile(
+    model: ModelOpt,
+    batch_size: BatchOpt = None,
+    seq_len: SeqOpt = None,
+    gpu: GpuOpt = None,
+    optimizer: Annotated[str, typer.Option(help="sgd (with momentum), adam or adamw.")] = "sgd",
+    mode: Annotated[
+        str, typer.Option(help="fake: no memory, seconds; real: run on the device and time every op.")
+    ] = "fake",
+    device: Annotated[str, typer.Option(help="cpu or cuda[:N] (real mode).")] = "cpu",
+    budget: Annotated[
+        str | None, typer.Option(help="Memory budget to compare the peak with, e.g. 6GB, 6GiB, 6000MB.")
+    ] = None,
+    workload: Annotated[Path | None, typer.Option(help="Read a saved workload instead of tracing.")] = None,
+    out_file: Annotated[Path | None, typer.Option("--out", help="Save the workload (JSON; .gz compresses).")] = None,
+    top: Annotated[int, typer.Option(help="How many of the largest candidates to list.")] = 10,
+    as_json: JsonOpt = False,
+) -> None:
+    """Capture one training iteration and show where the memory goes."""
+    from autotune.report import profile_report, render_profile
+    from autotune.units import format_size_echo, parse_size
+    from autotune.workloads import TraceRequest
+    from runtime.hardware import resolve_profile
+    from runtime.workload import Workload
+
+    budget_bytes = parse_size(budget) if budget is not None else None
+    if budget is not None and not as_json:
+        err.print(f"budget: {format_size_echo(budget, budget_bytes or 0)}")
+    hw, hw_note = resolve_profile(gpu)
+    if workload is not None:
+        w, trace_s = Workload.load(workload), 0.0
+    else:
+        req = TraceRequest(
+            model=model, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, mode=mode, device=device
+        )
+        w, trace_s = _trace(req)
+    if out_file is not None:
+        w.save(out_file)
+    report = profile_report(w, hw, trace_s=trace_s, budget_bytes=budget_bytes, top=top)
+    if as_json:
+        print(json.dumps(report))
+        return
+    if hw_note:
+        err.print(hw_note)
+    render_profile(out, report)
+    if out_file is not None:
+        out.print(f"workload saved to {out_file}")
+
+
+def _trace(req: Any) -> tuple[Any, float]:
+    """Trace with a spinner on stderr (a ResNet-101 takes a few seconds)."""
+    from autotune.workloads import trace_model
+
+    req.validate()
+    with err.status(f"Tracing {req.model} ({req.mode} mode)…", spinner="dots"):
+        return trace_model(req)
+
+
+@app.command()
+def simulate(
+    model: Annotated[
+        str | None,
+        typer.Option("--model", "-m", help="Model name or package.module:factory [default: the policy file's]."),
+    ] = None,
+    batch_size: BatchOpt = None,
+    seq_len: SeqOpt = None,
+    gpu: GpuOpt = None,
+    policy_file: Annotated[
+        Path | None,
+        typer.Option("--policy", help="Policy file to simulate; batch size, profile and budget default to its own."),
+    ] = None,
+    action: Annotated[
+        str | None,
+        typer.Option(
+            help="One action for every candidate: keep, swap, recompute "
+            "(block inputs kept, like checkpointing every block) or "
+            "compress."
+        ),
+    ] = None,
+    budget: Annotated[str | None, typer.Option(help="Memory budget, e.g. 6GB, 6GiB, 6000MB.")] = None,
+    lookahead: Annotated[
+        int, typer.Option(help="Prefetch look-ahead for swaps (unpack points; 0 = on demand), with --action.")
+    ] = 2,
+    lossy: Annotated[bool, typer.Option(help="Allow compression (lossy), with --action compress.")] = False,
+    optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
+    timeline: Annotated[Path | None, typer.Option(help="Write the memory timeline as an HTML plot.")] = None,
+    save_policy: Annotated[Path | None, typer.Option(help="Write the simulated policy as a policy file.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Simulate one iteration under a policy file or a uniform action and print the SimResult."""
+    from autotune.simulate import run_simulate
+
+    run_simulate(
+        out,
+        err,
+        model=model,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        gpu=gpu,
+        policy_file=policy_file,
+        action=action,
+        budget=budget,
+        lookahead=lookahead,
+        lossy=lossy,
+        optimizer=optimizer,
+        timeline=timeline,
+        save_policy=save_policy,
+        as_json=as_json,
+        trace=_trace,
+    )
+
+
+@app.command()
+def hardware(as_json: JsonOpt = False) -> None:
+    """List the built-in hardware profiles and what was detected here."""
+    from autotune.units import format_bytes
+    from runtime.hardware import detect, list_profiles
+
+    found = detect()
+    profiles = list_profiles()
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "detected": {
+                        "profile": found.profile.name if found.profile else None,
+                        "device_name": found.device_name,
+                        "memory_bytes": found.memory_bytes,
+                        "message": found.message,
+                    },
+                    "profiles": [p.to_dict() for p in profiles],
+                }
+            )
+        )
+        return
+    table = Table(title="Hardware profiles")
+    for col in ("name", "memory", "FP32 TFLOP/s", "TF32", "BF16", "HBM GB/s", "host link GB/s", "device"):
+        table.add_column(col, justify="left" if col in ("name", "device") else "right")
+    for p in profiles:
+
+        def tf(k: str, p: Any = p) -> str:
+            v = p.flops_per_s.get(k)
+            return f"{v / 1e12:.1f}" if v else "-"
+
+        table.add_row(
+            p.name,
+            format_bytes(p.memory_bytes),
+            tf("fp32"),
+            tf("tf32"),
+            tf("bf16"),
+            f"{p.memory_bytes_per_s / 1e9:,.0f}",
+            f"{p.h2d_bytes_per_s / 1e9:.0f}",
+            p.description,
+        )
+    out.print(table)
+    out.print(f"detected: {found.message}")
+
+
+@app.command()
+def models(as_json: JsonOpt = False) -> None:
+    """List the built-in models (any torchvision classifier, GPT-2 sizes, BERT)."""
+    from autotune.models import list_models
+
+    names = list_models()
+    if as_json:
+        print(json.dumps(names))
+        return
+    out.print(", ".join(names))
+    out.print("\nYour own model: --model package.module:factory (see README, 'Your own model').")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: ``--debug`` anywhere shows tracebacks; user errors exit with code 2."""
+    global _DEBUG
+    args = list(sys.argv[1:] if argv is None else argv)
+    _DEBUG = "--debug" in args
+    args = [a for a in args if a != "--debug"]
+    try:
+        app(args, prog_name="autotune", standalone_mode=False)
+    except AutotuneError as e:
+        if _DEBUG:
+            raise
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        raise SystemExit(130) from None
+    except Exception as e:  # click's own usage errors carry their exit code
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            raise SystemExit(e.exit_code) from None
+        if isinstance(e, click.exceptions.Exit):
+            raise SystemExit(e.exit_code) from None
+        if isinstance(e, click.exceptions.Abort):
+            raise SystemExit(1) from None
+        if _DEBUG:
+            raise
+        err.print(
+            f"[bold red]internal error:[/] {type(e).__name__}: {e} (rerun with --debug for the "
+            "traceback, and please report it)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Plots people would rather look at than read: self-contained HTML (plotly.js embedded, works offline)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from runtime.fileio import atomic_write
+
+GIB = 2**30
+
+
+def memory_timeline_figure(
+    series: Sequence[tuple[str, Sequence[float], Sequence[float]]],
+    *,
+    title: str,
+    budget_bytes: int | None = None,
+    peak_labels: Sequence[str] | None = None,
+) -> Any:
+    """Device memory over one iteration: one line per (name, times_s, live_bytes), its peak marked, and the
+    budget as a horizontal line."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for i, (name, times, live) in enumerate(series):
+        gib = [b / GIB for b in live]
+        ms = [t * 1e3 for t in times]
+        fig.add_trace(go.Scatter(x=ms, y=gib, mode="lines", name=name, line={"shape": "hv"}))
+        top = max(range(len(gib)), key=gib.__getitem__)
+        label = peak_labels[i] if peak_labels else ""
+        fig.add_trace(
+            go.Scatter(
+                x=[ms[top]],
+                y=[gib[top]],
+                mode="markers+text",
+                name=f"{name}: peak {gib[top]:.2f} GiB",
+                text=[f"peak {gib[top]:.2f} GiB"],
+                textposition="top center",
+                marker={"size": 10, "symbol": "x"},
+                hovertext=[label],
+                showlegend=True,
+            )
+        )
+    if budget_bytes is not None:
+        fig.add_hline(
+            y=budget_bytes / GIB,
+            line_dash="dash",
+            line_color="red",
+            annotation_text=f"budget {budget_bytes / GIB:.2f} GiB",
+        )
+    fig.update_layout(
+        title=title,
+        xaxis_title="time in the iteration (ms)",
+        yaxis_title="device memory (GiB)",
+        template="plotly_white",
+        legend={"orientation": "h", "y": -0.2},
+    )
+    return fig
+
+
+def write_html(fig: Any, path: str | os.PathLike[str]) -> None:
+    """Write a figure as one self-contained HTML file, atomically (temp file, then rename)."""
+    atomic_write(path, fig.to_html(include_plotlyjs=True, full_html=True))

@@ -1,0 +1,121 @@
+"""What `autotune profile` reports: a JSON-able summary of a workload and its rendering as rich tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from autotune.units import format_bytes
+from runtime.hardware import HardwareProfile, op_times_s
+from runtime.workload import Phase, Workload, peak_report
+
+MIB = 2**20
+
+
+def profile_report(
+    w: Workload, hw: HardwareProfile, *, trace_s: float, budget_bytes: int | None, top: int
+) -> dict[str, Any]:
+    """Everything `autotune profile` prints; ``--json`` prints exactly this object."""
+    peak = peak_report(w, hw.alloc_granularity_bytes)
+    times = op_times_s(w, hw)
+    phase_s = {p.value: 0.0 for p in Phase}
+    for op, t in zip(w.ops, times, strict=True):
+        phase_s[op.phase.value] += t
+    largest = sorted(w.candidates, key=lambda c: -c.nbytes)[:top]
+    peak_op = w.ops[peak.peak_op] if w.ops else None
+    report: dict[str, Any] = {
+        "model": w.model,
+        "batch_size": w.batch_size,
+        "seq_len": w.seq_len,
+        "optimizer": w.optimizer,
+        "mode": w.mode,
+        "device": w.device,
+        "trace_s": round(trace_s, 3),
+        "fingerprint": w.fingerprint,
+        "shape_fingerprint": w.shape_fingerprint,
+        "ops": len(w.ops),
+        "candidates": len(w.candidates),
+        "candidates_over_1mib": sum(c.nbytes > MIB for c in w.candidates),
+        "activation_bytes": w.activation_bytes,
+        "parameter_bytes": w.parameter_bytes,
+        "persistent_bytes": peak.persistent_bytes,
+        "peak_bytes": peak.peak_bytes,
+        "peak_op": None
+        if peak_op is None
+        else {
+            "index": peak_op.index,
+            "name": peak_op.name,
+            "phase": peak_op.phase.value,
+            "module": peak_op.module,
+        },
+        "peak_breakdown_bytes": peak.by_kind_bytes,
+        "gpu": hw.name,
+        "iter_s": sum(times),
+        "phase_s": phase_s,
+        "op_times": "measured" if w.mode == "real" and w.meta.get("device_profile") == hw.name else "roofline",
+        "largest": [
+            {
+                "key": c.key,
+                "bytes": c.nbytes,
+                "shape": list(w.tensors[c.tensor].shape),
+                "dtype": w.tensors[c.tensor].dtype,
+                "producer": w.ops[c.producer].name,
+            }
+            for c in largest
+        ],
+    }
+    if budget_bytes is not None:
+        report["budget_bytes"] = budget_bytes
+        report["fits"] = peak.peak_bytes <= budget_bytes
+    return report
+
+
+def render_profile(console: Console, r: dict[str, Any]) -> None:
+    seq = f" x {r['seq_len']} tokens" if r["seq_len"] else ""
+    console.print(
+        f"[bold]{r['model']}[/] batch {r['batch_size']}{seq}, {r['optimizer']}, {r['mode']} trace on "
+        f"{r['device']} in {r['trace_s']:.2f} s: {r['ops']} ops, fingerprint {r['fingerprint']}"
+    )
+    mem = Table(title="Memory at the no-policy peak", show_footer=True)
+    mem.add_column("kind", footer="peak")
+    mem.add_column("live at peak", justify="right", footer=format_bytes(r["peak_bytes"]))
+    mem.add_column("share", justify="right", footer="100%")
+    for kind, nbytes in r["peak_breakdown_bytes"].items():
+        if nbytes:
+            mem.add_row(kind.replace("_", " "), format_bytes(nbytes), f"{100 * nbytes / r['peak_bytes']:.1f}%")
+    console.print(mem)
+    op = r["peak_op"]
+    if op:
+        console.print(f"peak during op {op['index']} {op['name']} ({op['phase']}, module {op['module']})")
+    console.print(
+        f"saved activations (candidates): {r['candidates']} tensors, {format_bytes(r['activation_bytes'])}; "
+        f"{r['candidates_over_1mib']} over 1 MiB. Parameters: {format_bytes(r['parameter_bytes'])}."
+    )
+    big = Table(title=f"Largest {len(r['largest'])} candidates")
+    for col in ("key", "size", "shape", "dtype", "producer"):
+        big.add_column(col, justify="right" if col == "size" else "left")
+    for c in r["largest"]:
+        big.add_row(
+            c["key"],
+            format_bytes(c["bytes"]),
+            "x".join(map(str, c["shape"])),
+            c["dtype"],
+            c["producer"].removeprefix("aten."),
+        )
+    console.print(big)
+    ph = r["phase_s"]
+    console.print(
+        f"estimated iteration on {r['gpu']} ({r['op_times']} op times): {r['iter_s'] * 1e3:.1f} ms "
+        f"(forward {ph['forward'] * 1e3:.1f}, backward {ph['backward'] * 1e3:.1f}, "
+        f"optimizer {ph['optimizer'] * 1e3:.1f}), {r['batch_size'] / r['iter_s']:.1f} samples/s"
+    )
+    if "budget_bytes" in r:
+        gap = r["peak_bytes"] - r["budget_bytes"]
+        verdict = (
+            f"[green]fits[/] with {format_bytes(-gap)} to spare"
+            if gap <= 0
+            else f"[red]exceeds it[/] by {format_bytes(gap)}: a memory policy is needed"
+        )
+        console.print(f"budget {format_bytes(r['budget_bytes'])}: the no-policy peak {verdict}")

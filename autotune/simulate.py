@@ -1,0 +1,178 @@
+"""`autotune simulate`: score one policy (a file or a uniform action) against no policy."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from autotune.units import format_bytes, format_size_echo, parse_size
+from autotune.workloads import TraceRequest
+from envs.simulator import SimResult, Simulator, uniform_actions
+from runtime.errors import AutotuneError
+from runtime.hardware import resolve_profile
+from runtime.policy import ACTIONS, Action, Policy, PolicyOptions, Prediction, Provenance, load_policy
+from runtime.workload import Workload
+
+
+def run_simulate(
+    out: Console,
+    err: Console,
+    *,
+    model: str | None,
+    batch_size: int | None,
+    seq_len: int | None,
+    gpu: str | None,
+    policy_file: Path | None,
+    action: str | None,
+    budget: str | None,
+    lookahead: int,
+    lossy: bool,
+    optimizer: str,
+    timeline: Path | None,
+    save_policy: Path | None,
+    as_json: bool,
+    trace: Callable[[TraceRequest], tuple[Workload, float]],
+) -> None:
+    if (policy_file is None) == (action is None):
+        raise AutotuneError("give either --policy FILE or --action keep|swap|recompute|compress (exactly one)")
+    act = _parse_action(action) if action is not None else None
+    if act == Action.COMPRESS and not lossy:
+        raise AutotuneError("--action compress is lossy (gradients change): add --lossy to allow it")
+    loaded: Policy | None = None
+    if policy_file is not None:
+        loaded = load_policy(policy_file)  # format and schema now; the workload check after tracing
+        model = model or loaded.model
+        batch_size = batch_size or loaded.batch_size
+        seq_len = seq_len or loaded.seq_len
+        gpu = gpu or loaded.hardware
+    if model is None:
+        raise AutotuneError("no model: pass --model NAME (see `autotune models`)")
+    budget_bytes = parse_size(budget) if budget is not None else (loaded.budget_bytes if loaded else None)
+    if budget is not None and not as_json:
+        err.print(f"budget: {format_size_echo(budget, budget_bytes or 0)}")
+    hw, hw_note = resolve_profile(gpu)
+    if not as_json and hw_note:
+        err.print(hw_note)
+
+    w, _ = trace(TraceRequest(model=model, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer))
+    if loaded is not None:
+        assert policy_file is not None
+        loaded.check_against(w, source=str(policy_file))
+        policy = loaded
+    else:
+        assert act is not None
+        options = PolicyOptions(prefetch_lookahead=lookahead, lossy=lossy)
+        policy = Policy.from_vector(
+            w,
+            uniform_actions(w, act),
+            hardware=hw.name,
+            budget_bytes=budget_bytes,
+            options=options,
+            searcher=f"uniform-{act.value}",
+        )
+
+    sim = Simulator(w, hw)
+    started = time.perf_counter()
+    result = sim.run(policy, budget_bytes=budget_bytes, timeline=timeline is not None)
+    elapsed = time.perf_counter() - started
+    baseline = sim.run([0] * len(w.candidates), budget_bytes=budget_bytes, timeline=timeline is not None)
+
+    if save_policy is not None:
+        policy.predicted = Prediction(result.peak_bytes, result.iter_s, result.samples_per_s)
+        policy.budget_bytes = budget_bytes
+        policy.provenance = Provenance.now(policy.provenance.searcher, trials=1, wall_s=elapsed)
+        policy.save(save_policy)
+    if timeline is not None:
+        _write_timeline(timeline, w, hw.name, result, baseline, budget_bytes, policy.provenance.searcher)
+
+    if as_json:
+        d = result.to_dict()
+        d.pop("timeline", None)
+        d.update(
+            model=w.model,
+            batch_size=w.batch_size,
+            gpu=hw.name,
+            fingerprint=w.fingerprint,
+            peak_op_name=w.ops[result.peak_op].name,
+            actions={a.value: n for a, n in policy.counts().items()},
+            no_policy={
+                "peak_bytes": baseline.peak_bytes,
+                "iter_s": baseline.iter_s,
+                "samples_per_s": baseline.samples_per_s,
+            },
+            policy_path=str(save_policy) if save_policy else None,
+            timeline_path=str(timeline) if timeline else None,
+        )
+        print(json.dumps(d))
+        return
+    _render(out, w, hw.name, policy, result, baseline)
+    if save_policy is not None:
+        out.print(f"policy written to {save_policy}")
+    if timeline is not None:
+        out.print(f"memory timeline written to {timeline}")
+
+
+def _parse_action(text: str) -> Action:
+    try:
+        return Action(text.lower())
+    except ValueError:
+        names = ", ".join(a.value for a in ACTIONS)
+        raise AutotuneError(f"unknown action '{text}': expected one of {names}") from None
+
+
+def _render(out: Console, w: Workload, gpu: str, policy: Policy, r: SimResult, base: SimResult) -> None:
+    counts = ", ".join(f"{n} {a.value}" for a, n in policy.counts().items() if n)
+    out.print(f"[bold]{w.model}[/] batch {w.batch_size} on {gpu}: {counts}")
+    table = Table(title="Simulated iteration")
+    for col in ("", "peak", "iteration", "samples/s", "compute", "recompute", "compress", "stall", "swapped"):
+        table.add_column(col, justify="left" if not col else "right")
+    for name, x in (("no policy", base), ("this policy", r)):
+        table.add_row(
+            name,
+            format_bytes(x.peak_bytes),
+            f"{x.iter_s * 1e3:.1f} ms",
+            f"{x.samples_per_s:,.1f}",
+            f"{x.compute_s * 1e3:.1f} ms",
+            f"{x.recompute_s * 1e3:.1f} ms",
+            f"{x.compress_s * 1e3:.1f} ms",
+            f"{x.stall_s * 1e3:.1f} ms",
+            format_bytes(x.d2h_bytes),
+        )
+    out.print(table)
+    slowdown = base.samples_per_s / r.samples_per_s - 1
+    saved = 1 - r.peak_bytes / base.peak_bytes
+    op = w.ops[r.peak_op]
+    out.print(
+        f"peak {saved:+.1%} memory saved, {slowdown:+.1%} slower; peak during op {op.index} {op.name} "
+        f"({op.phase.value}, {op.module})"
+    )
+    if r.budget_bytes is not None:
+        verdict = (
+            "[green]fits[/]" if r.feasible else f"[red]exceeds it by {format_bytes(r.peak_bytes - r.budget_bytes)}[/]"
+        )
+        out.print(f"budget {format_bytes(r.budget_bytes)}: {verdict}")
+
+
+def _write_timeline(
+    path: Path, w: Workload, gpu: str, r: SimResult, base: SimResult, budget: int | None, name: str
+) -> None:
+    from autotune.plots import memory_timeline_figure, write_html
+
+    assert r.timeline is not None and base.timeline is not None
+    series = [
+        ("no policy", base.timeline["op_start_s"], base.timeline["live_bytes"]),
+        (name, r.timeline["op_start_s"], r.timeline["live_bytes"]),
+    ]
+    labels = [f"op {x.peak_op} {w.ops[x.peak_op].name} ({w.ops[x.peak_op].module})" for x in (base, r)]
+    fig = memory_timeline_figure(
+        series,
+        title=f"{w.model}, batch {w.batch_size}, on {gpu}: device memory",
+        budget_bytes=budget,
+        peak_labels=labels,
+    )
+    write_html(fig, path)

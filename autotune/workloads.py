@@ -1,0 +1,89 @@
+"""From a model name to a captured Workload: the glue between the model zoo and runtime.trace."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from autotune.models import build_model
+from runtime.errors import AutotuneError
+from runtime.trace import OPTIMIZERS, capture
+from runtime.workload import Workload
+
+MODES = ("fake", "real")
+
+
+@dataclass
+class TraceRequest:
+    """What to trace. ``batch_size`` None means the model family's default."""
+
+    model: str
+    batch_size: int | None = None
+    seq_len: int | None = None
+    optimizer: str = "sgd"
+    mode: str = "fake"
+    device: str = "cpu"
+
+    def validate(self) -> None:
+        if self.batch_size is not None and self.batch_size <= 0:
+            raise AutotuneError(
+                f"invalid batch size {self.batch_size}: expected a positive integer, e.g. --batch-size 64"
+            )
+        if self.optimizer.lower() not in OPTIMIZERS:
+            raise AutotuneError(f"unknown optimizer '{self.optimizer}': expected one of {', '.join(OPTIMIZERS)}")
+        if self.mode not in MODES:
+            raise AutotuneError(
+                f"unknown trace mode '{self.mode}': expected 'fake' (no memory, seconds) "
+                "or 'real' (runs on the device, measures op times)"
+            )
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise AutotuneError(
+                f"device '{self.device}' requested but CUDA is not available here; "
+                "use --device cpu, or run on a machine with a GPU"
+            )
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise AutotuneError(f"unknown device '{self.device}': expected cpu, cuda or cuda:N")
+        if self.mode == "fake" and self.device != "cpu":
+            raise AutotuneError(
+                "fake-mode traces run on the CPU's kernels (no GPU is needed for them); "
+                "use --mode real with --device cuda to trace on the GPU"
+            )
+
+
+def trace_model(req: TraceRequest) -> tuple[Workload, float]:
+    """Build the model named in ``req`` and capture one training iteration. Returns (workload, seconds)."""
+    req.validate()
+    built: dict[str, int | None] = {}
+
+    def build():  # type: ignore[no-untyped-def]
+        # batch_size None: the model's default (a factory may fix its own batch size).
+        entry = build_model(req.model, batch_size=req.batch_size, seq_len=req.seq_len, device=req.device)
+        built["seq_len"], built["batch_size"] = entry.seq_len, entry.batch_size
+        return entry.module, entry.batch, entry.loss_fn
+
+    start = time.perf_counter()
+    w = capture(
+        build,
+        name=req.model,
+        batch_size=req.batch_size or 0,  # set from the built model below
+        seq_len=req.seq_len,
+        optimizer=req.optimizer.lower(),
+        fake=req.mode == "fake",
+        device=req.device,
+    )
+    w.seq_len = built.get("seq_len")
+    w.batch_size = built["batch_size"] or 0
+    w.meta["device_profile"] = _device_profile(req.device) if req.mode == "real" else None
+    return w, time.perf_counter() - start
+
+
+def _device_profile(device: str) -> str | None:
+    """The profile name that marks op times as measured on this device (see runtime.hardware.op_times_s)."""
+    if device == "cpu":
+        return "cpu"
+    from runtime.hardware import detect
+
+    found = detect()
+    return found.profile.name if found.profile is not None else None

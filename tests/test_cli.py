@@ -1,0 +1,126 @@
+"""The command line: JSON outputs, and one-line errors with exit code 2 for every bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autotune.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def user_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    code, out, err = run(capsys, *args)
+    assert code == 2, (code, out, err)
+    lines = [line for line in err.strip().splitlines() if not line.startswith(("budget:", "planning for", "no "))]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err  # one line, no traceback
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_profile_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = run(
+        capsys,
+        "profile",
+        "--model",
+        "resnet18",
+        "--batch-size",
+        "2",
+        "--gpu",
+        "a100-40gb",
+        "--json",
+        "--out",
+        str(tmp_path / "w.json"),
+    )
+    assert code == 0
+    d = json.loads(out)
+    for key in ("candidates", "activation_bytes", "parameter_bytes", "peak_bytes", "fingerprint"):
+        assert key in d
+    assert d["parameter_bytes"] == 11_689_512 * 4  # resnet18's parameters, float32
+    assert d["candidates"] > 50 and d["peak_bytes"] > d["parameter_bytes"] * 3  # params, grads, momentum
+    assert (tmp_path / "w.json").exists()
+    code, out2, _ = run(
+        capsys, "profile", "--model", "x", "--workload", str(tmp_path / "w.json"), "--gpu", "a100-40gb", "--json"
+    )
+    assert code == 0 and json.loads(out2)["peak_bytes"] == d["peak_bytes"]
+
+
+def test_profile_table_and_budget_echo(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "profile", "--model", "resnet18", "--batch-size", "2", "--budget", "6GiB")
+    assert code == 0
+    assert "6GiB = 6,442,450,944 bytes (6.00 GiB)" in err
+    assert "fits" in out and "Largest" in out
+
+
+def test_hardware_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "hardware", "--json")
+    assert code == 0
+    d = json.loads(out)
+    names = {p["name"] for p in d["profiles"]}
+    assert {"v100-16gb", "a100-40gb", "a100-80gb", "h100-80gb", "h200", "l4", "t4", "rtx3090", "rtx4090"} <= names
+    assert "message" in d["detected"]
+
+
+def test_simulate_actions_and_policy_roundtrip(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    base = ["simulate", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--json"]
+    keep = json.loads(run(capsys, *base, "--action", "keep")[1])
+    rec = json.loads(run(capsys, *base, "--action", "recompute")[1])
+    assert keep["peak_bytes"] == keep["no_policy"]["peak_bytes"] and keep["recompute_s"] == 0
+    assert rec["peak_bytes"] < keep["peak_bytes"] and rec["iter_s"] > keep["iter_s"]
+    policy, html = tmp_path / "p.json", tmp_path / "t.html"
+    code, out, _ = run(
+        capsys, *base, "--action", "swap", "--budget", "1GB", "--save-policy", str(policy), "--timeline", str(html)
+    )
+    swap = json.loads(out)
+    assert code == 0 and swap["d2h_bytes"] > 0
+    again = json.loads(run(capsys, "simulate", "--policy", str(policy), "--json")[1])
+    for key in ("peak_bytes", "iter_s", "stall_s", "budget_bytes", "gpu", "batch_size"):
+        assert again[key] == swap[key], key
+    text = html.read_text()
+    assert "plotly" in text and "cdn.plot.ly" not in text.split("<body>")[0]  # self-contained
+
+
+BAD_INPUTS = [
+    (["profile", "--model", "resnet100"], "did you mean"),
+    (["profile", "--model", "no_such_pkg.mod:make"], "no_such_pkg"),
+    (["profile", "--model", "tests.fixtures_models"], "package.module:factory"),
+    (["profile", "--model", "tests.fixtures_models:make_raises"], "raised"),
+    (["profile", "--model", "resnet18", "--batch-size", "0"], "batch size"),
+    (["profile", "--model", "resnet18", "--batch-size", "-3"], "-3"),
+    (["profile", "--model", "resnet18", "--budget", "6XB"], "6XB"),
+    (["profile", "--model", "resnet18", "--gpu", "a100"], "a100"),
+    (["simulate", "--model", "resnet18", "--action", "swapp"], "swapp"),
+    (["simulate", "--model", "resnet18"], "--policy"),
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), BAD_INPUTS, ids=[" ".join(a[1:]) for a, _ in BAD_INPUTS])
+def test_bad_inputs(capsys: pytest.CaptureFixture[str], args: list[str], expected: str) -> None:
+    assert expected in user_error(capsys, *args)
+
+
+def test_bad_workload_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "broken.json").write_text('{"format": "autotune.workload/v1", "ops": [')
+    assert "not a workload file" in user_error(
+        capsys, "profile", "-m", "x", "--workload", str(tmp_path / "broken.json")
+    )
+    (tmp_path / "old.json").write_text('{"format": "autotune.workload/v0"}')
+    assert "v0" in user_error(capsys, "profile", "-m", "x", "--workload", str(tmp_path / "old.json"))
+
+
+def test_debug_shows_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    from runtime.errors import AutotuneError
+
+    with pytest.raises(AutotuneError):
+        main(["profile", "--model", "resnet100", "--debug"])
