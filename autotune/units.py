@@ -62,9 +62,7 @@ def parse_size(text: str) -> int:
     # Decimal, not float: 1.1 * 10**9 must be exactly 1,100,000,000, and huge sizes must not lose bytes.
     exact = Decimal(number) * _UNIT_BYTES.get(unit, 1)
     if unit in ("", "b") and exact != exact.to_integral_value():
-        raise AutotuneError(
-            f"invalid size '{text}': a number of bytes must be whole, e.g. 6442450944B or 6GiB"
-        )
+        raise AutotuneError(f"invalid size '{text}': a number of bytes must be whole, e.g. 6442450944B or 6GiB")
     if exact == 0:
         raise AutotuneError(f"invalid size '{text}': a size must be greater than zero, e.g. 6GB or 6GiB")
     size = int(exact)  # rounds down: a fraction of a byte is no memory

@@ -115,8 +115,7 @@ class HardwareProfile:
         for cls, rate in self.flops_per_s.items():
             if cls not in COMPUTE_CLASSES:
                 raise AutotuneError(
-                    f"{where}: flops_per_s has an unknown class {cls!r}, "
-                    f"expected one of {', '.join(COMPUTE_CLASSES)}"
+                    f"{where}: flops_per_s has an unknown class {cls!r}, expected one of {', '.join(COMPUTE_CLASSES)}"
                 )
             rates[cls] = _positive_float(rate, f"{where}: flops_per_s[{cls!r}]")
         # A read-only view, so a frozen profile cannot be changed through its mapping either.
@@ -335,9 +334,7 @@ def profile_name_for_device(device_name: str, memory_bytes: int | None = None) -
     other rates (V100S, H100 NVL, H200 NVL, RTX 3090 Ti, RTX 4090 D) get None on purpose.
     """
     # "NVIDIA A100-SXM4-40GB" -> ["a100", "sxm4", "40gb"]; "NVIDIA GeForce RTX 4090" -> ["rtx", "4090"]
-    tokens = [
-        t for t in re.split(r"[\s\-_]+", device_name.lower()) if t and t not in ("nvidia", "tesla", "geforce")
-    ]
+    tokens = [t for t in re.split(r"[\s\-_]+", device_name.lower()) if t and t not in ("nvidia", "tesla", "geforce")]
     if not tokens:
         return None
     model, rest = tokens[0], tokens[1:]
@@ -493,9 +490,7 @@ def calibrate_cpu(seconds: float = 0.5) -> HardwareProfile:
     Uses ``torch.get_num_threads()`` threads as configured.
     """
     if not seconds > 0:
-        raise AutotuneError(
-            f"calibration time {seconds!r} s: expected a positive number of seconds, e.g. 0.5"
-        )
+        raise AutotuneError(f"calibration time {seconds!r} s: expected a positive number of seconds, e.g. 0.5")
     # One cache key per duration however it is passed: calibrate_cpu() and calibrate_cpu(0.5) measure once.
     return _calibrate_cpu(float(seconds))
 

@@ -172,9 +172,7 @@ class _Recorder(TorchDispatchMode):
         for tid in inputs:
             self.tensors[tid].readers.append(index)
 
-        dtype = next(
-            (str(t.dtype).removeprefix("torch.") for t in out_tensors if t.is_floating_point()), "float32"
-        )
+        dtype = next((str(t.dtype).removeprefix("torch.") for t in out_tensors if t.is_floating_point()), "float32")
         self.ops.append(
             OpInfo(
                 index=index,
@@ -182,8 +180,7 @@ class _Recorder(TorchDispatchMode):
                 phase=self.phase,
                 module=self.module_of(),
                 flops=_flops(func, args, kwargs, out, out_tensors),
-                bytes_moved=sum(_view_bytes(t) for t in in_tensors)
-                + sum(_view_bytes(t) for t in out_tensors),
+                bytes_moved=sum(_view_bytes(t) for t in in_tensors) + sum(_view_bytes(t) for t in out_tensors),
                 inputs=tuple(inputs),
                 outputs=tuple(outputs),
                 dtype=dtype,
@@ -307,9 +304,7 @@ def capture(
         keyer.exclude(*batch)
         with keyer.attached():
             dropped = _drop_pass(model, batch, loss_fn, opt, keyer)
-            rec, cand_order, (saved_after, saved_in) = _record(
-                model, batch, loss_fn, opt, keyer, time_ops=not fake
-            )
+            rec, cand_order, (saved_after, saved_in) = _record(model, batch, loss_fn, opt, keyer, time_ops=not fake)
     return _build_workload(
         rec,
         cand_order,
@@ -326,9 +321,7 @@ def capture(
     )
 
 
-def _warm_up(
-    model: torch.nn.Module, batch: Batch, loss_fn: LossFn, opt: torch.optim.Optimizer, full: bool
-) -> None:
+def _warm_up(model: torch.nn.Module, batch: Batch, loss_fn: LossFn, opt: torch.optim.Optimizer, full: bool) -> None:
     if full:
         loss_fn(model, batch).backward()
     else:  # no compute to warm up in fake mode: only create the optimizer state
@@ -487,9 +480,7 @@ def _build_workload(
                 else (len(rec.ops) - 1 if t.free_op is None else t.free_op),
                 recompute_inputs=tuple(sorted(needs)),
                 block=_block(blocks, rec.ops[t.alloc_op].module),
-                block_input=any(
-                    _block(blocks, m) != _block(blocks, rec.ops[t.alloc_op].module) for m in saved_in[tid]
-                ),
+                block_input=any(_block(blocks, m) != _block(blocks, rec.ops[t.alloc_op].module) for m in saved_in[tid]),
             )
         )
     w = Workload(ops=rec.ops, tensors=tensors, candidates=candidates, torch_version=torch.__version__, **info)

@@ -86,9 +86,7 @@ def test_get_profile_unknown_name_suggests_the_closest(typo: str, suggestion: st
     with pytest.raises(AutotuneError) as info:
         get_profile(typo)
     message = str(info.value)
-    assert message.startswith(
-        f"unknown hardware profile '{typo}': did you mean {suggestion}? expected one of "
-    )
+    assert message.startswith(f"unknown hardware profile '{typo}': did you mean {suggestion}? expected one of ")
     assert "v100-16gb, v100-32gb, a100-40gb" in message and message.count(",") == len(DATASHEET)  # + cpu
     assert "cpu" in message and "\n" not in message
 
@@ -248,9 +246,7 @@ def test_profile_name_for_device(device: str, memory_mib: int, expected: str | N
         ("Tesla V100", 16160, "v100-16gb"),
     ],
 )
-def test_profile_name_uses_memory_when_the_name_has_no_size(
-    device: str, memory_mib: int, expected: str
-) -> None:
+def test_profile_name_uses_memory_when_the_name_has_no_size(device: str, memory_mib: int, expected: str) -> None:
     assert profile_name_for_device(device, memory_mib * MIB) == expected
     assert profile_name_for_device(device, None) is None
 
@@ -353,9 +349,7 @@ def test_detect_no_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _fake_pynvml([])
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     found = detect()
-    assert found.profile is None and found.message.startswith(
-        "no NVIDIA GPU detected (NVML found no devices); "
-    )
+    assert found.profile is None and found.message.startswith("no NVIDIA GPU detected (NVML found no devices); ")
     assert fake.calls == ["init", "shutdown"]
 
 
@@ -376,9 +370,7 @@ def test_detect_without_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` raise ImportError
     found = detect()
     assert found.profile is None
-    assert found.message.startswith(
-        "no NVIDIA GPU detected (pynvml is not installed: pip install nvidia-ml-py); "
-    )
+    assert found.message.startswith("no NVIDIA GPU detected (pynvml is not installed: pip install nvidia-ml-py); ")
 
 
 def test_resolve_named_profile_skips_detection(monkeypatch: pytest.MonkeyPatch) -> None:

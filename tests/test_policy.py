@@ -122,9 +122,7 @@ def test_counts_and_bytes(mlp: Workload) -> None:
 
 
 def test_compress_needs_lossy(tmp_path: Path, mlp: Workload) -> None:
-    with pytest.raises(
-        AutotuneError, match=r"1 tensor would be compressed \('1#0.0:Relu'\).*\"lossy\": true"
-    ):
+    with pytest.raises(AutotuneError, match=r"1 tensor would be compressed \('1#0.0:Relu'\).*\"lossy\": true"):
         make(mlp, [3, 0, 0])
     with pytest.raises(AutotuneError, match=r"options\.lossy is false"):
         Policy.uniform(mlp, Action.COMPRESS, hardware="cpu")
@@ -151,9 +149,7 @@ def test_unreadable_and_not_json(tmp_path: Path) -> None:
 def test_wrong_format(tmp_path: Path, mlp: Workload) -> None:
     d = make(mlp, [0, 0, 0]).to_dict()
     d["format"] = "autotune.policy/v0"
-    with pytest.raises(
-        AutotuneError, match=r"format 'autotune.policy/v0' is not supported: expected 'autotune"
-    ):
+    with pytest.raises(AutotuneError, match=r"format 'autotune.policy/v0' is not supported: expected 'autotune"):
         load_policy(write(tmp_path / "p.json", d))
     del d["format"]
     with pytest.raises(AutotuneError, match=r'no "format" field: expected "format": "autotune.policy/v1"'):

@@ -160,9 +160,7 @@ def test_fast_equals_reference_on_random_policies(profile: str) -> None:
         w = capture(build, name="w", batch_size=2)
         sim = Simulator(w, hw)
         for acts, opts in _random_policies(len(w.candidates), 150, seed):
-            _assert_same(
-                sim.run(acts, options=opts, timeline=True), simulate_reference(w, hw, acts, options=opts)
-            )
+            _assert_same(sim.run(acts, options=opts, timeline=True), simulate_reference(w, hw, acts, options=opts))
 
 
 @pytest.mark.slow
@@ -183,6 +181,4 @@ def test_fast_equals_reference_on_resnet18() -> None:
         hw = get_profile(profile)
         sim = Simulator(w, hw)
         for acts, opts in _random_policies(len(w.candidates), 60, 3):
-            _assert_same(
-                sim.run(acts, options=opts, timeline=True), simulate_reference(w, hw, acts, options=opts)
-            )
+            _assert_same(sim.run(acts, options=opts, timeline=True), simulate_reference(w, hw, acts, options=opts))
