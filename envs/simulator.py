@@ -6,7 +6,9 @@ Rule 1 (streams). One compute stream runs the workload's ops in traced order, ea
     ``runtime.hardware.op_times_s``. A device-to-host (D2H) and a host-to-device (H2D) copy stream each run
     their copies one at a time in the order issued, concurrently with compute and with each other (PCIe is
     full duplex, GPUs have a copy engine per direction). A copy of n bytes takes n / ``d2h_bytes_per_s``
-    (or ``h2d_bytes_per_s``).
+    (or ``h2d_bytes_per_s``). On a profile without copy engines (``is_gpu`` false: the CPU, where "swap"
+    moves bytes to a host store) copies run on the compute stream instead: each delays compute by its
+    duration (counted as ``stall_s``) and is complete when compute resumes.
 Rule 2 (memory). Memory is counted per op: the live bytes *during* op i are all allocations whose op
     interval [first, last] contains i; every allocation is rounded up to ``alloc_granularity_bytes``. Tensors
     that are not candidates keep their traced intervals [alloc_op, free_op]. The peak is the maximum over
@@ -31,9 +33,12 @@ Rule 7 (recompute). A recomputed candidate lives [producer, free_if_dropped_op].
     persistent, live at u as traced (tensors that are not candidates), or a kept candidate. Candidate inputs
     that are swapped, recomputed or compressed are materialized first (Rules 6-8, in candidate order), at
     u, so their memory starts at u and lasts to their own free_op (they are not recomputed twice). The
-    regenerated tensor lives [u, free_op]; the closure's other intermediates add their bytes to op u only
-    (held during the recompute; counted together with op u's own allocations, a slight over-estimate). Its
-    time is the sum of the closure's op times (``recompute_s``).
+    regenerated tensor lives [u, free_op]. Every other storage the closure's ops write (regenerated
+    temporaries, other outputs of multi-output ops, copies of arguments an op would mutate) is held during
+    the recompute only: nested recomputations hold theirs until the outermost one is done, separate ones at
+    the same op run one after another. The recompute runs before op u allocates its own outputs, so the
+    live bytes of op u are the larger of (live during u) and (live during u, less u's own allocations, plus
+    the largest recompute's held bytes). Its time is the sum of the closure's op times (``recompute_s``).
 Rule 8 (compress). A compressed candidate is cast to ``compress_dtype`` when ``save_op`` ends, by a kernel on
     the compute stream that reads n bytes and writes n / r (r = element size ratio, at least 1). The full
     storage lives [producer, free_if_dropped_op], the packed one [save_op, u]; just before u an unpack
@@ -124,6 +129,10 @@ class Simulator:
                 delta[start] += rounded(t.nbytes, g)
                 delta[end] -= rounded(t.nbytes, g)
         self.base_live = np.cumsum(delta[:n])
+        self.base_alloc = np.zeros(n, dtype=np.int64)  # bytes of non-candidate outputs each op allocates
+        for t in w.tensors:
+            if t.id not in cand_of_tensor and t.alloc_op >= 0 and (t.free_op is None or t.free_op >= t.alloc_op):
+                self.base_alloc[t.alloc_op] += rounded(t.nbytes, g)
 
         self.size = np.array([rounded(c.nbytes, g) for c in cands], dtype=np.int64)
         self.nbytes = np.array([c.nbytes for c in cands], dtype=np.float64)
@@ -138,6 +147,7 @@ class Simulator:
         self.first_use = np.array([c.bwd_uses[0] if c.bwd_uses else n for c in cands], dtype=np.int64)
         self.unpack_points = sorted({int(u) for u in self.first_use if u < n})
         self._u_pos = [bisect.bisect_left(self.unpack_points, int(u)) for u in self.first_use]
+        self.sync_copies = not hw.is_gpu  # Rule 1
         self.d2h_s = self.nbytes / hw.d2h_bytes_per_s
         self.h2d_s = self.nbytes / hw.h2d_bytes_per_s
         self._closures = [self._closure(i) for i in range(k)]
@@ -180,8 +190,11 @@ class Simulator:
                 continue  # resident: persistent, or still live at u as traced
             chain = [t.alloc_op, *self._writers(tid)]
             ops.update(chain)
-            transient += rounded(t.nbytes, g)
             stack.extend(i for op in chain for i in w.ops[op].inputs)
+        # Every storage the replayed ops write, but the target: regenerated temporaries, other outputs of
+        # multi-output ops (BatchNorm's statistics), copies of arguments an op would mutate.
+        outputs = {tid for op in ops for tid in w.ops[op].outputs} - {c.tensor}
+        transient = sum(rounded(w.tensors[tid].nbytes, g) for tid in outputs)
         return float(self.op_s[sorted(ops)].sum()), transient, tuple(sorted(deps))
 
     def _writers(self, tid: int) -> list[int]:
@@ -236,16 +249,22 @@ class Simulator:
         swp = swp[np.lexsort((swp, self.save_op[swp]))]
         start_fwd = self.op_start_s + np.cumsum(insert)[:n]
         issue = start_fwd[self.save_op[swp]] + self.op_s[self.save_op[swp]]
-        csum = np.cumsum(self.d2h_s[swp])
-        d2h_end_sorted = csum + np.maximum.accumulate(issue - (csum - self.d2h_s[swp])) if len(swp) else csum
         d2h_end = np.zeros(self.k)
-        d2h_end[swp] = d2h_end_sorted
+        stall_s = 0.0
+        if self.sync_copies:  # Rule 1: on the compute stream, done when compute resumes
+            d2h_end[swp] = issue
+            np.add.at(insert, self.save_op[swp] + 1, self.d2h_s[swp])
+            stall_s = float(self.d2h_s[swp].sum())
+        else:
+            csum = np.cumsum(self.d2h_s[swp])
+            d2h_end[swp] = csum + np.maximum.accumulate(issue - (csum - self.d2h_s[swp])) if len(swp) else csum
 
         # Rules 5-8 in backward: a walk over the ops where something happens.
         mat_op = [-1] * self.k  # op at which a dropped candidate is materialized again
         fetch_op = [-1] * self.k  # op at which a swapped candidate's H2D copy was issued
         h2d_end = [-1.0] * self.k
-        extra: dict[int, int] = {}  # transient recompute bytes at an op
+        extra: dict[int, int] = {}  # transient recompute bytes before an op (Rule 7)
+        held = [0]  # transient bytes of the recomputation in progress
         # Candidates in order of need (first backward use, then index); Rule 5's trigger op is monotone in
         # that order, so issues and uses merge without sorting.
         order = self._need_order
@@ -256,7 +275,8 @@ class Simulator:
         cum_insert = np.cumsum(insert)
         delay = float(cum_insert[n])  # every forward insertion precedes every backward event
         h2d_free = 0.0
-        stall_s = recompute_s = 0.0
+        recompute_s = 0.0
+        sync = self.sync_copies
         d2h = d2h_end.tolist()
         h2d_dur = self.h2d_s.tolist()
         actl = act.tolist()
@@ -265,11 +285,17 @@ class Simulator:
         op_start = self._op_start_list
         bwd_insert: dict[int, float] = {}
 
-        def issue_h2d(ci: int, t: float, op: int) -> None:
-            nonlocal h2d_free
+        def issue_h2d(ci: int, t: float, op: int) -> float:
+            """Issue the copy back at time t; returns the compute time it takes (Rule 1, sync copies)."""
+            nonlocal h2d_free, stall_s
+            fetch_op[ci] = op
+            if sync:
+                h2d_end[ci] = t + h2d_dur[ci]
+                stall_s += h2d_dur[ci]
+                return h2d_dur[ci]
             begin = max(t, h2d_free, d2h[ci])
             h2d_free = h2d_end[ci] = begin + h2d_dur[ci]
-            fetch_op[ci] = op
+            return 0.0
 
         def materialize(ci: int, op: int, t: float) -> float:
             nonlocal stall_s, recompute_s, compress_s
@@ -279,7 +305,7 @@ class Simulator:
             a = actl[ci]
             if a == SWAP:
                 if fetch_op[ci] < 0:
-                    issue_h2d(ci, t, op)
+                    t += issue_h2d(ci, t, op)
                 if h2d_end[ci] > t:
                     stall_s += h2d_end[ci] - t
                     t = h2d_end[ci]
@@ -293,8 +319,7 @@ class Simulator:
                         t = materialize(d, op, t)
                 t += seconds
                 recompute_s += seconds
-                if transient:
-                    extra[op] = extra.get(op, 0) + transient
+                held[0] += transient  # nested recomputations hold theirs until the outer one is done
             return t
 
         nf, f = len(fetches), 0
@@ -305,9 +330,15 @@ class Simulator:
                 f += 1
                 if fetch_op[cf] < 0:
                     top = trigger[cf]
-                    issue_h2d(cf, op_start[top] + delay, top)
+                    spent = issue_h2d(cf, op_start[top] + delay, top)
+                    if spent:
+                        bwd_insert[top] = bwd_insert.get(top, 0.0) + spent
+                        delay += spent
             t = op_start[op] + delay
+            held[0] = 0
             t_after = materialize(ci, op, t)
+            if held[0] > extra.get(op, 0):  # separate recomputations at one op run one after the other
+                extra[op] = held[0]
             if t_after > t:
                 bwd_insert[op] = bwd_insert.get(op, 0.0) + (t_after - t)
                 delay += t_after - t
@@ -345,8 +376,8 @@ class Simulator:
         np.add.at(delta, s_all[ok], z_all[ok])
         np.add.at(delta, e_all[ok] + 1, -z_all[ok])
         live = self.base_live + np.cumsum(delta[:n])
-        for op, b in extra.items():
-            live[op] += b
+        for op, b in extra.items():  # Rule 7: the recompute runs before op u allocates its own outputs
+            live[op] = max(live[op], live[op] - self.base_alloc[op] + b)
         peak_op = int(np.argmax(live))
         peak = int(live[peak_op])
         swapped_bytes = int(self.nbytes[swp].sum())

@@ -68,25 +68,33 @@ def simulate_reference(
     awaiting_copy: set[int] = set()  # swapped candidates the program has dropped, copy maybe still running
     materialized: dict[int, int] = {}  # candidate -> op at which it was materialized
     stats = {"recompute": 0.0, "compress": 0.0, "stall": 0.0}
-    transient = 0
+    transient = 0  # the largest held bytes of one top-level recompute at this op
+    held = 0  # held bytes of the recompute in progress (nested ones add up)
     timeline: list[int] = []
     starts: list[float] = []
 
-    def issue_h2d(ci: int, now: float) -> None:
+    def issue_h2d(ci: int, now: float) -> float:
+        """Issue the copy back at ``now``; returns the time compute resumes."""
         nonlocal h2d_free
-        begin = max(now, h2d_free, d2h_end[ci])
-        h2d_free = h2d_end[ci] = begin + w.candidates[ci].nbytes / hw.h2d_bytes_per_s
         live[("f", ci)] = size[cands[ci].tensor]
+        duration = w.candidates[ci].nbytes / hw.h2d_bytes_per_s
+        if not hw.is_gpu:  # Rule 1: a copy on the compute stream
+            h2d_end[ci] = now + duration
+            stats["stall"] += duration
+            return now + duration
+        begin = max(now, h2d_free, d2h_end[ci])
+        h2d_free = h2d_end[ci] = begin + duration
+        return now
 
     def materialize(ci: int, now: float, i: int) -> float:
-        nonlocal transient
+        nonlocal held
         if ci in materialized:
             return now
         materialized[ci] = i
         c = cands[ci]
         if act[ci] == SWAP:  # Rule 6
             if ci not in h2d_end:
-                issue_h2d(ci, now)
+                now = issue_h2d(ci, now)
             if h2d_end[ci] > now:
                 stats["stall"] += h2d_end[ci] - now
                 now = h2d_end[ci]
@@ -112,11 +120,11 @@ def simulate_reference(
                     continue
                 chain = [info.alloc_op, *writers.get(tid, [])]
                 ran.update(chain)
-                transient += size[tid]
                 pending.extend(x for op in chain for x in w.ops[op].inputs)
             for dep in sorted(needed):
                 if act[dep] != KEEP:
                     now = materialize(dep, now, i)
+            held += sum(size[x] for x in {x for j in ran for x in w.ops[j].outputs} - {c.tensor})
             seconds = sum(op_s[j] for j in ran)
             now += seconds
             stats["recompute"] += seconds
@@ -127,9 +135,11 @@ def simulate_reference(
         transient = 0
         for ci in triggers.get(i, []):
             if ci not in h2d_end:
-                issue_h2d(ci, t)
+                t = issue_h2d(ci, t)
         for ci in uses.get(i, []):
+            held = 0
             t = materialize(ci, t, i)
+            transient = max(transient, held)
         for ci in sorted(awaiting_copy):  # Rule 4: released at the first op starting after the copy
             if d2h_end[ci] <= t:
                 awaiting_copy.discard(ci)
@@ -138,6 +148,7 @@ def simulate_reference(
             for info in w.tensors:
                 if info.alloc_op < 0 and (info.free_op is None or info.free_op >= 0):
                     live[("t", info.id)] = size[info.id]
+        recomputing = sum(live.values()) + transient  # Rule 7: before op i allocates its outputs
         for tid in op.outputs:
             if w.tensors[tid].alloc_op == i:
                 live[("t", tid)] = size[tid]
@@ -145,14 +156,22 @@ def simulate_reference(
             if act[ci] == COMPRESS and c.save_op == i:
                 live[("p", ci)] = packed[ci]
         starts.append(t)
-        timeline.append(sum(live.values()) + transient)
+        timeline.append(max(sum(live.values()), recomputing))
         t += op_s[i]
 
         # After op i: the swap copies and pack kernels of tensors saved here (Rules 4, 8) ...
+        copies_end = t
         for ci, c in enumerate(cands):
             if c.save_op == i and act[ci] == SWAP:
+                duration = c.nbytes / hw.d2h_bytes_per_s
+                if not hw.is_gpu:  # Rule 1: on the compute stream, complete when compute resumes
+                    d2h_end[ci] = t
+                    copies_end += duration
+                    stats["stall"] += duration
+                    continue
                 begin = max(t, d2h_free)
-                d2h_free = d2h_end[ci] = begin + c.nbytes / hw.d2h_bytes_per_s
+                d2h_free = d2h_end[ci] = begin + duration
+        t = copies_end
         for ci, c in enumerate(cands):
             if c.save_op == i and act[ci] == COMPRESS:
                 t += pack_s[ci]

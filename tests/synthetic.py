@@ -10,7 +10,8 @@ from runtime.hardware import HardwareProfile
 from runtime.workload import Candidate, OpInfo, Phase, TensorInfo, TensorKind, Workload
 
 
-def fixed_profile(h2d_bytes_per_s: float = 1e9, d2h_bytes_per_s: float = 1e9) -> HardwareProfile:
+def fixed_profile(h2d_bytes_per_s: float = 1e9, d2h_bytes_per_s: float = 1e9, is_gpu: bool = True) -> HardwareProfile:
+    """``is_gpu``: copies on copy engines (Rule 1); False puts them on the compute stream, as on the CPU."""
     return HardwareProfile(
         name="fixed",
         description="test profile: op times are the workload's own",
@@ -20,7 +21,7 @@ def fixed_profile(h2d_bytes_per_s: float = 1e9, d2h_bytes_per_s: float = 1e9) ->
         h2d_bytes_per_s=h2d_bytes_per_s,
         d2h_bytes_per_s=d2h_bytes_per_s,
         launch_overhead_s=0.0,
-        is_gpu=False,
+        is_gpu=is_gpu,
         alloc_granularity_bytes=1,
     )
 

@@ -152,7 +152,7 @@ def _assert_same(fast, ref) -> None:  # type: ignore[no-untyped-def]
     assert fast.timeline["live_bytes"] == ref.timeline["live_bytes"]
 
 
-@pytest.mark.parametrize("profile", ["a100-40gb", "t4"])
+@pytest.mark.parametrize("profile", ["a100-40gb", "t4", "cpu"])
 def test_fast_equals_reference_on_random_policies(profile: str) -> None:
     """The vectorised simulator (precomputed closures, no per-op loop) equals the op-by-op reference."""
     hw = get_profile(profile)
