@@ -15,7 +15,9 @@ NOTE [ Key format ]
       descriptive, and it makes a key written
       for another model fail to match instead of matching the wrong tensor.
 
-    Only the first pack of a storage names it: later packs of the same storage (a ReLU output that the
+    Every storage but the model's parameters and buffers is named, the batch included (the runtime cannot
+    tell the batch apart cheaply, so the trace names it too, keeping the ordinals equal). Only the first
+    pack of a storage names it: later packs of the same storage (a ReLU output that the
     next convolution also saves, a view of it) get the same key, found through the live storage object
     (NOTE in PYTORCH-NOTES: never by ``data_ptr()``, addresses are reused within one forward).
 

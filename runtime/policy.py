@@ -13,7 +13,7 @@ File format ``autotune.policy/v1`` (JSON, sorted keys; schema in ``runtime/polic
 field is explained in docs/policy-format.md)::
 
     {
-      "actions": {"1#0.0:Relu": "swap", "<loss>#0.0:LogSoftmax": "recompute", "<loss>#0.1:nograd": "keep"},
+      "actions": {"1#0.0:Relu": "swap", "<loss>#0.0:LogSoftmax": "recompute", "<loss>#0.2:nograd": "keep"},
       "batch_size": 3,
       "budget_bytes": 900,
       "fingerprint": "1fc92ed67127c1cd",
@@ -122,6 +122,31 @@ class Provenance:
         return cls(searcher, trials, _autotune_version(), created, wall_s)
 
 
+@dataclass
+class Schedule:
+    """What the runtime needs besides the actions, derived from the workload the policy was made for.
+
+    ``unpack_rank``: each candidate's position among the unpack points (the distinct first-backward-use
+    ops, in order): the runtime issues a swapped tensor's copy back when backward first unpacks a tensor of
+    rank ``unpack_rank[key] - prefetch_lookahead`` (envs/simulator.py, Rule 5). ``ignored_keys``: saved
+    tensors that are not candidates (the batch, the targets): kept without being reported as unknown.
+    """
+
+    unpack_rank: dict[str, int]
+    ignored_keys: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, workload: Workload) -> Schedule:
+        n = len(workload.ops)
+        firsts = [c.bwd_uses[0] if c.bwd_uses else n for c in workload.candidates]
+        points = sorted(set(firsts))
+        rank = {u: i for i, u in enumerate(points)}
+        return cls(
+            {c.key: rank[u] for c, u in zip(workload.candidates, firsts, strict=True)},
+            list(workload.meta.get("ignored_keys", [])),
+        )
+
+
 @dataclass(kw_only=True)
 class Policy:
     """One action per candidate key of one workload, and what it was made for (see module docstring)."""
@@ -139,6 +164,7 @@ class Policy:
     predicted: Prediction | None = None
     measured: Prediction | None = None
     provenance: Provenance
+    schedule: Schedule | None = None
 
     def __post_init__(self) -> None:
         compressed = [k for k, a in self.actions.items() if a == Action.COMPRESS]
@@ -148,6 +174,12 @@ class Policy:
                 f"({_some(compressed)}): compression changes the gradients, so it must be allowed with "
                 '"lossy": true in the file\'s options (PolicyOptions(lossy=True) in code)'
             )
+
+    def applied(self, model: Any) -> Any:
+        """``with policy.applied(model):`` one forward and backward under this policy (runtime.apply)."""
+        from runtime.apply import applied
+
+        return applied(self, model)
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod
@@ -187,6 +219,7 @@ class Policy:
             precision=precision,
             predicted=predicted,
             provenance=Provenance.now(searcher, trials, wall_s),
+            schedule=Schedule.of(workload),
         )
 
     @classmethod
@@ -312,6 +345,7 @@ class Policy:
                 predicted=Prediction(**pred) if pred is not None else None,
                 measured=Prediction(**meas) if meas is not None else None,
                 provenance=Provenance(**d["provenance"]),
+                schedule=Schedule(**d["schedule"]) if d.get("schedule") is not None else None,
             )
         except AutotuneError as e:  # the lossy check: say which file
             raise AutotuneError(f"{source}: {e}") from None

@@ -107,6 +107,7 @@ class _Recorder(TorchDispatchMode):
         self.closed = False
         self.module_of: Callable[[], str] = lambda: OUTSIDE
         self._time_ops = time_ops
+        self.ignored_keys: list[str] = []
         self._cuda_events: list[tuple[int, Any, Any]] = []
 
     # -- storages ----------------------------------------------------------------------------------------
@@ -301,7 +302,6 @@ def capture(
         opt = make_optimizer(optimizer, model.parameters())
         _warm_up(model, batch, loss_fn, opt, full=not fake)
         keyer = SavedTensorKeyer(model)
-        keyer.exclude(*batch)
         with keyer.attached():
             dropped = _drop_pass(model, batch, loss_fn, opt, keyer)
             rec, cand_order, (saved_after, saved_in) = _record(model, batch, loss_fn, opt, keyer, time_ops=not fake)
@@ -390,6 +390,7 @@ def _record(
     cand: dict[int, str] = {}  # tensor id -> key, in first-pack order
     saved_after: dict[int, int] = {}  # tensor id -> last op completed at its first pack
     saved_in: dict[int, set[str]] = {}  # tensor id -> modules whose ops saved it
+    ignored: list[str] = rec.ignored_keys
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         rec.paused = True
@@ -400,6 +401,8 @@ def _record(
                 cand.setdefault(tid, k.key)
                 saved_after.setdefault(tid, len(rec.ops) - 1)
                 saved_in.setdefault(tid, set()).add(keyer.current_module)
+            elif k.first_pack and k.key is not None:
+                ignored.append(k.key)  # saved but not made in forward (the batch, targets): not a candidate
             return t.detach()  # not t itself: a saved output holding its own grad_fn would never be freed
         finally:
             rec.paused = False
@@ -484,6 +487,7 @@ def _build_workload(
             )
         )
     w = Workload(ops=rec.ops, tensors=tensors, candidates=candidates, torch_version=torch.__version__, **info)
+    w.meta["ignored_keys"] = rec.ignored_keys
     w.compute_fingerprints()
     return w
 

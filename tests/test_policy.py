@@ -26,7 +26,7 @@ from runtime.workload import Workload
 from tests.test_trace import mlp_build, tiny_cnn_build
 
 # Sequential(Linear(4,8), ReLU, Linear(8,2)) at batch 3: see tests/test_trace.py::test_mlp_known_answers.
-MLP_KEYS = ["1#0.0:Relu", "<loss>#0.0:LogSoftmax", "<loss>#0.1:nograd"]
+MLP_KEYS = ["1#0.0:Relu", "<loss>#0.0:LogSoftmax", "<loss>#0.2:nograd"]
 MLP_BYTES = [96, 24, 4]
 
 

@@ -68,7 +68,7 @@ def test_mlp_known_answers() -> None:
     assert [(c.key, c.nbytes) for c in w.candidates] == [
         ("1#0.0:Relu", 96),
         ("<loss>#0.0:LogSoftmax", 24),
-        ("<loss>#0.1:nograd", 4),
+        ("<loss>#0.2:nograd", 4),
     ]
     relu = w.candidates[0]
     assert w.ops[relu.producer].name == "aten.relu.default"
