@@ -15,6 +15,7 @@ NOTE [ Device memory on the CPU ]
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import statistics
 import time
@@ -30,6 +31,16 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 Batch = tuple[torch.Tensor, ...]
 LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
+
+
+_ACTIVE: contextvars.ContextVar[StorageTracker | None] = contextvars.ContextVar("autotune_tracker", default=None)
+
+
+def host_memory() -> contextlib.AbstractContextManager[None]:
+    """Storages created inside are host memory for the active :class:`StorageTracker` (the runtime's
+    swap store on the CPU); a no-op when no tracker is active."""
+    tracker = _ACTIVE.get()
+    return tracker.host() if tracker is not None else contextlib.nullcontext()
 
 
 class StorageTracker(TorchDispatchMode):
@@ -62,6 +73,14 @@ class StorageTracker(TorchDispatchMode):
     def _release(self, key: int, n: int, _ref: object = None) -> None:
         self._refs.pop(key, None)
         self.live_bytes -= n
+
+    def __enter__(self) -> StorageTracker:
+        self._token = _ACTIVE.set(self)
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        _ACTIVE.reset(self._token)
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
