@@ -1,0 +1,233 @@
+"""The one interface every policy source implements: heuristics, exact solvers, Optuna and RL searchers.
+
+A :class:`Searcher` gets a :class:`Problem` (a workload, a hardware profile, a memory budget, options) and
+returns a :class:`SearchResult`: the best policy it found, its simulated :class:`~envs.simulator.SimResult`,
+a :class:`Status`, the wall time and the number of simulator evaluations it spent.
+
+Contract (checked for every registered searcher by tests/test_searchers_contract.py):
+
+1. ``search(problem)`` never raises for a budget it cannot meet: it returns its best policy with status
+   ``INFEASIBLE`` (no feasible policy found; for an exact solver, none exists) and the policy's result.
+2. A ``FEASIBLE`` or ``OPTIMAL`` result has ``result.peak_bytes <= problem.budget_bytes``, and the policy's
+   actions, simulated again, give exactly ``result``.
+3. ``OPTIMAL`` is claimed only by exact solvers, and only when they proved it (for the model they solve;
+   ``gap`` says how far the proof goes). ``TIMEOUT``: the time limit stopped the search; the result is the
+   best incumbent.
+4. Compression (lossy) is proposed only when ``problem.allow_compress`` is set.
+5. Deterministic for a given ``problem.seed``.
+6. Budget-aware heuristics stop dropping memory once the budget holds (they do not trade throughput for
+   memory the budget does not need): see :func:`apply_until_fits`.
+
+Subclasses implement :meth:`Searcher._search`; the public :meth:`Searcher.search` does the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import abc
+import difflib
+import enum
+import importlib
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, TypeVar
+
+import numpy as np
+
+from envs.simulator import COMPRESS, KEEP, SimResult, Simulator
+from runtime.errors import AutotuneError
+from runtime.hardware import HardwareProfile
+from runtime.policy import Policy, PolicyOptions, Prediction
+from runtime.workload import Workload
+
+
+class Status(str, enum.Enum):
+    OPTIMAL = "OPTIMAL"
+    FEASIBLE = "FEASIBLE"
+    INFEASIBLE = "INFEASIBLE"
+    TIMEOUT = "TIMEOUT"
+
+
+@dataclass
+class Problem:
+    """What to solve. The simulator is built once per problem and shared by every searcher."""
+
+    workload: Workload
+    hardware: HardwareProfile
+    budget_bytes: int
+    options: PolicyOptions = field(default_factory=PolicyOptions)
+    allow_compress: bool = False
+    time_limit_s: float | None = None
+    seed: int = 0
+    _sim: Simulator | None = field(default=None, repr=False)
+    evaluations: int = field(default=0, repr=False)
+
+    @property
+    def simulator(self) -> Simulator:
+        if self._sim is None:
+            self._sim = Simulator(self.workload, self.hardware)
+        return self._sim
+
+    @property
+    def n(self) -> int:
+        """Number of candidates."""
+        return len(self.workload.candidates)
+
+    def evaluate(self, actions: Sequence[int] | np.ndarray, options: PolicyOptions | None = None) -> SimResult:
+        """Simulate one policy under the problem's budget (counts toward ``evaluations``)."""
+        self.evaluations += 1
+        return self.simulator.run(actions, budget_bytes=self.budget_bytes, options=options or self.options)
+
+    def keep_all(self) -> np.ndarray:
+        return np.zeros(self.n, dtype=np.int8)
+
+
+@dataclass
+class Proposal:
+    """What ``_search`` returns: actions (codes over ``workload.candidates``), options, and how sure."""
+
+    actions: np.ndarray
+    options: PolicyOptions | None = None
+    status: Status | None = None  # None: FEASIBLE or INFEASIBLE from the simulated peak
+    gap: float | None = None  # exact solvers: relative optimality gap of the proof
+    note: str = ""
+
+
+@dataclass
+class SearchResult:
+    """A searcher's answer (see the module docstring for the contract)."""
+
+    searcher: str
+    policy: Policy
+    result: SimResult
+    status: Status
+    wall_s: float
+    evaluations: int
+    gap: float | None = None
+    note: str = ""
+
+    @property
+    def feasible(self) -> bool:
+        return self.status in (Status.FEASIBLE, Status.OPTIMAL)
+
+
+class Searcher(abc.ABC):
+    """A source of policies. Set ``name`` (registry key), ``summary`` (one line, the paper it reads), and
+    ``exact`` for solvers that can prove optimality (they are reported apart from heuristics)."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str] = ""
+    exact: ClassVar[bool] = False
+
+    def search(self, problem: Problem) -> SearchResult:
+        """Run the search and package its proposal as a policy with its simulated result."""
+        start_evals = problem.evaluations
+        started = time.perf_counter()
+        proposal = self._search(problem)
+        wall_s = time.perf_counter() - started
+        actions = np.asarray(proposal.actions, dtype=np.int8)
+        if not problem.allow_compress and np.any(actions == COMPRESS):
+            raise AssertionError(f"{self.name} proposed compression without allow_compress")
+        options = proposal.options or problem.options
+        result = problem.evaluate(actions, options)
+        status = proposal.status or (Status.FEASIBLE if result.feasible else Status.INFEASIBLE)
+        if status in (Status.FEASIBLE, Status.OPTIMAL) and not result.feasible:
+            status = Status.INFEASIBLE  # a solver's own model can disagree with the simulator: trust the latter
+        policy = Policy.from_vector(
+            problem.workload,
+            actions,
+            hardware=problem.hardware.name,
+            budget_bytes=problem.budget_bytes,
+            options=options,
+            searcher=self.name,
+            trials=problem.evaluations - start_evals,
+            predicted=Prediction(result.peak_bytes, result.iter_s, result.samples_per_s),
+            wall_s=wall_s,
+        )
+        return SearchResult(
+            self.name, policy, result, status, wall_s, problem.evaluations - start_evals, proposal.gap, proposal.note
+        )
+
+    @abc.abstractmethod
+    def _search(self, problem: Problem) -> Proposal:
+        """Propose actions for ``problem``; see the module docstring for the contract."""
+
+
+# -- registry ------------------------------------------------------------------------------------------------
+_REGISTRY: dict[str, type[Searcher]] = {}
+S = TypeVar("S", bound=type[Searcher])
+
+
+def register(cls: S) -> S:
+    """Class decorator: make a searcher available by its ``name``."""
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"two searchers named {cls.name!r}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load_builtins() -> None:
+    # Importing the packages registers their searchers.
+    for package in ("agents.heuristics", "agents.solvers"):
+        importlib.import_module(package)
+
+
+def list_searchers(*, exact: bool | None = None) -> list[str]:
+    _load_builtins()
+    return sorted(n for n, c in _REGISTRY.items() if exact is None or c.exact == exact)
+
+
+def get_searcher(name: str) -> Searcher:
+    """An instance of the searcher registered as ``name``; unknown names get a "did you mean"."""
+    _load_builtins()
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise AutotuneError(f"unknown searcher '{name}': {hint}expected one of {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]()
+
+
+# -- helpers shared by heuristics --------------------------------------------------------------------------
+def apply_until_fits(
+    problem: Problem,
+    ranked: Iterable[tuple[int, int]],
+    *,
+    start: np.ndarray | None = None,
+    options: PolicyOptions | None = None,
+    accept: Callable[[SimResult], bool] | None = None,
+) -> tuple[np.ndarray, SimResult]:
+    """Apply ``(candidate, action)`` steps in order, simulating after each, and stop at the first policy
+    that fits the budget (or satisfies ``accept``). Returns the actions and their result; if nothing fits,
+    every step is applied. This is how every budget-aware heuristic stops dropping memory once the budget
+    holds."""
+    actions = problem.keep_all() if start is None else start.copy()
+    fits = accept or (lambda r: r.feasible)
+    result = problem.evaluate(actions, options)
+    if fits(result):
+        return actions, result
+    for ci, action in ranked:
+        if actions[ci] == action:
+            continue
+        actions[ci] = action
+        result = problem.evaluate(actions, options)
+        if fits(result):
+            break
+    return actions, result
+
+
+def first_fit_status(result: SimResult) -> Status:
+    return Status.FEASIBLE if result.feasible else Status.INFEASIBLE
+
+
+__all__ = [
+    "KEEP",
+    "Problem",
+    "Proposal",
+    "SearchResult",
+    "Searcher",
+    "Status",
+    "apply_until_fits",
+    "get_searcher",
+    "list_searchers",
+    "register",
+]

@@ -1,0 +1,8 @@
+"""Published heuristics, each a faithful reading of its paper (named in its docstring). Every module in
+this package registers its searchers on import."""
+
+import importlib
+import pkgutil
+
+for _info in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_info.name}")
