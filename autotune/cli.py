@@ -173,6 +173,103 @@ def simulate(
 
 
 @app.command()
+def baselines(
+    model: ModelOpt,
+    budget: Annotated[str, typer.Option(help="Memory budget, e.g. 6GB, 6GiB, 6000MB.")],
+    batch_size: BatchOpt = None,
+    seq_len: SeqOpt = None,
+    gpu: GpuOpt = None,
+    only: Annotated[str | None, typer.Option(help="Comma-separated methods [default: all].")] = None,
+    save: Annotated[Path | None, typer.Option(help="Write each method's policy file into this folder.")] = None,
+    allow_compress: Annotated[bool, typer.Option(help="Let methods propose compression (lossy).")] = False,
+    time_limit: Annotated[float, typer.Option(help="Seconds each exact solver may take.")] = 30.0,
+    optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
+    as_json: JsonOpt = False,
+) -> None:
+    """Run every published heuristic and exact solver at the budget and compare them."""
+    from agents.base import Problem
+    from autotune import baselines as bl
+    from autotune.units import format_size_echo, parse_size
+    from autotune.workloads import TraceRequest
+    from runtime.hardware import resolve_profile
+    from runtime.policy import PolicyOptions
+
+    budget_bytes = parse_size(budget)
+    methods = bl.select_methods(only)
+    hw, note = resolve_profile(gpu)
+    if not as_json:
+        err.print(f"budget: {format_size_echo(budget, budget_bytes)}")
+        err.print(note)
+    w, _ = _trace(TraceRequest(model=model, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer))
+    problem = Problem(
+        w,
+        hw,
+        budget_bytes,
+        options=PolicyOptions(lossy=allow_compress),
+        allow_compress=allow_compress,
+        time_limit_s=time_limit,
+    )
+    bl.check_budget(problem)
+    results = bl.run_baselines(problem, methods, err)
+    table = bl.rows(problem, results)
+    if save is not None:
+        bl.save(save, problem, results)
+    if as_json:
+        print(bl.to_json(table))
+        return
+    bl.render(out, problem, table)
+    if save is not None:
+        out.print(f"policies written to {save}/")
+
+
+@app.command()
+def train(
+    policy_file: Annotated[Path, typer.Option("--policy", help="The policy file to apply.")],
+    model: Annotated[str | None, typer.Option("--model", "-m", help="[default: the policy's model]")] = None,
+    batch_size: BatchOpt = None,
+    steps: Annotated[int, typer.Option(help="Measured iterations (after one warm-up).")] = 3,
+    device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
+    as_json: JsonOpt = False,
+) -> None:
+    """Train N real iterations under a policy; measured peak and time beside the simulator's prediction."""
+    from autotune.train import train as run_train
+    from autotune.units import format_bytes
+
+    with err.status("Tracing on the device, then training…", spinner="dots"):
+        report = run_train(policy_file, model=model, batch_size=batch_size, steps=steps, device=device)
+    d = report.to_dict()
+    if as_json:
+        print(json.dumps(d))
+        return
+    if report.out_of_memory:
+        out.print(f"[red]out of memory at the policy's budget:[/] {report.out_of_memory}")
+    table = Table(title=f"{report.model}, batch {report.batch_size}, on {report.device} ({report.profile} profile)")
+    for col in ("", "peak", "iteration", "samples/s"):
+        table.add_column(col, justify="left" if not col else "right")
+    for i, s in enumerate(report.steps):
+        table.add_row(
+            f"step {i + 1}", format_bytes(s.peak_bytes), f"{s.iter_s * 1e3:.1f} ms", f"{s.samples_per_s:,.2f}"
+        )
+    m, p, e = d["measured"], d["predicted"], d["error"]
+    if m:
+        table.add_row(
+            "median",
+            format_bytes(m["peak_bytes"]),
+            f"{m['iter_s'] * 1e3:.1f} ms",
+            f"{m['samples_per_s']:,.2f}",
+            style="bold",
+        )
+    table.add_row(
+        "predicted", format_bytes(p["peak_bytes"]), f"{p['iter_s'] * 1e3:.1f} ms", f"{p['samples_per_s']:,.2f}"
+    )
+    if e:
+        table.add_row("error", f"{e['peak_bytes']:+.1%}", f"{e['iter_s']:+.1%}", f"{e['samples_per_s']:+.1%}")
+    out.print(table)
+    if report.unknown_keys:
+        out.print(f"[yellow]{len(report.unknown_keys)} saved tensors not in the policy were kept[/]")
+
+
+@app.command()
 def hardware(as_json: JsonOpt = False) -> None:
     """List the built-in hardware profiles and what was detected here."""
     from autotune.units import format_bytes

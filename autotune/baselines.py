@@ -1,0 +1,128 @@
+"""`autotune baselines`: every published heuristic and exact solver on one problem, side by side."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from agents.base import Problem, SearchResult, Status, get_searcher, list_searchers
+from autotune.units import format_bytes
+from runtime.errors import AutotuneError
+from runtime.workload import peak_report
+
+
+def select_methods(only: str | None) -> list[str]:
+    """The registered searchers, or the comma-separated subset ``only`` (each name checked)."""
+    if not only:
+        return list_searchers()
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    for n in names:
+        get_searcher(n)  # unknown names fail here with "did you mean"
+    return names
+
+
+def check_budget(problem: Problem) -> None:
+    """An impossible budget is reported at once: below the state that lives through the whole iteration
+    (parameters, optimizer state, buffers, the batch), no policy over activations can help."""
+    floor = peak_report(problem.workload, problem.hardware.alloc_granularity_bytes).persistent_bytes
+    if problem.budget_bytes < floor:
+        raise AutotuneError(
+            f"budget {format_bytes(problem.budget_bytes)} is below the {format_bytes(floor)} that parameters, "
+            f"optimizer state and the batch hold for the whole iteration: no policy can meet it; raise the "
+            f"budget above {format_bytes(floor)} or lower --batch-size"
+        )
+
+
+def run_baselines(problem: Problem, methods: list[str], err: Console) -> list[SearchResult]:
+    results = []
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("baselines", total=len(methods))
+        for name in methods:
+            progress.update(task, description=f"running {name}")
+            results.append(get_searcher(name).search(problem))
+            progress.advance(task)
+    return results
+
+
+def rows(problem: Problem, results: list[SearchResult]) -> list[dict[str, Any]]:
+    """One JSON-able row per method; ``slowdown`` is against keeping everything."""
+    base = problem.evaluate(problem.keep_all())
+    out = []
+    for r in results:
+        out.append(
+            {
+                "method": r.searcher,
+                "exact": get_searcher(r.searcher).exact,
+                "status": r.status.value,
+                "feasible": r.feasible,
+                "peak_bytes": r.result.peak_bytes,
+                "iter_s": r.result.iter_s,
+                "samples_per_s": r.result.samples_per_s,
+                "slowdown": base.samples_per_s / r.result.samples_per_s - 1,
+                "wall_s": r.wall_s,
+                "evaluations": r.evaluations,
+                "gap": r.gap,
+                "note": r.note,
+            }
+        )
+    return out
+
+
+def best_heuristic(table: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fastest feasible row among heuristics (exact solvers excluded)."""
+    feasible = [r for r in table if r["feasible"] and not r["exact"]]
+    return max(feasible, key=lambda r: r["samples_per_s"]) if feasible else None
+
+
+def render(out: Console, problem: Problem, table: list[dict[str, Any]]) -> None:
+    w = problem.workload
+    best = best_heuristic(table)
+    t = Table(
+        title=f"{w.model}, batch {w.batch_size}, {problem.hardware.name}, budget {format_bytes(problem.budget_bytes)}"
+    )
+    for col in ("method", "status", "peak", "iteration", "samples/s", "slowdown", "solve"):
+        t.add_column(col, justify="left" if col in ("method", "status") else "right")
+    for r in table:
+        style = "bold green" if best is not None and r is best else ("dim" if not r["feasible"] else "")
+        status = r["status"] + (f" (gap {r['gap']:.1%})" if r["gap"] else "")
+        t.add_row(
+            r["method"] + (" *" if r["exact"] else ""),
+            status,
+            format_bytes(r["peak_bytes"]),
+            f"{r['iter_s'] * 1e3:.1f} ms",
+            f"{r['samples_per_s']:,.1f}",
+            f"{r['slowdown']:+.1%}",
+            f"{r['wall_s']:.2f} s",
+            style=style,
+        )
+    out.print(t)
+    out.print("* exact solver (optimal for its own model of the problem). Green: the fastest feasible heuristic.")
+
+
+def save(directory: Path, problem: Problem, results: list[SearchResult]) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for r in results:
+        path = directory / f"{problem.workload.model}.{r.searcher}.policy.json"
+        r.policy.save(path)
+        paths.append(path)
+    return paths
+
+
+def to_json(table: list[dict[str, Any]]) -> str:
+    return json.dumps(table)
+
+
+__all__ = ["Status", "best_heuristic", "check_budget", "render", "rows", "run_baselines", "save", "select_methods"]

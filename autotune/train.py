@@ -1,0 +1,115 @@
+"""`autotune train`: real training iterations under a policy, measured beside the simulator's prediction."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autotune.models import build_model
+from autotune.workloads import TraceRequest, trace_model
+from envs.simulator import Simulator
+from runtime.apply import PolicyRuntime
+from runtime.errors import AutotuneError
+from runtime.hardware import HardwareProfile, calibrate_cpu, detect
+from runtime.measure import IterationMeasurement, run_iterations
+from runtime.policy import Policy, load_policy
+from runtime.trace import make_optimizer
+from runtime.workload import Workload
+
+
+@dataclass
+class TrainReport:
+    model: str
+    batch_size: int
+    device: str
+    profile: str
+    steps: list[IterationMeasurement]
+    predicted: dict[str, float]
+    unknown_keys: list[str]
+    out_of_memory: str | None = None
+
+    def medians(self) -> dict[str, float]:
+        if not self.steps:
+            return {}
+        return {
+            "peak_bytes": statistics.median(s.peak_bytes for s in self.steps),
+            "iter_s": statistics.median(s.iter_s for s in self.steps),
+            "samples_per_s": statistics.median(s.samples_per_s for s in self.steps),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        measured = self.medians()
+        error = {k: (self.predicted[k] - v) / v for k, v in measured.items() if v}
+        return {
+            "model": self.model,
+            "batch_size": self.batch_size,
+            "device": self.device,
+            "profile": self.profile,
+            "measured": measured,
+            "predicted": self.predicted,
+            "error": error,
+            "iterations": [s.to_dict() for s in self.steps],
+            "unknown_keys": self.unknown_keys,
+            "out_of_memory": self.out_of_memory,
+        }
+
+
+def _profile_for(device: str) -> HardwareProfile:
+    if device == "cpu":
+        return calibrate_cpu()
+    found = detect()
+    if found.profile is None:
+        raise AutotuneError(f"no hardware profile for this GPU ({found.message}); the prediction needs one")
+    return found.profile
+
+
+def train(policy_path: Path, *, model: str | None, batch_size: int | None, steps: int, device: str) -> TrainReport:
+    if steps <= 0:
+        raise AutotuneError(f"invalid --steps {steps}: expected a positive number of iterations, e.g. --steps 3")
+    policy = load_policy(policy_path)
+    name = model or policy.model
+    batch = batch_size or policy.batch_size
+    req = TraceRequest(model=name, batch_size=batch, seq_len=policy.seq_len, mode="real", device=device)
+    # A real-mode trace on this device: it checks the policy against the model before any training, and
+    # its measured op times make the prediction for this very device.
+    w, _ = trace_model(req)
+    policy.check_against(w, source=str(policy_path))
+    hw = _profile_for(device)
+    return run_policy(policy, w, hw, name=name, batch=batch, steps=steps, device=device)
+
+
+def run_policy(
+    policy: Policy, w: Workload, hw: HardwareProfile, *, name: str, batch: int, steps: int, device: str
+) -> TrainReport:
+    predicted = Simulator(w, hw).run(policy)
+    entry = build_model(name, batch_size=batch, seq_len=policy.seq_len, device=device)
+    opt = make_optimizer(w.optimizer, entry.module.parameters())
+    rt = PolicyRuntime(policy, entry.module)
+    report = TrainReport(
+        name,
+        batch,
+        device,
+        hw.name,
+        [],
+        {
+            "peak_bytes": predicted.peak_bytes,
+            "iter_s": predicted.iter_s,
+            "samples_per_s": predicted.samples_per_s,
+        },
+        [],
+    )
+    if device.startswith("cuda") and policy.budget_bytes is not None:
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, policy.budget_bytes / total), torch.device(device))
+    try:
+        report.steps = run_iterations(
+            entry.module, entry.batch, entry.loss_fn, opt, steps=steps, batch_size=batch, around_step=rt.step
+        )
+    except torch.OutOfMemoryError as e:  # over budget: a result, not a crash
+        report.out_of_memory = str(e).splitlines()[0]
+    report.unknown_keys = list(rt.stats.unknown_keys)
+    return report
