@@ -37,7 +37,8 @@ def main() -> None:
             row = {"model": model, "batch": batch, "budget": f"{fraction:.0%}", "budget_gib": peak * fraction / 2**30}
             for name in methods:
                 r = get_searcher(name).search(problem)
-                row[name] = r.result.samples_per_s if r.feasible else None
+                # A timed-out solver's incumbent counts when it fits the budget.
+                row[name] = r.result.samples_per_s if r.result.feasible else None
                 row[f"{name}_status"] = r.status.value
             records.append(row)
             print(f"done {model} {fraction:.0%}", flush=True)
@@ -48,7 +49,11 @@ def main() -> None:
         cells = [f"{row['model']} b{row['batch']}", f"{row['budget']} ({row['budget_gib']:.2f} GiB)"]
         for name in methods:
             value = row[name]
-            cells.append(f"{value:,.0f}" if value is not None else f"— ({row[name + '_status'].lower()})")
+            status = row[name + "_status"]
+            if value is None:
+                cells.append(f"— ({status.lower()})")
+            else:
+                cells.append(f"{value:,.0f}" + (f" ({status.lower()})" if status in ("TIMEOUT", "OPTIMAL") else ""))
         print("| " + " | ".join(cells) + " |")
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(records[0]))
