@@ -1,0 +1,811 @@
+"""Keep / swap / recompute (/ compress) per unit of activations by mixed-integer linear programming.
+
+Jain, Jain, Nrusimha, Gholami, Abbeel, Keutzer, Stoica and Gonzalez, "Checkmate: Breaking the Memory Wall
+with Optimal Tensor Rematerialization", MLSys 2020: rematerialization as a MILP over a (coarsened) graph,
+memory constrained at every stage. Patil, Jain, Mandal, Nrusimha, Gonzalez and Stoica, "POET: Training
+Neural Networks on Tiny Devices with Integrated Rematerialization and Paging", ICML 2022 (and torchtitan's
+activation-checkpoint planner) add paging to host memory as a third choice. We keep their shape -- one
+binary per unit and action, memory rows per time step, time as the objective -- but the schedule is not
+free: the simulator fixes when everything happens (Rules 1-9), so the MILP only chooses the actions and
+*models* what the simulator then does. The searcher simulates the answer and trusts the simulator.
+
+NOTE [ MILP model ] -- every variable and row, by its name in the model (``name[...]``).
+    Units are runs of candidates of one block in forward order, merged or split to at most ``max_units``
+    (:func:`decision_units`); candidates under ``_TINY_FRACTION`` of the activation bytes are kept, not
+    decided. Times are in milliseconds, memory in ``mem_unit`` bytes. Everything the simulator derives
+    from the policy is written as a function of the binaries x, so that the optimum is the simulator's.
+    Variables:
+      x[u,a]           binary: unit u takes action a (keep, swap, recompute; compress if allowed).
+      pulled[u,a,j]    x[u,a] AND "a recomputed unit reading u has started regenerating by start point j"
+                       (start points: the ops where a recomputed unit's own regeneration begins). Rule 7
+                       then materializes u's inputs to it there, before their own first use: recomputed
+                       (with their inputs inside u), fetched (swap: the H2D copy is issued, and waited for,
+                       there) or unpacked (compress). In [0, 1]; the rows pin it to 0 or 1.
+      stall[i]         compute-stream time spent waiting for copies up to need position i (Rule 6); need
+                       positions are the decided candidates in backward order of first use.
+      d2h_end[c], h2d_end[c]   when candidate c's device-to-host / host-to-device copy ends (Rules 4, 5).
+      clock[o]         start of op o after everything inserted before it, stalls included.
+      held[c,o]        exact hold mode: binary, swapped c still holds its device memory at op o, after the
+                       program dropped it, because its D2H copy has not ended when o starts (Rule 4).
+      done[o], held_bytes[o]   fluid hold mode (too many (c, o) pairs): bytes the D2H link has copied by
+                       op o, and the dropped bytes not yet copied.
+      peak             only when minimising the peak (no policy fits the budget).
+    Rows:
+      one_action[u]                      exactly one action per unit.
+      no_good[r]                         not the r-th assignment the simulator rejected (see Repairs).
+      pull_lb[u,a,v,j], pull_ub_action[u,a,j], pull_ub_dependent[u,a,j]
+                                         pulled = x[u,a] AND OR_v started(v, j), v the units reading u;
+                                         started(v, j) is x[v,recompute] from v's own start point on and
+                                         pulled[v,recompute,j] before it (a chain of recomputes).
+      stall_monotone[i], stall[c], stall_pulled[c,j]
+                                         waiting accumulates; the compute stream reaches c's first use (or
+                                         the start point where c is pulled) no earlier than its copy ends.
+      d2h_fifo[c], d2h_issue[c]          D2H copies run one at a time in issue order, from save_op's end.
+      h2d_fifo[c], h2d_issue[c], h2d_issue_pulled[c,j], h2d_after_d2h[c]
+                                         H2D copies run one at a time in order of need, each from its
+                                         Rule 5 trigger op (or the start point that pulls it, if earlier),
+                                         never before its D2H copy ended.
+      clock[o], hold[c,o]                held[c,o] is 1 when d2h_end[c] > clock[o].
+      link_rate[o], copied_le_issued[o], held_ge_dropped_minus_copied[o]
+                                         fluid hold: done grows at most at the link rate and never beyond
+                                         what was issued; what was dropped and not done is held.
+      memory[o]                          live bytes during op o (Rule 2, intervals of Rules 3-8, pulls and
+                                         holds) within the budget (at most peak when minimising it).
+    Objective (Rule 9): compute + the recompute of every candidate materialized + pack and unpack kernels +
+    the total stall.
+
+    Exactness. When every unit is one candidate and no two decided candidates are first used in backward
+    by the same op, the model is a relaxation of the simulator: every policy's simulated run satisfies all
+    rows with its own numbers (copy ends, stalls, holds), at its simulated time. It is looser only in that
+    stall is bounded below, not pinned: the solver may "wait" for a copy to end so that it frees memory,
+    which the simulator never does. So an optimum the simulator accepts at the same time is the
+    simulator's best policy; tests/test_solvers.py checks this against brute force over every policy of
+    small chains. Elsewhere the model approximates: a unit's candidates are pulled together, as early as
+    the dependent unit starts (conservative); transients of pulled recomputes are not counted; the fluid
+    hold frees a copy's bytes progressively (optimistic by at most the tensor in flight).
+
+    Repairs. When the simulator finds the answer over budget, a no-good row cuts that assignment off and
+    HiGHS solves again (on exact models this keeps the relaxation, so the final optimum is still proved);
+    after ``_CUTS_BEFORE_TIGHTENING`` cuts the budget is also lowered by the excess (then it is no longer
+    a proof: the status comes from the simulator). With no accepted answer, the warm start is returned.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from agents.base import Problem, Proposal, Searcher, Status, register
+from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, SimResult
+
+_NAMES = {KEEP: "keep", SWAP: "swap", RECOMPUTE: "recompute", COMPRESS: "compress"}
+_TINY_FRACTION = 1e-3  # candidates under this fraction of all activation bytes are kept, not decided
+_MAX_UNITS = 40  # decision units: ResNet-50 (120 binaries) is solved to optimality in 10-40 s
+_EXACT_HOLD_PAIRS = 3000  # above this many (candidate, op) hold pairs, the fluid hold model is used
+_DEFAULT_TIME_LIMIT_S = 30.0
+_REPAIRS = 8  # re-solves when the simulator finds the answer over budget (NOTE [ MILP model ], Repairs)
+_CUTS_BEFORE_TIGHTENING = 3  # no-good cuts alone for this many re-solves, then also a tighter budget
+_INSTALL_HINT = "the milp searcher needs HiGHS: pip install 'highspy>=1.7'"
+
+
+def _highspy() -> Any:
+    try:
+        import highspy
+    except ImportError as e:  # pragma: no cover - highspy is a declared dependency
+        raise ImportError(_INSTALL_HINT) from e
+    return highspy
+
+
+# -- a sparse MILP, built as lists and handed to HiGHS in one go ------------------------------------------------
+@dataclass
+class _Lin:
+    """A linear expression: ``const + sum(coef * column)``."""
+
+    terms: dict[int, float] = field(default_factory=dict)
+    const: float = 0.0
+
+    def add(self, col: int, coef: float) -> _Lin:
+        if coef:
+            self.terms[col] = self.terms.get(col, 0.0) + coef
+        return self
+
+    def add_lin(self, other: _Lin, scale: float = 1.0) -> _Lin:
+        for col, coef in other.terms.items():
+            self.add(col, scale * coef)
+        self.const += scale * other.const
+        return self
+
+
+@dataclass
+class _Solution:
+    """What HiGHS returned."""
+
+    status: str  # "optimal", "time_limit", "infeasible", "other"
+    values: np.ndarray | None  # column values of the incumbent, None without one
+    objective: float
+    gap: float
+
+
+class _Milp:
+    """Columns and labelled rows; :meth:`solve` runs HiGHS."""
+
+    def __init__(self) -> None:
+        self.col_names: list[str] = []
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.cost: list[float] = []
+        self.integer: list[bool] = []
+        self.row_names: list[str] = []
+        self.row_lower: list[float] = []
+        self.row_upper: list[float] = []
+        self.row_cols: list[list[int]] = []
+        self.row_vals: list[list[float]] = []
+        self.offset = 0.0
+
+    def var(self, name: str, lb: float = 0.0, ub: float = math.inf, cost: float = 0.0, binary: bool = False) -> int:
+        self.col_names.append(name)
+        self.lower.append(lb)
+        self.upper.append(1.0 if binary else ub)
+        self.cost.append(cost)
+        self.integer.append(binary)
+        return len(self.col_names) - 1
+
+    def row(self, name: str, expr: _Lin, lo: float = -math.inf, hi: float = math.inf) -> int:
+        """``lo <= expr <= hi`` (the expression's constant moves to the bounds)."""
+        self.row_names.append(name)
+        self.row_lower.append(lo - expr.const)
+        self.row_upper.append(hi - expr.const)
+        cols = [c for c, v in expr.terms.items() if v]
+        self.row_cols.append(cols)
+        self.row_vals.append([expr.terms[c] for c in cols])
+        return len(self.row_names) - 1
+
+    def solve(
+        self, time_limit_s: float, seed: int, start: dict[int, float] | None = None, log: bool = False
+    ) -> _Solution:
+        """Run HiGHS for at most ``time_limit_s`` from the (partial) solution ``start``; ``log``: its output."""
+        hs = _highspy()
+        # highspy.Highs() enables callbacks in its constructor, which prints the HiGHS banner before
+        # output_flag can be cleared; the core class it wraps does not (fall back to it if it moved).
+        core = getattr(getattr(hs, "_core", None), "_Highs", None)
+        h = core() if core is not None else hs.Highs()
+        h.setOptionValue("output_flag", log)
+        h.setOptionValue("time_limit", max(0.01, float(time_limit_s)))
+        h.setOptionValue("random_seed", int(seed))
+        h.setOptionValue("mip_rel_gap", 1e-6)
+        h.setOptionValue("threads", 1)  # deterministic under a seed
+        lp = hs.HighsLp()
+        lp.num_col_, lp.num_row_ = len(self.col_names), len(self.row_names)
+        inf = hs.kHighsInf
+        lp.col_cost_ = np.asarray(self.cost, dtype=np.float64)
+        lp.col_lower_ = np.asarray(self.lower, dtype=np.float64)
+        lp.col_upper_ = np.clip(np.asarray(self.upper, dtype=np.float64), -inf, inf)
+        lp.row_lower_ = np.clip(np.asarray(self.row_lower, dtype=np.float64), -inf, inf)
+        lp.row_upper_ = np.clip(np.asarray(self.row_upper, dtype=np.float64), -inf, inf)
+        lp.offset_ = self.offset
+        lp.a_matrix_.format_ = hs.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = np.cumsum([0, *(len(c) for c in self.row_cols)]).astype(np.int32)
+        lp.a_matrix_.index_ = np.fromiter((c for cols in self.row_cols for c in cols), dtype=np.int32)
+        lp.a_matrix_.value_ = np.fromiter((v for vals in self.row_vals for v in vals), dtype=np.float64)
+        lp.integrality_ = [hs.HighsVarType.kInteger if i else hs.HighsVarType.kContinuous for i in self.integer]
+        lp.col_names_, lp.row_names_ = self.col_names, self.row_names
+        h.passModel(lp)
+        if start:
+            idx = np.fromiter(start.keys(), dtype=np.int32)
+            h.setSolution(len(idx), idx, np.fromiter(start.values(), dtype=np.float64))
+        h.run()
+        status = h.getModelStatus()
+        info = h.getInfo()
+        has_solution = info.primal_solution_status == hs.kSolutionStatusFeasible
+        name = {
+            hs.HighsModelStatus.kOptimal: "optimal",
+            hs.HighsModelStatus.kTimeLimit: "time_limit",
+            hs.HighsModelStatus.kInfeasible: "infeasible",
+        }.get(status, "other")
+        values = np.asarray(h.getSolution().col_value) if has_solution else None
+        gap = float(info.mip_gap) if has_solution else math.inf
+        return _Solution(name, values, float(info.objective_function_value), gap)
+
+
+# -- the problem's data, as the MILP reads it ---------------------------------------------------------------------
+def decision_units(problem: Problem, max_units: int = _MAX_UNITS) -> list[list[int]]:
+    """Candidates decided together, in forward order: runs of one block (``Candidate.block``), adjacent runs
+    merged (least bytes first) down to ``max_units``, or the largest split in two up to it. Candidates under
+    ``_TINY_FRACTION`` of the activation bytes are left out (kept)."""
+    sim = problem.simulator
+    total = float(sim.size.sum())
+    decided = [c for c in range(sim.k) if sim.size[c] > _TINY_FRACTION * total]
+    decided.sort(key=lambda c: (int(sim.save_op[c]), c))
+    blocks = [c.block for c in problem.workload.candidates]
+    units: list[list[int]] = []
+    for c in decided:
+        if units and blocks[units[-1][-1]] == blocks[c]:
+            units[-1].append(c)
+        else:
+            units.append([c])
+
+    def nbytes(unit: list[int]) -> int:
+        return int(sim.size[unit].sum())
+
+    while len(units) > max_units:
+        i = min(range(len(units) - 1), key=lambda i: nbytes(units[i]) + nbytes(units[i + 1]))
+        units[i : i + 2] = [units[i] + units[i + 1]]
+    while len(units) < max_units:
+        splittable = [i for i, u in enumerate(units) if len(u) > 1]
+        if not splittable:
+            break
+        i = max(splittable, key=lambda i: nbytes(units[i]))
+        sizes = np.cumsum(sim.size[units[i]])
+        cut = int(np.clip(np.searchsorted(sizes, sizes[-1] / 2), 1, len(units[i]) - 1))
+        units[i : i + 1] = [units[i][:cut], units[i][cut:]]
+    return units
+
+
+@dataclass
+class _Data:
+    """Per-candidate numbers from the simulator (its own op times, copy times, closures), per-unit relations."""
+
+    problem: Problem
+    units: list[list[int]]
+    actions: tuple[int, ...]
+    mem_unit: float
+    unit_of: np.ndarray = field(init=False)
+    regen_op: np.ndarray = field(init=False)  # op at which c is regenerated when its whole unit is recomputed
+    unit_start: list[int] = field(init=False)  # first such op of each unit (n_ops: never)
+    dependents: list[list[int]] = field(init=False)  # units whose recompute reads unit u
+    boundary: list[set[int]] = field(init=False)  # candidates of u that another unit's closure reads
+    closure: list[set[int]] = field(init=False)  # boundary and, recursively, its inputs within u
+
+    def __post_init__(self) -> None:
+        sim = self.problem.simulator
+        deps = [cl[2] for cl in sim._closures]  # Rule 7: candidate inputs of each closure
+        self.unit_of = np.full(sim.k, -1, dtype=np.int64)
+        for u, members in enumerate(self.units):
+            self.unit_of[members] = u
+        self.regen_op = sim.first_use.copy()
+        for members in self.units:  # in-unit pulls, to a fixed point (a unit is small)
+            changed = True
+            while changed:
+                changed = False
+                for c in members:
+                    for dep in deps[c]:
+                        if self.unit_of[dep] == self.unit_of[c] and self.regen_op[c] < self.regen_op[dep]:
+                            self.regen_op[dep] = self.regen_op[c]
+                            changed = True
+        self.unit_start = [int(self.regen_op[m].min()) for m in self.units]
+        dependents: list[set[int]] = [set() for _ in self.units]
+        self.boundary = [set() for _ in self.units]
+        for c in range(sim.k):
+            v = int(self.unit_of[c])
+            for dep in deps[c] if v >= 0 else ():
+                u = int(self.unit_of[dep])
+                if u >= 0 and u != v:
+                    dependents[u].add(v)
+                    self.boundary[u].add(dep)
+        self.dependents = [sorted(s) for s in dependents]
+        self.closure = []
+        for u in range(len(self.units)):
+            seen, stack = set(self.boundary[u]), list(self.boundary[u])
+            while stack:
+                for dep in deps[stack.pop()]:
+                    if self.unit_of[dep] == u and dep not in seen:
+                        seen.add(dep)
+                        stack.append(dep)
+            self.closure.append(seen)
+
+    def pulled_set(self, u: int, a: int) -> set[int]:
+        """Candidates of unit u that Rule 7 materializes when a recomputed dependent starts, under action a."""
+        return self.closure[u] if a == RECOMPUTE else self.boundary[u]
+
+
+@dataclass
+class _Built:
+    """A built MILP and the handles the searcher reads back."""
+
+    milp: _Milp
+    x: dict[tuple[int, int], int]
+    memory_rows: list[int]
+    hold_mode: str
+
+
+def _build(data: _Data, budget_bytes: int | None, no_goods: Sequence[Sequence[int]] = ()) -> _Built:
+    """The MILP of NOTE [ MILP model ] (minimum peak when ``budget_bytes`` is None), without the unit actions
+    of ``no_goods`` (assignments the simulator found over budget)."""
+    return _Builder(data, budget_bytes).build(no_goods)
+
+
+Key = tuple[int, int]  # a moment of backward: (op, candidate), in the simulator's order of need
+
+
+class _Builder:
+    """Adds the columns and rows of NOTE [ MILP model ] one group at a time (one method per group)."""
+
+    def __init__(self, data: _Data, budget_bytes: int | None) -> None:
+        self.data, self.budget_bytes = data, budget_bytes
+        problem = data.problem
+        sim = self.sim = problem.simulator
+        self.n, self.k, self.n_units = sim.n_ops, sim.k, len(data.units)
+        self.acts = data.actions
+        ms = 1e3  # seconds -> milliseconds
+        opts = problem.options
+        self.trigger_op = sim._trigger_ops(max(0, int(opts.prefetch_lookahead)))  # Rule 5: H2D issue op
+        packed, pack_s = sim._compression(opts.compress_dtype)
+        self.packed_bytes = packed.astype(np.float64)
+        self.pack_ms = pack_s * ms  # one pack or unpack kernel (Rule 8)
+        self.recompute_ms = np.array([cl[0] for cl in sim._closures]) * ms  # Rule 7 closure time
+        self.transient_bytes = np.array([cl[1] for cl in sim._closures], dtype=np.float64)
+        self.start_ms, self.op_ms = sim.op_start_s * ms, sim.op_s * ms  # traced op starts and durations
+        self.d2h_ms, self.h2d_ms = sim.d2h_s * ms, sim.h2d_s * ms
+        self.size_bytes = sim.size.astype(np.float64)
+        self.decided = [c for members in data.units for c in members]
+        self.uo = data.unit_of
+        copies_ms = self.d2h_ms.sum() + self.h2d_ms.sum()
+        # A bound on any time difference in the model: twice everything the iteration could contain.
+        self.big_m = 2 * (sim.compute_s * ms + self.recompute_ms.sum() + 2 * self.pack_ms.sum() + copies_ms) + 1.0
+        self.last_fwd = max((op.index for op in problem.workload.ops if op.phase.value == "forward"), default=-1)
+        self.m = _Milp()
+        self.m.offset = sim.compute_s * ms
+        self.x: dict[tuple[int, int], int] = {}
+        self.pulled: dict[tuple[int, int, int], int] = {}
+        self.stall: list[int] = []
+        self.d2h_end: dict[int, int] = {}
+        self.clock_col: dict[int, int] = {}
+        # Backward moments in the simulator's order of need: decided candidates by (first use, index).
+        use = sim.first_use
+        self.need = sorted((c for c in self.decided if use[c] < self.n), key=lambda c: (int(use[c]), c))
+        self.need_key: list[Key] = [(int(use[c]), c) for c in self.need]
+        # Start points: where a recomputed unit's own regeneration begins (the first use that pulls it).
+        self.starts = sorted({s for s in data.unit_start if s < self.n}) if RECOMPUTE in self.acts else []
+        self.start_key: list[Key] = [(s, min(c for c in self.decided if use[c] == s)) for s in self.starts]
+
+    def build(self, no_goods: Sequence[Sequence[int]]) -> _Built:
+        self.add_actions(no_goods)
+        self.add_pulls()
+        self.add_stalls_and_objective()
+        self.add_copies()
+        hold_mode, hold_terms = self.add_hold()
+        memory_rows = self.add_memory(hold_terms)
+        return _Built(self.m, self.x, memory_rows, hold_mode)
+
+    # -- x[u,a], one_action, no_good ----------------------------------------------------------------------------
+    def add_actions(self, no_goods: Sequence[Sequence[int]]) -> None:
+        m, x = self.m, self.x
+        for u in range(self.n_units):
+            for a in self.acts:
+                x[u, a] = m.var(f"x[{u},{_NAMES[a]}]", binary=True)
+            m.row(f"one_action[{u}]", _Lin({x[u, a]: 1.0 for a in self.acts}), 1.0, 1.0)
+        for r, unit_action in enumerate(no_goods):
+            m.row(f"no_good[{r}]", _Lin({x[u, a]: 1.0 for u, a in enumerate(unit_action)}), hi=self.n_units - 1.0)
+
+    # -- pulled[u,a,j] and its rows -----------------------------------------------------------------------------
+    def before(self, key: Key) -> int:
+        """Index of the last start point strictly before ``key`` (-1: none)."""
+        return bisect.bisect_left(self.start_key, key) - 1
+
+    def started(self, v: int, j: int) -> _Lin:
+        """1 when recomputed unit v has started regenerating by start point j."""
+        if self.starts[j] >= self.data.unit_start[v]:
+            return _Lin({self.x[v, RECOMPUTE]: 1.0})
+        return self.pulled_by(v, RECOMPUTE, j)
+
+    def pulled_by(self, u: int, a: int, j: int) -> _Lin:
+        return _Lin({self.pulled[u, a, j]: 1.0}) if (u, a, j) in self.pulled else _Lin()
+
+    def first_pull(self, u: int, a: int, j: int) -> _Lin:
+        """1 when unit u is pulled exactly at start point j (pulled is monotone in j)."""
+        return self.pulled_by(u, a, j).add_lin(self.pulled_by(u, a, j - 1), -1.0)
+
+    def ever_pulled(self, u: int, a: int) -> _Lin:
+        js = [j for (v, b, j) in self.pulled if v == u and b == a]
+        return self.pulled_by(u, a, max(js)) if js else _Lin()
+
+    def add_pulls(self) -> None:
+        data, m, x = self.data, self.m, self.x
+        use = self.sim.first_use
+        for u in reversed(range(self.n_units)) if self.starts else ():  # dependents are built first
+            for a in (a for a in self.acts if a != KEEP):
+                members = data.pulled_set(u, a)
+                if not members or not data.dependents[u]:
+                    continue
+                horizon = max(int(data.regen_op[c] if a == RECOMPUTE else use[c]) for c in members)
+                for j, s in enumerate(self.starts):
+                    ups = [self.started(v, j) for v in data.dependents[u]]
+                    if s >= horizon or not any(e.terms for e in ups):
+                        continue
+                    col = self.pulled[u, a, j] = m.var(f"pulled[{u},{_NAMES[a]},{j}]", 0.0, 1.0)
+                    for v, e in zip(data.dependents[u], ups, strict=True):
+                        lb = _Lin({col: 1.0, x[u, a]: -1.0}).add_lin(e, -1.0)
+                        m.row(f"pull_lb[{u},{_NAMES[a]},{v},{j}]", lb, lo=-1.0)
+                    m.row(f"pull_ub_action[{u},{_NAMES[a]},{j}]", _Lin({col: 1.0, x[u, a]: -1.0}), hi=0.0)
+                    any_dependent = _Lin({col: 1.0})
+                    for e in ups:
+                        any_dependent.add_lin(e, -1.0)
+                    m.row(f"pull_ub_dependent[{u},{_NAMES[a]},{j}]", any_dependent, hi=0.0)
+
+    # -- stall[i], the compute-stream clock, the objective -----------------------------------------------------
+    def inserted(self, key: Key, with_stall: bool) -> _Lin:
+        """Milliseconds the compute stream spent before ``key`` beyond the traced ops: every pack kernel (they
+        run in forward), the recomputes and unpacks materialized earlier (at their own moment or pulled),
+        and, optionally, the stalls so far (Rules 6-9)."""
+        data, x, acts = self.data, self.x, self.acts
+        use, regen = self.sim.first_use, data.regen_op
+        e, j = _Lin(), self.before(key)
+        for c in self.decided:
+            u = self.uo[c]
+            if COMPRESS in acts:
+                e.add(x[u, COMPRESS], self.pack_ms[c])
+                if use[c] < self.n and (int(use[c]), c) < key:
+                    e.add(x[u, COMPRESS], self.pack_ms[c])
+                elif c in data.boundary[u]:
+                    e.add_lin(self.pulled_by(u, COMPRESS, j), self.pack_ms[c])
+            if RECOMPUTE in acts:
+                if regen[c] < self.n and (int(regen[c]), c) < key:
+                    e.add(x[u, RECOMPUTE], self.recompute_ms[c])
+                elif c in data.closure[u]:
+                    e.add_lin(self.pulled_by(u, RECOMPUTE, j), self.recompute_ms[c])
+        i = bisect.bisect_left(self.need_key, key) - 1
+        if with_stall and i >= 0:
+            e.add(self.stall[i], 1.0)
+        return e
+
+    def clock(self, o: int) -> _Lin:
+        """Start of op o after every insertion before it, stalls included: what Rule 4's release compares
+        with (stall is only bounded below, so this is the relaxed side: see the NOTE)."""
+        e = _Lin(const=float(self.start_ms[o]))
+        if o <= self.last_fwd:  # forward: only the pack kernels inserted after each save_op (Rule 8)
+            for c in self.decided if COMPRESS in self.acts else ():
+                if self.sim.save_op[c] + 1 <= o:
+                    e.add(self.x[self.uo[c], COMPRESS], self.pack_ms[c])
+            return e
+        return e.add_lin(self.inserted((o, self.k), with_stall=True))
+
+    def clock_var(self, o: int) -> _Lin:
+        """clock(o) as one column (defined by its row), so that many rows can read it sparsely."""
+        if o not in self.clock_col:
+            e = self.clock(o)
+            if not e.terms:
+                return e
+            col = self.clock_col[o] = self.m.var(f"clock[{o}]")
+            self.m.row(f"clock[{o}]", _Lin({col: 1.0}).add_lin(e, -1.0), 0.0, 0.0)
+        return _Lin({self.clock_col[o]: 1.0})
+
+    def add_stalls_and_objective(self) -> None:
+        m, x, data = self.m, self.x, self.data
+        self.stall = [m.var(f"stall[{i}]") for i in range(len(self.need))]
+        for i in range(1, len(self.need)):
+            m.row(f"stall_monotone[{i}]", _Lin({self.stall[i]: 1.0, self.stall[i - 1]: -1.0}), lo=0.0)
+
+        def charge(e: _Lin, cost_ms: float) -> None:
+            for col, coef in e.terms.items():
+                m.cost[col] += coef * cost_ms
+
+        # Rule 9: compute (the offset) + recompute of every candidate materialized + kernels + stall.
+        use = self.sim.first_use
+        for c in self.decided:
+            u = self.uo[c]
+            if RECOMPUTE in self.acts:
+                own = data.regen_op[c] < self.n
+                charge(_Lin({x[u, RECOMPUTE]: 1.0}) if own else self.ever_pulled(u, RECOMPUTE), self.recompute_ms[c])
+            if COMPRESS in self.acts:
+                charge(_Lin({x[u, COMPRESS]: 1.0}), self.pack_ms[c])
+                unpacked = _Lin({x[u, COMPRESS]: 1.0}) if use[c] < self.n else self.ever_pulled(u, COMPRESS)
+                charge(unpacked, self.pack_ms[c])
+        if self.stall:
+            m.cost[self.stall[-1]] += 1.0
+
+    # -- d2h_end, h2d_end and the rows of Rules 4-6 -----------------------------------------------------------
+    def add_copies(self) -> None:
+        m, x, big_m = self.m, self.x, self.big_m
+        sim = self.sim
+        sv, use = sim.save_op, sim.first_use
+        swappable = [c for c in self.decided if SWAP in self.acts]
+        prev = -1
+        for c in sorted(swappable, key=lambda c: (int(sv[c]), c)):
+            col = self.d2h_end[c] = m.var(f"d2h_end[{c}]")
+            xs = x[self.uo[c], SWAP]
+            if prev >= 0:
+                m.row(f"d2h_fifo[{c}]", _Lin({col: 1.0, prev: -1.0, xs: -self.d2h_ms[c]}), lo=0.0)
+            issue = self.clock(int(sv[c])).add_lin(_Lin(const=float(self.op_ms[sv[c]])))
+            m.row(f"d2h_issue[{c}]", _Lin({col: 1.0, xs: -self.d2h_ms[c]}).add_lin(issue, -1.0), lo=0.0)
+            prev = col
+        prev = -1
+        for i, c in enumerate(self.need):
+            if c not in self.d2h_end:
+                continue
+            u, xs, h2d = int(self.uo[c]), x[self.uo[c], SWAP], self.h2d_ms[c]
+            col = m.var(f"h2d_end[{c}]")
+            if prev >= 0:
+                m.row(f"h2d_fifo[{c}]", _Lin({col: 1.0, prev: -1.0, xs: -h2d}), lo=0.0)
+            m.row(f"h2d_after_d2h[{c}]", _Lin({col: 1.0, self.d2h_end[c]: -1.0, xs: -h2d}), lo=0.0)
+            # Issued at the trigger op, unless a recomputed dependent pulled it earlier (then at that moment).
+            t = int(self.trigger_op[c])
+            issue = self.inserted((t, -1), with_stall=True).add_lin(_Lin(const=float(self.start_ms[t])))
+            relax = self.pulled_by(u, SWAP, self.before((t, -1)))
+            m.row(f"h2d_issue[{c}]", _Lin({col: 1.0, xs: -h2d}).add_lin(issue, -1.0).add_lin(relax, big_m), lo=0.0)
+            arrive = self.inserted(self.need_key[i], with_stall=False).add(self.stall[i], 1.0).add(col, -1.0)
+            arrive.add(xs, -big_m).const += float(self.start_ms[use[c]])
+            m.row(f"stall[{c}]", arrive, lo=-big_m)
+            for j, key in enumerate(self.start_key):
+                if (u, SWAP, j) not in self.pulled or key >= self.need_key[i]:
+                    continue
+                exactly_j = self.first_pull(u, SWAP, j)
+                at = self.inserted(key, with_stall=True).add_lin(_Lin(const=float(self.start_ms[key[0]])))
+                if key < (t, -1):
+                    row = _Lin({col: 1.0, xs: -h2d}).add_lin(at, -1.0).add_lin(exactly_j, -big_m)
+                    m.row(f"h2d_issue_pulled[{c},{j}]", row, lo=-big_m)
+                w = bisect.bisect_left(self.need_key, key)
+                wait = self.inserted(key, with_stall=False).add(self.stall[w], 1.0).add(col, -1.0)
+                wait.add_lin(exactly_j, -big_m).const += float(self.start_ms[key[0]])
+                m.row(f"stall_pulled[{c},{j}]", wait, lo=-big_m)
+            prev = col
+
+    # -- held / done / held_bytes (Rule 4's release) -----------------------------------------------------------
+    def add_hold(self) -> tuple[str, dict[int, _Lin]]:
+        """Exact binaries when there are few (candidate, op) pairs, the fluid model otherwise. Returns the
+        mode and the hold bytes to add to each memory row."""
+        m, x, sim = self.m, self.x, self.sim
+        sv, drop = sim.save_op, sim.drop
+        last_row = self.last_row
+        swappable = sorted(self.d2h_end, key=lambda c: (int(sv[c]), c))
+        # An upper bound on each copy's end: everything swapped, every pack kernel before it.
+        end_ub: dict[int, float] = {}
+        link_free = 0.0
+        packs = float(self.pack_ms[self.decided].sum()) if COMPRESS in self.acts else 0.0
+        for c in swappable:
+            link_free = max(link_free, self.start_ms[sv[c]] + self.op_ms[sv[c]] + packs) + self.d2h_ms[c]
+            end_ub[c] = link_free
+        pairs = [
+            (c, o) for c in swappable for o in range(int(drop[c]) + 1, last_row + 1) if self.start_ms[o] < end_ub[c]
+        ]
+        terms: dict[int, _Lin] = {o: _Lin() for o in range(last_row + 1)}
+        mu = self.data.mem_unit
+        if len(pairs) <= _EXACT_HOLD_PAIRS:
+            for c, o in pairs:
+                held = m.var(f"held[{c},{o}]", binary=True)
+                e = _Lin({self.d2h_end[c]: 1.0, held: -self.big_m, x[self.uo[c], SWAP]: self.big_m})
+                m.row(f"hold[{c},{o}]", e.add_lin(self.clock_var(o), -1.0), hi=self.big_m)
+                terms[o].add(held, self.size_bytes[c] / mu)
+            return "exact", terms
+        rate = self.data.problem.hardware.d2h_bytes_per_s / 1e3 / mu  # memory units per millisecond
+        first = min(int(sv[c]) for c in swappable) + 1
+        prev_done, prev_clock = -1, _Lin(const=float(self.start_ms[first - 1] + self.op_ms[first - 1]))
+        for o in range(first, last_row + 1):
+            done, held_bytes = m.var(f"done[{o}]"), m.var(f"held_bytes[{o}]")
+            now = self.clock_var(o)
+            grow = _Lin({done: 1.0}).add_lin(now, -rate).add_lin(prev_clock, rate)
+            if prev_done >= 0:
+                grow.add(prev_done, -1.0)
+            m.row(f"link_rate[{o}]", grow, hi=0.0)
+            issued, dropped = _Lin({done: 1.0}), _Lin({held_bytes: 1.0, done: 1.0})
+            for c in swappable:
+                if sv[c] < o:
+                    issued.add(x[self.uo[c], SWAP], -self.size_bytes[c] / mu)
+                if drop[c] < o:
+                    dropped.add(x[self.uo[c], SWAP], -self.size_bytes[c] / mu)
+            m.row(f"copied_le_issued[{o}]", issued, hi=0.0)
+            m.row(f"held_ge_dropped_minus_copied[{o}]", dropped, lo=0.0)
+            terms[o].add(held_bytes, 1.0)
+            prev_done, prev_clock = done, now
+        return "fluid", terms
+
+    # -- memory[o] (Rule 2) --------------------------------------------------------------------------------------
+    @property
+    def last_row(self) -> int:
+        """The last op at which a decided candidate can be live."""
+        return int(self.sim.free_keep[self.decided].max()) if self.decided else -1
+
+    def live_bytes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Bytes live at each op per (unit, action), from the actions' intervals (Rules 3-8): on their own,
+        from a pull on (before their own materialization), and packed bytes an early unpack frees."""
+        sim, data, last_row = self.sim, self.data, self.last_row
+        n, use, regen = self.n, sim.first_use, data.regen_op
+        shape = (self.n_units, 4, last_row + 2)
+        own, early, unpacked = np.zeros(shape), np.zeros(shape), np.zeros(shape)  # difference arrays first
+
+        def live(into: np.ndarray, u: int, a: int, lo: int, hi: int, nbytes: float) -> None:
+            lo, hi = max(int(lo), 0), min(int(hi), last_row)
+            if lo <= hi:
+                into[u, a, lo] += nbytes
+                into[u, a, hi + 1] -= nbytes
+
+        for c in self.decided:
+            u, z = int(self.uo[c]), self.size_bytes[c]
+            p, drop, free = int(sim.producer[c]), int(sim.drop[c]), int(sim.free_keep[c])
+            last_use = int(use[c]) if use[c] < n else n - 1  # a packed copy nobody unpacks lives to the end
+            for a in self.acts:
+                if a == KEEP:
+                    live(own, u, a, p, free, z)  # Rule 3
+                    continue
+                live(own, u, a, p, drop, z)  # until the program drops it (Rules 4, 7, 8)
+                # Back on the device from: the H2D issue (Rule 5), the regeneration (7), the unpack (8).
+                back = {SWAP: int(self.trigger_op[c]) if use[c] < n else n, RECOMPUTE: int(regen[c])}.get(a, last_use)
+                back = back if use[c] < n or a == RECOMPUTE else n
+                if back < n:
+                    live(own, u, a, back, free, z)  # the H2D buffer (Rule 5), the regenerated or unpacked copy
+                if a == RECOMPUTE and back < n:
+                    live(own, u, a, back, back, self.transient_bytes[c])  # the closure's other intermediates
+                if a == COMPRESS:
+                    live(own, u, a, sim.save_op[c], last_use, self.packed_bytes[c])
+                if c in data.pulled_set(u, a):
+                    live(early, u, a, 0, min(back - 1, free), z)
+                    if a == COMPRESS:
+                        live(unpacked, u, a, 0, last_use, self.packed_bytes[c])
+        mu = data.mem_unit
+        own, early, unpacked = (np.cumsum(arr, axis=2)[:, :, : last_row + 1] / mu for arr in (own, early, unpacked))
+        return own, early, unpacked
+
+    def add_memory(self, hold_terms: dict[int, _Lin]) -> list[int]:
+        m, x, sim, mu = self.m, self.x, self.sim, self.data.mem_unit
+        last_row = self.last_row
+        own, early, unpacked = self.live_bytes()
+        const = sim.base_live[: last_row + 1].astype(np.float64)  # tensors that are not candidates (Rule 2)
+        for c in sorted(set(range(self.k)) - set(self.decided)):  # candidates kept without a decision
+            if sim.producer[c] <= last_row:
+                const[sim.producer[c] : min(sim.free_keep[c], last_row) + 1] += self.size_bytes[c]
+        const /= mu
+        after = float(sim.base_live[last_row + 1 :].max(initial=0)) / mu  # once every decided one died
+        peak = -1
+        if self.budget_bytes is None:  # minimise the peak alone
+            peak = m.var("peak", lb=after)
+            m.cost, m.offset = [0.0] * len(m.cost), 0.0
+            m.cost[peak] = 1.0
+        budget = math.inf if self.budget_bytes is None else self.budget_bytes / mu
+        rows = []
+        for o in range(last_row + 1):
+            e = _Lin(const=float(const[o]))
+            j_at, j_before = self.before((o, self.k)), self.before((o, -1))  # pulls at or before o; before o
+            for u in range(self.n_units):
+                for a in self.acts:
+                    e.add(x[u, a], float(own[u, a, o]))
+                    if early[u, a, o]:
+                        e.add_lin(self.pulled_by(u, a, j_at), float(early[u, a, o]))
+                    if unpacked[u, a, o]:
+                        e.add_lin(self.pulled_by(u, a, j_before), -float(unpacked[u, a, o]))
+            e.add_lin(hold_terms[o])
+            if not e.terms and e.const <= budget:
+                continue  # nothing decided lives here, and it fits
+            if peak >= 0:
+                rows.append(m.row(f"memory[{o}]", e.add(peak, -1.0), hi=0.0))
+            else:
+                rows.append(m.row(f"memory[{o}]", e, hi=budget))
+        if after > budget:
+            m.row("memory[after]", _Lin(const=after), hi=budget)  # infeasible, and the row says where
+        return rows
+
+
+# -- the searcher -------------------------------------------------------------------------------------------------
+def _unit_vector(data: _Data, unit_action: Sequence[int]) -> np.ndarray:
+    """Candidate actions from one action per unit (candidates outside the units are kept)."""
+    actions = data.problem.keep_all()
+    for members, a in zip(data.units, unit_action, strict=True):
+        actions[members] = a
+    return actions
+
+
+def _unit_actions(data: _Data, built: _Built, values: np.ndarray) -> list[int]:
+    """The action of each unit in a HiGHS solution (the largest of its binaries)."""
+    return [max(data.actions, key=lambda a: values[built.x[u, a]]) for u in range(len(data.units))]
+
+
+@dataclass
+class _Start:
+    """A warm start: one action per unit and its simulated result (it fits the budget)."""
+
+    unit_action: list[int]
+    result: SimResult
+    source: str
+
+    def columns(self, built: _Built) -> dict[int, float]:
+        return {col: float(self.unit_action[u] == a) for (u, a), col in built.x.items()}
+
+
+def _warm_start(data: _Data) -> _Start | None:
+    """The fastest policy the simulator finds within the budget among keep-all, recompute-all and
+    checkpoint-dp's answer mapped onto the units (a unit is recomputed when checkpoint-dp recomputes any of
+    its candidates). It gives HiGHS an incumbent from the start, and the searcher one to return if HiGHS
+    gets no time at all."""
+    from agents.solvers.checkpoint_dp import CheckpointDP  # a sibling solver, and cheap (a linear DP)
+
+    problem, units = data.problem, range(len(data.units))
+    tries = {"keep-all": [KEEP for _ in units]}
+    if RECOMPUTE in data.actions:
+        dp = CheckpointDP()._search(problem).actions
+        tries["recompute-all"] = [RECOMPUTE for _ in units]
+        tries["checkpoint-dp"] = [RECOMPUTE if np.any(dp[m] == RECOMPUTE) else KEEP for m in data.units]
+    best: _Start | None = None
+    for source, unit_action in tries.items():
+        r = problem.evaluate(_unit_vector(data, unit_action))
+        if r.feasible and (best is None or r.iter_s < best.result.iter_s):
+            best = _Start(unit_action, r, source)
+    return best
+
+
+@register
+class MilpSearcher(Searcher):
+    """Checkmate-style MILP over units with keep / swap / recompute (and compress if allowed), solved by
+    HiGHS, its answer verified by the simulator (NOTE [ MILP model ])."""
+
+    name = "milp"
+    summary = "Checkmate (Jain et al. 2020) + POET-style paging: MILP over units, HiGHS"
+    exact = True
+
+    def __init__(self, max_units: int = _MAX_UNITS, log: bool = False) -> None:
+        self.max_units = max_units  # decision units (the MILP's size: 3 binaries each)
+        self.log = log  # print HiGHS's own log
+
+    def _search(self, problem: Problem) -> Proposal:
+        started = time.perf_counter()
+        limit_s = problem.time_limit_s if problem.time_limit_s is not None else _DEFAULT_TIME_LIMIT_S
+        acts = (KEEP, SWAP, RECOMPUTE, COMPRESS) if problem.allow_compress else (KEEP, SWAP, RECOMPUTE)
+        # Memory in units of a power of two, about 2^-14 of the budget or of all activations: well-scaled rows.
+        scale_bytes = max(problem.budget_bytes, int(problem.simulator.size.sum()), 1)
+        mem_unit = float(2 ** max(0, int(math.log2(scale_bytes / 2**14))))
+        data = _Data(problem, decision_units(problem, self.max_units), acts, mem_unit)
+        if not data.units:
+            return Proposal(problem.keep_all(), note="no candidate is large enough to decide: all kept")
+        start = _warm_start(data)
+        budget = problem.budget_bytes
+        notes: list[str] = []
+        no_goods: list[list[int]] = []
+        for attempt in range(_REPAIRS + 1):
+            built = _build(data, budget, no_goods)
+            size = f"{len(data.units)} units, {len(built.milp.col_names)} columns, {len(built.milp.row_names)} rows"
+            left_s = limit_s - (time.perf_counter() - started)
+            sol = built.milp.solve(left_s, problem.seed, start.columns(built) if start else None, self.log)
+            if sol.values is None and sol.status == "infeasible" and attempt == 0:
+                if start is not None:  # the model is conservative somewhere: the simulator has the last word
+                    return self._fallback(data, start, None, [f"model infeasible ({size}) but not the simulator"])
+                return self._least_peak(data, started, limit_s, [f"model infeasible ({size})"])
+            if sol.values is None:
+                notes.append(f"HiGHS {sol.status} without an incumbent ({size})")
+                return self._fallback(data, start, Status.TIMEOUT if sol.status == "time_limit" else None, notes)
+            unit_action = _unit_actions(data, built, sol.values)
+            actions = _unit_vector(data, unit_action)
+            result = problem.evaluate(actions)
+            model_iter_s = sol.objective / 1e3
+            gap = sol.gap if math.isfinite(sol.gap) else None
+            notes.append(
+                f"HiGHS {sol.status} (gap {sol.gap:.2e}, {built.hold_mode} hold, {size}): model {model_iter_s:.6f} s,"
+                f" simulated {result.iter_s:.6f} s, peak {result.peak_bytes} B for budget {problem.budget_bytes} B"
+            )
+            if result.feasible:
+                agree = math.isclose(result.iter_s, model_iter_s, rel_tol=1e-6, abs_tol=1e-9)
+                if sol.status == "time_limit":
+                    return Proposal(actions, status=Status.TIMEOUT, gap=gap, note="; ".join(notes))
+                if sol.status == "optimal" and agree and budget == problem.budget_bytes:
+                    return Proposal(actions, status=Status.OPTIMAL, gap=gap, note="; ".join(notes))
+                notes.append("the simulator disagrees with the model: status from the simulator")
+                return Proposal(actions, note="; ".join(notes))
+            if time.perf_counter() - started >= limit_s:
+                return self._fallback(data, start, Status.TIMEOUT, notes)
+            no_goods.append(unit_action)  # the simulator rejects it: cut it off
+            if len(no_goods) > _CUTS_BEFORE_TIGHTENING:
+                budget -= result.peak_bytes - problem.budget_bytes  # the model was optimistic by this much
+            notes.append(f"over budget in the simulator: cut off, re-solving for {budget} B")
+        return self._fallback(data, start, None, [*notes, f"no answer within the budget after {_REPAIRS} re-solves"])
+
+    def _fallback(self, data: _Data, start: _Start | None, status: Status | None, notes: list[str]) -> Proposal:
+        """The warm start when the MILP gave nothing the simulator accepts (all kept if there is none)."""
+        if start is None:
+            return Proposal(data.problem.keep_all(), status=status, note="; ".join([*notes, "all kept"]))
+        note = f"the warm start ({start.source}) instead"
+        return Proposal(_unit_vector(data, start.unit_action), status=status, note="; ".join([*notes, note]))
+
+    def _least_peak(self, data: _Data, started: float, limit_s: float, notes: list[str]) -> Proposal:
+        """No policy fits the model: its least-peak incumbent, or keep-all if that peaks lower; INFEASIBLE."""
+        problem = data.problem
+        built = _build(data, None)
+        sol = built.milp.solve(max(limit_s - (time.perf_counter() - started), 0.1), problem.seed, log=self.log)
+        actions = problem.keep_all()
+        if sol.values is not None:
+            least = _unit_vector(data, _unit_actions(data, built, sol.values))
+            if problem.evaluate(least).peak_bytes < problem.evaluate(actions).peak_bytes:
+                actions = least
+        note = f"least peak of the model: HiGHS {sol.status}" + ("" if sol.values is not None else ", all kept")
+        return Proposal(actions, status=Status.INFEASIBLE, note="; ".join([*notes, note]))
