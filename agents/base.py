@@ -108,7 +108,10 @@ class SearchResult:
 
     @property
     def feasible(self) -> bool:
-        return self.status in (Status.FEASIBLE, Status.OPTIMAL)
+        """A policy within the budget: found, proved, or a timed-out search's incumbent that fits."""
+        return self.status in (Status.FEASIBLE, Status.OPTIMAL) or (
+            self.status == Status.TIMEOUT and self.result.feasible
+        )
 
 
 class Searcher(abc.ABC):

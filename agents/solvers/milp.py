@@ -25,8 +25,9 @@ NOTE [ MILP model ] -- every variable and row, by its name in the model (``name[
                        positions are the decided candidates in backward order of first use.
       d2h_end[c], h2d_end[c]   when candidate c's device-to-host / host-to-device copy ends (Rules 4, 5).
       clock[o]         start of op o after everything inserted before it, stalls included.
-      held[c,o]        exact hold mode: binary, swapped c still holds its device memory at op o, after the
-                       program dropped it, because its D2H copy has not ended when o starts (Rule 4).
+      held[c,o]        exact hold (small models, and the ops of Repairs): binary, swapped c still holds its
+                       device memory at op o, after the program dropped it, because its D2H copy has not
+                       ended when o starts (Rule 4).
       done[o], held_bytes[o]   fluid hold mode (too many (c, o) pairs): bytes the D2H link has copied by
                        op o, and the dropped bytes not yet copied.
       peak             only when minimising the peak (no policy fits the budget).
@@ -64,10 +65,11 @@ NOTE [ MILP model ] -- every variable and row, by its name in the model (``name[
     the dependent unit starts (conservative); transients of pulled recomputes are not counted; the fluid
     hold frees a copy's bytes progressively (optimistic by at most the tensor in flight).
 
-    Repairs. When the simulator finds the answer over budget, a no-good row cuts that assignment off and
-    HiGHS solves again (on exact models this keeps the relaxation, so the final optimum is still proved);
-    after ``_CUTS_BEFORE_TIGHTENING`` cuts the budget is also lowered by the excess (then it is no longer
-    a proof: the status comes from the simulator). With no accepted answer, the warm start is returned.
+    Repairs. When the simulator finds the answer over budget, HiGHS solves again, with: the exact hold at
+    the ops that went over, if the fluid hold was used there; otherwise a no-good row that cuts that
+    assignment off (on exact models both keep the relaxation, so the final optimum is still proved), and
+    after ``_CUTS_BEFORE_TIGHTENING`` cuts the budget lowered by the excess (then it is no longer a proof:
+    the status comes from the simulator). With no accepted answer, the warm start is returned.
 """
 
 from __future__ import annotations
@@ -314,10 +316,15 @@ class _Built:
     hold_mode: str
 
 
-def _build(data: _Data, budget_bytes: int | None, no_goods: Sequence[Sequence[int]] = ()) -> _Built:
+def _build(
+    data: _Data,
+    budget_bytes: int | None,
+    no_goods: Sequence[Sequence[int]] = (),
+    exact_rows: frozenset[int] = frozenset(),
+) -> _Built:
     """The MILP of NOTE [ MILP model ] (minimum peak when ``budget_bytes`` is None), without the unit actions
-    of ``no_goods`` (assignments the simulator found over budget)."""
-    return _Builder(data, budget_bytes).build(no_goods)
+    of ``no_goods`` and with the exact hold at ``exact_rows`` (see Repairs)."""
+    return _Builder(data, budget_bytes).build(no_goods, exact_rows)
 
 
 Key = tuple[int, int]  # a moment of backward: (op, candidate), in the simulator's order of need
@@ -364,12 +371,12 @@ class _Builder:
         self.starts = sorted({s for s in data.unit_start if s < self.n}) if RECOMPUTE in self.acts else []
         self.start_key: list[Key] = [(s, min(c for c in self.decided if use[c] == s)) for s in self.starts]
 
-    def build(self, no_goods: Sequence[Sequence[int]]) -> _Built:
+    def build(self, no_goods: Sequence[Sequence[int]], exact_rows: frozenset[int]) -> _Built:
         self.add_actions(no_goods)
         self.add_pulls()
         self.add_stalls_and_objective()
         self.add_copies()
-        hold_mode, hold_terms = self.add_hold()
+        hold_mode, hold_terms = self.add_hold(exact_rows)
         memory_rows = self.add_memory(hold_terms)
         return _Built(self.m, self.x, memory_rows, hold_mode)
 
@@ -546,9 +553,10 @@ class _Builder:
             prev = col
 
     # -- held / done / held_bytes (Rule 4's release) -----------------------------------------------------------
-    def add_hold(self) -> tuple[str, dict[int, _Lin]]:
-        """Exact binaries when there are few (candidate, op) pairs, the fluid model otherwise. Returns the
-        mode and the hold bytes to add to each memory row."""
+    def add_hold(self, exact_rows: frozenset[int]) -> tuple[str, dict[int, _Lin]]:
+        """Exact binaries when there are few (candidate, op) pairs; the fluid model otherwise, except at
+        ``exact_rows`` (ops where the simulator found a fluid answer over budget). Returns the mode and the
+        hold bytes to add to each memory row."""
         m, x, sim = self.m, self.x, self.sim
         sv, drop = sim.save_op, sim.drop
         last_row = self.last_row
@@ -565,12 +573,13 @@ class _Builder:
         ]
         terms: dict[int, _Lin] = {o: _Lin() for o in range(last_row + 1)}
         mu = self.data.mem_unit
-        if len(pairs) <= _EXACT_HOLD_PAIRS:
-            for c, o in pairs:
-                held = m.var(f"held[{c},{o}]", binary=True)
-                e = _Lin({self.d2h_end[c]: 1.0, held: -self.big_m, x[self.uo[c], SWAP]: self.big_m})
-                m.row(f"hold[{c},{o}]", e.add_lin(self.clock_var(o), -1.0), hi=self.big_m)
-                terms[o].add(held, self.size_bytes[c] / mu)
+        exact = len(pairs) <= _EXACT_HOLD_PAIRS
+        for c, o in pairs if exact else [(c, o) for c, o in pairs if o in exact_rows]:
+            held = m.var(f"held[{c},{o}]", binary=True)
+            e = _Lin({self.d2h_end[c]: 1.0, held: -self.big_m, x[self.uo[c], SWAP]: self.big_m})
+            m.row(f"hold[{c},{o}]", e.add_lin(self.clock_var(o), -1.0), hi=self.big_m)
+            terms[o].add(held, self.size_bytes[c] / mu)
+        if exact:
             return "exact", terms
         rate = self.data.problem.hardware.d2h_bytes_per_s / 1e3 / mu  # memory units per millisecond
         first = min(int(sv[c]) for c in swappable) + 1
@@ -590,9 +599,10 @@ class _Builder:
                     dropped.add(x[self.uo[c], SWAP], -self.size_bytes[c] / mu)
             m.row(f"copied_le_issued[{o}]", issued, hi=0.0)
             m.row(f"held_ge_dropped_minus_copied[{o}]", dropped, lo=0.0)
-            terms[o].add(held_bytes, 1.0)
+            if o not in exact_rows:
+                terms[o].add(held_bytes, 1.0)
             prev_done, prev_clock = done, now
-        return "fluid", terms
+        return f"fluid (exact at {len(exact_rows)} ops)" if exact_rows else "fluid", terms
 
     # -- memory[o] (Rule 2) --------------------------------------------------------------------------------------
     @property
@@ -753,8 +763,9 @@ class MilpSearcher(Searcher):
         budget = problem.budget_bytes
         notes: list[str] = []
         no_goods: list[list[int]] = []
+        exact_rows: frozenset[int] = frozenset()
         for attempt in range(_REPAIRS + 1):
-            built = _build(data, budget, no_goods)
+            built = _build(data, budget, no_goods, exact_rows)
             size = f"{len(data.units)} units, {len(built.milp.col_names)} columns, {len(built.milp.row_names)} rows"
             left_s = limit_s - (time.perf_counter() - started)
             sol = built.milp.solve(left_s, problem.seed, start.columns(built) if start else None, self.log)
@@ -784,7 +795,17 @@ class MilpSearcher(Searcher):
                 return Proposal(actions, note="; ".join(notes))
             if time.perf_counter() - started >= limit_s:
                 return self._fallback(data, start, Status.TIMEOUT, notes)
-            no_goods.append(unit_action)  # the simulator rejects it: cut it off
+            # Over budget. Where the fluid hold was used, make it exact at the ops that went over; else cut
+            # the assignment off, and after a few cuts also lower the budget by the excess.
+            timeline = problem.simulator.run(actions, options=problem.options, timeline=True).timeline
+            live = timeline["live_bytes"] if timeline else []
+            last_row = int(problem.simulator.free_keep[[c for m in data.units for c in m]].max())
+            over = {o for o in range(min(last_row + 1, len(live))) if live[o] > problem.budget_bytes}
+            if built.hold_mode != "exact" and not over <= exact_rows:
+                exact_rows = frozenset(exact_rows | over)
+                notes.append(f"over budget in the simulator at {len(over)} ops: exact hold there, re-solving")
+                continue
+            no_goods.append(unit_action)
             if len(no_goods) > _CUTS_BEFORE_TIGHTENING:
                 budget -= result.peak_bytes - problem.budget_bytes  # the model was optimistic by this much
             notes.append(f"over budget in the simulator: cut off, re-solving for {budget} B")
