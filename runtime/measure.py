@@ -136,25 +136,48 @@ def run_iterations(
 ) -> list[IterationMeasurement]:
     """Run ``warmup`` then ``steps`` training iterations (zero_grad, forward, loss, backward, step) and
     measure each one's peak device memory and wall time. ``around_step`` wraps forward and backward (the
-    runtime applies a policy there)."""
+    runtime applies a policy there).
+
+    On CUDA the allocator's statistics cost nothing, so each step measures both. On the CPU the storage
+    tracker is a dispatch mode that slows every op, so the timed steps run without it and one more step,
+    after them, measures the peak (the same for every step: the iteration is deterministic)."""
     device = next(model.parameters()).device
     ctx = around_step or contextlib.nullcontext
+    cuda = device.type == "cuda"
     results: list[IterationMeasurement] = []
     for i in range(warmup + steps):
-        opt.zero_grad(set_to_none=True)
-        with _peak_meter(device, training_state(model, batch, opt)) as meter:
-            start = time.perf_counter()
-            with ctx():
-                loss = loss_fn(model, batch)
-                loss.backward()
-                del loss
-            opt.step()
-            _sync(device)
-            elapsed = time.perf_counter() - start
+        peak, elapsed = _one_step(model, batch, loss_fn, opt, ctx, device, track=cuda)
         if i >= warmup:
-            results.append(IterationMeasurement(meter.peak_bytes, elapsed, batch_size / elapsed))
+            results.append(IterationMeasurement(peak, elapsed, batch_size / elapsed))
+    if not cuda:
+        peak, _ = _one_step(model, batch, loss_fn, opt, ctx, device, track=True)
+        for r in results:
+            r.peak_bytes = peak
     opt.zero_grad(set_to_none=True)
     return results
+
+
+def _one_step(
+    model: torch.nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    opt: torch.optim.Optimizer,
+    ctx: Callable[[], contextlib.AbstractContextManager[Any]],
+    device: torch.device,
+    track: bool,
+) -> tuple[int, float]:
+    opt.zero_grad(set_to_none=True)
+    meter_cm = _peak_meter(device, training_state(model, batch, opt)) if track else contextlib.nullcontext(_Meter())
+    with meter_cm as meter:
+        start = time.perf_counter()
+        with ctx():
+            loss = loss_fn(model, batch)
+            loss.backward()
+            del loss
+        opt.step()
+        _sync(device)
+        elapsed = time.perf_counter() - start
+    return meter.peak_bytes, elapsed
 
 
 class _Meter:

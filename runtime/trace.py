@@ -305,7 +305,8 @@ def capture(
         with keyer.attached():
             dropped = _drop_pass(model, batch, loss_fn, opt, keyer)
             rec, cand_order, (saved_after, saved_in) = _record(model, batch, loss_fn, opt, keyer, time_ops=not fake)
-    return _build_workload(
+        plain_iter_s = None if fake else _plain_iteration_s(model, batch, loss_fn, opt)
+    w = _build_workload(
         rec,
         cand_order,
         saved_after,
@@ -319,6 +320,21 @@ def capture(
         mode="fake" if fake else "real",
         device=_device_name(device),
     )
+    w.meta["plain_iter_s"] = plain_iter_s
+    return w
+
+
+def _plain_iteration_s(model: torch.nn.Module, batch: Batch, loss_fn: LossFn, opt: torch.optim.Optimizer) -> float:
+    """Wall time of one iteration without the recorder (NOTE [ Op time calibration ] in runtime.hardware)."""
+    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    loss_fn(model, batch).backward()
+    opt.step()
+    sync()
+    elapsed = time.perf_counter() - start
+    opt.zero_grad(set_to_none=True)
+    return elapsed
 
 
 def _warm_up(model: torch.nn.Module, batch: Batch, loss_fn: LossFn, opt: torch.optim.Optimizer, full: bool) -> None:
