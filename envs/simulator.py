@@ -150,6 +150,7 @@ class Simulator:
         self.sync_copies = not hw.is_gpu  # Rule 1
         self.d2h_s = self.nbytes / hw.d2h_bytes_per_s
         self.h2d_s = self.nbytes / hw.h2d_bytes_per_s
+        self.closure_ops: list[frozenset[int]] = []  # Rule 7: the ops re-run to regenerate each candidate
         self._closures = [self._closure(i) for i in range(k)]
         self._compress_cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         needed = np.flatnonzero(self.first_use < n)
@@ -193,6 +194,7 @@ class Simulator:
             stack.extend(i for op in chain for i in w.ops[op].inputs)
         # Every storage the replayed ops write, but the target: regenerated temporaries, other outputs of
         # multi-output ops (BatchNorm's statistics), copies of arguments an op would mutate.
+        self.closure_ops.append(frozenset(ops))
         outputs = {tid for op in ops for tid in w.ops[op].outputs} - {c.tensor}
         transient = sum(rounded(w.tensors[tid].nbytes, g) for tid in outputs)
         return float(self.op_s[sorted(ops)].sum()), transient, tuple(sorted(deps))

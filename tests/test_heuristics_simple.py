@@ -131,8 +131,8 @@ def test_superneurons_recomputes_only_cheap_layers_and_offloads_conv_outputs(fra
     offloading."""
     r = SuperNeurons().search(Problem(_CNN, _HW, budget_bytes=int(_CNN_PEAK * fraction)))
     actions = r.policy.to_vector(_CNN)
-    feats = candidate_features(Problem(_CNN, _HW, budget_bytes=_CNN_PEAK).simulator)
-    regenerated = closure_classes(_CNN)
+    sim = Problem(_CNN, _HW, budget_bytes=_CNN_PEAK).simulator
+    feats, regenerated = candidate_features(sim), closure_classes(sim)
     recomputed, swapped = np.flatnonzero(actions == RECOMPUTE), np.flatnonzero(actions == SWAP)
     assert len(recomputed) + len(swapped) > 0
     assert all(feats.producer_class[i] not in ("conv", "matmul") for i in recomputed)

@@ -133,7 +133,7 @@ class SqrtCheckpointing(Searcher):
 
         # "Drop the results of low cost operations", in forward order until the budget holds.
         feats = candidate_features(problem.simulator)
-        minor, classes = minor_outputs(w), closure_classes(w)
+        minor, classes = minor_outputs(w), closure_classes(problem.simulator)
         cheap = [
             (ci, RECOMPUTE)
             for ci in forward_order(w)

@@ -56,7 +56,7 @@ def rankings(problem: Problem) -> tuple[list[int], list[int]]:
     extends, runs that ReLU in place, so it *is* the convolution's output there)."""
     w, feats = problem.workload, candidate_features(problem.simulator)
     order = forward_order(w)
-    classes = closure_classes(w)
+    classes = closure_classes(problem.simulator)
     heavy = CONV_CLASSES if any(classes[ci] & CONV_CLASSES for ci in order) else TRANSFORMER_CLASSES
     offload = [ci for ci in order if classes[ci] & heavy]
     position = {ci: p for p, ci in enumerate(order)}

@@ -106,7 +106,7 @@ class Partitioner:
         if estimator not in ESTIMATORS:
             raise ValueError(f"torch-budget: unknown runtime estimator {estimator!r}: expected one of {ESTIMATORS}")
         w, sim = problem.workload, problem.simulator
-        closures = all_closure_ops(w)
+        closures = all_closure_ops(sim)
         more, aggr = banned_ops(w, "more_aggressive"), banned_ops(w, "aggressive")
         if estimator == "profile":
             runtimes = candidate_features(sim).recompute_s.astype(np.float64)
