@@ -181,7 +181,9 @@ class _Milp:
         h.setOptionValue("time_limit", max(0.01, float(time_limit_s)))
         h.setOptionValue("random_seed", int(seed))
         h.setOptionValue("mip_rel_gap", 1e-6)
-        h.setOptionValue("threads", 1)  # deterministic under a seed
+        # No "threads" option: HiGHS keeps one global scheduler per process, and a second HiGHS user asking
+        # another thread count gets an error instead of a solve (seen when torch-budget had solved first).
+        # The MIP search itself is deterministic under random_seed.
         lp = hs.HighsLp()
         lp.num_col_, lp.num_row_ = len(self.col_names), len(self.row_names)
         inf = hs.kHighsInf
