@@ -61,7 +61,7 @@ import numpy as np
 
 from runtime.hardware import HardwareProfile, op_times_s
 from runtime.policy import Action, Policy, PolicyOptions
-from runtime.workload import Phase, Workload, rounded
+from runtime.workload import Phase, Workload, memory_timeline, rounded
 
 KEEP, SWAP, RECOMPUTE, COMPRESS = 0, 1, 2, 3
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -122,13 +122,7 @@ class Simulator:
         self._cand_of_tensor = cand_of_tensor
 
         # Rule 2: tensors that are not candidates, as traced.
-        delta = np.zeros(n + 1, dtype=np.int64)
-        for t in w.tensors:
-            start, end = max(t.alloc_op, 0), n if t.free_op is None else t.free_op + 1
-            if t.id not in cand_of_tensor and end > start:
-                delta[start] += rounded(t.nbytes, g)
-                delta[end] -= rounded(t.nbytes, g)
-        self.base_live = np.cumsum(delta[:n])
+        self.base_live = memory_timeline(w, g, exclude=cand_of_tensor)
         self.base_alloc = np.zeros(n, dtype=np.int64)  # bytes of non-candidate outputs each op allocates
         for t in w.tensors:
             if t.id not in cand_of_tensor and t.alloc_op >= 0 and (t.free_op is None or t.free_op >= t.alloc_op):

@@ -34,7 +34,7 @@ import gzip
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -294,14 +294,15 @@ def rounded(nbytes: int, granularity_bytes: int) -> int:
     return -(-nbytes // granularity_bytes) * granularity_bytes
 
 
-def memory_timeline(w: Workload, granularity_bytes: int = 1) -> np.ndarray:
-    """Live bytes during each op with no policy (NOTE [ Op indices and lifetimes ]). Shape (n_ops,)."""
+def memory_timeline(w: Workload, granularity_bytes: int = 1, exclude: Container[int] = ()) -> np.ndarray:
+    """Live bytes during each op with no policy (NOTE [ Op indices and lifetimes ]), leaving out the tensors
+    whose ids are in ``exclude`` (the simulator places candidates itself). Shape (n_ops,)."""
     n = len(w.ops)
     delta = np.zeros(n + 1, dtype=np.int64)  # difference array: +nbytes at alloc, -nbytes after free
     for t in w.tensors:
         start = max(t.alloc_op, 0)
         end = n if t.free_op is None else t.free_op + 1
-        if end <= start:  # allocated and released outside any recorded op
+        if end <= start or t.id in exclude:  # allocated and released outside any recorded op, or left out
             continue
         size = rounded(t.nbytes, granularity_bytes)
         delta[start] += size
