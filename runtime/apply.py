@@ -62,6 +62,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from runtime.keys import SavedTensorKeyer
 from runtime.measure import host_memory
 from runtime.policy import Action, Policy
+from runtime.trace import written_tensors
 
 _COMPRESS_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": getattr(torch, "float8_e4m3fn", torch.bfloat16)}
 
@@ -153,12 +154,7 @@ _UNDECLARED_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4), "
 def _written_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any]) -> list[int]:
     """Leaf positions (in the flattened (args, kwargs)) of tensors the op mutates, from its schema."""
     positions: list[int] = []
-    mutated: list[Any] = []
-    undeclared = _UNDECLARED_WRITES.get(func.overloadpacket.__name__, ())
-    for i, arg in enumerate(func._schema.arguments):
-        if (arg.alias_info is not None and arg.alias_info.is_write) or i in undeclared:
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            mutated.extend(x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor))
+    mutated = written_tensors(func, args, kwargs, _UNDECLARED_WRITES.get(func.overloadpacket.__name__, ()))
     for t in mutated:
         positions.extend(p for p, x in enumerate(leaves) if x is t)
     return positions

@@ -151,7 +151,7 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         end = self._clock()
 
-        written = _written_args(func, args, kwargs)
+        written = written_tensors(func, args, kwargs)
         in_tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         out_tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         new = [t for t in out_tensors if t.untyped_storage() not in self.ids]
@@ -210,11 +210,14 @@ class _Recorder(TorchDispatchMode):
                 self.ops[index].time_s = start.elapsed_time(end) / 1e3
 
 
-def _written_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """Tensors an op mutates (in-place and out= arguments), from its schema's alias annotations."""
+def written_tensors(
+    func: Any, args: Sequence[Any], kwargs: dict[str, Any], undeclared: Sequence[int] = ()
+) -> list[torch.Tensor]:
+    """Tensors an op mutates (in-place and out= arguments), from its schema's alias annotations, plus the
+    arguments at positions ``undeclared`` that it mutates without saying so."""
     out: list[torch.Tensor] = []
     for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
+        if (arg.alias_info is None or not arg.alias_info.is_write) and i not in undeclared:
             continue
         value = args[i] if i < len(args) else kwargs.get(arg.name)
         out.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
