@@ -11,8 +11,9 @@ Rule 1 (streams). One compute stream runs the workload's ops in traced order, ea
     duration (counted as ``stall_s``) and is complete when compute resumes.
 Rule 2 (memory). Memory is counted per op: the live bytes *during* op i are all allocations whose op
     interval [first, last] contains i; every allocation is rounded up to ``alloc_granularity_bytes``. Tensors
-    that are not candidates keep their traced intervals [alloc_op, free_op]. The peak is the maximum over
-    ops; the policy is feasible when the peak is within the budget.
+    that are not candidates keep their traced intervals [alloc_op, free_op]. An op's workspace (cuDNN,
+    cuBLAS; measured by real CUDA traces) is live during that op alone. The peak is the maximum over ops;
+    the policy is feasible when the peak is within the budget.
 Rule 3 (keep). A kept candidate lives [producer, free_op], as traced.
 Rule 4 (swap out). A swapped candidate's D2H copy is issued when op ``save_op`` ends (the pack hook: its value
     is final). Its device storage is released at the first op boundary where both the program has dropped
@@ -61,7 +62,7 @@ import numpy as np
 
 from runtime.hardware import HardwareProfile, op_times_s
 from runtime.policy import Action, Policy, PolicyOptions
-from runtime.workload import Phase, Workload, memory_timeline, rounded
+from runtime.workload import Phase, Workload, memory_timeline, rounded, workspace_bytes
 
 KEEP, SWAP, RECOMPUTE, COMPRESS = 0, 1, 2, 3
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -122,7 +123,8 @@ class Simulator:
         self._cand_of_tensor = cand_of_tensor
 
         # Rule 2: tensors that are not candidates, as traced.
-        self.base_live = memory_timeline(w, g, exclude=cand_of_tensor)
+        self.base_live = memory_timeline(w, g, exclude=cand_of_tensor)  # workspaces included
+        self.workspace = workspace_bytes(w)
         self.base_alloc = np.zeros(n, dtype=np.int64)  # bytes of non-candidate outputs each op allocates
         for t in w.tensors:
             if t.id not in cand_of_tensor and t.alloc_op >= 0 and (t.free_op is None or t.free_op >= t.alloc_op):
@@ -373,7 +375,7 @@ class Simulator:
         np.add.at(delta, e_all[ok] + 1, -z_all[ok])
         live = self.base_live + np.cumsum(delta[:n])
         for op, b in extra.items():  # Rule 7: the recompute runs before op u allocates its own outputs
-            live[op] = max(live[op], live[op] - self.base_alloc[op] + b)
+            live[op] = max(live[op], live[op] - self.base_alloc[op] - self.workspace[op] + b)
         peak_op = int(np.argmax(live))
         peak = int(live[peak_op])
         swapped_bytes = int(self.nbytes[swp].sum())

@@ -156,7 +156,7 @@ def simulate_reference(
             if act[ci] == COMPRESS and c.save_op == i:
                 live[("p", ci)] = packed[ci]
         starts.append(t)
-        timeline.append(max(sum(live.values()), recomputing))
+        timeline.append(max(sum(live.values()) + op.workspace_bytes, recomputing))  # workspace: during the op
         t += op_s[i]
 
         # After op i: the swap copies and pack kernels of tensors saved here (Rules 4, 8) ...

@@ -109,6 +109,8 @@ class _Recorder(TorchDispatchMode):
         self._time_ops = time_ops
         self.ignored_keys: list[str] = []
         self._cuda_events: list[tuple[int, Any, Any]] = []
+        # Real CUDA traces read each op's workspace off the allocator (bytes allocated and released inside it).
+        self._cuda_memory = time_ops and torch.cuda.is_available() and torch.cuda.is_initialized()
 
     # -- storages ----------------------------------------------------------------------------------------
     def register(self, t: torch.Tensor, kind: TensorKind, alloc_op: int = -1) -> int:
@@ -147,9 +149,12 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.paused or func.namespace == "prim":
             return func(*args, **kwargs)
+        if self._cuda_memory:
+            torch.cuda.reset_peak_memory_stats()  # the op's own high-water mark, for its workspace
         start = self._clock()
         out = func(*args, **kwargs)
         end = self._clock()
+        workspace = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated() if self._cuda_memory else 0
 
         written = written_tensors(func, args, kwargs)
         in_tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -185,6 +190,7 @@ class _Recorder(TorchDispatchMode):
                 inputs=tuple(inputs),
                 outputs=tuple(outputs),
                 dtype=dtype,
+                workspace_bytes=max(0, int(workspace)),
             )
         )
         if self._time_ops:

@@ -96,6 +96,9 @@ class OpInfo:
     outputs: tuple[int, ...]  # tensor ids written: newly allocated, then mutated in place
     time_s: float | None = None  # measured on the trace's device in real mode
     dtype: str = "float32"  # dtype of the first floating-point output (decides the FLOP rate)
+    # Device bytes the op allocated and released inside itself (cuDNN and cuBLAS workspaces), above what it
+    # left allocated; measured from the CUDA allocator by real-mode traces, 0 elsewhere.
+    workspace_bytes: int = 0
 
 
 @dataclass
@@ -295,8 +298,9 @@ def rounded(nbytes: int, granularity_bytes: int) -> int:
 
 
 def memory_timeline(w: Workload, granularity_bytes: int = 1, exclude: Container[int] = ()) -> np.ndarray:
-    """Live bytes during each op with no policy (NOTE [ Op indices and lifetimes ]), leaving out the tensors
-    whose ids are in ``exclude`` (the simulator places candidates itself). Shape (n_ops,)."""
+    """Live bytes during each op with no policy (NOTE [ Op indices and lifetimes ]), its workspace included,
+    leaving out the tensors whose ids are in ``exclude`` (the simulator places candidates itself). Shape
+    (n_ops,)."""
     n = len(w.ops)
     delta = np.zeros(n + 1, dtype=np.int64)  # difference array: +nbytes at alloc, -nbytes after free
     for t in w.tensors:
@@ -307,7 +311,12 @@ def memory_timeline(w: Workload, granularity_bytes: int = 1, exclude: Container[
         size = rounded(t.nbytes, granularity_bytes)
         delta[start] += size
         delta[end] -= size
-    return np.cumsum(delta[:n])
+    return np.cumsum(delta[:n]) + workspace_bytes(w)
+
+
+def workspace_bytes(w: Workload) -> np.ndarray:
+    """Each op's workspace (``OpInfo.workspace_bytes``), live during the op only. Shape (n_ops,)."""
+    return np.fromiter((op.workspace_bytes for op in w.ops), dtype=np.int64, count=len(w.ops))
 
 
 def peak_report(w: Workload, granularity_bytes: int = 1) -> PeakReport:
