@@ -18,10 +18,12 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         otherwise never be freed).
     R3. Swap out (Rule 4): at the first pack, the storage's bytes are copied to host memory: on CUDA into a
         pinned buffer (one per key, reused across iterations) on a dedicated device-to-host stream that
-        first waits for the compute stream; ``record_stream`` keeps the allocator from reusing the device
-        block before the copy is done. On the CPU the copy goes to a host store that the memory tracker
-        does not count (runtime.measure.host_memory). The device storage is released when the program
-        drops it: the handle holds no reference to it.
+        first waits for the compute stream. The handle holds the device bytes until the copy's event has
+        completed (polled at every pack and unpack), then lets go: the block is released when the copy
+        ends, as the simulator plans, and the allocator's statistics say so (``record_stream`` would hide
+        the block's true lifetime from ``max_memory_allocated``). On the CPU the copy goes to a host store
+        that the memory tracker does not count (runtime.measure.host_memory) and the handle holds nothing.
+        Tensors on another device than the model's (attention's RNG seed on the host) are kept.
     R4. Prefetch (Rule 5): when backward first unpacks a tensor of unpack rank r, the copies back of every
         swapped tensor of rank <= r + L are issued, in rank order, on a host-to-device stream that waits
         for the compute stream (so the copy starts where the GPU is, not where Python is) and for the
@@ -47,6 +49,7 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import warnings
 import weakref
@@ -55,8 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils.weak import WeakIdKeyDictionary
 
 from runtime.keys import SavedTensorKeyer
@@ -83,11 +85,65 @@ class _Ref:
 class _OpRecord:
     index: int
     func: Any
-    spec: Any  # pytree spec of (args, kwargs)
+    spec: _Spec  # how to rebuild (args, kwargs) from leaves
     leaves: list[Any]  # flattened (args, kwargs), tensors replaced by _Ref
     outputs: list[int | None]  # storage id of each flattened output (None: not a tensor)
     writes: frozenset[int]  # leaf positions the op mutates
     rng: tuple[torch.Tensor, torch.Tensor | None] | None  # (cpu, cuda) state before a random op
+
+
+# An aten op's arguments are flat: tensors, scalars, and lists of them (``Tensor[]``, ``Tensor?[]``), positional
+# or keyword. Flattening one level of lists is therefore exact, and far cheaper than torch.utils._pytree,
+# which the recorder would otherwise call on every forward op.
+_Spec = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]  # (list lengths or -1, kwarg names, kwarg lengths)
+
+
+def _flatten_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], _Spec]:
+    leaves: list[Any] = []
+    arg_lens: list[int] = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            arg_lens.append(len(a))
+            leaves.extend(a)
+        else:
+            arg_lens.append(-1)
+            leaves.append(a)
+    kw_lens: list[int] = []
+    for v in kwargs.values():
+        if isinstance(v, (list, tuple)):
+            kw_lens.append(len(v))
+            leaves.extend(v)
+        else:
+            kw_lens.append(-1)
+            leaves.append(v)
+    return leaves, (tuple(arg_lens), tuple(kwargs), tuple(kw_lens))
+
+
+def _unflatten_args(leaves: list[Any], spec: _Spec) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    arg_lens, names, kw_lens = spec
+    pos = 0
+    values: list[Any] = []
+    for n in (*arg_lens, *kw_lens):
+        if n < 0:
+            values.append(leaves[pos])
+            pos += 1
+        else:
+            values.append(list(leaves[pos : pos + n]))
+            pos += n
+    return tuple(values[: len(arg_lens)]), dict(zip(names, values[len(arg_lens) :], strict=True))
+
+
+def _flatten_out(out: Any) -> list[Any]:
+    """An op's outputs: one tensor, or a tuple of tensors and lists of tensors."""
+    if not isinstance(out, (list, tuple)):
+        return [out]
+    flat: list[Any] = []
+    for x in out:
+        if isinstance(x, (list, tuple)):
+            flat.extend(x)
+        else:
+            flat.append(x)
+    return flat
 
 
 class _Recorder(TorchDispatchMode):
@@ -122,11 +178,11 @@ class _Recorder(TorchDispatchMode):
         if torch.Tag.nondeterministic_seeded in func.tags:
             cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
             rng = (torch.get_rng_state(), cuda)
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = _flatten_args(args, kwargs)
         writes = _written_positions(func, args, kwargs, leaves)
         refs = [self.ref(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         out = func(*args, **kwargs)
-        out_leaves = tree_flatten(out)[0]
+        out_leaves = _flatten_out(out)
         index = len(self.ops)
         outputs: list[int | None] = []
         for x in out_leaves:
@@ -178,6 +234,7 @@ class _Handle:
     packed: torch.Tensor | None = None  # compress: the cast copy
     device: torch.UntypedStorage | None = None  # the storage back on the device
     issued: bool = False
+    leaving: torch.Tensor | None = None  # swap on CUDA: the device bytes until the copy out is done
     views: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]] = field(default_factory=list)
 
 
@@ -199,12 +256,12 @@ class _Kept:
 
 
 def _view(storage: torch.UntypedStorage, dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...],
-          offset: int, device: torch.device) -> torch.Tensor:  # fmt: skip
-    return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
+          offset: int) -> torch.Tensor:  # fmt: skip
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
 
 
-def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 @dataclass
@@ -251,33 +308,62 @@ class PolicyRuntime:
             return
         self._by_storage: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> _Handle, while it lives
         self._handles: list[_Handle] = []  # every handle of this step
+        self._by_sid: dict[int, _Handle] = {}  # recorder storage id -> handle (recompute)
         self._swapped: list[_Handle] = []  # in rank order once sorted (R4)
         self._next_fetch = 0
+        self._leaving: collections.deque[_Handle] = collections.deque()  # copies out in flight, in order
         self._recorder = _Recorder(self.device) if self.needs_recorder else None
         try:
             with contextlib.ExitStack() as stack:
-                stack.enter_context(self.keyer.attached())
+                stack.enter_context(self.keyer.attached(global_hooks=True))
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
                 if self._recorder is not None:
                     stack.enter_context(self._recorder)
                 yield self.stats
         finally:
             self._recorder = None
+            for h in self._leaving:  # backward waited for every copy out (R5): nothing is in flight
+                h.leaving = None
+            self._leaving.clear()
             self._handles = []
+            self._by_sid = {}
             self._swapped = []
 
     # -- pack ----------------------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
         if self._recorder is None:
             return self._pack_now(t)
+        # The runtime's own ops (copies, casts, views) are not the model's: they bypass the recorder, which
+        # costs a Python call per op (R6).
+        with self._without_recorder():
+            return self._pack_now(t)
+
+    @contextlib.contextmanager
+    def _without_recorder(self) -> Iterator[None]:
+        """Take the recorder off the dispatch-mode stack while the runtime's own ops run (when it is on top;
+        a mode entered inside the step stays, and the recorder's pause flag does the job). Other modes, the
+        CPU memory tracker among them, still see every op."""
+        if _get_current_dispatch_mode() is self._recorder:
+            with _pop_mode_temporarily():
+                yield
+            return
+        assert self._recorder is not None
         self._recorder.paused = True
         try:
-            return self._pack_now(t)
+            yield
         finally:
             self._recorder.paused = False
 
+    def _reap(self) -> None:
+        """Release the device bytes of every copy out that has finished (R3). The copies run in order on one
+        stream, so the first unfinished one ends the walk."""
+        while self._leaving and self._leaving[0].d2h_done.query():
+            self._leaving.popleft().leaving = None
+
     def _pack_now(self, t: torch.Tensor) -> Any:
         self.stats.packs += 1
+        if self._leaving:
+            self._reap()
         keyed = self.keyer.key_for(t)
         if keyed.key is None:
             return t.detach()
@@ -291,6 +377,8 @@ class PolicyRuntime:
             return t.detach()
         if action == Action.COMPRESS and not _compressible(t.dtype, self.compress_dtype):
             action = Action.KEEP  # R8
+        if t.device != self.device or t.untyped_storage().nbytes() == 0:
+            action = Action.KEEP  # R2: no device memory (attention's RNG seed on the host, cuDNN's empty reserve)
         if action == Action.KEEP:  # R2
             rank = self.ranks.get(keyed.key, -1)
             return _Kept(t.detach(), rank) if self.needs_triggers else t.detach()
@@ -300,6 +388,7 @@ class PolicyRuntime:
             handle = _Handle(keyed.key, action, storage.nbytes(), self.ranks.get(keyed.key, -1))
             if self._recorder is not None:
                 handle.sid = self._recorder.sid(storage)
+                self._by_sid[handle.sid] = handle
             self._by_storage[storage] = handle
             self._handles.append(handle)
             self._first_pack(handle, t, storage)
@@ -309,7 +398,7 @@ class PolicyRuntime:
     def _first_pack(self, h: _Handle, t: torch.Tensor, storage: torch.UntypedStorage) -> None:
         if h.action == Action.SWAP:  # R3
             self.stats.swapped_bytes += h.nbytes
-            src = _bytes_of(storage, self.device)
+            src = _bytes_of(storage)
             if self._cuda:
                 buf = self._pinned.get(h.key)
                 if buf is None or buf.numel() != h.nbytes:
@@ -319,7 +408,8 @@ class PolicyRuntime:
                     buf.copy_(src, non_blocking=True)
                     h.d2h_done = torch.cuda.Event()
                     h.d2h_done.record()
-                src.record_stream(self._d2h)
+                h.leaving = src  # R3: held until the copy is done (_reap), never reused under it
+                self._leaving.append(h)
                 h.host = buf
             else:
                 with host_memory():
@@ -328,15 +418,22 @@ class PolicyRuntime:
         elif h.action == Action.COMPRESS:  # R7
             self.stats.compressed_bytes += h.nbytes
             with torch.no_grad():
-                h.packed = _bytes_of(storage, self.device).view(t.dtype).to(self.compress_dtype)
+                h.packed = _bytes_of(storage).view(t.dtype).to(self.compress_dtype)
             h.views.append((t.dtype, (), (), 0))
         elif h.action == Action.RECOMPUTE:  # R6: nothing to do now; the recorder has its producer
             assert h.sid is not None
 
     # -- unpack --------------------------------------------------------------------------------------------
     def _unpack(self, p: Any) -> torch.Tensor:
-        if self._recorder is not None and self._recorder.recording:
-            self._recorder.recording = False  # backward has started (R6)
+        if self._recorder is None:
+            return self._unpack_now(p)
+        self._recorder.recording = False  # backward has started (R6)
+        with self._without_recorder():  # as in _pack; replays record nothing either
+            return self._unpack_now(p)
+
+    def _unpack_now(self, p: Any) -> torch.Tensor:
+        if self._leaving:
+            self._reap()
         if isinstance(p, torch.Tensor):
             return p
         if isinstance(p, _Kept):
@@ -345,7 +442,7 @@ class PolicyRuntime:
         h: _Handle = p.handle
         if self.needs_triggers:
             self._prefetch_upto(h.rank)  # R4
-        out = _view(self._materialize(h), p.dtype, p.size, p.stride, p.offset, self.device)
+        out = _view(self._materialize(h), p.dtype, p.size, p.stride, p.offset)
         h.unpacks += 1
         if h.unpacks >= h.packs:  # R8: the last backward node that needs it holds it from here
             h.device = None
@@ -421,7 +518,7 @@ class _Replayer:
         self.rt = rt
         assert rt._recorder is not None
         self.rec = rt._recorder
-        self.handles = {h.sid: h for h in rt._handles if h.sid is not None}
+        self.handles = rt._by_sid
         self.made: dict[int, torch.UntypedStorage] = {}  # temporaries regenerated in this replay
 
     def storage(self, sid: int, before: int) -> torch.UntypedStorage:
@@ -455,18 +552,18 @@ class _Replayer:
                 continue
             if leaf.sid == target:
                 assert current is not None, "an op writes a storage before its producer"
-                leaves.append(_view(current, leaf.dtype, leaf.size, leaf.stride, leaf.offset, self.rt.device))
+                leaves.append(_view(current, leaf.dtype, leaf.size, leaf.stride, leaf.offset))
                 continue
             storage = self.storage(leaf.sid, op.index)
-            t = _view(storage, leaf.dtype, leaf.size, leaf.stride, leaf.offset, self.rt.device)
+            t = _view(storage, leaf.dtype, leaf.size, leaf.stride, leaf.offset)
             if pos in op.writes:
                 t = t.clone()  # e.g. BatchNorm's running statistics: replay must not update them twice
             leaves.append(t)
-        args, kwargs = tree_unflatten(leaves, op.spec)
+        args, kwargs = _unflatten_args(leaves, op.spec)
         with _rng_state(op.rng, self.rt.device):
             out = op.func(*args, **kwargs)
         self.rt.stats.recomputed_ops += 1
-        out_leaves = tree_flatten(out)[0]
+        out_leaves = _flatten_out(out)
         for sid, x in zip(op.outputs, out_leaves, strict=False):
             if sid is not None and isinstance(x, torch.Tensor) and sid != target and sid not in self.made:
                 self.made[sid] = x.untyped_storage()  # another output of the same op (BatchNorm's stats)
@@ -492,13 +589,15 @@ def _rng_state(rng: tuple[torch.Tensor, torch.Tensor | None] | None, device: tor
 
 
 # -- Policy.applied --------------------------------------------------------------------------------------------
-_RUNTIMES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model -> {id(policy): PolicyRuntime}
+# The runtimes of a model live on the model (a runtime holds its model: a weak-keyed table would never let
+# go of either), under a name no nn.Module uses; they go with it.
+_RUNTIMES_ATTR = "_autotune_runtimes"
 
 
 @contextlib.contextmanager
 def applied(policy: Policy, model: torch.nn.Module) -> Iterator[RuntimeStats]:
     """``with applied(policy, model):`` one forward and backward under the policy (see the module docs)."""
-    per_model = _RUNTIMES.setdefault(model, {})
+    per_model: dict[int, PolicyRuntime] = model.__dict__.setdefault(_RUNTIMES_ATTR, {})
     rt = per_model.get(id(policy))
     if rt is None or rt.policy is not policy:
         rt = per_model[id(policy)] = PolicyRuntime(policy, model)

@@ -63,16 +63,45 @@ class SavedTensorKeyer:
         self._keys: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> key
         self._excluded: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> True
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._names: dict[int, str] | None = None  # id(module) -> path, for global hooks (built once)
 
     # -- module tracking ---------------------------------------------------------------------------------
     @contextmanager
-    def attached(self) -> Iterator[SavedTensorKeyer]:
-        """Register forward pre/post hooks on every submodule for the duration of the block."""
+    def attached(self, global_hooks: bool = False) -> Iterator[SavedTensorKeyer]:
+        """Track this model's module calls for the duration of the block: with forward pre/post hooks on
+        every submodule, or (``global_hooks``, what the runtime uses every step) with one pair of global
+        module hooks that look the module up by identity: two registrations per step instead of two per
+        module. Global hooks run before per-module ones (the tracer's backward attribution relies on the
+        per-module order, so it keeps those)."""
         self.exclude_model_state()
-        for path, mod in self.model.named_modules():
-            name = path or ROOT
-            self._handles.append(mod.register_forward_pre_hook(self._make_pre(name)))
-            self._handles.append(mod.register_forward_hook(self._make_post(name), always_call=True))
+        if global_hooks:
+            if self._names is None:
+                self._names = {id(mod): path or ROOT for path, mod in self.model.named_modules()}
+            names = self._names
+            calls, stack = self._calls, self._stack
+
+            def pre(mod: torch.nn.Module, _args: object) -> None:
+                name = names.get(id(mod))
+                if name is None:
+                    return
+                if name == ROOT and not stack:
+                    self.new_forward()
+                call = calls.get(name, 0)
+                calls[name] = call + 1
+                stack.append((name, call))
+
+            def post(mod: torch.nn.Module, _args: object, _out: object) -> None:
+                name = names.get(id(mod))
+                if name is not None and stack and stack[-1][0] == name:
+                    stack.pop()
+
+            self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(pre))
+            self._handles.append(torch.nn.modules.module.register_module_forward_hook(post, always_call=True))
+        else:
+            for path, mod in self.model.named_modules():
+                name = path or ROOT
+                self._handles.append(mod.register_forward_pre_hook(self._make_pre(name)))
+                self._handles.append(mod.register_forward_hook(self._make_post(name), always_call=True))
         try:
             yield self
         finally:
