@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import traceback
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from runtime.keys import block_paths
 from runtime.measure import run_iterations
 from runtime.policy import Action, Policy, PolicyOptions
 from runtime.trace import make_optimizer
+from runtime.workload import Workload
 
 
 class _Checkpointed(torch.nn.Module):
@@ -38,8 +40,8 @@ class _Checkpointed(torch.nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.block, *args, use_reentrant=False)  # type: ignore[no-any-return]
+    def forward(self, *args: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)  # type: ignore[no-any-return]
 
 
 def checkpoint_blocks(model: torch.nn.Module) -> torch.nn.Module:
@@ -80,12 +82,21 @@ def main() -> None:
         f"{args.model} batch {args.batch_size} on {dev} (torch {torch.__version__}, {torch.get_num_threads()} threads)"
     )
 
-    # 1. Overhead, interleaved.
-    plain = build_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, device=dev)
-    hooked = build_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, device=dev)
     w, _ = trace_model(
         TraceRequest(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, mode="real", device=dev)
     )
+    for section in (overhead, recompute_vs_checkpoint, fidelity):
+        try:
+            section(args, w)
+        except Exception:  # one broken section must not hide the others' figures
+            print(f"\n{section.__name__} failed:\n{traceback.format_exc()}", flush=True)
+
+
+def overhead(args: argparse.Namespace, w: Workload) -> None:
+    """1. The hooks' overhead, interleaved with plain PyTorch round by round."""
+    dev = args.device
+    plain = build_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, device=dev)
+    hooked = build_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, device=dev)
     keep = Policy.uniform(w, Action.KEEP, hardware="measured")
     rt = PolicyRuntime(keep, hooked.module)
     opt_p, opt_h = make_optimizer("sgd", plain.module.parameters()), make_optimizer("sgd", hooked.module.parameters())
@@ -100,9 +111,11 @@ def main() -> None:
         f"\n1. overhead of the runtime's hooks (all kept): median ratio {ratio:.3f} "
         f"({(ratio - 1) * 100:+.1f}%; plain median {statistics.median(t_plain) * 1e3:.1f} ms) target <= +2%"
     )
-    del plain, hooked, opt_p, opt_h
 
-    # 2. Recompute policy against torch.utils.checkpoint on every block.
+
+def recompute_vs_checkpoint(args: argparse.Namespace, w: Workload) -> None:
+    """2. The recompute policy against torch.utils.checkpoint on every block."""
+    dev = args.device
     pol = Policy.from_vector(w, uniform_actions(w, Action.RECOMPUTE), hardware="measured")
     ours = build_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, device=dev)
     ref = build_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, device=dev)
@@ -120,9 +133,11 @@ def main() -> None:
         f"2. recompute policy / torch.utils.checkpoint per block: time ratio {ratio2:.3f}; peak "
         f"{mo[0].peak_bytes / 2**20:.1f} MiB vs {mr[0].peak_bytes / 2**20:.1f} MiB  target: ratio <= 1"
     )
-    del ours, ref
 
-    # 3. Fidelity.
+
+def fidelity(args: argparse.Namespace, w: Workload) -> None:
+    """3. Predicted against measured peak and time for five policies."""
+    dev = args.device
     hw = _profile_for(dev)
     sim = Simulator(w, hw)
     rng = np.random.default_rng(0)

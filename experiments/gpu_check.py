@@ -13,8 +13,10 @@ the number the README asks to calibrate. --quick: resnet18 at batch 8 only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import subprocess
 import sys
+import traceback
 
 import torch
 
@@ -22,29 +24,69 @@ import torch
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--models", default="resnet50,gpt2", help="which of resnet50 and gpt2 to run")
+    ap.add_argument("--case-timeout", type=float, default=200.0, help="seconds per model before moving on")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device here; run it on a GPU machine")
     print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    print(f"pinned host memory works: {torch.empty(8, pin_memory=True).is_pinned()}", flush=True)
+    _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"], args.case_timeout)
     cases = [("resnet18", "8", None)] if args.quick else [("resnet50", "64", None), ("gpt2", "8", "1024")]
+    cases = [c for c in cases if args.quick or c[0] in args.models.split(",")]
     for model, batch, seq in cases:
-        cmd = [
-            sys.executable,
-            "experiments/bench_runtime.py",
-            "--device",
-            "cuda",
-            "--model",
-            model,
-            "--batch-size",
-            batch,
-            "--rounds",
-            "5",
-        ]
-        if seq:
-            cmd += ["--seq-len", seq]
-        print(f"\n$ {' '.join(cmd[1:])}", flush=True)
-        subprocess.run(cmd, check=False)
-        _fake_vs_allocator(model, int(batch), int(seq) if seq else None)
+        cmd = [sys.executable, "experiments/bench_runtime.py", "--device", "cuda", "--model", model]
+        cmd += ["--batch-size", batch, "--rounds", "5"] + (["--seq-len", seq] if seq else [])
+        _run(cmd, args.case_timeout)
+        for extra in (_fake_vs_allocator, _profile_steps):
+            try:
+                extra(model, int(batch), int(seq) if seq else None)
+            except Exception:  # report and go on
+                print(traceback.format_exc(), flush=True)
+
+
+def _profile_steps(model: str, batch: int, seq: int | None) -> None:
+    """Where the host's time goes in one step of plain PyTorch, the runtime's hooks and the recompute
+    policy (cProfile, top functions by own time): a GPU step whose kernels are fast is bound by this."""
+    import cProfile
+    import pstats
+
+    from autotune.models import build_model
+    from autotune.workloads import TraceRequest, trace_model
+    from envs.simulator import uniform_actions
+    from runtime.apply import PolicyRuntime
+    from runtime.policy import Action, Policy
+
+    w, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq))
+    for label, action in (("plain", None), ("hooks (all kept)", Action.KEEP), ("recompute", Action.RECOMPUTE)):
+        entry = build_model(model, batch_size=batch, seq_len=seq, device="cuda")
+        rt = (
+            None
+            if action is None
+            else PolicyRuntime(Policy.from_vector(w, uniform_actions(w, action), hardware="h200"), entry.module)
+        )
+
+        def step(entry=entry, rt=rt) -> None:  # type: ignore[no-untyped-def]
+            ctx = contextlib.nullcontext() if rt is None else rt.step(force_hooks=True)
+            with ctx:
+                entry.loss_fn(entry.module, entry.batch).backward()
+            torch.cuda.synchronize()
+
+        step()
+        prof = cProfile.Profile()
+        prof.enable()
+        step()
+        prof.disable()
+        print(f"\n--- {model}: {label}, one step under cProfile", flush=True)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
+def _run(cmd: list[str], timeout: float) -> None:
+    print(f"\n$ {' '.join(cmd[1:])}", flush=True)
+    try:
+        subprocess.run(cmd, check=False, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"(stopped after {timeout:.0f} s)", flush=True)
 
 
 def _fake_vs_allocator(model: str, batch: int, seq: int | None) -> None:

@@ -1,0 +1,126 @@
+"""The runtime on a CUDA device: pinned-memory swap on side streams, recompute with the CUDA RNG, and the
+allocator's peak against the simulator's prediction. Skipped with a reason where there is no CUDA device
+(CI has none); experiments/gpu_check.py runs them on a GPU machine."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from autotune.models import build_model
+from envs.simulator import RECOMPUTE, Simulator, uniform_actions
+from runtime.apply import PolicyRuntime
+from runtime.hardware import get_profile
+from runtime.measure import run_iterations
+from runtime.policy import Action, Policy, PolicyOptions
+from runtime.trace import capture, make_optimizer
+from runtime.workload import Workload
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)"),
+]
+
+RESNET = ("resnet18", {"batch_size": 4, "image_size": 64})
+GPT2 = ("gpt2", {"batch_size": 2, "seq_len": 64, "config_overrides": {"n_layer": 2}})  # dropout 0.1 on
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():  # type: ignore[no-untyped-def]
+    """cuDNN picks its algorithms by benchmarking unless told not to; the same algorithm for a replayed
+    convolution is what makes recomputation bit-identical."""
+    old = torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
+    yield
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = old
+
+
+def _build(name: str, kwargs: dict):  # type: ignore[no-untyped-def,type-arg]
+    def build():  # type: ignore[no-untyped-def]
+        e = build_model(name, device="cuda", **kwargs)
+        return e.module, e.batch, e.loss_fn
+
+    return build
+
+
+def _policies(w: Workload) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    k = len(w.candidates)
+    return {
+        "keep": uniform_actions(w, Action.KEEP),
+        "swap": uniform_actions(w, Action.SWAP),
+        "recompute": uniform_actions(w, Action.RECOMPUTE),
+        "recompute-all": np.full(k, RECOMPUTE, dtype=np.int8),
+        "mixed-1": rng.integers(0, 3, k).astype(np.int8),
+        "mixed-2": rng.integers(0, 3, k).astype(np.int8),
+    }
+
+
+def _step(name: str, kwargs: dict, policy: Policy | None):  # type: ignore[no-untyped-def,type-arg]
+    model, batch, loss_fn = _build(name, kwargs)()
+    torch.manual_seed(123)
+    if policy is None:
+        loss = loss_fn(model, batch)
+        loss.backward()
+    else:
+        with policy.applied(model):
+            loss = loss_fn(model, batch)
+            loss.backward()
+    torch.cuda.synchronize()
+    return loss.detach(), [p.grad for p in model.parameters()], [b.clone() for b in model.buffers()]
+
+
+@pytest.mark.parametrize(("name", "kwargs"), [RESNET, GPT2], ids=["resnet18", "gpt2-2layer-dropout"])
+def test_gradients_bit_identical_on_cuda(name: str, kwargs: dict) -> None:  # type: ignore[type-arg]
+    w = capture(_build(name, kwargs), name=name, batch_size=kwargs["batch_size"], fake=False, device="cuda")
+    ref_loss, ref_grads, ref_buffers = _step(name, kwargs, None)
+    for label, vec in _policies(w).items():
+        policy = Policy.from_vector(w, vec, hardware="h200", options=PolicyOptions(prefetch_lookahead=2))
+        loss, grads, buffers = _step(name, kwargs, policy)
+        assert torch.equal(loss, ref_loss), label
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True)), label
+        assert all(torch.equal(a, b) for a, b in zip(buffers, ref_buffers, strict=True)), label
+
+
+def test_swap_moves_bytes_to_pinned_host_memory_and_reuses_the_buffers() -> None:
+    name, kwargs = RESNET
+    w = capture(_build(name, kwargs), name=name, batch_size=4, fake=False, device="cuda")
+    policy = Policy.from_vector(w, uniform_actions(w, Action.SWAP), hardware="h200")
+    model, batch, loss_fn = _build(name, kwargs)()
+    rt = PolicyRuntime(policy, model)
+    for _ in range(2):
+        with rt.step() as stats:
+            loss_fn(model, batch).backward()
+    torch.cuda.synchronize()
+    assert stats.swapped_bytes > 0
+    buffers = list(rt._pinned.values())
+    unpinned = sum(not b.is_pinned() for b in buffers if b.numel())  # an empty tensor is never pinned
+    assert buffers and unpinned == 0, f"{unpinned} of {len(buffers)} host buffers are not pinned"
+    assert sum(b.numel() for b in buffers) == stats.swapped_bytes  # one buffer per key, reused: no growth
+
+
+@pytest.mark.parametrize(("name", "kwargs"), [RESNET, GPT2], ids=["resnet18", "gpt2-2layer-dropout"])
+def test_allocator_peak_matches_the_simulator(name: str, kwargs: dict) -> None:  # type: ignore[type-arg]
+    """Keep, swap and recompute: the allocator's peak within 3% of the simulator's (the h200 profile's 512 B
+    rounding). cuBLAS and cuDNN workspaces come from the same allocator and are not tensors the trace
+    sees; they are what a miss would show."""
+    w = capture(_build(name, kwargs), name=name, batch_size=kwargs["batch_size"], fake=False, device="cuda")
+    sim = Simulator(w, get_profile("h200"))
+    misses = {}
+    for label in ("keep", "swap", "recompute"):
+        vec = _policies(w)[label]
+        policy = Policy.from_vector(w, vec, hardware="h200")
+        predicted = sim.run(policy).peak_bytes
+        gc.collect()
+        before = torch.cuda.memory_allocated()  # whatever earlier tests left: not this iteration's
+        model, batch, loss_fn = _build(name, kwargs)()
+        opt = make_optimizer("sgd", model.parameters())
+        rt = PolicyRuntime(policy, model)
+        measured = run_iterations(model, batch, loss_fn, opt, steps=2, batch_size=1, around_step=rt.step)[-1]
+        peak = measured.peak_bytes - before
+        misses[label] = (predicted, peak, (predicted - peak) / peak)
+        del model, batch, loss_fn, opt, rt
+    assert all(abs(m[2]) <= 0.03 for m in misses.values()), misses
