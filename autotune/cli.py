@@ -328,6 +328,21 @@ def models(as_json: JsonOpt = False) -> None:
     out.print("\nYour own model: --model package.module:factory (see README, 'Your own model').")
 
 
+def _is_click(e: BaseException, name: str) -> bool:
+    """Whether ``e`` is click's exception ``name``: from click itself or from the copy that typer >= 0.22
+    vendors as ``typer._click`` (whose classes are not click's)."""
+    import click
+
+    modules = [click.exceptions]
+    try:
+        from typer._click import exceptions as vendored  # type: ignore[import-not-found,unused-ignore]
+
+        modules.append(vendored)
+    except ImportError:
+        pass
+    return any(isinstance(e, getattr(m, name)) for m in modules if hasattr(m, name))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: ``--debug`` anywhere shows tracebacks; user errors exit with code 2."""
     global _DEBUG
@@ -344,15 +359,13 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         raise SystemExit(130) from None
-    except Exception as e:  # click's own usage errors carry their exit code
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            raise SystemExit(e.exit_code) from None
-        if isinstance(e, click.exceptions.Exit):
-            raise SystemExit(e.exit_code) from None
-        if isinstance(e, click.exceptions.Abort):
+    except Exception as e:  # click's own usage errors carry their exit code (2)
+        if _is_click(e, "ClickException"):
+            e.show()  # type: ignore[attr-defined]
+            raise SystemExit(e.exit_code) from None  # type: ignore[attr-defined]
+        if _is_click(e, "Exit"):
+            raise SystemExit(e.exit_code) from None  # type: ignore[attr-defined]
+        if _is_click(e, "Abort"):
             raise SystemExit(1) from None
         if _DEBUG:
             raise

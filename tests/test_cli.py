@@ -124,3 +124,9 @@ def test_debug_shows_traceback(capsys: pytest.CaptureFixture[str]) -> None:
 
     with pytest.raises(AutotuneError):
         main(["profile", "--model", "resnet100", "--debug"])
+
+
+@pytest.mark.parametrize("args", [["baselines", "--bogus"], ["profile", "--model", "resnet18", "--batch-size", "x"]])
+def test_usage_errors_exit_2_with_usage(capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
+    code, _, err = run(capsys, *args)
+    assert code == 2 and "Usage: autotune" in err and "internal error" not in err, err
