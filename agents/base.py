@@ -59,6 +59,13 @@ class Problem:
     allow_compress: bool = False
     time_limit_s: float | None = None
     seed: int = 0
+    # Search settings for the searchers that run trials (Optuna, portfolio, RL); heuristics ignore them.
+    trials: int | None = None  # None: the searcher's default; 0: no bound but time_limit_s (not reproducible)
+    storage: str | None = None  # Optuna storage URL (None: in memory)
+    study_name: str | None = None  # None: derived from the problem (see agents/optuna_search.py)
+    seeds: list[SearchResult] = field(default_factory=list)  # warm start: other searchers' results
+    progress: Callable[[str, SimResult | None], None] | None = field(default=None, repr=False)  # (phase, best)
+    interrupted: bool = field(default=False, repr=False)  # set when Ctrl-C stopped a search early
     _sim: Simulator | None = field(default=None, repr=False)
     evaluations: int = field(default=0, repr=False)
 
@@ -116,11 +123,14 @@ class SearchResult:
 
 class Searcher(abc.ABC):
     """A source of policies. Set ``name`` (registry key), ``summary`` (one line, the paper it reads), and
-    ``exact`` for solvers that can prove optimality (they are reported apart from heuristics)."""
+    ``exact`` for solvers that can prove optimality (they are reported apart from heuristics), and
+    ``composite`` for searchers that build on others (Optuna, refinement, the portfolio, RL): they are not
+    baselines."""
 
     name: ClassVar[str]
     summary: ClassVar[str] = ""
     exact: ClassVar[bool] = False
+    composite: ClassVar[bool] = False
 
     def search(self, problem: Problem) -> SearchResult:
         """Run the search and package its proposal as a policy with its simulated result."""
@@ -171,13 +181,22 @@ def register(cls: S) -> S:
 
 def _load_builtins() -> None:
     # Importing the packages registers their searchers.
-    for package in ("agents.heuristics", "agents.solvers"):
+    for package in ("agents.heuristics", "agents.solvers", "agents.refine", "agents.optuna_search", "agents.portfolio"):
         importlib.import_module(package)
 
 
-def list_searchers(*, exact: bool | None = None) -> list[str]:
+def list_searchers(*, exact: bool | None = None, composite: bool | None = None) -> list[str]:
     _load_builtins()
-    return sorted(n for n, c in _REGISTRY.items() if exact is None or c.exact == exact)
+    return sorted(
+        n
+        for n, c in _REGISTRY.items()
+        if (exact is None or c.exact == exact) and (composite is None or c.composite == composite)
+    )
+
+
+def baseline_names(*, exact: bool = False) -> list[str]:
+    """The published methods: heuristics (``exact=False``) or exact solvers, composites excluded."""
+    return list_searchers(exact=exact, composite=False)
 
 
 def get_searcher(name: str) -> Searcher:
@@ -230,6 +249,7 @@ __all__ = [
     "Searcher",
     "Status",
     "apply_until_fits",
+    "baseline_names",
     "get_searcher",
     "list_searchers",
     "register",

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from agents.base import Problem, SearchResult, Status, get_searcher, list_searchers
+from agents.base import Problem, SearchResult, Status, baseline_names, get_searcher
 from autotune.units import format_bytes
 from runtime.errors import AutotuneError
 from runtime.workload import peak_report
@@ -19,7 +19,7 @@ from runtime.workload import peak_report
 def select_methods(only: str | None) -> list[str]:
     """The registered searchers, or the comma-separated subset ``only`` (each name checked)."""
     if not only:
-        return list_searchers()
+        return baseline_names() + baseline_names(exact=True)
     names = [n.strip() for n in only.split(",") if n.strip()]
     for n in names:
         get_searcher(n)  # unknown names fail here with "did you mean"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import csv
 
-from agents.base import Problem, get_searcher, list_searchers
+from agents.base import Problem, baseline_names, get_searcher
 from autotune.workloads import TraceRequest, trace_model
 from runtime.hardware import get_profile
 from runtime.workload import peak_report
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--out", default="baselines.csv")
     args = ap.parse_args()
     hw = get_profile(args.gpu)
-    methods = list_searchers()
+    methods = baseline_names() + baseline_names(exact=True)
     records = []
     for model, batch, seq in MODELS:
         w, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq))

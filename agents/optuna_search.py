@@ -1,0 +1,198 @@
+"""Optuna searchers over the parametric rule of agents/rule.py: TPE and NSGA-II.
+
+Each trial samples the rule's knobs (prefetch look-ahead, how much of an idle window hides a copy, the
+biases between swap and recompute, the size exponent of the ranking, a preference for early tensors, and
+which actions each producer op class may take) and a ``start`` policy: keep-all or one of the warm-start
+seeds (``Problem.seeds``, the baselines' policies). The rule turns them into a per-tensor policy that the
+simulator scores.
+
+- Objective: simulated samples/s (maximised). The budget is a constraint, ``(peak - budget) / budget <=
+  0``, set with ``trial.set_constraint`` (Optuna 5; ``constraints_func`` on Optuna 4), so an over-budget
+  trial is a completed, infeasible trial that still teaches the sampler. NSGA-II also minimises the peak
+  (a Pareto front of memory against speed); its answer is the fastest feasible trial.
+- Warm start: one enqueued trial per seed (``start`` = that seed, the rule at its defaults, which from a
+  fitting start only gives back throughput the budget does not need), plus a swap-first and a
+  recompute-first setting, before the sampler's own trials.
+- Storage: any Optuna storage URL (``Problem.storage``; in memory when None). The study name defaults to
+  ``<model>.b<batch>.<shape fingerprint>.<profile>.<budget bytes>.<searcher>``; a study that exists is
+  resumed: its trials count, and its best trial is re-derived from its parameters.
+- Deterministic for a seed when ``Problem.trials`` (default ``DEFAULT_TRIALS``) ends the search before the
+  time limit does; ``trials=0`` runs until the time limit.
+- Ctrl-C ends the optimisation; the best trial so far is the answer and ``Problem.interrupted`` is set.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, ClassVar
+
+import numpy as np
+
+from agents.base import Problem, Proposal, Searcher, register
+from agents.rule import CLASS_MODES, LOOKAHEADS, params_from_dict, present_classes, rule_actions
+from envs.simulator import SimResult
+from runtime.policy import PolicyOptions
+
+DEFAULT_TRIALS = 150
+_HAS_SET_CONSTRAINT = None  # resolved on first use
+
+
+def study_name(problem: Problem, searcher: str) -> str:
+    w = problem.workload
+    fp = w.shape_fingerprint or "nofp"
+    return f"{w.model}.b{w.batch_size}.{fp}.{problem.hardware.name}.{problem.budget_bytes}.{searcher}"
+
+
+class _Best:
+    """The fastest feasible policy seen (or, while none fits, the one with the lowest peak)."""
+
+    def __init__(self) -> None:
+        self.actions: np.ndarray | None = None
+        self.options: PolicyOptions | None = None
+        self.result: SimResult | None = None
+
+    def offer(self, actions: np.ndarray, options: PolicyOptions, result: SimResult) -> bool:
+        cur = self.result
+        better = (
+            cur is None
+            or (result.feasible and (not cur.feasible or result.samples_per_s > cur.samples_per_s))
+            or (not result.feasible and not cur.feasible and result.peak_bytes < cur.peak_bytes)
+        )
+        if better:
+            self.actions, self.options, self.result = actions.copy(), options, result
+        return better
+
+
+class OptunaSearcher(Searcher):
+    composite = True
+    multi_objective: ClassVar[bool] = False
+
+    def _sampler(self, problem: Problem) -> Any:
+        raise NotImplementedError
+
+    def _search(self, problem: Problem) -> Proposal:
+        best = _Best()
+        self.optimize(problem, best, time_limit_s=problem.time_limit_s, trials=problem.trials)
+        assert best.actions is not None
+        return Proposal(best.actions, options=best.options)
+
+    def optimize(self, problem: Problem, best: _Best, *, time_limit_s: float | None, trials: int | None) -> Any:
+        """Run (or resume) the study; every trial's policy is offered to ``best``. Returns the study."""
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        w = problem.workload
+        classes = present_classes(problem)
+        seeds = {r.searcher: r.policy.to_vector(w) for r in problem.seeds if r.feasible}
+        seed_options = {r.searcher: r.policy.options for r in problem.seeds if r.feasible}
+        starts = ["keep", *sorted(seeds)]
+        directions: list[Any] = ["maximize", "minimize"] if self.multi_objective else ["maximize"]
+        study = optuna.create_study(
+            storage=problem.storage,
+            study_name=problem.study_name or study_name(problem, self.name),
+            sampler=self._sampler(problem),
+            directions=directions,
+            load_if_exists=True,
+        )
+        use_set_constraint = hasattr(optuna.trial.Trial, "set_constraint")
+        done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        for t in done:  # a resumed study: its best so far counts
+            if t.params.get("start", "keep") in starts:
+                self._evaluate(problem, t.params, classes, seeds, seed_options, best)
+        if not study.trials:
+            for s in starts[1:]:
+                study.enqueue_trial({"start": s, "lookahead": seed_options[s].prefetch_lookahead, "revert": 0.0})
+            study.enqueue_trial({"start": "keep", "swap_bias": 0.1, "recompute_bias": 10.0, "lookahead": 8})
+            study.enqueue_trial({"start": "keep", "swap_bias": 10.0, "recompute_bias": 0.1})
+            study.enqueue_trial({"start": "keep"})
+
+        def objective(trial: Any) -> Any:
+            values: dict[str, Any] = {
+                "start": trial.suggest_categorical("start", starts),
+                "lookahead": trial.suggest_categorical("lookahead", LOOKAHEADS),
+                "hide": trial.suggest_float("hide", 0.0, 2.0),
+                "swap_bias": trial.suggest_float("swap_bias", 0.05, 20.0, log=True),
+                "recompute_bias": trial.suggest_float("recompute_bias", 0.05, 20.0, log=True),
+                "size_exp": trial.suggest_float("size_exp", 0.0, 2.0),
+                "late_bias": trial.suggest_float("late_bias", 0.0, 4.0),
+                "revert": trial.suggest_float("revert", 0.0, 1.0),
+            }
+            for c in classes:
+                values[f"class_{c}"] = trial.suggest_categorical(f"class_{c}", CLASS_MODES)
+            result = self._evaluate(problem, values, classes, seeds, seed_options, best)
+            excess = (result.peak_bytes - problem.budget_bytes) / problem.budget_bytes
+            if use_set_constraint:
+                trial.set_constraint("memory", excess)
+            trial.set_user_attr("constraint", [excess])
+            trial.set_user_attr("peak_bytes", result.peak_bytes)
+            trial.set_user_attr("samples_per_s", result.samples_per_s)
+            if problem.progress is not None:
+                problem.progress(self.name, best.result)
+            if self.multi_objective:
+                return result.samples_per_s, result.peak_bytes / 2**30
+            return result.samples_per_s
+
+        if trials is None:
+            trials = DEFAULT_TRIALS
+        n_trials = None if trials == 0 else trials  # 0: until the time limit
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", category=optuna.exceptions.ExperimentalWarning)
+                study.optimize(objective, n_trials=n_trials, timeout=time_limit_s, catch=())
+        except KeyboardInterrupt:
+            problem.interrupted = True
+        return study
+
+    @staticmethod
+    def _evaluate(
+        problem: Problem,
+        values: dict[str, Any],
+        classes: list[str],
+        seeds: dict[str, np.ndarray],
+        seed_options: dict[str, PolicyOptions],
+        best: _Best,
+    ) -> SimResult:
+        start = values.get("start", "keep")
+        params = params_from_dict(values, classes)
+        actions, options, result = rule_actions(problem, params, start=seeds.get(start))
+        best.offer(actions, options, result)
+        return result
+
+
+def _constraints_kwargs() -> dict[str, Any]:
+    """Optuna 4 reads constraints through ``constraints_func``; Optuna 5 through ``trial.set_constraint``."""
+    import optuna
+
+    if hasattr(optuna.trial.Trial, "set_constraint"):
+        return {}
+    return {"constraints_func": lambda t: t.user_attrs.get("constraint", [1.0])}
+
+
+@register
+class OptunaTPE(OptunaSearcher):
+    name = "optuna-tpe"
+    summary = "Optuna TPE (multivariate) over the parametric rule's knobs, budget as a constraint"
+
+    def _sampler(self, problem: Problem) -> Any:
+        import optuna
+
+        return optuna.samplers.TPESampler(
+            seed=problem.seed, multivariate=True, n_startup_trials=10, **_constraints_kwargs()
+        )
+
+
+@register
+class OptunaNSGA2(OptunaSearcher):
+    name = "optuna-nsga2"
+    summary = "Optuna NSGA-II over the parametric rule's knobs: samples/s against peak (Pareto), budget constraint"
+    multi_objective = True
+
+    def _sampler(self, problem: Problem) -> Any:
+        import optuna
+
+        return optuna.samplers.NSGAIISampler(seed=problem.seed, population_size=20, **_constraints_kwargs())
+
+
+def remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.perf_counter())

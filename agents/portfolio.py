@@ -1,0 +1,76 @@
+"""The default searcher: baselines, then Optuna warm-started with them, then per-tensor refinement.
+
+1. Every heuristic baseline runs (about a second on ResNet-101); their results become the warm-start seeds
+   (``Problem.seeds``), unless the caller already ran them and passed them in.
+2. Optuna TPE over the parametric rule (agents/optuna_search.py) for most of the remaining time (or
+   ``Problem.trials`` trials): a first study from keep-all alone, a second one whose starts are the seeds
+   (one trial per feasible seed enqueued first). Study names: the problem's, suffixed ``.explore`` and
+   ``.seeded``.
+3. Per-tensor refinement (agents/refine.py) of the best policy found so far, for the rest of the time.
+
+The best feasible result of all three wins, so the portfolio is never below its seeds. Without a time limit
+it runs ``DEFAULT_TIME_S``. Reinforcement-learning searchers join here when they earn it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from agents.base import Problem, Proposal, Searcher, baseline_names, get_searcher, register
+from agents.optuna_search import OptunaTPE, _Best, remaining, study_name
+from agents.refine import refine
+
+DEFAULT_TIME_S = 45.0
+OPTUNA_SHARE = 0.75  # of the time left after the baselines; the rest goes to refinement
+
+
+@register
+class Portfolio(Searcher):
+    name = "portfolio"
+    composite = True
+    summary = "baselines, then Optuna TPE warm-started with them, then per-tensor refinement; the best wins"
+
+    def _search(self, problem: Problem) -> Proposal:
+        started = time.perf_counter()
+        limit = DEFAULT_TIME_S if problem.time_limit_s is None else problem.time_limit_s
+        deadline = started + limit
+        if not problem.seeds:
+            for name in baseline_names():
+                if problem.interrupted:
+                    break
+                problem.seeds.append(get_searcher(name).search(problem))
+                if problem.progress is not None:
+                    problem.progress(f"baseline {name}", None)
+        best = _Best()
+        winner = ""
+        for r in problem.seeds:
+            if best.offer(r.policy.to_vector(problem.workload), r.policy.options, r.result):
+                winner = r.searcher
+        # Optuna twice: from keep-all alone (TPE, given the seeds as starts, settles on the best seed and
+        # stops exploring), then from the seeds. Two studies, since their ``start`` choices differ.
+        name = problem.study_name or study_name(problem, OptunaTPE.name)
+        seeds = problem.seeds
+        for share, phase_seeds, suffix in ((0.5, [], ".explore"), (1.0, seeds, ".seeded")):
+            if problem.interrupted:
+                break
+            budget_s = (remaining(deadline) or 0.0) * OPTUNA_SHARE * share
+            trials = None if problem.trials is None else (problem.trials + 1) // 2
+            before = best.result
+            problem.seeds, problem.study_name = phase_seeds, name + suffix
+            try:
+                OptunaTPE().optimize(problem, best, time_limit_s=budget_s, trials=trials)
+            finally:
+                problem.seeds, problem.study_name = seeds, name
+            if best.result is not before:
+                winner = "optuna-tpe"
+        if not problem.interrupted and best.actions is not None and best.options is not None:
+            before = best.result
+            try:
+                actions, options, result = refine(problem, best.actions, best.options, deadline=deadline)
+                best.offer(actions, options, result)
+            except KeyboardInterrupt:
+                problem.interrupted = True
+            if best.result is not before:
+                winner += " + refine"
+        assert best.actions is not None
+        return Proposal(best.actions, options=best.options, note=f"won by {winner}" if winner else "")

@@ -1,0 +1,126 @@
+"""Per-tensor refinement of a policy: first-improvement local search on the simulator.
+
+Moves, tried on the non-keep candidates from the largest down: back to keep (it frees nothing, so it only
+stays if the policy still fits), or to the other of swap / recompute. Then exchanges: one costly decision
+given back, one cheap one taken (see :func:`_exchange`). A move is accepted when the policy still fits the
+budget and runs faster. Then the prefetch look-ahead is tried at each of agents.rule.LOOKAHEADS. Passes
+repeat until one changes nothing or the deadline passes. Every accepted step
+is a simulated improvement, so the result is never worse than the start.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+
+from agents.base import Problem, Proposal, Searcher, register
+from agents.rule import LOOKAHEADS, RuleParams, ranked_moves
+from envs.simulator import KEEP, RECOMPUTE, SWAP, SimResult
+from runtime.policy import PolicyOptions
+
+
+def refine(
+    problem: Problem,
+    actions: np.ndarray,
+    options: PolicyOptions,
+    *,
+    deadline: float | None = None,
+    max_passes: int = 4,
+) -> tuple[np.ndarray, PolicyOptions, SimResult]:
+    """Improve a feasible policy (an infeasible one is returned as it is); ``deadline`` is a
+    ``time.perf_counter()`` value."""
+    best = np.asarray(actions, dtype=np.int8).copy()
+    best_result = problem.evaluate(best, options)
+    if not best_result.feasible:
+        return best, options, best_result
+    nbytes = np.array([c.nbytes for c in problem.workload.candidates], dtype=np.int64)
+
+    def late() -> bool:
+        return deadline is not None and time.perf_counter() > deadline
+
+    for _ in range(max_passes):
+        improved = False
+        for ci in np.argsort(-nbytes, kind="stable"):
+            if late():
+                return best, options, best_result
+            current = int(best[ci])
+            if current == KEEP:
+                continue
+            for move in (KEEP, RECOMPUTE if current == SWAP else SWAP):
+                best[ci] = move
+                r = problem.evaluate(best, options)
+                if r.feasible and r.samples_per_s > best_result.samples_per_s:
+                    best_result, current, improved = r, move, True
+                    break
+                best[ci] = current
+        if not late():
+            best, best_result, swapped = _exchange(problem, best, options, best_result, late)
+            improved = improved or swapped
+        for lookahead in LOOKAHEADS:
+            if late():
+                break
+            trial = replace(options, prefetch_lookahead=lookahead)
+            r = problem.evaluate(best, trial)
+            if r.feasible and r.samples_per_s > best_result.samples_per_s:
+                options, best_result, improved = trial, r, True
+        if not improved:
+            break
+    return best, options, best_result
+
+
+def _exchange(
+    problem: Problem,
+    actions: np.ndarray,
+    options: PolicyOptions,
+    result: SimResult,
+    late: Callable[[], bool],
+    width: int = 40,
+) -> tuple[np.ndarray, SimResult, bool]:
+    """Exchange moves: give one costly decision back (to keep) and take a cheap one instead (a kept candidate
+    gets the rule's cheaper action), accepted when the policy still fits and runs faster. The costly side
+    is the ``width`` non-keep candidates whose keeping alone saves the most time (measured); the cheap side
+    the ``1.5 * width`` kept candidates the rule ranks cheapest per byte."""
+    best, best_result, improved = actions.copy(), result, False
+    gains = []
+    for c in np.flatnonzero(best != KEEP).tolist():
+        trial = best.copy()
+        trial[c] = KEEP
+        gains.append((best_result.iter_s - problem.evaluate(trial, options).iter_s, int(c)))
+    costly = [c for gain, c in sorted(gains, reverse=True)[:width] if gain > 0]
+    order, moves, _ = ranked_moves(problem, RuleParams(lookahead=options.prefetch_lookahead))
+    cheap = [(int(d), int(a)) for d, a in zip(order, moves, strict=True) if best[d] == KEEP][: int(width * 1.5)]
+    for ci in costly:
+        for di, action in cheap:
+            if late():
+                return best, best_result, improved
+            if best[di] != KEEP or best[ci] == KEEP:
+                continue
+            trial = best.copy()
+            trial[ci], trial[di] = KEEP, action
+            r = problem.evaluate(trial, options)
+            if r.feasible and r.samples_per_s > best_result.samples_per_s:
+                best, best_result, improved = trial, r, True
+                break
+    return best, best_result, improved
+
+
+@register
+class Refine(Searcher):
+    name = "refine"
+    composite = True
+    summary = "per-tensor local search from the best heuristic's policy (DTR, Capuchin, checkpoint-sqrt)"
+
+    def _search(self, problem: Problem) -> Proposal:
+        from agents.base import get_searcher
+
+        start, start_options, start_result = problem.keep_all(), problem.options, None
+        for name in ("capuchin", "dtr", "checkpoint-sqrt"):
+            r = get_searcher(name).search(problem)
+            if r.feasible and (start_result is None or r.result.samples_per_s > start_result.samples_per_s):
+                start, start_options, start_result = r.policy.to_vector(problem.workload), r.policy.options, r.result
+        deadline = None if problem.time_limit_s is None else time.perf_counter() + problem.time_limit_s
+        actions, options, _ = refine(problem, start, start_options, deadline=deadline)
+        return Proposal(actions, options=options)
