@@ -1,0 +1,690 @@
+"""A gymnasium environment that builds a keep / swap / recompute / compress policy one tensor at a time.
+
+Registered as ``autotune/MemoryPolicy-v0`` (see ``envs/__init__.py``). The simulator (envs/simulator.py)
+scores every finished policy, or, with ``backend="real"``, real training iterations do (:func:`real_backend`).
+The observation is a fixed-size vector, independent of the model, so one network can serve many models.
+
+This module imports :mod:`agents` (the :class:`~agents.base.Problem` it solves, the candidate features): the
+environment is a searcher's tool, built on the same problem the searchers share. ``envs/__init__.py``
+registers it by name only, so importing :mod:`envs` does not import :mod:`agents` (no import cycle).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from agents.base import Problem
+from agents.features import OP_CLASSES, candidate_features
+from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, SimResult, _itemsize
+from runtime.hardware import HardwareProfile, get_profile
+from runtime.policy import PolicyOptions
+from runtime.workload import Candidate, OpInfo, Phase, TensorInfo, TensorKind, Workload
+
+#: ``real(actions) -> (peak_bytes, iter_s)``: one finished policy (action codes over ``workload.candidates``)
+#: measured by real training iterations. See :func:`real_backend`.
+RealMeasure = Callable[[np.ndarray], tuple[int, float]]
+
+ACTION_NAMES: tuple[str, ...] = ("keep", "swap", "recompute", "compress")  # index = action code
+N_ACTIONS = len(ACTION_NAMES)
+
+#: Hardware profile and budget (fraction of the no-policy peak) used when they are not given.
+DEFAULT_HARDWARE = "a100-40gb"
+DEFAULT_BUDGET_FRACTION = 0.6
+
+# -- observation layout ------------------------------------------------------------------------------------
+#: Features of the candidate to decide (all zero once every candidate is decided).
+CANDIDATE_FIELDS: tuple[str, ...] = (
+    "log2_bytes",  # log2(nbytes) / 40: 1.0 would be a 1 TiB tensor
+    "byte_share",  # nbytes / total candidate bytes
+    "recompute_time",  # recompute_s / no-policy iteration time
+    "swap_hide_ratio",  # swap_out_s / idle_s, clipped to [0, 10]: > 1 cannot hide under compute
+    "lifetime",  # idle_s / no-policy iteration time
+    "fwd_position",  # producer op / number of forward ops
+    "block_input",  # 1.0 for a block boundary (Candidate.block_input)
+    *(f"class_{name}" for name in OP_CLASSES),  # one-hot op class of the producer (agents.features)
+)
+#: The policy so far: decided prefix as chosen, every candidate after it kept.
+STATE_FIELDS: tuple[str, ...] = (
+    "peak_ratio",  # simulated peak of the partial policy / budget, clipped to [0, 10]
+    "remaining_ratio",  # candidate bytes still to decide (current one included) / budget, clipped to [0, 10]
+    "done_fraction",  # candidates decided / candidates
+    "keep_share",  # bytes decided keep / bytes decided (0 when nothing is decided yet)
+    "swap_share",
+    "recompute_share",
+    "compress_share",
+)
+OBS_FIELDS: tuple[str, ...] = (*CANDIDATE_FIELDS, *STATE_FIELDS)
+#: Length of the observation vector (24 with agents.features' ten op classes).
+OBS_SIZE = len(OBS_FIELDS)
+_RATIO_CAP = 10.0  # ratios that can be large (times, peaks) are clipped here
+_HIGH = {
+    "log2_bytes": 2.0,
+    "recompute_time": _RATIO_CAP,
+    "swap_hide_ratio": _RATIO_CAP,
+    "peak_ratio": _RATIO_CAP,
+    "remaining_ratio": _RATIO_CAP,
+}
+OBS_LOW = np.zeros(OBS_SIZE, dtype=np.float32)
+OBS_HIGH = np.array([_HIGH.get(name, 1.0) for name in OBS_FIELDS], dtype=np.float32)
+_N_CAND = len(CANDIDATE_FIELDS)
+
+
+@dataclass
+class BestPolicy:
+    """The best feasible policy the environment has finished so far (what searchers read off ``env.best``).
+
+    ``result`` is always the simulated result of ``actions`` under the problem's budget (so that a searcher
+    can hand it on as its own); ``reward`` is the episode's reward, from the simulator or, with the real
+    backend, from ``measured`` = (peak_bytes, iter_s) of real iterations."""
+
+    actions: np.ndarray
+    result: SimResult
+    reward: float
+    episode: int
+    measured: tuple[int, float] | None = None
+
+
+class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
+    """
+    ## Description
+
+    Fit one training iteration into a GPU memory budget by deciding, for each activation autograd saves for
+    backward (a *candidate*), whether to keep it on the device, swap it to host memory, recompute it in
+    backward or compress it (lossy). An episode walks the candidates of one workload in
+    ``workload.candidates`` order, which is execution order: :mod:`runtime.trace` records them in the order
+    autograd first saves them during forward (by save op). Deciding early tensors first mirrors how memory
+    builds up in forward, and the observation's running peak tells the agent what its prefix has bought.
+    Each step decides one candidate; the finished policy is scored by the simulator
+    (``envs/simulator.py``), or with ``backend="real"`` by real training iterations.
+
+    ## Action Space
+
+    ``Discrete(4)``: 0 keep, 1 swap, 2 recompute, 3 compress (``envs.simulator.KEEP`` ... ``COMPRESS``).
+    :meth:`action_masks` returns the legal actions for the current candidate as a bool array of length 4
+    (sb3-contrib's ``MaskablePPO`` convention); the same mask is in ``info["action_mask"]`` after ``reset``
+    and every ``step``. Keep and swap are always legal. Recompute is legal when the candidate has a finite
+    recompute closure time (always, for traced workloads). Compress is legal only with ``allow_compress``
+    and a floating-point tensor wider than ``options.compress_dtype`` (float32 or float64 for the default
+    bfloat16). **An illegal action, or a value outside 0..3, is replaced by keep** (never an error); the
+    action actually applied is ``info["applied_action"]``.
+
+    ## Observation Space
+
+    ``Box(0, high, (OBS_SIZE,), float32)`` with ``OBS_SIZE`` = 24, the same for every model (fields named in
+    ``OBS_FIELDS``; times are relative to the no-policy iteration time, bytes to the budget):
+
+    | index | field           | meaning                                                            | range   |
+    |-------|-----------------|--------------------------------------------------------------------|---------|
+    | 0     | log2_bytes      | log2(nbytes) / 40 of the current candidate                         | [0, 2]  |
+    | 1     | byte_share      | nbytes / total candidate bytes                                     | [0, 1]  |
+    | 2     | recompute_time  | recompute closure time / no-policy iteration time                  | [0, 10] |
+    | 3     | swap_hide_ratio | copy-out time / idle time until its first backward use             | [0, 10] |
+    | 4     | lifetime        | idle time / no-policy iteration time                               | [0, 1]  |
+    | 5     | fwd_position    | producer op / number of forward ops                                | [0, 1]  |
+    | 6     | block_input     | 1 for a block boundary                                             | {0, 1}  |
+    | 7-16  | class_*         | one-hot op class of the producer (``agents.features.OP_CLASSES``)  | {0, 1}  |
+    | 17    | peak_ratio      | simulated peak of the partial policy / budget                      | [0, 10] |
+    | 18    | remaining_ratio | candidate bytes still to decide / budget                           | [0, 10] |
+    | 19    | done_fraction   | candidates decided / candidates                                    | [0, 1]  |
+    | 20-23 | *_share         | decided bytes per action (keep, swap, recompute, compress) / bytes decided | [0, 1] |
+
+    The partial policy is the decided prefix as chosen with every later candidate kept; its peak is
+    re-simulated only after a non-keep action (a keep changes nothing). After the last step the candidate
+    fields are zero.
+
+    ## Rewards
+
+    0 on every step but the last. The last step scores the finished policy: if its peak fits the budget,
+    ``samples_per_s / no_policy_samples_per_s`` (the no-policy throughput is keep-all's, so this is in
+    (0, 1] and exactly 1.0 for keep-all); otherwise ``-1 - (peak - budget) / budget``, a penalty that grows
+    with the excess. With ``backend="real"`` peak and time are measured, and the ratio is capped at 1
+    (measurement noise can make a policy look faster than keep-all).
+
+    ## Starting State
+
+    Every candidate undecided (kept); the first candidate to decide. The environment is deterministic: the
+    seed of ``reset(seed=...)`` only seeds ``env.np_random`` for callers that draw from it.
+
+    ## Episode End
+
+    The episode terminates after one action per candidate (``len(workload.candidates)`` steps); it is never
+    truncated. The last step's ``info`` holds ``peak_bytes``, ``iter_s``, ``samples_per_s``, ``feasible``,
+    ``reward`` and ``actions`` (the finished action vector, illegal choices already replaced by keep), and,
+    with the real backend, ``sim_peak_bytes`` and ``sim_samples_per_s``. The best feasible policy over all
+    episodes is kept in ``env.best`` (:class:`BestPolicy`, ``None`` until one fits).
+
+    ## Arguments
+
+    ```python
+    import gymnasium as gym
+    import envs  # registers the id
+
+    env = gym.make("autotune/MemoryPolicy-v0")  # a small synthetic CNN on a100-40gb, budget 60% of its peak
+    env = gym.make("autotune/MemoryPolicy-v0", problem=Problem(workload, get_profile("h100-80gb"), budget))
+    env = MemoryPolicyEnv(workload=w, hardware=hw, budget_bytes=b, allow_compress=True)
+    ```
+
+    * ``problem``: the :class:`~agents.base.Problem` to solve (workload, hardware, budget, options,
+      allow_compress). Every simulation goes through ``problem.evaluate``, so ``problem.evaluations`` counts
+      them. Give either a problem or the three arguments below.
+    * ``workload``, ``hardware``, ``budget_bytes``: a problem by parts; each one missing gets a default
+      (:func:`synthetic_workload`, ``DEFAULT_HARDWARE``, ``DEFAULT_BUDGET_FRACTION`` of the no-policy peak).
+    * ``allow_compress``: allow the lossy compress action (with ``problem``, set it on the problem instead).
+    * ``backend``: ``"sim"`` (default) or ``"real"``: who scores finished policies.
+    * ``real``: with ``backend="real"``, a callable ``real(actions) -> (peak_bytes, iter_s)`` that runs real
+      training iterations under the policy ``actions`` (int8 codes over ``workload.candidates``) and returns
+      their peak device memory in bytes and seconds per iteration (see :func:`real_backend`). It is called
+      once for keep-all (the throughput reference) and once per distinct finished policy (cached). Apply the
+      problem's ``options`` there too. Intermediate peaks still come from the simulator.
+    * ``render_mode``: ``None`` or ``"ansi"`` (``render()`` returns a one-line summary).
+
+    ## Version History
+
+    * v0: initial version.
+    """
+
+    # A plain class attribute, as gymnasium.Env declares it (ClassVar would clash with the base class).
+    metadata = {"render_modes": ["ansi"], "render_fps": 4}  # noqa: RUF012
+
+    def __init__(
+        self,
+        problem: Problem | None = None,
+        *,
+        workload: Workload | None = None,
+        hardware: HardwareProfile | None = None,
+        budget_bytes: int | None = None,
+        allow_compress: bool = False,
+        backend: str = "sim",
+        real: RealMeasure | None = None,
+        render_mode: str | None = None,
+    ) -> None:
+        super().__init__()
+        if problem is None:
+            problem = _default_problem(workload, hardware, budget_bytes, allow_compress)
+        elif workload is not None or hardware is not None or budget_bytes is not None:
+            raise ValueError("give either problem or workload/hardware/budget_bytes, not both")
+        elif allow_compress and not problem.allow_compress:
+            raise ValueError("allow_compress=True with a Problem that forbids it: set problem.allow_compress")
+        if problem.budget_bytes <= 0:
+            raise ValueError(f"budget_bytes={problem.budget_bytes}: expected a positive number of bytes")
+        if problem.n == 0:
+            raise ValueError(f"workload {problem.workload.model!r} has no candidates: there is nothing to decide")
+        if backend not in ("sim", "real"):
+            raise ValueError(f"backend={backend!r}: expected 'sim' or 'real'")
+        if backend == "real" and real is None:
+            raise ValueError("backend='real' needs real=callable(actions) -> (peak_bytes, iter_s); see real_backend()")
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"render_mode={render_mode!r}: expected None or one of {self.metadata['render_modes']}")
+        self.problem = problem
+        self.backend = backend
+        self.real = real
+        self.render_mode = render_mode
+        self.action_space = spaces.Discrete(N_ACTIONS)
+        self.observation_space = spaces.Box(OBS_LOW, OBS_HIGH, dtype=np.float32)
+
+        w = problem.workload
+        self.k = problem.n
+        self.budget_bytes = int(problem.budget_bytes)
+        self.baseline: SimResult = problem.evaluate(problem.keep_all())  # no policy: the throughput reference
+        self._nbytes = np.array([c.nbytes for c in w.candidates], dtype=np.float64)
+        self._total_bytes = float(self._nbytes.sum())
+        self._to_place = np.append(np.cumsum(self._nbytes[::-1])[::-1], 0.0)  # bytes from candidate i on
+        self._features = self._candidate_table()
+        self._masks = self._mask_table()
+        self._measured: dict[bytes, tuple[int, float]] = {}  # real backend: finished policy -> measurement
+        self.best: BestPolicy | None = None
+        self.episodes = 0  # finished episodes
+        self._reset_state()
+
+    # -- static tables ---------------------------------------------------------------------------------------
+    def _candidate_table(self) -> np.ndarray:
+        """The candidate fields of the observation, one row per candidate: static, so computed once."""
+        feats = candidate_features(self.problem.simulator)
+        iter_s = max(self.baseline.iter_s, 1e-30)
+        table = np.zeros((self.k, _N_CAND), dtype=np.float64)
+        table[:, 0] = np.log2(np.maximum(self._nbytes, 1.0)) / 40.0
+        table[:, 1] = self._nbytes / max(self._total_bytes, 1.0)
+        table[:, 2] = np.where(np.isfinite(feats.recompute_s), feats.recompute_s / iter_s, _RATIO_CAP)
+        # A copy that takes longer than the window it could hide in stalls; no window at all: worst case.
+        with np.errstate(divide="ignore", invalid="ignore"):
+            hide = np.where(feats.idle_s > 0, feats.swap_out_s / feats.idle_s, np.inf)
+        table[:, 3] = np.where(feats.swap_out_s > 0, hide, 0.0)
+        table[:, 4] = feats.idle_s / iter_s
+        table[:, 5] = feats.fwd_position
+        table[:, 6] = feats.block_input
+        for i, name in enumerate(feats.producer_class):
+            table[i, 7 + OP_CLASSES.index(name)] = 1.0
+        table = np.nan_to_num(table, nan=0.0, posinf=_RATIO_CAP, neginf=0.0)
+        return np.clip(table, OBS_LOW[:_N_CAND], OBS_HIGH[:_N_CAND])
+
+    def _mask_table(self) -> np.ndarray:
+        """Legal actions per candidate (see the class docstring, Action Space)."""
+        w, problem = self.problem.workload, self.problem
+        feats = candidate_features(problem.simulator)
+        masks = np.zeros((self.k, N_ACTIONS), dtype=bool)
+        masks[:, KEEP] = masks[:, SWAP] = True
+        masks[:, RECOMPUTE] = np.isfinite(feats.recompute_s)
+        if problem.allow_compress:
+            # A cast to a dtype as wide saves nothing (Rule 8: the size ratio is at least 1).
+            target = _itemsize(problem.options.compress_dtype)
+            masks[:, COMPRESS] = [_compressible(w.tensors[c.tensor].dtype, target) for c in w.candidates]
+        return masks
+
+    # -- gymnasium API ---------------------------------------------------------------------------------------
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        """Start a new episode. ``seed`` seeds ``self.np_random`` only (the environment is deterministic);
+        ``options`` is accepted and ignored."""
+        super().reset(seed=seed)
+        self._reset_state()
+        return self._observation(), {"action_mask": self.action_masks(), "candidate": 0}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        if self._t >= self.k:
+            raise RuntimeError("the episode is over: call reset() before step()")
+        t = self._t
+        requested = _as_code(action)
+        applied = requested if requested is not None and self._masks[t, requested] else KEEP
+        self._actions[t] = applied
+        self._decided_bytes[applied] += self._nbytes[t]
+        if applied != KEEP:  # a keep leaves the partial policy (the rest is kept) unchanged
+            self._partial = self.problem.evaluate(self._actions)
+        self._t += 1
+        info: dict[str, Any] = {
+            "candidate": t,
+            "requested_action": -1 if requested is None else requested,
+            "applied_action": applied,
+        }
+        reward = 0.0
+        terminated = self._t == self.k
+        if terminated:
+            reward, final = self._finish()
+            info.update(final)
+        info["action_mask"] = self.action_masks()
+        return self._observation(), reward, terminated, False, info
+
+    def action_masks(self) -> np.ndarray:
+        """Legal actions for the current candidate, bool of length 4 (keep only once the episode is over)."""
+        if self._t >= self.k:
+            return np.array([True, False, False, False])
+        return self._masks[self._t].copy()
+
+    def render(self) -> str | None:
+        """``"ansi"``: one line (current candidate, partial peak against the budget, actions so far)."""
+        if self.render_mode != "ansi":
+            return None
+        counts = " ".join(f"{name} {int(np.sum(self._actions[: self._t] == i))}" for i, name in enumerate(ACTION_NAMES))
+        head = (
+            f"candidate {self._t}/{self.k} {self.problem.workload.candidates[self._t].key!r}"
+            if self._t < self.k
+            else f"done {self.k}/{self.k}"
+        )
+        return (
+            f"{head}: peak {self._partial.peak_bytes / 2**20:.1f} MiB of budget {self.budget_bytes / 2**20:.1f} MiB "
+            f"({self._partial.peak_bytes / self.budget_bytes:.2f}x); decided {counts}"
+        )
+
+    # -- state -----------------------------------------------------------------------------------------------
+    @property
+    def actions(self) -> np.ndarray:
+        """A copy of the current action vector (undecided candidates are kept)."""
+        return self._actions.copy()
+
+    @property
+    def candidate(self) -> int:
+        """Index into ``workload.candidates`` of the candidate the next action decides (``k`` when done)."""
+        return self._t
+
+    def _reset_state(self) -> None:
+        self._t = 0
+        self._actions = self.problem.keep_all()
+        self._decided_bytes = np.zeros(N_ACTIONS, dtype=np.float64)
+        self._partial = self.baseline  # simulated result of the partial policy (the rest kept)
+
+    def _observation(self) -> np.ndarray:
+        obs = np.zeros(OBS_SIZE, dtype=np.float64)
+        if self._t < self.k:
+            obs[:_N_CAND] = self._features[self._t]
+        budget = float(self.budget_bytes)
+        decided = float(self._decided_bytes.sum())
+        obs[_N_CAND] = self._partial.peak_bytes / budget
+        obs[_N_CAND + 1] = self._to_place[self._t] / budget
+        obs[_N_CAND + 2] = self._t / self.k
+        if decided > 0:
+            obs[_N_CAND + 3 :] = self._decided_bytes / decided
+        obs = np.nan_to_num(obs, nan=0.0, posinf=_RATIO_CAP, neginf=0.0)
+        return np.clip(obs, OBS_LOW, OBS_HIGH).astype(np.float32)
+
+    def _finish(self) -> tuple[float, dict[str, Any]]:
+        """Reward and info of the finished policy; updates ``best``."""
+        actions = self._actions.copy()
+        sim = self._partial  # the partial policy with nothing left to decide is the finished one
+        measured: tuple[int, float] | None = None
+        if self.backend == "real":
+            peak, iter_s = measured = self._measure(actions)
+            base_iter_s = self._measure(self.problem.keep_all())[1]
+            samples_per_s = self.problem.workload.batch_size / iter_s
+            feasible = peak <= self.budget_bytes
+            speed = min(1.0, base_iter_s / iter_s)
+        else:
+            peak, iter_s, samples_per_s, feasible = sim.peak_bytes, sim.iter_s, sim.samples_per_s, sim.feasible
+            speed = samples_per_s / self.baseline.samples_per_s
+        reward = float(speed) if feasible else -1.0 - (peak - self.budget_bytes) / self.budget_bytes
+        self.episodes += 1
+        improved = feasible and (self.best is None or reward > self.best.reward)
+        if improved:
+            self.best = BestPolicy(actions.copy(), sim, reward, self.episodes, measured)
+        info: dict[str, Any] = {
+            "peak_bytes": int(peak),
+            "iter_s": float(iter_s),
+            "samples_per_s": float(samples_per_s),
+            "feasible": bool(feasible),
+            "reward": reward,
+            "actions": actions,
+            "is_best": bool(improved),
+        }
+        if self.backend == "real":
+            info["sim_peak_bytes"] = sim.peak_bytes
+            info["sim_samples_per_s"] = sim.samples_per_s
+        return reward, info
+
+    def _measure(self, actions: np.ndarray) -> tuple[int, float]:
+        key = actions.tobytes()
+        if key not in self._measured:
+            assert self.real is not None
+            peak, iter_s = self.real(actions.copy())
+            if not (iter_s > 0):  # NaN included
+                raise ValueError(f"real backend returned iter_s={iter_s!r}: expected a positive number of seconds")
+            self._measured[key] = (int(peak), float(iter_s))
+        return self._measured[key]
+
+
+def _as_code(action: Any) -> int | None:
+    """The action as an int in 0..3, or None for anything else (which ``step`` replaces by keep)."""
+    try:
+        code = int(np.asarray(action).reshape(()))
+    except (TypeError, ValueError):
+        return None
+    return code if 0 <= code < N_ACTIONS else None
+
+
+def _compressible(dtype: str, target_itemsize: int) -> bool:
+    floating = dtype.startswith(("float", "bfloat"))
+    return floating and _itemsize(dtype) > target_itemsize
+
+
+# -- the default problem --------------------------------------------------------------------------------------
+def _default_problem(
+    workload: Workload | None, hardware: HardwareProfile | None, budget_bytes: int | None, allow_compress: bool
+) -> Problem:
+    w = workload if workload is not None else synthetic_workload()
+    hw = hardware if hardware is not None else get_profile(DEFAULT_HARDWARE)
+    problem = Problem(w, hw, budget_bytes=0, allow_compress=allow_compress)
+    if budget_bytes is None:
+        budget_bytes = int(DEFAULT_BUDGET_FRACTION * problem.simulator.run(problem.keep_all()).peak_bytes)
+    problem.budget_bytes = int(budget_bytes)
+    return problem
+
+
+def synthetic_workload(
+    blocks: int = 3, batch: int = 32, channels: int = 64, size: int = 32, classes: int = 10
+) -> Workload:
+    """A small CNN iteration built by hand, without torch, in about a millisecond: ``blocks`` conv-BN-ReLU
+    blocks (the first is the stem), 2x2 max pooling, a linear classifier, log-softmax and NLL loss, then
+    their backward ops. Deterministic: the same arguments give the same workload.
+
+    Candidates in save order, as a trace records them: per block its convolution's output (saved by
+    BatchNorm) and its ReLU's output (saved by the ReLU and by the next block's convolution, or by the
+    pooling: a block input); then the pooling's int64 indices (not compressible), the pooled features and
+    the log-probabilities. BatchNorm outputs and logits are freed in forward, so recompute closures reach
+    back more than one op, as in real traces. With the defaults: 26 ops, 9 candidates. Op times come from
+    the hardware profile's roofline (``mode="fake"``) over the FLOPs and bytes given here."""
+    if blocks < 1:
+        raise ValueError(f"blocks={blocks}: expected at least one conv-BN-ReLU block")
+    f4 = 4
+    fmap = (batch, channels, size, size)
+    act = batch * channels * size * size * f4  # one float32 feature map
+    half = (batch, channels, size // 2, size // 2)
+    pooled = int(np.prod(half)) * f4
+    feat = channels * (size // 2) ** 2
+    logits = batch * classes * f4
+    K, fwd, bwd = TensorKind, Phase.FORWARD, Phase.BACKWARD
+    tensors: list[TensorInfo] = []
+    ops: list[OpInfo] = []
+
+    def tensor(nbytes: int, shape: tuple[int, ...], kind: TensorKind, alloc: int, free: int | None,
+               dtype: str = "float32") -> int:  # fmt: skip
+        tensors.append(TensorInfo(len(tensors), nbytes, shape, dtype, kind, alloc, free))
+        return len(tensors) - 1
+
+    def op(
+        name: str, phase: Phase, module: str, flops: float, inputs: tuple[int, ...], outputs: tuple[int, ...]
+    ) -> None:
+        moved = sum(tensors[t].nbytes for t in (*inputs, *outputs))
+        ops.append(OpInfo(len(ops), f"aten.{name}", phase, module, flops, moved, inputs, outputs))
+
+    # Op indices, fixed up front so that every tensor is created with its lifetime.
+    n_fwd = 3 * blocks + 4  # conv, bn, relu per block; pool, fc, log_softmax, nll_loss
+    nll_b, lsm_b, mm_b, pool_b = n_fwd, n_fwd + 1, n_fwd + 2, n_fwd + 3
+
+    def relu_b(b: int) -> int:  # backward of block b: relu, bn, conv, last block first
+        return n_fwd + 4 + 3 * (blocks - 1 - b)
+
+    names = ["stem", *(f"layer{b}" for b in range(1, blocks))]
+    c_in = [3, *([channels] * (blocks - 1))]
+    x = tensor(batch * 3 * size * size * f4, (batch, 3, size, size), K.INPUT, -1, None)
+    y = tensor(batch * 8, (batch,), K.INPUT, -1, None, "int64")
+    w_conv = [tensor(channels * c * 9 * f4, (channels, c, 3, 3), K.PARAMETER, -1, None) for c in c_in]
+    w_bn = [tensor(2 * channels * f4, (2, channels), K.PARAMETER, -1, None) for _ in range(blocks)]
+    w_fc = tensor((feat + 1) * classes * f4, (classes, feat + 1), K.PARAMETER, -1, None)
+    conv_out = [tensor(act, fmap, K.ACTIVATION, 3 * b, relu_b(b) + 1) for b in range(blocks)]
+    bn_out = [tensor(act, fmap, K.TEMPORARY, 3 * b + 1, 3 * b + 2) for b in range(blocks)]
+    relu_out = [tensor(act, fmap, K.ACTIVATION, 3 * b + 2, relu_b(b)) for b in range(blocks)]
+    pool_at = 3 * blocks
+    pool_out = tensor(pooled, half, K.ACTIVATION, pool_at, mm_b)
+    indices = tensor(pooled * 2, half, K.ACTIVATION, pool_at, pool_b, "int64")
+    fc_out = tensor(logits, (batch, classes), K.TEMPORARY, pool_at + 1, pool_at + 2)
+    log_probs = tensor(logits, (batch, classes), K.ACTIVATION, pool_at + 2, lsm_b)
+    loss = tensor(f4, (), K.TEMPORARY, pool_at + 3, nll_b)
+
+    inputs = [x, *relu_out[:-1]]
+    for b in range(blocks):
+        conv_flops = 2.0 * batch * channels * c_in[b] * 9 * size * size
+        op("convolution.default", fwd, f"{names[b]}.conv", conv_flops, (inputs[b], w_conv[b]), (conv_out[b],))
+        op("native_batch_norm.default", fwd, f"{names[b]}.bn", 0.0, (conv_out[b], w_bn[b]), (bn_out[b],))
+        op("relu.default", fwd, f"{names[b]}.relu", 0.0, (bn_out[b],), (relu_out[b],))
+    fc_flops = 2.0 * batch * feat * classes
+    op("max_pool2d_with_indices.default", fwd, "head.pool", 0.0, (relu_out[-1],), (pool_out, indices))
+    op("addmm.default", fwd, "head.fc", fc_flops, (w_fc, pool_out), (fc_out,))
+    op("_log_softmax.default", fwd, "<loss>", 0.0, (fc_out,), (log_probs,))
+    op("nll_loss_forward.default", fwd, "<loss>", 0.0, (log_probs, y), (loss,))
+
+    def grad(nbytes: int, shape: tuple[int, ...]) -> int:  # made by the next op, consumed by the one after
+        return tensor(nbytes, shape, K.TEMPORARY, len(ops), len(ops) + 1)
+
+    def param_grad(param: int) -> int:  # outlives the iteration (the optimizer reads it)
+        return tensor(tensors[param].nbytes, tensors[param].shape, K.GRADIENT, len(ops), None)
+
+    g = grad(logits, (batch, classes))
+    op("nll_loss_backward.default", bwd, "<loss>", 0.0, (loss, y), (g,))
+    g_next = grad(logits, (batch, classes))
+    op("_log_softmax_backward_data.default", bwd, "<loss>", 0.0, (g, log_probs), (g_next,))
+    g, g_next = g_next, grad(pooled, half)
+    op("mm.default", bwd, "head.fc", 2 * fc_flops, (g, pool_out, w_fc), (g_next, param_grad(w_fc)))
+    g, g_next = g_next, grad(act, fmap)
+    op("max_pool2d_with_indices_backward.default", bwd, "head.pool", 0.0, (g, relu_out[-1], indices), (g_next,))
+    for b in reversed(range(blocks)):
+        g, g_next = g_next, grad(act, fmap)
+        op("threshold_backward.default", bwd, f"{names[b]}.relu", 0.0, (g, relu_out[b]), (g_next,))
+        g, g_next = g_next, grad(act, fmap)
+        op("native_batch_norm_backward.default", bwd, f"{names[b]}.bn", 0.0, (g, conv_out[b], w_bn[b]),
+           (g_next, param_grad(w_bn[b])))  # fmt: skip
+        g = g_next
+        conv_flops = 2.0 * batch * channels * c_in[b] * 9 * size * size
+        if b > 0:
+            g_next = grad(act, fmap)
+            outs: tuple[int, ...] = (g_next, param_grad(w_conv[b]))
+        else:  # the batch needs no gradient
+            outs = (param_grad(w_conv[b]),)
+        op("convolution_backward.default", bwd, f"{names[b]}.conv", 2 * conv_flops, (g, inputs[b], w_conv[b]), outs)
+    assert len(ops) == relu_b(0) + 3
+
+    candidates: list[Candidate] = []
+
+    def cand(key: str, tid: int, save: int, last_fwd: int, uses: tuple[int, ...], inputs: tuple[int, ...],
+             block: str, block_input: bool = False) -> None:  # fmt: skip
+        t = tensors[tid]
+        candidates.append(Candidate(key, tid, t.nbytes, t.alloc_op, (), save, last_fwd, uses, last_fwd, inputs,
+                                    block, block_input))  # fmt: skip
+
+    for b in range(blocks):
+        name = names[b]
+        cand(f"{name}.conv#0.0:Convolution", conv_out[b], 3 * b + 1, 3 * b + 1, (relu_b(b) + 1,),
+             (inputs[b], w_conv[b]), name)  # fmt: skip
+        reader = 3 * b + 3  # the next block's convolution, or the pooling
+        first_use = relu_b(b + 1) + 2 if b + 1 < blocks else pool_b
+        cand(f"{name}.relu#0.0:Relu", relu_out[b], 3 * b + 2, reader, (first_use, relu_b(b)), (bn_out[b],), name,
+             block_input=True)  # fmt: skip
+    cand("head.pool#0.1:MaxPool2DWithIndices", indices, pool_at, pool_at, (pool_b,), (relu_out[-1],), "head")
+    cand("head.pool#0.0:MaxPool2DWithIndices", pool_out, pool_at + 1, pool_at + 1, (mm_b,), (relu_out[-1],), "head")
+    cand("<loss>#0.0:LogSoftmax", log_probs, pool_at + 2, pool_at + 3, (lsm_b,), (fc_out,), "<loss>")
+    w = Workload(
+        model=f"synthetic-cnn{blocks}", batch_size=batch, seq_len=None, optimizer="sgd", device="synthetic",
+        mode="fake", torch_version="", ops=ops, tensors=tensors, candidates=candidates,
+    )  # fmt: skip
+    w.compute_fingerprints()
+    return w
+
+
+# -- the real backend -----------------------------------------------------------------------------------------
+@dataclass
+class RealBackend:
+    """Real training iterations of one model under a policy: ``backend(actions) -> (peak_bytes, iter_s)``.
+
+    Made by :func:`real_backend`. ``workload`` is the model traced (real mode, on ``device``): build the
+    environment on it, so that the action vector's candidates are the ones the runtime sees. The model and
+    its optimizer are built once; each call applies the policy with :class:`runtime.apply.PolicyRuntime`
+    and runs ``runtime.measure.run_iterations`` (one warm-up, then ``steps`` timed iterations): the peak is
+    the largest measured, the time the median. A CUDA out-of-memory error reports the device's total
+    memory as the peak (the policy did not fit) and an infinite time."""
+
+    workload: Workload
+    device: str
+    steps: int
+    options: PolicyOptions
+    _entry: Any = field(repr=False)
+    _optimizer: Any = field(repr=False)
+
+    def __call__(self, actions: np.ndarray) -> tuple[int, float]:
+        import torch
+
+        from runtime.apply import PolicyRuntime
+        from runtime.measure import run_iterations
+        from runtime.policy import Policy
+
+        actions = np.asarray(actions, dtype=np.int8)
+        options = self.options
+        if np.any(actions == COMPRESS) and not options.lossy:
+            # The environment proposes compress only when its problem allows it: that is the user's consent.
+            options = dataclasses.replace(options, lossy=True)
+        policy = Policy.from_vector(self.workload, actions, hardware=self.device, options=options)
+        rt = PolicyRuntime(policy, self._entry.module)
+        entry = self._entry
+        try:
+            steps = run_iterations(
+                entry.module,
+                entry.batch,
+                entry.loss_fn,
+                self._optimizer,
+                steps=self.steps,
+                batch_size=entry.batch_size,
+                around_step=rt.step,
+            )
+        except torch.OutOfMemoryError:
+            self._optimizer.zero_grad(set_to_none=True)
+            total = torch.cuda.get_device_properties(torch.device(self.device)).total_memory
+            return int(total), math.inf
+        return max(s.peak_bytes for s in steps), statistics.median(s.iter_s for s in steps)
+
+
+def real_backend(
+    model_name: str,
+    batch_size: int,
+    device: str = "cpu",
+    steps: int = 2,
+    *,
+    image_size: int | None = None,
+    seq_len: int | None = None,
+    config_overrides: dict[str, Any] | None = None,
+    options: PolicyOptions | None = None,
+) -> RealBackend:
+    """A ``real`` callable for :class:`MemoryPolicyEnv` that trains ``model_name`` (any name
+    :func:`autotune.models.build_model` accepts, with its ``image_size``, ``seq_len`` and
+    ``config_overrides``) at ``batch_size`` on ``device``, ``steps`` timed iterations per policy.
+
+    The model is traced here in real mode on ``device`` (as ``autotune train`` does: some models, GPT-2's
+    attention mask for one, take another path under fake tensors); pass ``backend.workload`` to the
+    environment. ``options`` (prefetch look-ahead, compress dtype) should be the problem's options::
+
+        backend = real_backend("resnet18", 2, image_size=32)
+        problem = Problem(backend.workload, calibrate_cpu(), budget_bytes=...)
+        env = MemoryPolicyEnv(problem, backend="real", real=backend)
+
+    torch, the model zoo and the runtime are imported here, not with this module."""
+    from autotune.models import build_model
+    from runtime.trace import capture, make_optimizer
+
+    if steps <= 0:
+        raise ValueError(f"steps={steps}: expected a positive number of timed iterations")
+
+    entry = build_model(
+        model_name,
+        batch_size=batch_size,
+        image_size=image_size,
+        seq_len=seq_len,
+        device=device,
+        config_overrides=config_overrides,
+    )
+
+    def build_for_trace() -> Any:
+        return entry.module, entry.batch, entry.loss_fn
+
+    w = capture(build_for_trace, name=model_name, batch_size=entry.batch_size, seq_len=entry.seq_len, fake=False,
+                device=device)  # fmt: skip
+    w.seq_len = entry.seq_len
+    w.meta["device_profile"] = _device_profile(device)
+    optimizer = make_optimizer(w.optimizer, entry.module.parameters())
+    return RealBackend(w, device, steps, options or PolicyOptions(), entry, optimizer)
+
+
+def _device_profile(device: str) -> str | None:
+    """The profile whose op times a real trace on ``device`` measured (runtime.hardware.op_times_s)."""
+    if device == "cpu":
+        return "cpu"
+    from runtime.hardware import detect
+
+    found = detect()
+    return found.profile.name if found.profile is not None else None
+
+
+__all__ = [
+    "ACTION_NAMES",
+    "OBS_FIELDS",
+    "OBS_SIZE",
+    "BestPolicy",
+    "MemoryPolicyEnv",
+    "RealBackend",
+    "RealMeasure",
+    "real_backend",
+    "synthetic_workload",
+]
