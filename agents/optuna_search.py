@@ -102,7 +102,8 @@ class OptunaSearcher(Searcher):
                 self._evaluate(problem, t.params, classes, seeds, seed_options, best)
         if not study.trials:
             for s in starts[1:]:
-                study.enqueue_trial({"start": s, "lookahead": seed_options[s].prefetch_lookahead, "revert": 0.0})
+                lookahead = min(LOOKAHEADS, key=lambda x: abs(x - seed_options[s].prefetch_lookahead))
+                study.enqueue_trial({"start": s, "lookahead": lookahead, "revert": 0.0})
             study.enqueue_trial({"start": "keep", "swap_bias": 0.1, "recompute_bias": 10.0, "lookahead": 8})
             study.enqueue_trial({"start": "keep", "swap_bias": 10.0, "recompute_bias": 0.1})
             study.enqueue_trial({"start": "keep"})
@@ -117,6 +118,7 @@ class OptunaSearcher(Searcher):
                 "size_exp": trial.suggest_float("size_exp", 0.0, 2.0),
                 "late_bias": trial.suggest_float("late_bias", 0.0, 4.0),
                 "revert": trial.suggest_float("revert", 0.0, 1.0),
+                "swap_share": trial.suggest_float("swap_share", 0.0, 3.0),
             }
             for c in classes:
                 values[f"class_{c}"] = trial.suggest_categorical(f"class_{c}", CLASS_MODES)

@@ -6,7 +6,8 @@
    ``Problem.trials`` trials): a first study from keep-all alone, a second one whose starts are the seeds
    (one trial per feasible seed enqueued first). Study names: the problem's, suffixed ``.explore`` and
    ``.seeded``.
-3. Per-tensor refinement (agents/refine.py) of the best policy found so far, for the rest of the time.
+3. Per-tensor refinement (agents/refine.py) of the best policy found so far (repairing the seeds in turn
+   while nothing fits), then iterated local search: random perturbations of the best, each refined.
 
 The best feasible result of all three wins, so the portfolio is never below its seeds. Without a time limit
 it runs ``DEFAULT_TIME_S``. Reinforcement-learning searchers join here when they earn it.
@@ -16,9 +17,12 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from agents.base import Problem, Proposal, Searcher, baseline_names, get_searcher, register
 from agents.optuna_search import OptunaTPE, _Best, remaining, study_name
 from agents.refine import refine
+from envs.simulator import KEEP, RECOMPUTE, SWAP
 
 DEFAULT_TIME_S = 45.0
 OPTUNA_SHARE = 0.75  # of the time left after the baselines; the rest goes to refinement
@@ -65,12 +69,47 @@ class Portfolio(Searcher):
                 winner = "optuna-tpe"
         if not problem.interrupted and best.actions is not None and best.options is not None:
             before = best.result
+            # Refine the best; while nothing fits, repair from every seed in turn, lowest peak first.
+            starts = [(best.actions, best.options)]
+            if best.result is not None and not best.result.feasible:
+                ranked = sorted(problem.seeds, key=lambda r: r.result.peak_bytes)
+                starts += [(r.policy.to_vector(problem.workload), r.policy.options) for r in ranked]
             try:
-                actions, options, result = refine(problem, best.actions, best.options, deadline=deadline)
-                best.offer(actions, options, result)
+                for actions, options in starts:
+                    actions, options, result = refine(problem, actions, options, deadline=deadline)
+                    best.offer(actions, options, result)
+                    if result.feasible or remaining(deadline) == 0:
+                        break
             except KeyboardInterrupt:
                 problem.interrupted = True
             if best.result is not before:
                 winner += " + refine"
+        if not problem.interrupted and best.actions is not None and best.options is not None:
+            before = best.result
+            try:
+                _iterated(problem, best, deadline)
+            except KeyboardInterrupt:
+                problem.interrupted = True
+            if best.result is not before:
+                winner += " + perturbation"
         assert best.actions is not None
         return Proposal(best.actions, options=best.options, note=f"won by {winner}" if winner else "")
+
+
+PERTURB_ROUNDS = 30
+
+
+def _iterated(problem: Problem, best: _Best, deadline: float) -> None:
+    """Iterated local search: perturb the best policy (a quarter of its decisions, at least two, set to
+    random actions), repair and refine it, keep it if better; ``PERTURB_ROUNDS`` rounds or until the
+    deadline. Local optima of refinement can be several changes away from better policies."""
+    rng = np.random.default_rng(problem.seed)
+    moves = np.array([KEEP, SWAP, RECOMPUTE], dtype=np.int8)
+    for _ in range(PERTURB_ROUNDS):
+        if remaining(deadline) == 0 or best.actions is None or best.options is None:
+            return
+        trial = best.actions.copy()
+        picked = rng.choice(problem.n, size=min(problem.n, max(2, problem.n // 4)), replace=False)
+        trial[picked] = rng.choice(moves, size=len(picked))
+        actions, options, result = refine(problem, trial, best.options, deadline=deadline)
+        best.offer(actions, options, result)

@@ -2,7 +2,8 @@
 
 Moves, tried on the non-keep candidates from the largest down: back to keep (it frees nothing, so it only
 stays if the policy still fits), or to the other of swap / recompute. Then exchanges: one costly decision
-given back, one cheap one taken (see :func:`_exchange`). A move is accepted when the policy still fits the
+given back, one cheap one taken (see :func:`_exchange`); when those find nothing, pairs of changes
+among the largest candidates (:func:`_pairs`). A move is accepted when the policy still fits the
 budget and runs faster. Then the prefetch look-ahead is tried at each of agents.rule.LOOKAHEADS. Passes
 repeat until one changes nothing or the deadline passes. Every accepted step
 is a simulated improvement, so the result is never worse than the start.
@@ -28,14 +29,16 @@ def refine(
     options: PolicyOptions,
     *,
     deadline: float | None = None,
-    max_passes: int = 4,
+    max_passes: int = 8,
 ) -> tuple[np.ndarray, PolicyOptions, SimResult]:
-    """Improve a feasible policy (an infeasible one is returned as it is); ``deadline`` is a
-    ``time.perf_counter()`` value."""
+    """Improve a policy; one over budget is first repaired (:func:`_repair`) and returned as it is if that
+    fails. ``deadline`` is a ``time.perf_counter()`` value."""
     best = np.asarray(actions, dtype=np.int8).copy()
     best_result = problem.evaluate(best, options)
     if not best_result.feasible:
-        return best, options, best_result
+        best, options, best_result = _repair(problem, best, options, best_result, deadline)
+        if not best_result.feasible:
+            return best, options, best_result
     nbytes = np.array([c.nbytes for c in problem.workload.candidates], dtype=np.int64)
 
     def late() -> bool:
@@ -59,6 +62,9 @@ def refine(
         if not late():
             best, best_result, swapped = _exchange(problem, best, options, best_result, late)
             improved = improved or swapped
+        if not improved and not late():
+            best, best_result, paired = _pairs(problem, best, options, best_result, late)
+            improved = improved or paired
         for lookahead in LOOKAHEADS:
             if late():
                 break
@@ -66,6 +72,35 @@ def refine(
             r = problem.evaluate(best, trial)
             if r.feasible and r.samples_per_s > best_result.samples_per_s:
                 options, best_result, improved = trial, r, True
+        if not improved:
+            break
+    return best, options, best_result
+
+
+def _repair(
+    problem: Problem, actions: np.ndarray, options: PolicyOptions, result: SimResult, deadline: float | None
+) -> tuple[np.ndarray, PolicyOptions, SimResult]:
+    """Descent on the peak for a policy over budget: single moves (any candidate to any action, or another
+    prefetch look-ahead) accepted when they lower the peak, until it fits or no move helps."""
+    best, best_result = actions.copy(), result
+    while not best_result.feasible:
+        improved = False
+        for ci in range(problem.n):
+            for move in (KEEP, SWAP, RECOMPUTE):
+                if deadline is not None and time.perf_counter() > deadline:
+                    return best, options, best_result
+                if best[ci] == move:
+                    continue
+                trial = best.copy()
+                trial[ci] = move
+                r = problem.evaluate(trial, options)
+                if r.peak_bytes < best_result.peak_bytes:
+                    best, best_result, improved = trial, r, True
+        for lookahead in LOOKAHEADS:
+            other = replace(options, prefetch_lookahead=lookahead)
+            r = problem.evaluate(best, other)
+            if r.peak_bytes < best_result.peak_bytes:
+                options, best_result, improved = other, r, True
         if not improved:
             break
     return best, options, best_result
@@ -105,6 +140,35 @@ def _exchange(
                 best, best_result, improved = trial, r, True
                 break
     return best, best_result, improved
+
+
+def _pairs(
+    problem: Problem,
+    actions: np.ndarray,
+    options: PolicyOptions,
+    result: SimResult,
+    late: Callable[[], bool],
+    width: int = 24,
+) -> tuple[np.ndarray, SimResult, bool]:
+    """Two candidates changed at once, each to any other action, over the ``width`` largest candidates: the
+    moves single changes cannot make (a swap traded for a recompute elsewhere). First improvement."""
+    nbytes = np.array([c.nbytes for c in problem.workload.candidates], dtype=np.int64)
+    top = np.argsort(-nbytes, kind="stable")[:width].tolist()
+    best, best_result = actions.copy(), result
+    for i, ci in enumerate(top):
+        for di in top[i + 1 :]:
+            for a in (KEEP, SWAP, RECOMPUTE):
+                for b in (KEEP, SWAP, RECOMPUTE):
+                    if late():
+                        return best, best_result, False
+                    if a == best[ci] or b == best[di]:
+                        continue
+                    trial = best.copy()
+                    trial[ci], trial[di] = a, b
+                    r = problem.evaluate(trial, options)
+                    if r.feasible and r.samples_per_s > best_result.samples_per_s:
+                        return trial, r, True
+    return best, best_result, False
 
 
 @register

@@ -10,10 +10,13 @@ searchers search the knobs of this rule instead (the "parametric scoring rules" 
    (agents/features.py), scaled by ``recompute_bias``.
 2. Candidates are ranked by cost per byte, ``cost / nbytes ** size_exp``, and later tensors are made dearer
    by ``1 + late_bias * fwd_position`` (early activations live longest, so freeing them helps most peaks).
+   Swaps, in that order, are capped at ``swap_share`` times the bytes the device-to-host link moves during
+   the forward (a swapped tensor frees memory only once its copy is done); beyond the cap a candidate is
+   recomputed instead.
 3. From a start policy (keep-all, or a baseline's policy, of which the share ``revert`` of its costliest
    non-keep decisions is first given back to keep), the shortest prefix of that ranking (over the
-   candidates the start keeps) which fits the budget is applied (binary search on the prefix length:
-   O(log k) simulations). If the start already
+   candidates the start keeps) which fits the budget is applied (a coarse grid of prefix lengths, then
+   bisection below the first that fits: O(log k) simulations). If the start already
    fits, its most expensive non-keep decisions (by the same score) are reverted to keep instead, as many as
    still fit: a baseline that over-shoots the budget gives the throughput back.
 
@@ -32,9 +35,11 @@ from agents.base import Problem
 from agents.features import OP_CLASSES, candidate_features
 from envs.simulator import KEEP, RECOMPUTE, SWAP, SimResult
 from runtime.policy import PolicyOptions
+from runtime.workload import Phase
 
 CLASS_MODES = ("any", "swap", "recompute", "keep")
-LOOKAHEADS = (1, 2, 4, 8, 16, 32)
+LOOKAHEADS = (0, 1, 2, 4, 8, 16, 32)  # 0: copy back on demand
+GRID_POINTS = 9  # prefix lengths tried before bisection (see rule_actions)
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class RuleParams:
     size_exp: float = 1.0
     late_bias: float = 0.0
     revert: float = 0.0  # share of the start's non-keep decisions given back first, costliest first
+    swap_share: float = 1.0  # swapped bytes at most this times what the link moves during the forward
     class_mode: dict[str, str] = field(default_factory=dict)  # op class -> one of CLASS_MODES ("any" if absent)
 
 
@@ -65,13 +71,39 @@ def ranked_moves(problem: Problem, params: RuleParams) -> tuple[np.ndarray, np.n
     modes = np.array([params.class_mode.get(c, "any") for c in f.producer_class])
     swap_cost = np.where((modes == "any") | (modes == "swap"), swap_cost, np.inf)
     rec_cost = np.where((modes == "any") | (modes == "recompute"), rec_cost, np.inf)
-    action = np.where(rec_cost < swap_cost, RECOMPUTE, SWAP).astype(np.int8)
-    cost = np.minimum(swap_cost, rec_cost)
     size = np.maximum(f.nbytes, 1).astype(np.float64)
-    score = cost / size**params.size_exp * (1.0 + params.late_bias * f.fwd_position)
+    late = 1.0 + params.late_bias * f.fwd_position
+    swap_score = swap_cost / size**params.size_exp * late
+    rec_score = rec_cost / size**params.size_exp * late
+    action = np.where(rec_score < swap_score, RECOMPUTE, SWAP).astype(np.int8)
+    score = np.minimum(swap_score, rec_score)
     movable = np.flatnonzero(np.isfinite(score))
     order = movable[np.argsort(score[movable], kind="stable")]
+    # A swapped tensor frees its memory only once its copy is done: past what the link moves while the
+    # forward runs, swaps do not lower the peak at the start of backward. Beyond that cap, recompute.
+    cap = params.swap_share * problem.hardware.d2h_bytes_per_s * _forward_s(problem)
+    swapped = 0.0
+    keep_in = np.ones(len(order), dtype=bool)
+    for i, ci in enumerate(order.tolist()):
+        if action[ci] != SWAP:
+            continue
+        if swapped + size[ci] <= cap:
+            swapped += size[ci]
+        elif np.isfinite(rec_score[ci]):
+            action[ci] = RECOMPUTE
+        else:
+            keep_in[i] = False
+    order = order[keep_in]
     return order, action[order], score[order]
+
+
+def _forward_s(problem: Problem) -> float:
+    sim = problem.simulator
+    fwd = getattr(sim, "_forward_s", None)
+    if fwd is None:
+        fwd = float(sum(t for t, op in zip(sim.op_s, problem.workload.ops, strict=True) if op.phase == Phase.FORWARD))
+        sim._forward_s = fwd  # type: ignore[attr-defined]
+    return float(fwd)
 
 
 def rule_actions(
@@ -100,11 +132,21 @@ def rule_actions(
         a[order[:p]] = acts[:p]
         return a
 
-    lo, hi = 0, len(order)  # at(lo) does not fit; find the smallest prefix that does
-    best = at(hi)
-    best_result = run(best, options)
-    if not best_result.feasible:
-        return best, options, best_result  # nothing this rule can do fits: report the most it frees
+    # Peak is not monotone in the prefix (recomputing a chain regenerates all of it at once), so a coarse
+    # grid first: the smallest fitting grid point, then bisection below it.
+    grid = sorted({round(x) for x in np.linspace(0, len(order), GRID_POINTS)} - {0})
+    lo, hi, best, best_result = 0, -1, base, result
+    for g in grid:
+        a = at(g)
+        r = run(a, options)
+        if r.feasible:
+            hi, best, best_result = g, a, r
+            break
+        if r.peak_bytes < best_result.peak_bytes:
+            best, best_result = a, r
+        lo = g
+    if hi < 0:
+        return best, options, best_result  # nothing this rule can do fits: report the lowest peak it reached
     while hi - lo > 1:
         mid = (lo + hi) // 2
         a = at(mid)
@@ -162,5 +204,6 @@ def params_from_dict(values: dict[str, object], classes: Sequence[str]) -> RuleP
         size_exp=float(values.get("size_exp", 1.0)),  # type: ignore[arg-type]
         late_bias=float(values.get("late_bias", 0.0)),  # type: ignore[arg-type]
         revert=float(values.get("revert", 0.0)),  # type: ignore[arg-type]
+        swap_share=float(values.get("swap_share", 1.0)),  # type: ignore[arg-type]
         class_mode={c: str(values.get(f"class_{c}", "any")) for c in classes},
     )

@@ -223,6 +223,83 @@ def baselines(
 
 
 @app.command()
+def search(
+    model: ModelOpt,
+    budget: Annotated[str, typer.Option(help="Memory budget, e.g. 6GB, 6GiB, 6000MB.")],
+    batch_size: BatchOpt = None,
+    seq_len: SeqOpt = None,
+    gpu: GpuOpt = None,
+    searcher: Annotated[
+        str, typer.Option(help="portfolio (default), optuna-tpe, optuna-nsga2, refine, or a baseline's name.")
+    ] = "portfolio",
+    trials: Annotated[
+        int | None, typer.Option(help="Optuna trials (reproducible under --seed) [default: until --timeout].")
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds for the whole search.")] = 60.0,
+    storage: Annotated[
+        str, typer.Option(help="Optuna storage URL: resume or inspect the study there (optuna-dashboard).")
+    ] = "sqlite:///autotune.db",
+    study: Annotated[str | None, typer.Option(help="Study name [default: model, batch, profile, budget].")] = None,
+    out_path: Annotated[
+        Path | None, typer.Option("--out", help="Policy file to write [default: <model>.policy.json].")
+    ] = None,
+    milp: Annotated[bool, typer.Option(help="Also run the MILP solver (exact on a coarsened model).")] = False,
+    allow_compress: Annotated[bool, typer.Option(help="Let searchers propose compression (lossy).")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
+    optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
+    as_json: JsonOpt = False,
+) -> None:
+    """Find the fastest policy within the budget and write it as a policy file (the main job)."""
+    from agents.base import Problem
+    from agents.optuna_search import study_name
+    from autotune import search as sr
+    from autotune.units import format_size_echo, parse_size
+    from autotune.workloads import TraceRequest
+    from runtime.hardware import resolve_profile
+    from runtime.policy import PolicyOptions
+
+    budget_bytes = parse_size(budget)
+    if timeout <= 0:
+        raise AutotuneError(f"invalid --timeout {timeout}: expected a positive number of seconds, e.g. --timeout 60")
+    if trials is not None and trials <= 0:
+        raise AutotuneError(f"invalid --trials {trials}: expected a positive number, e.g. --trials 200")
+    from agents.base import get_searcher
+
+    get_searcher(searcher)  # unknown names fail before tracing
+    hw, note = resolve_profile(gpu)
+    err.print(f"budget: {format_size_echo(budget, budget_bytes)}")
+    err.print(note)
+    w, _ = _trace(TraceRequest(model=model, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer))
+    problem = Problem(
+        w,
+        hw,
+        budget_bytes,
+        options=PolicyOptions(lossy=allow_compress),
+        allow_compress=allow_compress,
+        time_limit_s=timeout,
+        seed=seed,
+        trials=trials if trials is not None else 0,
+        storage=storage,
+    )
+    problem.study_name = study or study_name(problem, "optuna-tpe")
+    sr.check_budget(problem)
+    path = out_path or Path(f"{w.model.replace(':', '_').replace('/', '_')}.policy.json")
+    outcome = sr.run_search(
+        problem, searcher, out=path, milp=milp, milp_time_s=min(30.0, timeout / 2), err=err, quiet=False
+    )
+    if as_json:
+        print(sr.dumps(outcome))
+    else:
+        sr.render(out, outcome)
+    if outcome.interrupted:
+        err.print(
+            f"interrupted: the best policy so far is in {path}; resume with --storage {storage} --study "
+            f"{problem.study_name}"
+        )
+        raise SystemExit(130)
+
+
+@app.command()
 def train(
     policy_file: Annotated[Path, typer.Option("--policy", help="The policy file to apply.")],
     model: Annotated[str | None, typer.Option("--model", "-m", help="[default: the policy's model]")] = None,
