@@ -377,8 +377,8 @@ class PolicyRuntime:
             return t.detach()
         if action == Action.COMPRESS and not _compressible(t.dtype, self.compress_dtype):
             action = Action.KEEP  # R8
-        if t.device != self.device or t.untyped_storage().nbytes() == 0:
-            action = Action.KEEP  # R2: no device memory (attention's RNG seed on the host, cuDNN's empty reserve)
+        if t.device != self.device:
+            action = Action.KEEP  # R2: not device memory (attention's RNG seed and offset on the host)
         if action == Action.KEEP:  # R2
             rank = self.ranks.get(keyed.key, -1)
             return _Kept(t.detach(), rank) if self.needs_triggers else t.detach()

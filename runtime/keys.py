@@ -154,7 +154,9 @@ class SavedTensorKeyer:
     def key_for(self, t: torch.Tensor) -> KeyedTensor:
         """Name the storage of a tensor being packed (call from a pack hook)."""
         storage = t.untyped_storage()
-        if storage in self._excluded:
+        if storage.nbytes() == 0 or storage in self._excluded:
+            # Empty storages (cuDNN BatchNorm's reserve on CUDA) hold no memory, and CPU traces never see
+            # them: no key, so that keys agree across devices.
             return KeyedTensor(None, False)
         key = self._keys.get(storage)
         if key is not None:
