@@ -31,10 +31,12 @@ field is explained in docs/policy-format.md)::
     }
 
 NOTE [ Policies are tied to a shape ]
-    A policy is refused for a workload whose ``fingerprint`` (structure) differs: its keys would name other
-    tensors. One whose ``shape_fingerprint`` differs (same model, other batch size or sequence length) is
-    refused too unless ``allow_other_shapes=True``: which tensors must leave the device to fit a budget
-    depends on their sizes, so a plan for batch 64 is not a plan for batch 128.
+    A policy is refused for a workload whose ``fingerprint`` (structure: the modules that run and the
+    parameter shapes, the same on every device) differs: its keys would name other tensors. Keys that
+    differ across devices are tolerated within limits (NOTE [ Keys across devices ]). One whose
+    ``shape_fingerprint`` differs (same model, other batch size or sequence length) is refused too unless
+    ``allow_other_shapes=True``: which tensors must leave the device to fit a budget depends on their sizes,
+    so a plan for batch 64 is not a plan for batch 128.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import importlib.metadata
 import importlib.resources
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -241,9 +244,11 @@ class Policy:
 
     # -- views ---------------------------------------------------------------------------------------------
     def to_vector(self, workload: Workload) -> np.ndarray:
-        """Action codes in ``workload.candidates`` order, shape (n_candidates,), int8."""
-        self._check_keys(workload, "policy")
-        return np.array([self.actions[c.key].code for c in workload.candidates], dtype=np.int8)
+        """Action codes in ``workload.candidates`` order, shape (n_candidates,), int8; keep for a candidate
+        the policy does not name (tolerated as in :meth:`check_against`)."""
+        self._check_keys(workload, "policy", warn=False)
+        keep = Action.KEEP
+        return np.array([self.actions.get(c.key, keep).code for c in workload.candidates], dtype=np.int8)
 
     def counts(self) -> dict[Action, int]:
         """Number of candidates per action, every action present (zero included)."""
@@ -254,10 +259,10 @@ class Policy:
 
     def bytes_by_action(self, workload: Workload) -> dict[Action, int]:
         """Candidate bytes per action (each candidate's full size: before compression)."""
-        self._check_keys(workload, "policy")
+        self._check_keys(workload, "policy", warn=False)
         out = dict.fromkeys(ACTIONS, 0)
         for c in workload.candidates:
-            out[self.actions[c.key]] += c.nbytes
+            out[self.actions.get(c.key, Action.KEEP)] += c.nbytes
         return out
 
     # -- checks against a workload ----------------------------------------------------------------------
@@ -292,21 +297,37 @@ class Policy:
                 "or pass allow_other_shapes=True to apply it anyway"
             )
 
-    def _check_keys(self, workload: Workload, source: str) -> None:
+    def _check_keys(self, workload: Workload, source: str, *, warn: bool = True) -> None:
+        """NOTE [ Keys across devices ]: a trace on another device can save a few other tensors (CUDA's
+        fused attention where the CPU runs the math path). When most keys agree (at least half of the
+        policy's and half of the workload's), the rest is tolerated: a candidate without an action is kept,
+        an action for a tensor this workload does not save is ignored, and one warning says how many.
+        Otherwise the policy is for another model: an error."""
         wanted = [c.key for c in workload.candidates]
         extra = sorted(set(self.actions) - set(wanted))
+        missing = [k for k in wanted if k not in self.actions]
+        if not extra and not missing:
+            return
+        matched = len(wanted) - len(missing)
+        if matched * 2 >= len(wanted) and matched * 2 >= len(self.actions):
+            if warn:
+                warnings.warn(
+                    f"{source}: {_n(len(missing), 'candidate')} of {workload.model} without an action (kept: "
+                    f"{_some(missing)}) and {_n(len(extra), 'action')} for tensors it does not save (ignored: "
+                    f"{_some(extra)}); expected when the policy was searched on a trace from another device",
+                    stacklevel=3,
+                )
+            return
         if extra:
             raise AutotuneError(
                 f"{source}: actions name {_n(len(extra), 'tensor')} that {workload.model} does not save "
                 f"({_some(extra)}); remove them or {_fix(workload.model)}"
             )
-        missing = [k for k in wanted if k not in self.actions]
-        if missing:
-            raise AutotuneError(
-                f"{source}: no action for {_n(len(missing), 'candidate')} of {workload.model} "
-                f"({_some(missing)}); "
-                f"every candidate needs one (keep is explicit): add them or {_fix(workload.model)}"
-            )
+        raise AutotuneError(
+            f"{source}: no action for {_n(len(missing), 'candidate')} of {workload.model} "
+            f"({_some(missing)}); "
+            f"every candidate needs one (keep is explicit): add them or {_fix(workload.model)}"
+        )
 
     # -- persistence ---------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

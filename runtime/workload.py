@@ -174,22 +174,27 @@ class Workload:
     def compute_fingerprints(self) -> None:
         """Set ``fingerprint`` (structure only) and ``shape_fingerprint`` (structure and every size).
 
-        ``fingerprint`` hashes the op names, their modules and phases, the parameter shapes and the
-        candidate keys: it changes when the model changes (a layer, a width, an op) and not with the batch
-        size or sequence length. ``shape_fingerprint`` also hashes every tensor's shape and dtype.
+        ``fingerprint`` hashes the modules that run in forward, in order of first call, and the parameter
+        shapes: it changes when the model changes (a layer, a width) and not with the batch size, the
+        sequence length or the device (op names and a few saved tensors differ between CPU and CUDA
+        kernels: cuDNN's BatchNorm, fused attention). ``shape_fingerprint`` also hashes the shapes and
+        dtypes of the tensors that live through the iteration (parameters, optimizer state, the batch).
         """
         h = hashlib.sha256()
+        seen: set[str] = set()
         for op in self.ops:
-            h.update(f"{op.name}|{op.phase.value}|{op.module};".encode())
+            if op.phase == Phase.FORWARD and op.module not in seen:
+                seen.add(op.module)
+                h.update(f"M{op.module};".encode())
         for t in self.tensors:
             if t.kind == TensorKind.PARAMETER:
                 h.update(f"P{t.shape}{t.dtype};".encode())
-        for c in self.candidates:
-            h.update(f"C{c.key};".encode())
         self.fingerprint = h.hexdigest()[:16]
         h2 = hashlib.sha256(self.fingerprint.encode())
+        h2.update(f"B{self.batch_size},{self.seq_len};".encode())
         for t in self.tensors:
-            h2.update(f"{t.shape}{t.dtype}{t.nbytes};".encode())
+            if t.persistent:
+                h2.update(f"{t.kind.value}{t.shape}{t.dtype}{t.nbytes};".encode())
         self.shape_fingerprint = h2.hexdigest()[:16]
 
     # -- persistence -------------------------------------------------------------------------------------

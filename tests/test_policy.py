@@ -254,3 +254,16 @@ def test_options_are_checked() -> None:
         PolicyOptions(compress_dtype="int8")
     with pytest.raises(AutotuneError, match="prefetch_lookahead=-1 is negative"):
         PolicyOptions(prefetch_lookahead=-1)
+
+
+def test_keys_from_another_device_are_tolerated_when_most_agree(tmp_path: Path, cnn: Workload) -> None:
+    """NOTE [ Keys across devices ]: a CUDA trace saves a few other tensors than a CPU one."""
+    d = make(cnn, [1] * len(cnn.candidates)).to_dict()
+    gone = cnn.candidates[0].key
+    del d["actions"][gone]
+    d["actions"]["attn#0.2:ScaledDotProductEfficientAttention"] = "swap"
+    path = write(tmp_path / "p.json", d)
+    with pytest.warns(UserWarning, match=r"1 candidate of cnn without an action \(kept: .*1 action for tensors"):
+        policy = load_policy(path, cnn)
+    vec = policy.to_vector(cnn)
+    assert vec[0] == Action.KEEP.code and all(v == Action.SWAP.code for v in vec[1:])
