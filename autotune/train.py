@@ -103,8 +103,10 @@ def run_policy(
         [],
     )
     if device.startswith("cuda") and policy.budget_bytes is not None:
-        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, policy.budget_bytes / total), torch.device(device))
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index  # "cuda" alone: the current device
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, policy.budget_bytes / total), index)
     try:
         report.steps = run_iterations(
             entry.module, entry.batch, entry.loss_fn, opt, steps=steps, batch_size=batch, around_step=rt.step
