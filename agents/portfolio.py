@@ -2,9 +2,9 @@
 
 1. Every heuristic baseline runs (about a second on ResNet-101); their results become the warm-start seeds
    (``Problem.seeds``), unless the caller already ran them and passed them in.
-2. Optuna TPE over the parametric rule (agents/optuna_search.py) for most of the remaining time (or
-   ``Problem.trials`` trials): a first study from keep-all alone, a second one whose starts are the seeds
-   (one trial per feasible seed enqueued first). Study names: the problem's, suffixed ``.explore`` and
+2. Optuna over the parametric rule (agents/optuna_search.py) for most of the remaining time (or
+   ``Problem.trials`` trials): NSGA-II from keep-all alone, then TPE whose starts are the seeds (one trial
+   per feasible seed enqueued first). Study names: the problem's, suffixed ``.explore`` and
    ``.seeded``.
 3. Per-tensor refinement (agents/refine.py) of the best policy found so far (repairing the seeds in turn
    while nothing fits), then iterated local search: random perturbations of the best, each refined.
@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, baseline_names, get_searcher, register
-from agents.optuna_search import OptunaTPE, _Best, remaining, study_name
+from agents.base import Problem, Proposal, Searcher, SearchResult, baseline_names, get_searcher, register
+from agents.optuna_search import OptunaNSGA2, OptunaSearcher, OptunaTPE, _Best, remaining, study_name
 from agents.refine import refine
 from envs.simulator import KEEP, RECOMPUTE, SWAP
 
@@ -50,11 +50,16 @@ class Portfolio(Searcher):
         for r in problem.seeds:
             if best.offer(r.policy.to_vector(problem.workload), r.policy.options, r.result):
                 winner = r.searcher
-        # Optuna twice: from keep-all alone (TPE, given the seeds as starts, settles on the best seed and
-        # stops exploring), then from the seeds. Two studies, since their ``start`` choices differ.
+        # Optuna twice: NSGA-II from keep-all alone (TPE, given the seeds as starts, settles on the best seed
+        # and stops exploring; NSGA-II alone beat TPE alone in most cells of experiments/bench_quality.py),
+        # then TPE from the seeds. Two studies, since their ``start`` choices differ.
         name = problem.study_name or study_name(problem, OptunaTPE.name)
         seeds = problem.seeds
-        for share, phase_seeds, suffix in ((0.5, [], ".explore"), (1.0, seeds, ".seeded")):
+        phases: list[tuple[float, list[SearchResult], str, OptunaSearcher]] = [
+            (0.5, [], ".explore", OptunaNSGA2()),
+            (1.0, seeds, ".seeded", OptunaTPE()),
+        ]
+        for share, phase_seeds, suffix, searcher in phases:
             if problem.interrupted:
                 break
             budget_s = (remaining(deadline) or 0.0) * OPTUNA_SHARE * share
@@ -62,11 +67,11 @@ class Portfolio(Searcher):
             before = best.result
             problem.seeds, problem.study_name = phase_seeds, name + suffix
             try:
-                OptunaTPE().optimize(problem, best, time_limit_s=budget_s, trials=trials)
+                searcher.optimize(problem, best, time_limit_s=budget_s, trials=trials)
             finally:
                 problem.seeds, problem.study_name = seeds, name
             if best.result is not before:
-                winner = "optuna-tpe"
+                winner = searcher.name
         if not problem.interrupted and best.actions is not None and best.options is not None:
             before = best.result
             # Refine the best; while nothing fits, repair from every seed in turn, lowest peak first.

@@ -244,6 +244,13 @@ def search(
         Path | None, typer.Option("--out", help="Policy file to write [default: <model>.policy.json].")
     ] = None,
     milp: Annotated[bool, typer.Option(help="Also run the MILP solver (exact on a coarsened model).")] = False,
+    reserve: Annotated[
+        str | None,
+        typer.Option(
+            help="Memory kept back from the budget for what a trace cannot see (cuDNN/cuBLAS workspaces and "
+            "handles) [default: 128MiB on GPU profiles, 0 on cpu]."
+        ),
+    ] = None,
     allow_compress: Annotated[bool, typer.Option(help="Let searchers propose compression (lossy).")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
@@ -267,13 +274,24 @@ def search(
 
     get_searcher(searcher)  # unknown names fail before tracing
     hw, note = resolve_profile(gpu)
+    reserve_bytes = parse_size(reserve) if reserve is not None else (sr.DEFAULT_GPU_RESERVE if hw.is_gpu else 0)
+    if reserve_bytes >= budget_bytes:
+        shown = sr.format_bytes(reserve_bytes)
+        what = f"--reserve {reserve}" if reserve is not None else f"the default reserve ({shown})"
+        raise AutotuneError(
+            f"{what} is not below the budget ({budget}): nothing would be left to plan for; pass a smaller "
+            "one, e.g. --reserve 0"
+        )
     err.print(f"budget: {format_size_echo(budget, budget_bytes)}")
+    if reserve_bytes:
+        planned, kept = sr.format_bytes(budget_bytes - reserve_bytes), sr.format_bytes(reserve_bytes)
+        err.print(f"planning for {planned}: the budget less a {kept} reserve for workspaces (--reserve)")
     err.print(note)
     w, _ = _trace(TraceRequest(model=model, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer))
     problem = Problem(
         w,
         hw,
-        budget_bytes,
+        budget_bytes - reserve_bytes,
         options=PolicyOptions(lossy=allow_compress),
         allow_compress=allow_compress,
         time_limit_s=timeout,
@@ -285,7 +303,14 @@ def search(
     sr.check_budget(problem)
     path = out_path or Path(f"{w.model.replace(':', '_').replace('/', '_')}.policy.json")
     outcome = sr.run_search(
-        problem, searcher, out=path, milp=milp, milp_time_s=min(30.0, timeout / 2), err=err, quiet=False
+        problem,
+        searcher,
+        out=path,
+        milp=milp,
+        milp_time_s=min(30.0, timeout / 2),
+        err=err,
+        quiet=False,
+        user_budget_bytes=budget_bytes,
     )
     if as_json:
         print(sr.dumps(outcome))

@@ -121,6 +121,7 @@ def test_optuna_records_the_budget_as_a_constraint(tmp_path: Path) -> None:
 
 # -- the command -----------------------------------------------------------------------------------------------
 SEARCH = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--timeout", "20"]
+SEARCH += ["--reserve", "8MiB"]
 
 
 def test_search_json_and_policy_roundtrip(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -133,13 +134,15 @@ def test_search_json_and_policy_roundtrip(capsys: pytest.CaptureFixture[str], tm
     keys += ["best_heuristic_samples_per_s", "milp_samples_per_s", "no_policy_samples_per_s", "policy_path"]
     for key in keys:
         assert key in got, key
-    assert got["feasible"] and got["peak_bytes"] <= got["budget_bytes"] == 200_000_000
+    assert got["budget_bytes"] == 200_000_000 and got["planned_budget_bytes"] == 200_000_000 - 8 * 2**20
+    assert got["feasible"] and got["peak_bytes"] <= got["planned_budget_bytes"]
     assert got["milp_samples_per_s"] is None and got["policy_path"] == str(out)
     assert got["samples_per_s"] >= got["best_heuristic_samples_per_s"]
     assert got["best_heuristic"] in baseline_names()
     again = json.loads(run(capsys, "simulate", "--policy", str(out), "--json")[1])
     assert again["peak_bytes"] == got["peak_bytes"] and again["iter_s"] == got["iter_s"]
-    assert "planning for a100-40gb" in err
+    assert "planning for a100-40gb" in err and "reserve" in err
+    assert json.loads(out.read_text())["budget_bytes"] == 200_000_000  # train caps the device at the budget
 
 
 def test_search_table(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -185,3 +188,9 @@ def test_ctrl_c_keeps_the_best_policy_and_says_how_to_resume(
         capsys, *SEARCH, "--budget", "200MB", "--out", str(out), "--storage", f"sqlite:///{tmp_path / 'i.db'}"
     )
     assert code == 130 and out.exists() and "resume with --storage" in err
+
+
+def test_default_reserve_on_gpu_profiles(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "100MB"]
+    code, _, err = run(capsys, *args)
+    assert code == 2 and "the default reserve (128.00 MiB) is not below the budget (100MB)" in err, err
