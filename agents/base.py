@@ -181,7 +181,14 @@ def register(cls: S) -> S:
 
 def _load_builtins() -> None:
     # Importing the packages registers their searchers.
-    for package in ("agents.heuristics", "agents.solvers", "agents.refine", "agents.optuna_search", "agents.portfolio"):
+    for package in (
+        "agents.heuristics",
+        "agents.solvers",
+        "agents.refine",
+        "agents.optuna_search",
+        "agents.portfolio",
+        "agents.rl",
+    ):
         importlib.import_module(package)
 
 

@@ -1,0 +1,87 @@
+"""Reinforcement learning: MaskablePPO (sb3-contrib) trained on MemoryPolicyEnv for the problem at hand.
+
+``--searcher ppo`` trains a fresh agent on this problem's environment (one episode assigns an action to
+every candidate; the reward is simulated samples/s relative to no policy when the policy fits, a penalty
+growing with the excess when it does not) and answers with the best fitting policy any episode produced
+(``env.best``); if none fit, with the agent's greedy policy. Small MLP (two layers of 64), one torch
+thread (fastest for networks this small), episodic returns (gamma 1: the only reward is at the end).
+
+Deterministic for a seed when ``Problem.trials`` episodes (default ``DEFAULT_EPISODES``) end before the
+time limit. A pretrained agent that proposes a policy for an unseen model in one pass is separate work.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from agents.base import Problem, Proposal, Searcher, register
+
+DEFAULT_EPISODES = 40
+
+
+@register
+class MaskablePPOSearcher(Searcher):
+    name = "ppo"
+    composite = True
+    summary = "MaskablePPO (sb3-contrib) trained on MemoryPolicyEnv for this problem; the best policy seen wins"
+
+    def _search(self, problem: Problem) -> Proposal:
+        import torch
+        from sb3_contrib import MaskablePPO
+        from stable_baselines3.common.callbacks import BaseCallback
+
+        from envs.memory_env import MemoryPolicyEnv
+
+        env = MemoryPolicyEnv(problem, allow_compress=problem.allow_compress)
+        k = env.k
+        episodes = problem.trials if problem.trials else DEFAULT_EPISODES
+        deadline = None if problem.time_limit_s is None else time.perf_counter() + problem.time_limit_s
+        n_steps = max(64, min(2048, 4 * k))
+
+        class Stop(BaseCallback):  # type: ignore[misc]
+            """Ends learning at the deadline or on Ctrl-C (the best policy so far stands)."""
+
+            def _on_step(self) -> bool:
+                if problem.progress is not None and env.best is not None and self.n_calls % k == 0:
+                    problem.progress("ppo", env.best.result)
+                return deadline is None or time.perf_counter() < deadline
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            model = MaskablePPO(
+                "MlpPolicy",
+                env,
+                n_steps=n_steps,
+                batch_size=64,
+                gamma=1.0,
+                learning_rate=3e-4,
+                ent_coef=0.01,
+                policy_kwargs={"net_arch": [64, 64]},
+                seed=problem.seed,
+                device="cpu",
+                verbose=0,
+            )
+            try:
+                model.learn(total_timesteps=episodes * k, callback=Stop())
+            except KeyboardInterrupt:
+                problem.interrupted = True
+            if env.best is not None:
+                return Proposal(env.best.actions.copy(), note=f"best of {env.episodes} episodes")
+            return Proposal(greedy(model, env), note=f"no episode of {env.episodes} fit: the greedy policy")
+        finally:
+            torch.set_num_threads(threads)
+
+
+def greedy(model: Any, env: Any) -> np.ndarray:
+    """One deterministic, masked episode of ``model`` on ``env``: its action vector."""
+    obs, _ = env.reset()
+    done = False
+    while not done:
+        action, _ = model.predict(obs, deterministic=True, action_masks=env.action_masks())
+        obs, _, terminated, truncated, _ = env.step(action)
+        done = terminated or truncated
+    return np.asarray(env.actions, dtype=np.int8)

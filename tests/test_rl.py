@@ -1,0 +1,53 @@
+"""The MaskablePPO searcher on MemoryPolicyEnv: masks honoured, deterministic under a seed, and the best
+episode it saw is its answer."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from agents.base import Problem, get_searcher
+from agents.rl import greedy
+from envs.memory_env import MemoryPolicyEnv
+from envs.simulator import COMPRESS
+from runtime.hardware import get_profile
+from runtime.trace import capture
+from runtime.workload import peak_report
+from tests.test_trace import tiny_cnn_build
+
+_W = capture(tiny_cnn_build(batch=4), name="cnn", batch_size=4)
+_HW = get_profile("v100-16gb")
+_PEAK = peak_report(_W, _HW.alloc_granularity_bytes).peak_bytes
+
+
+def problem(**kw) -> Problem:  # type: ignore[no-untyped-def]
+    return Problem(_W, _HW, budget_bytes=int(_PEAK * 0.9), time_limit_s=60, trials=40, **kw)
+
+
+def test_ppo_answers_with_the_best_fitting_episode() -> None:
+    p = problem()
+    r = get_searcher("ppo").search(p)
+    assert r.feasible and "episodes" in r.note
+    assert p.evaluate(r.policy.to_vector(_W)) == r.result
+
+
+def test_ppo_is_deterministic_under_a_seed() -> None:
+    a = get_searcher("ppo").search(problem(seed=7)).policy.to_vector(_W)
+    b = get_searcher("ppo").search(problem(seed=7)).policy.to_vector(_W)
+    assert np.array_equal(a, b)
+
+
+def test_greedy_rollout_honours_the_masks() -> None:
+    from sb3_contrib import MaskablePPO
+
+    env = MemoryPolicyEnv(problem(), allow_compress=False)
+    model = MaskablePPO("MlpPolicy", env, n_steps=64, batch_size=32, seed=0, device="cpu")
+    model.learn(total_timesteps=64)
+    obs, _ = env.reset()
+    done = False
+    while not done:
+        mask = env.action_masks()
+        action, _ = model.predict(obs, deterministic=True, action_masks=mask)
+        assert mask[int(action)]
+        obs, _, done, _, _ = env.step(action)
+    vec = greedy(model, env)
+    assert not np.any(vec == COMPRESS) and len(vec) == len(_W.candidates)
