@@ -274,7 +274,10 @@ def search(
 
     get_searcher(searcher)  # unknown names fail before tracing
     hw, note = resolve_profile(gpu)
-    reserve_bytes = parse_size(reserve) if reserve is not None else (sr.DEFAULT_GPU_RESERVE if hw.is_gpu else 0)
+    if reserve is None:
+        reserve_bytes = sr.DEFAULT_GPU_RESERVE if hw.is_gpu else 0
+    else:
+        reserve_bytes = 0 if reserve.strip().upper() in ("0", "0B") else parse_size(reserve)
     if reserve_bytes >= budget_bytes:
         shown = sr.format_bytes(reserve_bytes)
         what = f"--reserve {reserve}" if reserve is not None else f"the default reserve ({shown})"

@@ -166,6 +166,8 @@ def test_search_table(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
 def test_impossible_budget_is_reported_at_once_with_a_budget_that_works(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, *SEARCH, "--budget", "10MB")
     assert code == 2 and "no policy can meet it" in err and "autotune can meet" in err
+    code, _, err = run(capsys, *SEARCH, "--budget", "10MB", "--reserve", "0")  # the last --reserve wins
+    assert code == 2 and "no policy can meet it" in err and "reserve" not in err.split("error:")[1]
 
 
 def test_ctrl_c_keeps_the_best_policy_and_says_how_to_resume(
