@@ -328,6 +328,96 @@ def search(
 
 
 @app.command()
+def maxbatch(
+    model: ModelOpt,
+    budget: Annotated[str, typer.Option(help="Memory budget, e.g. 16GB.")],
+    gpu: GpuOpt = None,
+    seq_len: SeqOpt = None,
+    max_slowdown: Annotated[
+        float | None, typer.Option(help="Largest accepted slowdown against no policy at the same batch, e.g. 0.2.")
+    ] = None,
+    start_batch: Annotated[int, typer.Option(help="First batch size tried (then doubled).")] = 16,
+    per_size: Annotated[float, typer.Option(help="Seconds of search per batch size.")] = 10.0,
+    reserve: Annotated[
+        str | None, typer.Option(help="Kept back from the budget (see `autotune search --help`).")
+    ] = None,
+    out_path: Annotated[
+        Path | None, typer.Option("--out", help="Policy file [default: <model>.b<batch>.policy.json].")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
+    optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
+    as_json: JsonOpt = False,
+) -> None:
+    """Find the largest batch that trains within the budget, with the best policy found for it."""
+    from autotune import maxbatch as mb
+    from autotune import search as sr
+    from autotune.units import format_size_echo, parse_size
+    from autotune.workloads import TraceRequest, trace_model
+    from runtime.hardware import resolve_profile
+
+    budget_bytes = parse_size(budget)
+    mb.check_start(start_batch)
+    if max_slowdown is not None and max_slowdown < 0:
+        raise AutotuneError(f"invalid --max-slowdown {max_slowdown}: expected 0 or more, e.g. --max-slowdown 0.2")
+    if per_size <= 0:
+        raise AutotuneError(f"invalid --per-size {per_size}: expected a positive number of seconds, e.g. 10")
+    hw, note = resolve_profile(gpu)
+    if reserve is None:
+        reserve_bytes = sr.DEFAULT_GPU_RESERVE if hw.is_gpu else 0
+    else:
+        reserve_bytes = 0 if reserve.strip().upper() in ("0", "0B") else parse_size(reserve)
+    if reserve_bytes >= budget_bytes:
+        raise AutotuneError(f"the reserve ({sr.format_bytes(reserve_bytes)}) is not below the budget ({budget})")
+    err.print(f"budget: {format_size_echo(budget, budget_bytes)}")
+    err.print(note)
+    TraceRequest(model=model, batch_size=start_batch, seq_len=seq_len, optimizer=optimizer).validate()
+
+    def trace(b: int) -> Any:
+        return trace_model(TraceRequest(model=model, batch_size=b, seq_len=seq_len, optimizer=optimizer))[0]
+
+    with err.status("maxbatch", spinner="dots") as status:
+        search = mb.MaxBatch(
+            trace,
+            hw,
+            budget_bytes - reserve_bytes,
+            per_size_s=per_size,
+            max_slowdown=max_slowdown,
+            seed=seed,
+            progress=lambda msg: status.update(f"maxbatch: {msg}"),
+        )
+        outcome = search.run(start_batch)
+    if outcome.best is not None and outcome.best.found is not None:
+        name = model.replace(":", "_").replace("/", "_")
+        path = out_path or Path(f"{name}.b{outcome.max_batch}.policy.json")
+        outcome.best.found.policy.budget_bytes = budget_bytes
+        outcome.best.found.policy.save(path)
+        outcome.policy_path = path
+    result = outcome.to_json(hw, budget_bytes, budget_bytes - reserve_bytes)
+    if as_json:
+        print(json.dumps(result))
+        return
+    t = Table(title=f"{model} on {hw.name}, budget {sr.format_bytes(budget_bytes)}")
+    for col in ("batch", "fits", "no policy fits", "peak", "samples/s", "slowdown"):
+        t.add_column(col, justify="right")
+    for r in result["sizes"]:
+        t.add_row(
+            str(r["batch_size"]),
+            {True: "yes", False: "no", None: "not searched"}[r["fits"]],
+            "yes" if r["fits_without_policy"] else "no",
+            sr.format_bytes(r["peak_bytes"]) if r["peak_bytes"] is not None else "—",
+            f"{r['samples_per_s']:,.1f}" if r["samples_per_s"] is not None else "—",
+            f"{r['slowdown']:+.1%}" if r["slowdown"] is not None else "—",
+            style="bold green" if r["batch_size"] == outcome.max_batch else "",
+        )
+    out.print(t)
+    ratio = f" ({result['ratio']:.2f}x)" if result["ratio"] else ""
+    out.print(
+        f"largest batch: {outcome.max_batch} with a policy{ratio}, {outcome.max_batch_no_policy} without; "
+        f"{outcome.wall_s:.0f} s" + (f"; policy written to {outcome.policy_path}" if outcome.policy_path else "")
+    )
+
+
+@app.command()
 def train(
     policy_file: Annotated[Path, typer.Option("--policy", help="The policy file to apply.")],
     model: Annotated[str | None, typer.Option("--model", "-m", help="[default: the policy's model]")] = None,

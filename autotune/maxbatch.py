@@ -1,0 +1,189 @@
+"""`autotune maxbatch`: the largest batch that trains within a memory budget, with and without a policy.
+
+Sizes are tried by doubling from the start size until one does not fit (or is too slow), then by bisection
+between the last that fits and the first that does not. Each size is traced once (fake mode) and searched
+with the portfolio for ``per_size_s`` seconds, seeded with the policy found at the previous fitting size
+(keys do not depend on the batch size, so the vector carries over). The no-policy batch comes from the
+same traces (keep-all peak within the budget), extended by its own doubling and bisection.
+
+A size "fits" when the found policy is within the planned budget and, with ``max_slowdown``, runs at most
+that much slower than the same batch with no policy (the price of the memory saved, the measure the
+published systems report).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agents.base import Problem, SearchResult, Status, baseline_names, get_searcher
+from envs.simulator import SimResult
+from runtime.errors import AutotuneError
+from runtime.hardware import HardwareProfile
+from runtime.policy import Policy
+from runtime.workload import Workload, peak_report
+
+MAX_BATCH = 1 << 16
+
+
+@dataclass
+class SizeResult:
+    batch_size: int
+    fits: bool  # within the budget (and max_slowdown) with the best policy found
+    fits_without_policy: bool
+    no_policy: SimResult
+    found: SearchResult | None  # None when the state alone exceeds the budget (nothing searched)
+    slowdown: float | None  # no-policy samples/s / found samples/s - 1, same batch
+    searched: bool = True  # False: traced for the no-policy search only (``fits`` is then unknown)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "fits": self.fits if self.searched else None,
+            "fits_without_policy": self.fits_without_policy,
+            "peak_bytes": self.found.result.peak_bytes if self.found else None,
+            "samples_per_s": self.found.result.samples_per_s if self.found and self.found.feasible else None,
+            "no_policy_peak_bytes": self.no_policy.peak_bytes,
+            "no_policy_samples_per_s": self.no_policy.samples_per_s,
+            "slowdown": self.slowdown,
+            "searcher": self.found.searcher if self.found else None,
+        }
+
+
+@dataclass
+class MaxBatchOutcome:
+    max_batch: int  # 0: not even the start size fits
+    max_batch_no_policy: int
+    best: SizeResult | None
+    tried: list[SizeResult] = field(default_factory=list)
+    policy_path: Path | None = None
+    wall_s: float = 0.0
+
+    def to_json(self, hw: HardwareProfile, budget_bytes: int, planned_bytes: int) -> dict[str, Any]:
+        b = self.best
+        return {
+            "max_batch": self.max_batch,
+            "max_batch_no_policy": self.max_batch_no_policy,
+            "ratio": self.max_batch / self.max_batch_no_policy if self.max_batch_no_policy else None,
+            "samples_per_s": b.found.result.samples_per_s if b and b.found else None,
+            "peak_bytes": b.found.result.peak_bytes if b and b.found else None,
+            "slowdown": b.slowdown if b else None,
+            "no_policy_samples_per_s": next(
+                (t.no_policy.samples_per_s for t in self.tried if t.batch_size == self.max_batch_no_policy), None
+            ),
+            "policy_path": str(self.policy_path) if self.policy_path else None,
+            "gpu": hw.name,
+            "budget_bytes": budget_bytes,
+            "planned_budget_bytes": planned_bytes,
+            "sizes": [t.to_json() for t in sorted(self.tried, key=lambda t: t.batch_size)],
+            "wall_s": self.wall_s,
+        }
+
+
+class MaxBatch:
+    """The search over batch sizes; ``trace(b)`` gives the workload at batch ``b`` (cached here)."""
+
+    def __init__(
+        self,
+        trace: Callable[[int], Workload],
+        hw: HardwareProfile,
+        planned_bytes: int,
+        *,
+        per_size_s: float,
+        max_slowdown: float | None,
+        seed: int = 0,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        self.trace, self.hw, self.planned = trace, hw, planned_bytes
+        self.per_size_s, self.max_slowdown, self.seed = per_size_s, max_slowdown, seed
+        self.progress = progress or (lambda _msg: None)
+        self.results: dict[int, SizeResult] = {}
+        self._workloads: dict[int, Workload] = {}
+        self._last_fit: SizeResult | None = None
+
+    def workload(self, b: int) -> Workload:
+        if b not in self._workloads:
+            self.progress(f"tracing batch {b}")
+            self._workloads[b] = self.trace(b)
+        return self._workloads[b]
+
+    def no_policy_fits(self, b: int) -> bool:
+        w = self.workload(b)
+        return peak_report(w, self.hw.alloc_granularity_bytes).peak_bytes <= self.planned
+
+    def evaluate(self, b: int) -> SizeResult:
+        if b in self.results:
+            return self.results[b]
+        w = self.workload(b)
+        problem = Problem(w, self.hw, self.planned, time_limit_s=self.per_size_s, seed=self.seed, trials=0)
+        no_policy = problem.simulator.run(problem.keep_all(), budget_bytes=self.planned)
+        report = peak_report(w, self.hw.alloc_granularity_bytes)
+        if report.persistent_bytes > self.planned:  # parameters, optimizer state and the batch alone: no
+            r = SizeResult(b, False, False, no_policy, None, None)
+        else:
+            self.progress(f"searching batch {b}")
+            seeds = [get_searcher(n).search(problem) for n in baseline_names()]
+            if self._last_fit is not None and self._last_fit.found is not None:
+                prev = self._last_fit.found
+                vec = prev.policy.to_vector(self.workload(self._last_fit.batch_size))
+                policy = Policy.from_vector(w, vec, hardware=self.hw.name, options=prev.policy.options)
+                seeds.append(_as_seed(problem, policy, f"batch-{self._last_fit.batch_size}"))
+            problem.seeds = seeds
+            found = get_searcher("portfolio").search(problem)
+            slowdown = no_policy.samples_per_s / found.result.samples_per_s - 1 if found.feasible else None
+            fits = found.feasible and (
+                self.max_slowdown is None or (slowdown is not None and slowdown <= self.max_slowdown)
+            )
+            r = SizeResult(b, fits, no_policy.peak_bytes <= self.planned, no_policy, found, slowdown)
+        self.results[b] = r
+        if r.fits and (self._last_fit is None or b > self._last_fit.batch_size):
+            self._last_fit = r
+        return r
+
+    def run(self, start: int) -> MaxBatchOutcome:
+        started = time.perf_counter()
+        best = _largest(start, lambda b: self.evaluate(b).fits)
+        no_policy = _largest(start, self.no_policy_fits)
+        for b in self._workloads:  # sizes traced only for the no-policy search: record them too
+            if b not in self.results:
+                p = Problem(self.workload(b), self.hw, self.planned)
+                r = p.simulator.run(p.keep_all(), budget_bytes=self.planned)
+                self.results[b] = SizeResult(b, False, r.feasible, r, None, None, searched=False)
+        out = MaxBatchOutcome(best, no_policy, self.results.get(best), list(self.results.values()))
+        out.wall_s = time.perf_counter() - started
+        return out
+
+
+def _as_seed(problem: Problem, policy: Policy, name: str) -> SearchResult:
+    """A policy carried over from another batch size, scored here, as a warm-start seed."""
+    actions = policy.to_vector(problem.workload)
+    result = problem.evaluate(actions, policy.options)
+    status = Status.FEASIBLE if result.feasible else Status.INFEASIBLE
+    return SearchResult(name, policy, result, status, 0.0, 1)
+
+
+def _largest(start: int, fits: Callable[[int], bool]) -> int:
+    """The largest b >= start with fits(b) (0 if not even start), assuming fits is monotone: doubling, then
+    bisection between the last size that fits and the first that does not."""
+    if not fits(start):
+        return 0
+    lo, hi = start, start * 2
+    while hi <= MAX_BATCH and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > MAX_BATCH:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def check_start(start: int) -> None:
+    if start <= 0 or start > MAX_BATCH:
+        raise AutotuneError(f"invalid --start-batch {start}: expected 1 to {MAX_BATCH}, e.g. --start-batch 32")
