@@ -244,6 +244,16 @@ def apply_until_fits(
     return actions, result
 
 
+def better(a: SimResult, b: SimResult | None) -> bool:
+    """Whether ``a`` beats ``b``: feasible beats infeasible; then higher throughput (both feasible) or
+    lower peak (both not); anything beats None. Strict, so that on ties the one found first stays."""
+    if b is None:
+        return True
+    if a.feasible != b.feasible:
+        return a.feasible
+    return a.samples_per_s > b.samples_per_s if a.feasible else a.peak_bytes < b.peak_bytes
+
+
 def first_fit_status(result: SimResult) -> Status:
     return Status.FEASIBLE if result.feasible else Status.INFEASIBLE
 
@@ -257,6 +267,7 @@ __all__ = [
     "Status",
     "apply_until_fits",
     "baseline_names",
+    "better",
     "get_searcher",
     "list_searchers",
     "register",

@@ -29,13 +29,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, register
+from agents.base import Problem, Proposal, Searcher, better, register
 from agents.rule import CLASS_MODES, LOOKAHEADS, params_from_dict, present_classes, rule_actions
 from envs.simulator import SimResult
 from runtime.policy import PolicyOptions
 
 DEFAULT_TRIALS = 150
-_HAS_SET_CONSTRAINT = None  # resolved on first use
 
 
 def study_name(problem: Problem, searcher: str) -> str:
@@ -53,15 +52,10 @@ class _Best:
         self.result: SimResult | None = None
 
     def offer(self, actions: np.ndarray, options: PolicyOptions, result: SimResult) -> bool:
-        cur = self.result
-        better = (
-            cur is None
-            or (result.feasible and (not cur.feasible or result.samples_per_s > cur.samples_per_s))
-            or (not result.feasible and not cur.feasible and result.peak_bytes < cur.peak_bytes)
-        )
-        if better:
-            self.actions, self.options, self.result = actions.copy(), options, result
-        return better
+        if not better(result, self.result):
+            return False
+        self.actions, self.options, self.result = actions.copy(), options, result
+        return True
 
 
 class OptunaSearcher(Searcher):

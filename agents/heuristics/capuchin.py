@@ -40,7 +40,7 @@ import dataclasses
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, register
+from agents.base import Problem, Proposal, Searcher, better, register
 from agents.features import CandidateFeatures, candidate_features
 from envs.simulator import KEEP, RECOMPUTE, SWAP, SimResult, Simulator
 from runtime.policy import PolicyOptions
@@ -132,14 +132,6 @@ def select(problem: Problem, options: PolicyOptions) -> tuple[np.ndarray, SimRes
             actions[r] = RECOMPUTE
             result = problem.evaluate(actions, options)
     return actions, result
-
-
-def better(a: SimResult, b: SimResult) -> bool:
-    """Feasible beats infeasible; then higher throughput (both feasible) or lower peak (both not).
-    Strict, so that on ties the policy found first (the smaller look-ahead) stays."""
-    if a.feasible != b.feasible:
-        return a.feasible
-    return a.samples_per_s > b.samples_per_s if a.feasible else a.peak_bytes < b.peak_bytes
 
 
 @register
