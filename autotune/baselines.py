@@ -12,8 +12,6 @@ from rich.table import Table
 
 from agents.base import Problem, SearchResult, Status, baseline_names, get_searcher
 from autotune.units import format_bytes
-from runtime.errors import AutotuneError
-from runtime.workload import peak_report
 
 
 def select_methods(only: str | None) -> list[str]:
@@ -24,18 +22,6 @@ def select_methods(only: str | None) -> list[str]:
     for n in names:
         get_searcher(n)  # unknown names fail here with "did you mean"
     return names
-
-
-def check_budget(problem: Problem) -> None:
-    """An impossible budget is reported at once: below the state that lives through the whole iteration
-    (parameters, optimizer state, buffers, the batch), no policy over activations can help."""
-    floor = peak_report(problem.workload, problem.hardware.alloc_granularity_bytes).persistent_bytes
-    if problem.budget_bytes < floor:
-        raise AutotuneError(
-            f"budget {format_bytes(problem.budget_bytes)} is below the {format_bytes(floor)} that parameters, "
-            f"optimizer state and the batch hold for the whole iteration: no policy can meet it; raise the "
-            f"budget above {format_bytes(floor)} or lower --batch-size"
-        )
 
 
 def run_baselines(problem: Problem, methods: list[str], err: Console) -> list[SearchResult]:
@@ -125,4 +111,4 @@ def to_json(table: list[dict[str, Any]]) -> str:
     return json.dumps(table)
 
 
-__all__ = ["Status", "best_heuristic", "check_budget", "render", "rows", "run_baselines", "save", "select_methods"]
+__all__ = ["Status", "best_heuristic", "render", "rows", "run_baselines", "save", "select_methods"]

@@ -189,6 +189,7 @@ def baselines(
     """Run every published heuristic and exact solver at the budget and compare them."""
     from agents.base import Problem
     from autotune import baselines as bl
+    from autotune import search as sr
     from autotune.units import format_size_echo, parse_size
     from autotune.workloads import TraceRequest
     from runtime.hardware import resolve_profile
@@ -209,7 +210,7 @@ def baselines(
         allow_compress=allow_compress,
         time_limit_s=time_limit,
     )
-    bl.check_budget(problem)
+    sr.check_budget(problem)
     results = bl.run_baselines(problem, methods, err)
     table = bl.rows(problem, results)
     if save is not None:
@@ -274,17 +275,7 @@ def search(
 
     get_searcher(searcher)  # unknown names fail before tracing
     hw, note = resolve_profile(gpu)
-    if reserve is None:
-        reserve_bytes = sr.DEFAULT_GPU_RESERVE if hw.is_gpu else 0
-    else:
-        reserve_bytes = 0 if reserve.strip().upper() in ("0", "0B") else parse_size(reserve)
-    if reserve_bytes >= budget_bytes:
-        shown = sr.format_bytes(reserve_bytes)
-        what = f"--reserve {reserve}" if reserve is not None else f"the default reserve ({shown})"
-        raise AutotuneError(
-            f"{what} is not below the budget ({budget}): nothing would be left to plan for; pass a smaller "
-            "one, e.g. --reserve 0"
-        )
+    reserve_bytes = sr.reserve_bytes(reserve, budget, budget_bytes, hw)
     err.print(f"budget: {format_size_echo(budget, budget_bytes)}")
     if reserve_bytes:
         planned, kept = sr.format_bytes(budget_bytes - reserve_bytes), sr.format_bytes(reserve_bytes)
@@ -362,12 +353,7 @@ def maxbatch(
     if per_size <= 0:
         raise AutotuneError(f"invalid --per-size {per_size}: expected a positive number of seconds, e.g. 10")
     hw, note = resolve_profile(gpu)
-    if reserve is None:
-        reserve_bytes = sr.DEFAULT_GPU_RESERVE if hw.is_gpu else 0
-    else:
-        reserve_bytes = 0 if reserve.strip().upper() in ("0", "0B") else parse_size(reserve)
-    if reserve_bytes >= budget_bytes:
-        raise AutotuneError(f"the reserve ({sr.format_bytes(reserve_bytes)}) is not below the budget ({budget})")
+    reserve_bytes = sr.reserve_bytes(reserve, budget, budget_bytes, hw)
     err.print(f"budget: {format_size_echo(budget, budget_bytes)}")
     err.print(note)
     TraceRequest(model=model, batch_size=start_batch, seq_len=seq_len, optimizer=optimizer).validate()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.base import Problem, SearchResult, Status, baseline_names, get_searcher
+from autotune.search import budget_floor
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
@@ -120,8 +121,7 @@ class MaxBatch:
         w = self.workload(b)
         problem = Problem(w, self.hw, self.planned, time_limit_s=self.per_size_s, seed=self.seed, trials=0)
         no_policy = problem.simulator.run(problem.keep_all(), budget_bytes=self.planned)
-        report = peak_report(w, self.hw.alloc_granularity_bytes)
-        if report.persistent_bytes > self.planned:  # parameters, optimizer state and the batch alone: no
+        if budget_floor(problem) > self.planned:  # no policy can meet it (autotune.search.check_budget)
             r = SizeResult(b, False, False, no_policy, None, None)
         else:
             self.progress(f"searching batch {b}")

@@ -14,14 +14,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from agents.base import Problem, SearchResult, baseline_names, get_searcher
-from autotune.units import format_bytes
-from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, SimResult, uniform_actions
+from agents.base import Problem, SearchResult, baseline_names, better, get_searcher
+from autotune.units import format_bytes, parse_size
+from envs.simulator import RECOMPUTE, SimResult, uniform_actions
 from runtime.errors import AutotuneError
-from runtime.policy import Action, PolicyOptions
+from runtime.hardware import HardwareProfile
+from runtime.policy import Action, Policy, PolicyOptions
 from runtime.workload import Phase, peak_report, rounded
 
-DEFAULT_STORAGE = "sqlite:///autotune.db"
 # What the CUDA allocator holds that no trace sees: cuBLAS/cuDNN workspaces and library handles. Measured on
 # an H200 (README, runtime on a GPU): resnet50 batch 64 allocated 89 MiB over its traced peak, GPT-2 67 MiB.
 DEFAULT_GPU_RESERVE = 128 * 2**20
@@ -39,6 +39,22 @@ class SearchOutcome:
     study_name: str | None
     interrupted: bool = False
     notes: list[str] = field(default_factory=list)
+
+
+def reserve_bytes(reserve: str | None, budget: str, budget_bytes: int, hw: HardwareProfile) -> int:
+    """The ``--reserve`` in bytes: as given ("0" allowed), or DEFAULT_GPU_RESERVE on GPU profiles and 0 on
+    the CPU; an error when it leaves nothing of the budget."""
+    if reserve is None:
+        n = DEFAULT_GPU_RESERVE if hw.is_gpu else 0
+    else:
+        n = 0 if reserve.strip().upper() in ("0", "0B") else parse_size(reserve)
+    if n >= budget_bytes:
+        what = f"--reserve {reserve}" if reserve is not None else f"the default reserve ({format_bytes(n)})"
+        raise AutotuneError(
+            f"{what} is not below the budget ({budget}): nothing would be left to plan for; pass a smaller "
+            "one, e.g. --reserve 0"
+        )
+    return n
 
 
 # -- impossible budgets ----------------------------------------------------------------------------------------
@@ -154,7 +170,8 @@ def run_search(
         if found is None:
             raise KeyboardInterrupt
         top = _best_of(baselines)
-        if top is not None and _better(top, found):  # a searcher alone (not the portfolio) can lose to a seed
+        # A searcher alone (not the portfolio) can lose to a seed.
+        if top is not None and better(top.result, found.result):
             found = top
     if user_budget_bytes is not None:
         found.policy.budget_bytes = user_budget_bytes
@@ -172,18 +189,10 @@ def run_search(
     )
 
 
-def _better(a: SearchResult, b: SearchResult) -> bool:
-    if a.feasible != b.feasible:
-        return a.feasible
-    if a.feasible:
-        return a.result.samples_per_s > b.result.samples_per_s
-    return a.result.peak_bytes < b.result.peak_bytes
-
-
 def _best_of(results: list[SearchResult]) -> SearchResult | None:
     best: SearchResult | None = None
     for r in results:
-        if best is None or _better(r, best):
+        if best is None or better(r.result, best.result):
             best = r
     return best
 
@@ -194,18 +203,17 @@ def best_heuristic(outcome: SearchOutcome) -> SearchResult | None:
 
 
 # -- reporting -------------------------------------------------------------------------------------------------
-def memory_by_action(problem: Problem, actions: np.ndarray) -> dict[str, int]:
-    sizes = np.array([c.nbytes for c in problem.workload.candidates], dtype=np.int64)
-    return {
-        name: int(sizes[actions == code].sum())
-        for name, code in (("kept", KEEP), ("swapped", SWAP), ("recomputed", RECOMPUTE), ("compressed", COMPRESS))
-    }
+_DONE = {Action.KEEP: "kept", Action.SWAP: "swapped", Action.RECOMPUTE: "recomputed", Action.COMPRESS: "compressed"}
+
+
+def memory_by_action(problem: Problem, policy: Policy) -> dict[str, int]:
+    """Candidate bytes per action, named for the report ("kept", "swapped", ...)."""
+    return {_DONE[a]: n for a, n in policy.bytes_by_action(problem.workload).items()}
 
 
 def to_json(outcome: SearchOutcome) -> dict[str, Any]:
     p, f = outcome.problem, outcome.found
     top = best_heuristic(outcome)
-    actions = f.policy.to_vector(p.workload)
     return {
         "model": p.workload.model,
         "batch_size": p.workload.batch_size,
@@ -227,7 +235,7 @@ def to_json(outcome: SearchOutcome) -> dict[str, Any]:
         "milp_status": outcome.milp.status.value if outcome.milp else None,
         "no_policy_samples_per_s": outcome.no_policy.samples_per_s,
         "no_policy_peak_bytes": outcome.no_policy.peak_bytes,
-        "bytes_by_action": memory_by_action(p, actions),
+        "bytes_by_action": memory_by_action(p, f.policy),
         "policy_path": str(outcome.policy_path),
         "study_name": outcome.study_name,
         "storage": p.storage,
@@ -268,7 +276,7 @@ def render(out: Console, outcome: SearchOutcome) -> None:
         row(f"milp ({outcome.milp.status.value.lower()})", outcome.milp.result, "dim")
     row("no policy", base, "dim")
     out.print(t)
-    moved = memory_by_action(p, f.policy.to_vector(w))
+    moved = memory_by_action(p, f.policy)
     total = sum(moved.values()) or 1
     parts = ", ".join(f"{k} {format_bytes(v)} ({v / total:.0%})" for k, v in moved.items() if v)
     out.print(f"saved activations: {parts}")
