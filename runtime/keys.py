@@ -78,22 +78,16 @@ class SavedTensorKeyer:
             if self._names is None:
                 self._names = {id(mod): path or ROOT for path, mod in self.model.named_modules()}
             names = self._names
-            calls, stack = self._calls, self._stack
 
             def pre(mod: torch.nn.Module, _args: object) -> None:
                 name = names.get(id(mod))
-                if name is None:
-                    return
-                if name == ROOT and not stack:
-                    self.new_forward()
-                call = calls.get(name, 0)
-                calls[name] = call + 1
-                stack.append((name, call))
+                if name is not None:
+                    self._enter(name)
 
             def post(mod: torch.nn.Module, _args: object, _out: object) -> None:
                 name = names.get(id(mod))
-                if name is not None and stack and stack[-1][0] == name:
-                    stack.pop()
+                if name is not None:
+                    self._leave(name)
 
             self._handles.append(torch.nn.modules.module.register_module_forward_pre_hook(pre))
             self._handles.append(torch.nn.modules.module.register_module_forward_hook(post, always_call=True))
@@ -110,21 +104,29 @@ class SavedTensorKeyer:
             self._handles.clear()
             self._stack.clear()
 
+    def _enter(self, name: str) -> None:
+        """A module's forward starts: count the call and push it."""
+        if name == ROOT and not self._stack:
+            self.new_forward()
+        call = self._calls.get(name, 0)
+        self._calls[name] = call + 1
+        self._stack.append((name, call))
+
+    def _leave(self, name: str) -> None:
+        # Hooks registered with always_call=True: this also runs when forward raised, so the stack stays
+        # balanced.
+        if self._stack and self._stack[-1][0] == name:
+            self._stack.pop()
+
     def _make_pre(self, name: str):  # type: ignore[no-untyped-def]
         def pre(_mod: torch.nn.Module, _args: object) -> None:
-            if name == ROOT and not self._stack:
-                self.new_forward()
-            call = self._calls.get(name, 0)
-            self._calls[name] = call + 1
-            self._stack.append((name, call))
+            self._enter(name)
 
         return pre
 
     def _make_post(self, name: str):  # type: ignore[no-untyped-def]
         def post(_mod: torch.nn.Module, _args: object, _out: object) -> None:
-            # always_call=True: also runs when forward raised, so the stack stays balanced.
-            if self._stack and self._stack[-1][0] == name:
-                self._stack.pop()
+            self._leave(name)
 
         return post
 
