@@ -20,9 +20,9 @@ RESNET = ("resnet18", {"batch_size": 2, "image_size": 64})
 GPT2 = ("gpt2", {"batch_size": 2, "seq_len": 32, "config_overrides": {"n_layer": 2}})  # dropout 0.1 on
 
 
-def _build(name: str, kwargs: dict):  # type: ignore[no-untyped-def,type-arg]
+def _build(name: str, kwargs: dict, device: str = "cpu"):  # type: ignore[no-untyped-def,type-arg]
     def build():  # type: ignore[no-untyped-def]
-        e = build_model(name, **kwargs)
+        e = build_model(name, device=device, **kwargs)
         return e.module, e.batch, e.loss_fn
 
     return build
@@ -41,8 +41,8 @@ def _policies(w: Workload) -> dict[str, np.ndarray]:
     }
 
 
-def _step(name: str, kwargs: dict, policy: Policy | None):  # type: ignore[no-untyped-def,type-arg]
-    model, batch, loss_fn = _build(name, kwargs)()
+def _step(name: str, kwargs: dict, policy: Policy | None, device: str = "cpu"):  # type: ignore[no-untyped-def,type-arg]
+    model, batch, loss_fn = _build(name, kwargs, device)()
     torch.manual_seed(123)  # dropout masks: the same stream with and without a policy
     if policy is None:
         loss = loss_fn(model, batch)

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import gc
 
-import numpy as np
 import pytest
 import torch
 
-from autotune.models import build_model
-from envs.simulator import RECOMPUTE, Simulator, uniform_actions
+from envs.simulator import Simulator, uniform_actions
 from runtime.apply import PolicyRuntime
 from runtime.hardware import get_profile
 from runtime.measure import run_iterations
 from runtime.policy import Action, Policy, PolicyOptions
 from runtime.trace import capture, make_optimizer
-from runtime.workload import Workload
+from tests.test_apply import _build as build_on
+from tests.test_apply import _policies
+from tests.test_apply import _step as step_on
 
 pytestmark = [
     pytest.mark.cuda,
@@ -39,38 +39,11 @@ def _deterministic():  # type: ignore[no-untyped-def]
 
 
 def _build(name: str, kwargs: dict):  # type: ignore[no-untyped-def,type-arg]
-    def build():  # type: ignore[no-untyped-def]
-        e = build_model(name, device="cuda", **kwargs)
-        return e.module, e.batch, e.loss_fn
-
-    return build
-
-
-def _policies(w: Workload) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    k = len(w.candidates)
-    return {
-        "keep": uniform_actions(w, Action.KEEP),
-        "swap": uniform_actions(w, Action.SWAP),
-        "recompute": uniform_actions(w, Action.RECOMPUTE),
-        "recompute-all": np.full(k, RECOMPUTE, dtype=np.int8),
-        "mixed-1": rng.integers(0, 3, k).astype(np.int8),
-        "mixed-2": rng.integers(0, 3, k).astype(np.int8),
-    }
+    return build_on(name, kwargs, "cuda")
 
 
 def _step(name: str, kwargs: dict, policy: Policy | None):  # type: ignore[no-untyped-def,type-arg]
-    model, batch, loss_fn = _build(name, kwargs)()
-    torch.manual_seed(123)
-    if policy is None:
-        loss = loss_fn(model, batch)
-        loss.backward()
-    else:
-        with policy.applied(model):
-            loss = loss_fn(model, batch)
-            loss.backward()
-    torch.cuda.synchronize()
-    return loss.detach(), [p.grad for p in model.parameters()], [b.clone() for b in model.buffers()]
+    return step_on(name, kwargs, policy, "cuda")
 
 
 @pytest.mark.parametrize(("name", "kwargs"), [RESNET, GPT2], ids=["resnet18", "gpt2-2layer-dropout"])
