@@ -4,7 +4,8 @@ Sizes are tried by doubling from the start size until one does not fit (or is to
 between the last that fits and the first that does not. Each size is traced once (fake mode) and searched
 with the portfolio for ``per_size_s`` seconds, seeded with the policy found at the previous fitting size
 (keys do not depend on the batch size, so the vector carries over). The no-policy batch comes from the
-same traces (keep-all peak within the budget), extended by its own doubling and bisection.
+same traces (keep-all peak within the budget), extended by its own doubling and bisection, and so does the
+largest batch of the best published heuristic (each size's baselines, which also seed the search there).
 
 A size "fits" when the found policy is within the planned budget and, with ``max_slowdown``, runs at most
 that much slower than the same batch with no policy (the price of the memory saved, the measure the
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.base import Problem, SearchResult, Status, baseline_names, get_searcher
+from agents.base import Problem, SearchResult, Status, baseline_names, better, get_searcher
 from autotune.search import budget_floor
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError
@@ -39,6 +40,13 @@ class SizeResult:
     found: SearchResult | None  # None when the state alone exceeds the budget (nothing searched)
     slowdown: float | None  # no-policy samples/s / found samples/s - 1, same batch
     searched: bool = True  # False: traced for the no-policy search only (``fits`` is then unknown)
+    baseline: SearchResult | None = None  # the best published heuristic at this size (None: not run)
+    baseline_fits: bool | None = None  # within the budget (and max_slowdown); None: not run
+
+    @property
+    def baseline_slowdown(self) -> float | None:
+        b = self.baseline
+        return self.no_policy.samples_per_s / b.result.samples_per_s - 1 if b is not None and b.feasible else None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -51,6 +59,12 @@ class SizeResult:
             "no_policy_samples_per_s": self.no_policy.samples_per_s,
             "slowdown": self.slowdown,
             "searcher": self.found.searcher if self.found else None,
+            "baseline": self.baseline.searcher if self.baseline is not None and self.baseline.feasible else None,
+            "baseline_fits": self.baseline_fits,
+            "baseline_samples_per_s": (
+                self.baseline.result.samples_per_s if self.baseline is not None and self.baseline.feasible else None
+            ),
+            "baseline_slowdown": self.baseline_slowdown,
         }
 
 
@@ -59,6 +73,7 @@ class MaxBatchOutcome:
     max_batch: int  # 0: not even the start size fits
     max_batch_no_policy: int
     best: SizeResult | None
+    max_batch_baseline: int = 0  # the best published heuristic's largest batch, same criteria
     tried: list[SizeResult] = field(default_factory=list)
     policy_path: Path | None = None
     wall_s: float = 0.0
@@ -69,6 +84,14 @@ class MaxBatchOutcome:
             "max_batch": self.max_batch,
             "max_batch_no_policy": self.max_batch_no_policy,
             "ratio": self.max_batch / self.max_batch_no_policy if self.max_batch_no_policy else None,
+            "max_batch_baseline": self.max_batch_baseline,
+            "baseline": next(
+                (t.baseline.searcher for t in self.tried if t.batch_size == self.max_batch_baseline and t.baseline),
+                None,
+            ),
+            "baseline_ratio": (
+                self.max_batch_baseline / self.max_batch_no_policy if self.max_batch_no_policy else None
+            ),
             "samples_per_s": b.found.result.samples_per_s if b and b.found else None,
             "peak_bytes": b.found.result.peak_bytes if b and b.found else None,
             "slowdown": b.slowdown if b else None,
@@ -103,6 +126,8 @@ class MaxBatch:
         self.progress = progress or (lambda _msg: None)
         self.results: dict[int, SizeResult] = {}
         self._workloads: dict[int, Workload] = {}
+        self._problems: dict[int, Problem] = {}
+        self._baselines: dict[int, tuple[SimResult, list[SearchResult]]] = {}  # per size: no policy, baselines
         self._last_fit: SizeResult | None = None
 
     def workload(self, b: int) -> Workload:
@@ -115,17 +140,55 @@ class MaxBatch:
         w = self.workload(b)
         return peak_report(w, self.hw.alloc_granularity_bytes).peak_bytes <= self.planned
 
+    def _problem(self, b: int) -> Problem:
+        if b not in self._problems:  # one per size, so its simulator is built once
+            w = self.workload(b)
+            self._problems[b] = Problem(
+                w, self.hw, self.planned, time_limit_s=self.per_size_s, seed=self.seed, trials=0
+            )
+        return self._problems[b]
+
+    def baselines(self, b: int) -> tuple[SimResult, list[SearchResult]]:
+        """The no-policy result at ``b`` and every published heuristic's (none run when no policy can meet
+        the budget: ``autotune.search.budget_floor``)."""
+        if b not in self._baselines:
+            problem = self._problem(b)
+            no_policy = problem.simulator.run(problem.keep_all(), budget_bytes=self.planned)
+            seeds: list[SearchResult] = []
+            if budget_floor(problem) <= self.planned:
+                self.progress(f"baselines at batch {b}")
+                seeds = [get_searcher(n).search(problem) for n in baseline_names()]
+            self._baselines[b] = (no_policy, seeds)
+        return self._baselines[b]
+
+    def _fits(self, no_policy: SimResult, found: SearchResult | None) -> bool:
+        if found is None or not found.feasible:
+            return False
+        slowdown = no_policy.samples_per_s / found.result.samples_per_s - 1
+        return self.max_slowdown is None or slowdown <= self.max_slowdown
+
+    def _best_baseline(self, b: int) -> SearchResult | None:
+        best: SearchResult | None = None
+        for r in self.baselines(b)[1]:
+            if best is None or better(r.result, best.result):
+                best = r
+        return best
+
+    def baseline_fits(self, b: int) -> bool:
+        no_policy, _ = self.baselines(b)
+        return self._fits(no_policy, self._best_baseline(b))
+
     def evaluate(self, b: int) -> SizeResult:
         if b in self.results:
             return self.results[b]
         w = self.workload(b)
-        problem = Problem(w, self.hw, self.planned, time_limit_s=self.per_size_s, seed=self.seed, trials=0)
-        no_policy = problem.simulator.run(problem.keep_all(), budget_bytes=self.planned)
-        if budget_floor(problem) > self.planned:  # no policy can meet it (autotune.search.check_budget)
-            r = SizeResult(b, False, False, no_policy, None, None)
+        problem = self._problem(b)
+        no_policy, baselines = self.baselines(b)
+        if not baselines:  # no policy can meet the budget (autotune.search.check_budget)
+            r = SizeResult(b, False, False, no_policy, None, None, baseline_fits=False)
         else:
             self.progress(f"searching batch {b}")
-            seeds = [get_searcher(n).search(problem) for n in baseline_names()]
+            seeds = list(baselines)
             if self._last_fit is not None and self._last_fit.found is not None:
                 prev = self._last_fit.found
                 vec = prev.policy.to_vector(self.workload(self._last_fit.batch_size))
@@ -134,25 +197,31 @@ class MaxBatch:
             problem.seeds = seeds
             found = get_searcher("portfolio").search(problem)
             slowdown = no_policy.samples_per_s / found.result.samples_per_s - 1 if found.feasible else None
-            fits = found.feasible and (
-                self.max_slowdown is None or (slowdown is not None and slowdown <= self.max_slowdown)
-            )
+            fits = self._fits(no_policy, found)
             r = SizeResult(b, fits, no_policy.peak_bytes <= self.planned, no_policy, found, slowdown)
+            r.baseline, r.baseline_fits = self._best_baseline(b), self.baseline_fits(b)
         self.results[b] = r
         if r.fits and (self._last_fit is None or b > self._last_fit.batch_size):
             self._last_fit = r
         return r
 
-    def run(self, start: int) -> MaxBatchOutcome:
+    def run(self, start: int, rel_tol: float = 0.0) -> MaxBatchOutcome:
+        """``rel_tol``: stop each bisection once its bounds are within that fraction (0: exact)."""
         started = time.perf_counter()
-        best = _largest(start, lambda b: self.evaluate(b).fits)
-        no_policy = _largest(start, self.no_policy_fits)
-        for b in self._workloads:  # sizes traced only for the no-policy search: record them too
+        best = _largest(start, lambda b: self.evaluate(b).fits, rel_tol)
+        baseline = _largest(start, self.baseline_fits, rel_tol)
+        no_policy = _largest(start, self.no_policy_fits, rel_tol)
+        for b in self._workloads:  # sizes not searched (baselines or no policy only): record them too
             if b not in self.results:
-                p = Problem(self.workload(b), self.hw, self.planned)
+                p = self._problem(b)
                 r = p.simulator.run(p.keep_all(), budget_bytes=self.planned)
-                self.results[b] = SizeResult(b, False, r.feasible, r, None, None, searched=False)
-        out = MaxBatchOutcome(best, no_policy, self.results.get(best), list(self.results.values()))
+                s = SizeResult(b, False, r.feasible, r, None, None, searched=False)
+                if b in self._baselines:
+                    s.baseline, s.baseline_fits = self._best_baseline(b), self.baseline_fits(b)
+                self.results[b] = s
+        out = MaxBatchOutcome(
+            best, no_policy, self.results.get(best), tried=list(self.results.values()), max_batch_baseline=baseline
+        )
         out.wall_s = time.perf_counter() - started
         return out
 
@@ -165,9 +234,10 @@ def _as_seed(problem: Problem, policy: Policy, name: str) -> SearchResult:
     return SearchResult(name, policy, result, status, 0.0, 1)
 
 
-def _largest(start: int, fits: Callable[[int], bool]) -> int:
+def _largest(start: int, fits: Callable[[int], bool], rel_tol: float = 0.0) -> int:
     """The largest b >= start with fits(b) (0 if not even start), assuming fits is monotone: doubling, then
-    bisection between the last size that fits and the first that does not."""
+    bisection between the last size that fits and the first that does not, until they are 1 apart or, with
+    ``rel_tol``, within that fraction of the one that fits (the answer is then at most that far below)."""
     if not fits(start):
         return 0
     lo, hi = start, start * 2
@@ -175,7 +245,7 @@ def _largest(start: int, fits: Callable[[int], bool]) -> int:
         lo, hi = hi, hi * 2
     if hi > MAX_BATCH:
         return lo
-    while hi - lo > 1:
+    while hi - lo > max(1, int(lo * rel_tol)):
         mid = (lo + hi) // 2
         if fits(mid):
             lo = mid
