@@ -40,7 +40,9 @@ DEFAULT_TRIALS = 150
 def study_name(problem: Problem, searcher: str) -> str:
     w = problem.workload
     fp = w.shape_fingerprint or "nofp"
-    return f"{w.model}.b{w.batch_size}.{fp}.{problem.hardware.name}.{problem.budget_bytes}.{searcher}"
+    precision = f".{w.precision}" if w.precision != "fp32" else ""  # fp32 studies keep their old names
+    precision += f".ga{w.grad_accum}" if w.grad_accum > 1 else ""
+    return f"{w.model}.b{w.batch_size}{precision}.{fp}.{problem.hardware.name}.{problem.budget_bytes}.{searcher}"
 
 
 class _Best:

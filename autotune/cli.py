@@ -6,6 +6,7 @@ traceback unless ``--debug`` is given (anywhere on the command line).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -57,6 +58,14 @@ GpuOpt = Annotated[
     typer.Option("--gpu", help="Hardware profile to plan for (see `autotune hardware`); default: the detected GPU."),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+AccumOpt = Annotated[
+    int,
+    typer.Option("--grad-accum", help="Micro-batches of --batch-size per optimizer step (gradient accumulation)."),
+]
+PrecisionOpt = Annotated[
+    str,
+    typer.Option("--precision", help="fp32, or mixed precision under torch.autocast: bf16, fp16 (with a GradScaler)."),
+]
 
 
 @app.command()
@@ -76,6 +85,8 @@ def profile(
     workload: Annotated[Path | None, typer.Option(help="Read a saved workload instead of tracing.")] = None,
     out_file: Annotated[Path | None, typer.Option("--out", help="Save the workload (JSON; .gz compresses).")] = None,
     top: Annotated[int, typer.Option(help="How many of the largest candidates to list.")] = 10,
+    precision: PrecisionOpt = "fp32",
+    grad_accum: AccumOpt = 1,
     as_json: JsonOpt = False,
 ) -> None:
     """Capture one training iteration and show where the memory goes."""
@@ -93,7 +104,14 @@ def profile(
         w, trace_s = Workload.load(workload), 0.0
     else:
         req = TraceRequest(
-            model=model, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, mode=mode, device=device
+            model=model,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            optimizer=optimizer,
+            mode=mode,
+            device=device,
+            precision=precision,
+            grad_accum=grad_accum,
         )
         w, trace_s = _trace(req)
     if out_file is not None:
@@ -147,6 +165,14 @@ def simulate(
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
     timeline: Annotated[Path | None, typer.Option(help="Write the memory timeline as an HTML plot.")] = None,
     save_policy: Annotated[Path | None, typer.Option(help="Write the simulated policy as a policy file.")] = None,
+    precision: Annotated[
+        str | None,
+        typer.Option("--precision", help="fp32, bf16 or fp16 (autocast) [default: the policy file's, or fp32]."),
+    ] = None,
+    grad_accum: Annotated[
+        int | None,
+        typer.Option("--grad-accum", help="Micro-batches per optimizer step [default: the policy file's, or 1]."),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Simulate one iteration under a policy file or a uniform action and print the SimResult."""
@@ -165,6 +191,8 @@ def simulate(
         lookahead=lookahead,
         lossy=lossy,
         optimizer=optimizer,
+        precision=precision,
+        grad_accum=grad_accum,
         timeline=timeline,
         save_policy=save_policy,
         as_json=as_json,
@@ -184,6 +212,8 @@ def baselines(
     allow_compress: Annotated[bool, typer.Option(help="Let methods propose compression (lossy).")] = False,
     time_limit: Annotated[float, typer.Option(help="Seconds each exact solver may take.")] = 30.0,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
+    precision: PrecisionOpt = "fp32",
+    grad_accum: AccumOpt = 1,
     as_json: JsonOpt = False,
 ) -> None:
     """Run every published heuristic and exact solver at the budget and compare them."""
@@ -201,7 +231,16 @@ def baselines(
     if not as_json:
         err.print(f"budget: {format_size_echo(budget, budget_bytes)}")
         err.print(note)
-    w, _ = _trace(TraceRequest(model=model, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer))
+    w, _ = _trace(
+        TraceRequest(
+            model=model,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            optimizer=optimizer,
+            precision=precision,
+            grad_accum=grad_accum,
+        )
+    )
     problem = Problem(
         w,
         hw,
@@ -255,6 +294,8 @@ def search(
     allow_compress: Annotated[bool, typer.Option(help="Let searchers propose compression (lossy).")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
+    precision: PrecisionOpt = "fp32",
+    grad_accum: AccumOpt = 1,
     as_json: JsonOpt = False,
 ) -> None:
     """Find the fastest policy within the budget and write it as a policy file (the main job)."""
@@ -281,7 +322,16 @@ def search(
         planned, kept = sr.format_bytes(budget_bytes - reserve_bytes), sr.format_bytes(reserve_bytes)
         err.print(f"planning for {planned}: the budget less a {kept} reserve for workspaces (--reserve)")
     err.print(note)
-    w, _ = _trace(TraceRequest(model=model, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer))
+    w, _ = _trace(
+        TraceRequest(
+            model=model,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            optimizer=optimizer,
+            precision=precision,
+            grad_accum=grad_accum,
+        )
+    )
     problem = Problem(
         w,
         hw,
@@ -337,6 +387,8 @@ def maxbatch(
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
+    precision: PrecisionOpt = "fp32",
+    grad_accum: AccumOpt = 1,
     as_json: JsonOpt = False,
 ) -> None:
     """Find the largest batch that trains within the budget, with the best policy found for it."""
@@ -356,10 +408,18 @@ def maxbatch(
     reserve_bytes = sr.reserve_bytes(reserve, budget, budget_bytes, hw)
     err.print(f"budget: {format_size_echo(budget, budget_bytes)}")
     err.print(note)
-    TraceRequest(model=model, batch_size=start_batch, seq_len=seq_len, optimizer=optimizer).validate()
+    req = TraceRequest(
+        model=model,
+        batch_size=start_batch,
+        seq_len=seq_len,
+        optimizer=optimizer,
+        precision=precision,
+        grad_accum=grad_accum,
+    )
+    req.validate()
 
     def trace(b: int) -> Any:
-        return trace_model(TraceRequest(model=model, batch_size=b, seq_len=seq_len, optimizer=optimizer))[0]
+        return trace_model(dataclasses.replace(req, batch_size=b))[0]
 
     with err.status("maxbatch", spinner="dots") as status:
         search = mb.MaxBatch(
@@ -383,7 +443,7 @@ def maxbatch(
         print(json.dumps(result))
         return
     t = Table(title=f"{model} on {hw.name}, budget {sr.format_bytes(budget_bytes)}")
-    for col in ("batch", "fits", "no policy fits", "peak", "samples/s", "slowdown"):
+    for col in ("batch", "fits", "no policy fits", "peak", "samples/s", "slowdown", "best heuristic"):
         t.add_column(col, justify="right")
     for r in result["sizes"]:
         t.add_row(
@@ -393,14 +453,26 @@ def maxbatch(
             sr.format_bytes(r["peak_bytes"]) if r["peak_bytes"] is not None else "—",
             f"{r['samples_per_s']:,.1f}" if r["samples_per_s"] is not None else "—",
             f"{r['slowdown']:+.1%}" if r["slowdown"] is not None else "—",
+            _heuristic_cell(r),
             style="bold green" if r["batch_size"] == outcome.max_batch else "",
         )
     out.print(t)
     ratio = f" ({result['ratio']:.2f}x)" if result["ratio"] else ""
     out.print(
-        f"largest batch: {outcome.max_batch} with a policy{ratio}, {outcome.max_batch_no_policy} without; "
+        f"largest batch: {outcome.max_batch} with a policy{ratio}, {outcome.max_batch_no_policy} without, "
+        f"{outcome.max_batch_baseline} with the best heuristic ({result['baseline'] or 'none fits'}); "
         f"{outcome.wall_s:.0f} s" + (f"; policy written to {outcome.policy_path}" if outcome.policy_path else "")
     )
+
+
+def _heuristic_cell(size: dict[str, Any]) -> str:
+    """The best published heuristic at one size of `maxbatch`: its name, samples/s and slowdown."""
+    if size["baseline_fits"] is None:
+        return "not run"
+    if size["baseline"] is None:
+        return "none fits"
+    mark = "" if size["baseline_fits"] else " (too slow)"
+    return f"{size['baseline']} {size['baseline_samples_per_s']:,.1f} {size['baseline_slowdown']:+.1%}{mark}"
 
 
 @app.command()
@@ -410,6 +482,16 @@ def train(
     batch_size: BatchOpt = None,
     steps: Annotated[int, typer.Option(help="Measured iterations (after one warm-up).")] = 3,
     device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
+    precision: Annotated[
+        str | None,
+        typer.Option(
+            "--precision", help="fp32, bf16 or fp16 (autocast) [default: the policy's; another one is refused]."
+        ),
+    ] = None,
+    grad_accum: Annotated[
+        int | None,
+        typer.Option("--grad-accum", help="Micro-batches per optimizer step [default: the policy's]."),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Train N real iterations under a policy; measured peak and time beside the simulator's prediction."""
@@ -417,7 +499,15 @@ def train(
     from autotune.units import format_bytes
 
     with err.status("Tracing on the device, then training…", spinner="dots"):
-        report = run_train(policy_file, model=model, batch_size=batch_size, steps=steps, device=device)
+        report = run_train(
+            policy_file,
+            model=model,
+            batch_size=batch_size,
+            steps=steps,
+            device=device,
+            precision=precision,
+            grad_accum=grad_accum,
+        )
     d = report.to_dict()
     if as_json:
         print(json.dumps(d))

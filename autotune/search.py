@@ -217,6 +217,8 @@ def to_json(outcome: SearchOutcome) -> dict[str, Any]:
     return {
         "model": p.workload.model,
         "batch_size": p.workload.batch_size,
+        "precision": p.workload.precision,
+        "grad_accum": p.workload.grad_accum,
         "gpu": p.hardware.name,
         "budget_bytes": f.policy.budget_bytes,
         "planned_budget_bytes": p.budget_bytes,

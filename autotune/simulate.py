@@ -33,6 +33,8 @@ def run_simulate(
     lookahead: int,
     lossy: bool,
     optimizer: str,
+    precision: str | None,
+    grad_accum: int | None,
     timeline: Path | None,
     save_policy: Path | None,
     as_json: bool,
@@ -50,6 +52,8 @@ def run_simulate(
         batch_size = batch_size or loaded.batch_size
         seq_len = seq_len or loaded.seq_len
         gpu = gpu or loaded.hardware
+        precision = precision or loaded.precision  # another one: check_against says why it cannot apply
+        grad_accum = grad_accum or loaded.grad_accum
     if model is None:
         raise AutotuneError("no model: pass --model NAME (see `autotune models`)")
     budget_bytes = parse_size(budget) if budget is not None else (loaded.budget_bytes if loaded else None)
@@ -59,7 +63,16 @@ def run_simulate(
     if not as_json and hw_note:
         err.print(hw_note)
 
-    w, _ = trace(TraceRequest(model=model, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer))
+    w, _ = trace(
+        TraceRequest(
+            model=model,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            optimizer=optimizer,
+            precision=precision or "fp32",
+            grad_accum=grad_accum or 1,
+        )
+    )
     if loaded is not None:
         assert policy_file is not None
         loaded.check_against(w, source=str(policy_file))

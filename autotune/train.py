@@ -67,13 +67,31 @@ def _profile_for(device: str) -> HardwareProfile:
     return found.profile
 
 
-def train(policy_path: Path, *, model: str | None, batch_size: int | None, steps: int, device: str) -> TrainReport:
+def train(
+    policy_path: Path,
+    *,
+    model: str | None,
+    batch_size: int | None,
+    steps: int,
+    device: str,
+    precision: str | None = None,
+    grad_accum: int | None = None,
+) -> TrainReport:
+    """``precision`` and ``grad_accum`` None: the policy's; other ones are refused by the policy check."""
     if steps <= 0:
         raise AutotuneError(f"invalid --steps {steps}: expected a positive number of iterations, e.g. --steps 3")
     policy = load_policy(policy_path)
     name = model or policy.model
     batch = batch_size or policy.batch_size
-    req = TraceRequest(model=name, batch_size=batch, seq_len=policy.seq_len, mode="real", device=device)
+    req = TraceRequest(
+        model=name,
+        batch_size=batch,
+        seq_len=policy.seq_len,
+        mode="real",
+        device=device,
+        precision=precision or policy.precision,
+        grad_accum=grad_accum or policy.grad_accum,
+    )
     # A real-mode trace on this device: it checks the policy against the model before any training, and
     # its measured op times make the prediction for this very device.
     w, _ = trace_model(req)
@@ -109,7 +127,15 @@ def run_policy(
         torch.cuda.set_per_process_memory_fraction(min(1.0, policy.budget_bytes / total), index)
     try:
         report.steps = run_iterations(
-            entry.module, entry.batch, entry.loss_fn, opt, steps=steps, batch_size=batch, around_step=rt.step
+            entry.module,
+            entry.batch,
+            entry.loss_fn,
+            opt,
+            steps=steps,
+            batch_size=batch,
+            around_step=rt.step,
+            precision=w.precision,
+            grad_accum=w.grad_accum,
         )
     except torch.OutOfMemoryError as e:  # over budget: a result, not a crash
         report.out_of_memory = str(e).splitlines()[0]

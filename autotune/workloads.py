@@ -9,6 +9,7 @@ import torch
 
 from autotune.models import build_model
 from runtime.errors import AutotuneError
+from runtime.precision import check_grad_accum, check_precision
 from runtime.trace import OPTIMIZERS, capture
 from runtime.workload import Workload
 
@@ -25,8 +26,12 @@ class TraceRequest:
     optimizer: str = "sgd"
     mode: str = "fake"
     device: str = "cpu"
+    precision: str = "fp32"  # fp32, or bf16/fp16 under torch.autocast (runtime.precision)
+    grad_accum: int = 1  # micro-batches of batch_size per optimizer step
 
     def validate(self) -> None:
+        self.precision = check_precision(self.precision)
+        check_grad_accum(self.grad_accum)
         if self.batch_size is not None and self.batch_size <= 0:
             raise AutotuneError(
                 f"invalid batch size {self.batch_size}: expected a positive integer, e.g. --batch-size 64"
@@ -72,6 +77,8 @@ def trace_model(req: TraceRequest) -> tuple[Workload, float]:
         optimizer=req.optimizer.lower(),
         fake=req.mode == "fake",
         device=req.device,
+        precision=req.precision,
+        grad_accum=req.grad_accum,
     )
     w.seq_len = built.get("seq_len")
     w.batch_size = built["batch_size"] or 0

@@ -46,6 +46,11 @@ Rule 8 (compress). A compressed candidate is cast to ``compress_dtype`` when ``s
     kernel (reads n / r, writes n) re-creates it, living [u, free_op]. Both kernels are ``compress_s``.
 Rule 9 (time). ``iter_s`` is when the compute stream finishes: compute + recompute + compress + stall.
     ``samples_per_s`` = batch size / ``iter_s``.
+Rule 10 (gradient accumulation). With ``grad_accum`` k > 1 the workload is one micro-batch that adds to
+    existing gradients, then the optimizer step (NOTE [ Gradient accumulation ] in runtime.trace). The peak
+    is the traced one; the iteration runs everything before the optimizer phase k times and the step once:
+    ``iter_s`` = k (t - t_opt) + t_opt, with t Rule 9's time and t_opt the optimizer ops' compute time
+    (nothing of a policy happens there), and ``samples_per_s`` = k x batch size / ``iter_s``.
 
 Two implementations share these rules: :class:`Simulator` (vectorised, precomputed closures, for search)
 and :func:`simulate_reference` (op by op with an explicit live set, for tests). They must agree exactly.
@@ -107,6 +112,17 @@ def _as_vector(w: Workload, policy: Policy | Sequence[int] | np.ndarray) -> np.n
     return vec
 
 
+def accumulated_s(w: Workload, t: float, optimizer_s: float) -> float:
+    """Rule 10: the time of ``w.grad_accum`` micro-batches and one optimizer step, from one of each (``t``)."""
+    return t if w.grad_accum == 1 else w.grad_accum * (t - optimizer_s) + optimizer_s
+
+
+def optimizer_s(w: Workload, op_s: np.ndarray) -> float:
+    """Compute time of the optimizer ops (Rule 10)."""
+    ops = w.phase_range(Phase.OPTIMIZER)
+    return float(op_s[ops.start : ops.stop].sum())
+
+
 class Simulator:
     """Scores policies for one workload on one hardware profile (NOTE [ Simulator semantics ])."""
 
@@ -117,6 +133,7 @@ class Simulator:
         self.op_s = np.asarray(op_times_s(w, hw), dtype=np.float64)
         self.op_start_s = np.concatenate([[0.0], np.cumsum(self.op_s)[:-1]])
         self.compute_s = float(self.op_s.sum())
+        self.optimizer_s = optimizer_s(w, self.op_s)
         cands = w.candidates
         self.k = k = len(cands)
         cand_of_tensor = {c.tensor: i for i, c in enumerate(cands)}
@@ -341,7 +358,7 @@ class Simulator:
                 bwd_insert[op] = bwd_insert.get(op, 0.0) + (t_after - t)
                 delay += t_after - t
 
-        iter_s = self.compute_s + delay
+        iter_s = accumulated_s(w, self.compute_s + delay, self.optimizer_s)
         # Rule 4: release op of each swapped storage, from op start times with every insertion.
         if bwd_insert:
             ops_idx = np.fromiter(bwd_insert.keys(), dtype=np.int64)
@@ -382,7 +399,7 @@ class Simulator:
         return SimResult(
             peak_bytes=peak,
             iter_s=iter_s,
-            samples_per_s=w.batch_size / iter_s,
+            samples_per_s=w.batch_size * w.grad_accum / iter_s,
             compute_s=self.compute_s,
             recompute_s=recompute_s,
             compress_s=compress_s,

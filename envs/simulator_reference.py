@@ -12,7 +12,9 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, SimResult, _itemsize
+import numpy as np
+
+from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, SimResult, _itemsize, accumulated_s, optimizer_s
 from runtime.hardware import HardwareProfile, op_times_s
 from runtime.policy import PolicyOptions
 from runtime.workload import Phase, Workload, rounded
@@ -195,10 +197,11 @@ def simulate_reference(
     peak = max(timeline)
     swapped = sum(c.nbytes for ci, c in enumerate(cands) if act[ci] == SWAP)
     compute_s = sum(op_s)
+    t = accumulated_s(w, t, optimizer_s(w, np.asarray(op_s, dtype=np.float64)))  # Rule 10
     return SimResult(
         peak_bytes=peak,
         iter_s=t,
-        samples_per_s=w.batch_size / t,
+        samples_per_s=w.batch_size * w.grad_accum / t,
         compute_s=compute_s,
         recompute_s=stats["recompute"],
         compress_s=stats["compress"],

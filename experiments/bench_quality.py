@@ -2,6 +2,7 @@
 
     python experiments/bench_quality.py [--models resnet50,...] [--profiles a100-40gb,v100-16gb]
         [--fractions 0.8,0.6,0.45,0.3] [--search-s 10] [--portfolio-s 20] [--milp-s 10] [--csv FILE]
+        [--precision fp32|bf16|fp16]
 
 For each cell (budget = fraction of the model's no-policy peak on that profile) it prints samples/s of: no
 policy (the ceiling, over budget), the best heuristic (exact solvers excluded), the MILP (and whether it
@@ -54,24 +55,28 @@ def main() -> None:
     ap.add_argument("--portfolio-s", type=float, default=20.0)
     ap.add_argument("--milp-s", type=float, default=10.0)
     ap.add_argument("--csv", type=Path, default=Path("experiments/results/quality.csv"))
+    ap.add_argument("--precision", default="fp32", help="fp32, or bf16/fp16 under torch.autocast")
     args = ap.parse_args()
     alone = [s for s in ALONE if s in list_searchers()]
     rows: list[dict[str, object]] = []
     args.csv.parent.mkdir(parents=True, exist_ok=True)
-    header = ["model", "profile", "budget", "ceiling", "best_heuristic", "heuristic", "milp", "milp_status"]
+    header = ["model", "precision", "profile", "budget", "ceiling", "best_heuristic", "heuristic", "milp"]
+    header += ["milp_status"]
     header += [*alone, "portfolio", "portfolio_vs_heuristic", "optuna_vs_portfolio", "portfolio_s"]
     print(" | ".join(header), flush=True)
     for model in args.models.split(","):
         kw = MODELS.get(model, {})
         started = time.perf_counter()
-        w, _ = trace_model(TraceRequest(model=model, batch_size=default_batch_size(model), **kw))  # type: ignore[arg-type]
-        print(f"# {model} batch {w.batch_size}: traced in {time.perf_counter() - started:.1f} s", flush=True)
+        req = TraceRequest(model=model, batch_size=default_batch_size(model), precision=args.precision, **kw)  # type: ignore[arg-type]
+        w, _ = trace_model(req)
+        took = time.perf_counter() - started
+        print(f"# {model} batch {w.batch_size} {w.precision}: traced in {took:.1f} s", flush=True)
         for profile in args.profiles.split(","):
             hw = get_profile(profile)
             peak = peak_report(w, hw.alloc_granularity_bytes).peak_bytes
             for fraction in (float(f) for f in args.fractions.split(",")):
                 row = cell(w, hw, int(peak * fraction), alone, args)
-                row.update(model=model, profile=profile, budget=f"{fraction:.0%}")
+                row.update(model=model, precision=w.precision, profile=profile, budget=f"{fraction:.0%}")
                 rows.append(row)
                 print(" | ".join(_fmt(row.get(h)) for h in header), flush=True)
                 with args.csv.open("w", newline="") as f:

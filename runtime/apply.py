@@ -64,6 +64,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from runtime.keys import SavedTensorKeyer
 from runtime.measure import host_memory
 from runtime.policy import Action, Policy
+from runtime.precision import check_active
 from runtime.trace import written_tensors
 
 _COMPRESS_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": getattr(torch, "float8_e4m3fn", torch.bfloat16)}
@@ -303,9 +304,32 @@ class PolicyRuntime:
         """One forward and its backward under the policy. ``force_hooks`` installs the hooks even for an
         all-keep policy (to measure their overhead)."""
         self.stats = RuntimeStats()
-        if not (self.needs_hooks or force_hooks):
-            yield self.stats
-            return
+        with self._precision_checked():
+            if not (self.needs_hooks or force_hooks):
+                yield self.stats
+                return
+            with self._hooked():
+                yield self.stats
+
+    @contextlib.contextmanager
+    def _precision_checked(self) -> Iterator[None]:
+        """At the step's first module call, refuse a forward in another precision than the policy's (NOTE
+        [ Precision ] in runtime.precision): one global pre-hook that removes itself."""
+        handle: torch.utils.hooks.RemovableHandle | None = None
+
+        def hook(_module: torch.nn.Module, _args: Any) -> None:
+            assert handle is not None
+            handle.remove()
+            check_active(self.policy.precision, self.device.type)
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    @contextlib.contextmanager
+    def _hooked(self) -> Iterator[None]:
         self._by_storage: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> _Handle, while it lives
         self._handles: list[_Handle] = []  # every handle of this step
         self._by_sid: dict[int, _Handle] = {}  # recorder storage id -> handle (recompute)
@@ -319,7 +343,7 @@ class PolicyRuntime:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
                 if self._recorder is not None:
                     stack.enter_context(self._recorder)
-                yield self.stats
+                yield
         finally:
             self._recorder = None
             for h in self._leaving:  # backward waited for every copy out (R5): nothing is in flight

@@ -29,6 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from runtime.precision import TrainStep
+
 Batch = tuple[torch.Tensor, ...]
 LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
 
@@ -133,10 +135,15 @@ def run_iterations(
     batch_size: int,
     around_step: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     warmup: int = 1,
+    precision: str = "fp32",
+    grad_accum: int = 1,
 ) -> list[IterationMeasurement]:
     """Run ``warmup`` then ``steps`` training iterations (zero_grad, forward, loss, backward, step) and
     measure each one's peak device memory and wall time. ``around_step`` wraps forward and backward (the
-    runtime applies a policy there).
+    runtime applies a policy there); ``precision`` bf16/fp16 runs the forward under torch.autocast (fp16
+    with a GradScaler), as ``runtime.precision.TrainStep`` does for the tracer; ``grad_accum`` k runs k
+    micro-batches of ``batch_size`` (each wrapped in ``around_step``) per optimizer step: one iteration,
+    k x ``batch_size`` samples.
 
     On CUDA the allocator's statistics cost nothing, so each step measures both. On the CPU the storage
     tracker is a dispatch mode that slows every op, so the timed steps run without it and one more step,
@@ -144,13 +151,14 @@ def run_iterations(
     device = next(model.parameters()).device
     ctx = around_step or contextlib.nullcontext
     cuda = device.type == "cuda"
+    step = TrainStep(precision, device.type, grad_accum=grad_accum)
     results: list[IterationMeasurement] = []
     for i in range(warmup + steps):
-        peak, elapsed = _one_step(model, batch, loss_fn, opt, ctx, device, track=cuda)
+        peak, elapsed = _one_step(model, batch, loss_fn, opt, step, ctx, device, track=cuda)
         if i >= warmup:
-            results.append(IterationMeasurement(peak, elapsed, batch_size / elapsed))
+            results.append(IterationMeasurement(peak, elapsed, batch_size * grad_accum / elapsed))
     if not cuda:
-        peak, _ = _one_step(model, batch, loss_fn, opt, ctx, device, track=True)
+        peak, _ = _one_step(model, batch, loss_fn, opt, step, ctx, device, track=True)
         for r in results:
             r.peak_bytes = peak
     opt.zero_grad(set_to_none=True)
@@ -162,19 +170,22 @@ def _one_step(
     batch: Batch,
     loss_fn: LossFn,
     opt: torch.optim.Optimizer,
+    step: TrainStep,
     ctx: Callable[[], contextlib.AbstractContextManager[Any]],
     device: torch.device,
     track: bool,
 ) -> tuple[int, float]:
     opt.zero_grad(set_to_none=True)
-    meter_cm = _peak_meter(device, training_state(model, batch, opt)) if track else contextlib.nullcontext(_Meter())
+    state = [*training_state(model, batch, opt), *step.state()]
+    meter_cm = _peak_meter(device, state) if track else contextlib.nullcontext(_Meter())
     with meter_cm as meter:
         start = time.perf_counter()
-        with ctx():
-            loss = loss_fn(model, batch)
-            loss.backward()
-            del loss
-        opt.step()
+        for _ in range(step.grad_accum):
+            with ctx():
+                loss = step.loss(model, batch, loss_fn)
+                step.backward(loss)
+                del loss
+        step.step(opt)
         _sync(device)
         elapsed = time.perf_counter() - start
     return meter.peak_bytes, elapsed

@@ -59,6 +59,7 @@ import numpy as np
 
 from runtime.errors import AutotuneError
 from runtime.fileio import atomic_write
+from runtime.precision import check_grad_accum, check_precision
 from runtime.workload import Workload
 
 FORMAT = "autotune.policy/v1"
@@ -164,12 +165,15 @@ class Policy:
     budget_bytes: int | None = None
     hardware: str  # hardware profile name, e.g. "a100-40gb"
     precision: str = "fp32"
+    grad_accum: int = 1  # micro-batches per optimizer step it was planned for
     predicted: Prediction | None = None
     measured: Prediction | None = None
     provenance: Provenance
     schedule: Schedule | None = None
 
     def __post_init__(self) -> None:
+        self.precision = check_precision(self.precision)
+        self.grad_accum = check_grad_accum(self.grad_accum)
         compressed = [k for k, a in self.actions.items() if a == Action.COMPRESS]
         if compressed and not self.options.lossy:
             raise AutotuneError(
@@ -196,7 +200,7 @@ class Policy:
         options: PolicyOptions | None = None,
         searcher: str = "vector",
         trials: int = 0,
-        precision: str = "fp32",
+        precision: str | None = None,
         predicted: Prediction | None = None,
         wall_s: float | None = None,
     ) -> Policy:
@@ -219,7 +223,8 @@ class Policy:
             shape_fingerprint=workload.shape_fingerprint,
             budget_bytes=budget_bytes,
             hardware=hardware,
-            precision=precision,
+            precision=precision or workload.precision,
+            grad_accum=workload.grad_accum,
             predicted=predicted,
             provenance=Provenance.now(searcher, trials, wall_s),
             schedule=Schedule.of(workload),
@@ -281,6 +286,20 @@ class Policy:
                 f"{source}: policy was made for {self.model} (fingerprint {self.fingerprint}) but the "
                 f"workload is {workload.model} (fingerprint {workload.fingerprint}){same}; search a policy "
                 f"for this model with `autotune search --model {workload.model} ...`"
+            )
+        if self.precision != workload.precision:
+            raise AutotuneError(
+                f"{source}: policy was made for {self.precision} training but the workload trains in "
+                f"{workload.precision}: the saved tensors, their sizes and the op times differ (NOTE [ Precision ] "
+                f"in runtime.precision); search a policy for it with `autotune search --model {workload.model} "
+                f"--precision {workload.precision} ...`"
+            )
+        if self.grad_accum != workload.grad_accum:
+            raise AutotuneError(
+                f"{source}: policy was made for {_n(self.grad_accum, 'micro-batch')} per optimizer step but the "
+                f"workload accumulates {_n(workload.grad_accum, 'micro-batch')}: the gradients live through "
+                "other parts of the iteration (NOTE [ Gradient accumulation ] in runtime.trace); search a policy "
+                f"for it with `autotune search --model {workload.model} --grad-accum {workload.grad_accum} ...`"
             )
         self._check_keys(workload, source)
         if self.shape_fingerprint != workload.shape_fingerprint and not allow_other_shapes:
@@ -363,6 +382,7 @@ class Policy:
                 budget_bytes=d.get("budget_bytes"),
                 hardware=d["hardware"],
                 precision=d.get("precision", "fp32"),
+                grad_accum=d.get("grad_accum", 1),
                 predicted=Prediction(**pred) if pred is not None else None,
                 measured=Prediction(**meas) if meas is not None else None,
                 provenance=Provenance(**d["provenance"]),

@@ -24,6 +24,16 @@ NOTE [ Steady state ]
     creates it: a full iteration in real mode, a step on zero gradients in fake mode), gradients are
     ``None`` at its start (``zero_grad(set_to_none=True)``) and are released at its end.
 
+NOTE [ Gradient accumulation ]
+    With ``grad_accum`` k > 1 an optimizer step follows k micro-batches, each a forward and backward of
+    ``batch_size`` samples (its loss divided by k). The first micro-batch creates the gradients, the others
+    add to them, so from the second on the gradients live through the forward: those micro-batches, the
+    last followed by the step, hold the iteration's peak. The recorded iteration is one of them: the
+    gradients exist before it (zeros in fake mode, a real micro-batch's in real mode) and outlive it, then
+    the step. The simulator runs its micro-batch part k times and its step once (Rule 10 in
+    envs/simulator.py); a policy applies to every micro-batch alike (keys restart with each
+    ``policy.applied``).
+
 NOTE [ Modules of backward ops ]
     A forward module post-hook walks the autograd graph back from the module's outputs and tags each new
     node with the module path in ``node.metadata``; a pre-hook first tags the nodes that produced the
@@ -56,6 +66,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from runtime.errors import AutotuneError
 from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, block_paths
+from runtime.precision import TrainStep
 from runtime.workload import Candidate, OpInfo, Phase, TensorInfo, TensorKind, Workload
 
 Batch = tuple[torch.Tensor, ...]
@@ -302,19 +313,28 @@ def capture(
     optimizer: str = "sgd",
     fake: bool = True,
     device: str = "cpu",
+    precision: str = "fp32",
+    grad_accum: int = 1,
 ) -> Workload:
-    """Trace one steady-state training iteration (NOTE [ Steady state ]) and return its Workload."""
+    """Trace one steady-state training iteration (NOTE [ Steady state ]) and return its Workload;
+    ``precision`` fp32, or bf16/fp16 under torch.autocast (NOTE [ Precision ] in runtime.precision);
+    ``grad_accum`` micro-batches per optimizer step (NOTE [ Gradient accumulation ])."""
     mode: contextlib.AbstractContextManager[Any] = FakeTensorMode() if fake else contextlib.nullcontext()
     with mode:
         model, batch, loss_fn = build()
         model.train()
         opt = make_optimizer(optimizer, model.parameters())
-        _warm_up(model, batch, loss_fn, opt, full=not fake)
+        step = TrainStep(precision, torch.device(device).type, fake=fake, grad_accum=grad_accum)
+        _warm_up(model, batch, loss_fn, opt, step, full=not fake)
+        if step.grad_accum > 1:  # the gradients of the micro-batches before this one
+            _warm_up(model, batch, loss_fn, None, step, full=not fake)
         keyer = SavedTensorKeyer(model)
         with keyer.attached():
-            dropped = _drop_pass(model, batch, loss_fn, opt, keyer)
-            rec, cand_order, (saved_after, saved_in) = _record(model, batch, loss_fn, opt, keyer, time_ops=not fake)
-        plain_iter_s = None if fake else _plain_iteration_s(model, batch, loss_fn, opt)
+            dropped = _drop_pass(model, batch, loss_fn, opt, keyer, step)
+            rec, cand_order, (saved_after, saved_in) = _record(
+                model, batch, loss_fn, opt, keyer, step, time_ops=not fake
+            )
+        plain_iter_s = None if fake else _plain_iteration_s(model, batch, loss_fn, opt, step)
     w = _build_workload(
         rec,
         cand_order,
@@ -329,36 +349,59 @@ def capture(
         mode="fake" if fake else "real",
         device=_device_name(device),
     )
+    w.precision = step.precision
+    w.grad_accum = step.grad_accum
+    if step.grad_accum > 1:
+        opt.zero_grad(set_to_none=True)
     w.meta["plain_iter_s"] = plain_iter_s
     return w
 
 
-def _plain_iteration_s(model: torch.nn.Module, batch: Batch, loss_fn: LossFn, opt: torch.optim.Optimizer) -> float:
+def _plain_iteration_s(
+    model: torch.nn.Module, batch: Batch, loss_fn: LossFn, opt: torch.optim.Optimizer, step: TrainStep
+) -> float:
     """Wall time of one iteration without the recorder (NOTE [ Op time calibration ] in runtime.hardware)."""
     sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
     sync()
     start = time.perf_counter()
-    loss_fn(model, batch).backward()
-    opt.step()
+    step.backward(step.loss(model, batch, loss_fn))
+    step.step(opt)
     sync()
     elapsed = time.perf_counter() - start
     opt.zero_grad(set_to_none=True)
     return elapsed
 
 
-def _warm_up(model: torch.nn.Module, batch: Batch, loss_fn: LossFn, opt: torch.optim.Optimizer, full: bool) -> None:
-    if full:
-        loss_fn(model, batch).backward()
-    else:  # no compute to warm up in fake mode: only create the optimizer state
+def _warm_up(
+    model: torch.nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    opt: torch.optim.Optimizer | None,
+    step: TrainStep,
+    full: bool,
+) -> None:
+    """A full iteration (real mode), or gradients of zeros (fake mode: no compute to warm up), then the
+    optimizer step that creates its state; ``opt`` None: only the gradients, kept (gradient accumulation)."""
+    if full or step.scaler is not None:  # the scaler makes its state at its first scale()
+        step.backward(step.loss(model, batch, loss_fn))
+    else:
         for p in model.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-    opt.step()
+    if opt is None:
+        return
+    step.step(opt)
     opt.zero_grad(set_to_none=True)
 
 
-def _register_state(rec: _Recorder, model: torch.nn.Module, batch: Batch, opt: torch.optim.Optimizer) -> None:
+def _register_state(
+    rec: _Recorder, model: torch.nn.Module, batch: Batch, opt: torch.optim.Optimizer, step: TrainStep
+) -> None:
+    for t in step.state():
+        rec.register(t, TensorKind.OPTIMIZER_STATE)
     for p in model.parameters():
+        if p.grad is not None:  # gradient accumulation: earlier micro-batches' gradients
+            rec.register(p.grad, TensorKind.GRADIENT)
         rec.register(p, TensorKind.PARAMETER)
     for b in model.buffers():
         rec.register(b, TensorKind.BUFFER)
@@ -371,11 +414,16 @@ def _register_state(rec: _Recorder, model: torch.nn.Module, batch: Batch, opt: t
 
 
 def _drop_pass(
-    model: torch.nn.Module, batch: Batch, loss_fn: LossFn, opt: torch.optim.Optimizer, keyer: SavedTensorKeyer
+    model: torch.nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    opt: torch.optim.Optimizer,
+    keyer: SavedTensorKeyer,
+    step: TrainStep,
 ) -> dict[str, int]:
     """Forward only, autograd keeping no saved tensor (NOTE [ Drop pass ]): key -> release op."""
     rec = _Recorder(time_ops=False)
-    _register_state(rec, model, batch, opt)
+    _register_state(rec, model, batch, opt, step)
     keys: dict[int, str] = {}  # tensor id -> key
 
     def pack(t: torch.Tensor) -> str | None:
@@ -393,7 +441,7 @@ def _drop_pass(
         raise AssertionError("the drop pass never runs backward")
 
     with rec, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        loss = loss_fn(model, batch)
+        loss = step.scaled(step.loss(model, batch, loss_fn))
     end_of_forward = len(rec.ops) - 1
     released = {key: rec.tensors[tid].free_op for tid, key in keys.items()}
     del loss
@@ -408,10 +456,11 @@ def _record(
     loss_fn: LossFn,
     opt: torch.optim.Optimizer,
     keyer: SavedTensorKeyer,
+    step: TrainStep,
     time_ops: bool,
 ) -> tuple[_Recorder, dict[int, str], tuple[dict[int, int], dict[int, set[str]]]]:
     rec = _Recorder(time_ops=time_ops)
-    _register_state(rec, model, batch, opt)
+    _register_state(rec, model, batch, opt, step)
     cand: dict[int, str] = {}  # tensor id -> key, in first-pack order
     saved_after: dict[int, int] = {}  # tensor id -> last op completed at its first pack
     saved_in: dict[int, set[str]] = {}  # tensor id -> modules whose ops saved it
@@ -439,7 +488,8 @@ def _record(
         rec.phase = Phase.FORWARD
         rec.module_of = lambda: keyer.current_module
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            loss = loss_fn(model, batch)
+            # The fp16 loss scaling saves the scale: inside the hooks, so it is known (and ignored) by key.
+            loss = step.scaled(step.loss(model, batch, loss_fn))
         _tag_graph(loss, OUTSIDE)
         rec.phase = Phase.BACKWARD
         rec.module_of = _backward_module
@@ -447,7 +497,7 @@ def _record(
         del loss
         rec.phase = Phase.OPTIMIZER
         rec.module_of = lambda: "<optimizer>"
-        opt.step()
+        step.step(opt)
         for p in model.parameters():
             if p.grad is not None:
                 rec.tensors[rec.register(p.grad, TensorKind.GRADIENT)].kind = TensorKind.GRADIENT
@@ -455,7 +505,8 @@ def _record(
             for v in state.values():
                 if isinstance(v, torch.Tensor):
                     rec.tensors[rec.register(v, TensorKind.OPTIMIZER_STATE)].kind = TensorKind.OPTIMIZER_STATE
-        opt.zero_grad(set_to_none=True)  # gradients die here, after the last op
+        if step.grad_accum == 1:
+            opt.zero_grad(set_to_none=True)  # gradients die here, after the last op
     rec.closed = True
     rec.finish_timing()
     return rec, cand, (saved_after, saved_in)

@@ -141,6 +141,8 @@ class Workload:
     fingerprint: str = ""
     shape_fingerprint: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    precision: str = "fp32"  # fp32, or bf16/fp16 under torch.autocast (NOTE [ Precision ] in runtime.precision)
+    grad_accum: int = 1  # micro-batches per optimizer step (NOTE [ Gradient accumulation ] in runtime.trace)
 
     # -- structure ---------------------------------------------------------------------------------------
     def phase_range(self, phase: Phase) -> range:
@@ -257,6 +259,8 @@ class Workload:
                 f"{source}: corrupted workload file ({type(e).__name__}: {e}); "
                 "trace the model again with `autotune profile --model M --out FILE`"
             ) from None
+            rest["precision"] = d.get("precision", "fp32")  # files from before precisions were traced
+            rest["grad_accum"] = int(d.get("grad_accum", 1))
         return cls(ops=ops, tensors=tensors, candidates=cands, **rest)
 
     def save(self, path: str | os.PathLike[str]) -> None:

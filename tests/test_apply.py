@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +16,7 @@ from runtime.errors import AutotuneError
 from runtime.hardware import get_profile
 from runtime.measure import run_iterations
 from runtime.policy import Action, Policy, PolicyOptions, load_policy
+from runtime.precision import TrainStep
 from runtime.trace import capture, make_optimizer
 from runtime.workload import Workload
 
@@ -41,26 +45,32 @@ def _policies(w: Workload) -> dict[str, np.ndarray]:
     }
 
 
-def _step(name: str, kwargs: dict, policy: Policy | None, device: str = "cpu"):  # type: ignore[no-untyped-def,type-arg]
+def _step(name: str, kwargs: dict, policy: Policy | None, device: str = "cpu", precision: str = "fp32"):  # type: ignore[no-untyped-def,type-arg]
     model, batch, loss_fn = _build(name, kwargs, device)()
     torch.manual_seed(123)  # dropout masks: the same stream with and without a policy
-    if policy is None:
-        loss = loss_fn(model, batch)
-        loss.backward()
-    else:
-        with policy.applied(model):
-            loss = loss_fn(model, batch)
-            loss.backward()
+    step = TrainStep(precision, torch.device(device).type)  # fp16: loss scaled by a GradScaler
+    with policy.applied(model) if policy is not None else contextlib.nullcontext():
+        loss = step.loss(model, batch, loss_fn)
+        step.backward(loss)
     return loss.detach(), [p.grad for p in model.parameters()], [b.clone() for b in model.buffers()]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize(("name", "kwargs"), [RESNET, GPT2], ids=["resnet18", "gpt2-2layer-dropout"])
-def test_gradients_bit_identical(name: str, kwargs: dict) -> None:  # type: ignore[type-arg]
-    w = capture(_build(name, kwargs), name=name, batch_size=kwargs["batch_size"])
-    ref_loss, ref_grads, ref_buffers = _step(name, kwargs, None)
+def test_gradients_bit_identical(name: str, kwargs: dict, precision: str) -> None:  # type: ignore[type-arg]
+    """Under autocast too (CPU autocast runs bf16 and fp16): the casts autocast inserts are candidates like
+    any other, swapped and recomputed with the rest."""
+    w = capture(_build(name, kwargs), name=name, batch_size=kwargs["batch_size"], precision=precision)
+    assert w.precision == precision
+    if precision != "fp32":  # autocast's weight casts are saved for backward: candidates made by _to_copy
+        assert any(w.ops[c.producer].name == "aten._to_copy.default" for c in w.candidates)
+    ref_loss, ref_grads, ref_buffers = _step(name, kwargs, None, precision=precision)
     for label, vec in _policies(w).items():
         policy = Policy.from_vector(w, vec, hardware="cpu", options=PolicyOptions(prefetch_lookahead=2))
-        loss, grads, buffers = _step(name, kwargs, policy)
+        assert policy.precision == precision
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # every saved tensor known by key, the loss scale included
+            loss, grads, buffers = _step(name, kwargs, policy, precision=precision)
         assert torch.equal(loss, ref_loss), label
         assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True)), label
         # Replayed BatchNorms must not update the running statistics a second time.
@@ -114,14 +124,15 @@ PEAK_CASES = [
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize(("name", "kwargs"), PEAK_CASES, ids=[c[0] for c in PEAK_CASES])
-def test_measured_peak_matches_simulated(name: str, kwargs: dict) -> None:  # type: ignore[type-arg]
+def test_measured_peak_matches_simulated(name: str, kwargs: dict, precision: str) -> None:  # type: ignore[type-arg]
     """Five policies, each measured on the CPU (the storage tracker, swapped bytes in the host store) and
-    simulated on the calibrated cpu profile: within 3%."""
+    simulated on the calibrated cpu profile: within 3%; in fp32 and under bf16 autocast."""
     build = _build(name, kwargs)
     # A real-mode trace: transformers builds GPT-2's attention mask only when it cannot look at the data
     # (fake tensors), so a fake trace of it follows another code path than real training.
-    w = capture(build, name=name, batch_size=kwargs["batch_size"], fake=False)
+    w = capture(build, name=name, batch_size=kwargs["batch_size"], fake=False, precision=precision)
     sim = Simulator(w, get_profile("cpu"))
     policies = _policies(w)
     del policies["recompute-all"]
@@ -133,15 +144,22 @@ def test_measured_peak_matches_simulated(name: str, kwargs: dict) -> None:  # ty
         opt = make_optimizer("sgd", model.parameters())
         rt = PolicyRuntime(policy, model)
         measured = run_iterations(
-            model, batch, loss_fn, opt, steps=1, batch_size=kwargs["batch_size"], around_step=rt.step
+            model,
+            batch,
+            loss_fn,
+            opt,
+            steps=1,
+            batch_size=kwargs["batch_size"],
+            around_step=rt.step,
+            precision=precision,
         )[0].peak_bytes
         peaks[label] = (predicted, measured)
     errors = {label: (p - m) / m for label, (p, m) in peaks.items()}
-    print(name, {label: f"{e:+.2%}" for label, e in errors.items()})
+    print(name, precision, {label: f"{e:+.2%}" for label, e in errors.items()})
     if name == "gpt2":
-        # Known gap, measured +5.6%: when GPT-2's MLP blocks are recomputed, the simulator holds more
-        # replayed intermediates at once than the runtime does. It over-predicts (safe side); when it is
-        # fixed this assertion fails and the case joins the 3% check.
+        # Known gap, measured +5.6% in fp32 and +3.1% under bf16: when GPT-2's MLP blocks are recomputed,
+        # the simulator holds more replayed intermediates at once than the runtime does. It over-predicts
+        # (safe side); when it is fixed this assertion fails and the case joins the 3% check.
         assert 0.03 < errors.pop("recompute") <= 0.06
     assert all(abs(e) <= 0.03 for e in errors.values()), errors
     peaks = {label: m for label, (_, m) in peaks.items()}

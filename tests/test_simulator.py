@@ -11,7 +11,7 @@ from envs.simulator_reference import simulate_reference
 from runtime.hardware import get_profile
 from runtime.policy import Action, Policy, PolicyOptions
 from runtime.trace import capture
-from runtime.workload import peak_report
+from runtime.workload import OpInfo, Phase, Workload, peak_report
 from tests.synthetic import chain_workload, diamond_workload, fixed_profile
 from tests.test_trace import mlp_build, tiny_cnn_build
 
@@ -182,3 +182,33 @@ def test_fast_equals_reference_on_resnet18() -> None:
         sim = Simulator(w, hw)
         for acts, opts in _random_policies(len(w.candidates), 60, 3):
             _assert_same(sim.run(acts, options=opts, timeline=True), simulate_reference(w, hw, acts, options=opts))
+
+
+def _with_optimizer_op(n: int, opt_s: float) -> Workload:
+    """The 16-layer chain plus one optimizer op (reads and rewrites the persistent input) of ``opt_s``."""
+    w = chain_workload(n, S, TAU)
+    w.ops.append(OpInfo(2 * n, "aten._foreach_add_.List", Phase.OPTIMIZER, "<optimizer>", 0.0, 2 * S, (0,), (0,),
+                        opt_s))  # fmt: skip
+    return w
+
+
+@pytest.mark.parametrize(("action", "one_micro_batch"), [("keep", 32), ("sqrt", 44)])
+def test_gradient_accumulation_runs_micro_batches_k_times_and_the_step_once(action: str, one_micro_batch: int) -> None:
+    """Rule 10: k micro-batches of the traced one (32 ops kept, 44 with sqrt checkpointing: see above) and
+    one optimizer step of 2 tau; the peak is the traced micro-batch's."""
+    acts = np.zeros(16, dtype=np.int8)
+    if action == "sqrt":
+        acts[:] = RECOMPUTE
+        acts[[3, 7, 11, 15]] = KEEP
+    single = _with_optimizer_op(16, 2 * TAU)
+    one = simulate(single, fixed_profile(), acts)
+    assert one.iter_s == pytest.approx((one_micro_batch + 2) * TAU)
+    w = _with_optimizer_op(16, 2 * TAU)
+    w.grad_accum = 3
+    r = simulate(w, fixed_profile(), acts)
+    assert r.iter_s == pytest.approx((3 * one_micro_batch + 2) * TAU)
+    assert r.samples_per_s == pytest.approx(3 * w.batch_size / r.iter_s)
+    assert r.peak_bytes == one.peak_bytes
+    ref = simulate_reference(w, fixed_profile(), acts)
+    assert ref.peak_bytes == r.peak_bytes
+    assert (ref.iter_s, ref.samples_per_s) == pytest.approx((r.iter_s, r.samples_per_s), rel=1e-9)

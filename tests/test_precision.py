@@ -1,0 +1,117 @@
+"""Mixed precision (NOTE [ Precision ] in runtime.precision): what autocast saves, hand-counted on a tiny MLP;
+a plan for one precision refused by another, in the policy check, the runtime and the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.apply import PolicyRuntime
+from runtime.errors import AutotuneError
+from runtime.policy import Action, Policy
+from runtime.precision import TrainStep, active_precision, check_precision
+from runtime.trace import capture
+from tests.test_cli import run
+
+
+def _mlp():  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    x, y = torch.randn(4, 64), torch.randint(0, 10, (4,))
+    return model, (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+
+def _saved(precision: str) -> dict[str, tuple[int, str]]:
+    w = capture(_mlp, name="mlp", batch_size=4, precision=precision)
+    assert w.precision == precision
+    return {c.key: (c.nbytes, w.tensors[c.tensor].dtype) for c in w.candidates}
+
+
+def test_fp32_mlp_saves_relu_and_log_softmax() -> None:
+    # ReLU's output (4 x 32 x 4 B) for its own backward and the second Linear's weight gradient; the loss's
+    # log-softmax (4 x 10 x 4 B); nll_loss's total weight (one float). The batch and the weights are not
+    # candidates.
+    assert _saved("fp32") == {
+        "1#0.0:Relu": (512, "float32"),
+        "<loss>#0.0:LogSoftmax": (160, "float32"),
+        "<loss>#0.2:nograd": (4, "float32"),
+    }
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16", "bfloat16"), ("fp16", "float16")])
+def test_autocast_mlp_saves_half_activations_and_the_casts(precision: str, dtype: str) -> None:
+    # Under autocast the ReLU output is half as large (4 x 32 x 2 B), and two casts autocast inserts are
+    # saved too: the batch cast for the first Linear's weight gradient (4 x 64 x 2 B; the batch itself is
+    # not a candidate, its cast is made in forward) and the second Linear's weight cast for its input
+    # gradient (10 x 32 x 2 B; the first Linear's is not saved: nothing needs the batch's gradient).
+    # log_softmax runs in fp32 under autocast (its fp32 list).
+    assert _saved(precision) == {
+        "0#0.0:nograd": (512, dtype),
+        "1#0.0:Relu": (256, dtype),
+        "2#0.0:T": (640, dtype),
+        "<loss>#0.0:LogSoftmax": (160, "float32"),
+        "<loss>#0.2:nograd": (4, "float32"),
+    }
+
+
+def test_fp16_trace_counts_the_grad_scaler() -> None:
+    w = capture(_mlp, name="mlp", batch_size=4, precision="fp16")
+    # The scale (one float) is saved by the loss scaling: a known, ignored key, not a candidate.
+    assert "<loss>#0.3:nograd" in w.meta["ignored_keys"]
+    assert any(op.name == "aten._amp_foreach_non_finite_check_and_unscale_.default" for op in w.ops)
+
+
+def test_unknown_precision_is_a_clear_error() -> None:
+    assert check_precision(" BF16 ") == "bf16"
+    with pytest.raises(AutotuneError, match=r"unknown precision 'fp8': expected one of fp32, bf16, fp16"):
+        check_precision("fp8")
+
+
+def test_policy_for_fp32_refuses_a_bf16_workload() -> None:
+    fp32 = capture(_mlp, name="mlp", batch_size=4)
+    bf16 = capture(_mlp, name="mlp", batch_size=4, precision="bf16")
+    policy = Policy.uniform(fp32, Action.SWAP, hardware="cpu")
+    assert policy.precision == "fp32"
+    wanted = r"made for fp32 training but the workload trains in bf16.*--precision bf16"
+    with pytest.raises(AutotuneError, match=wanted):
+        policy.check_against(bf16)
+
+
+@pytest.mark.parametrize("action", [Action.KEEP, Action.SWAP])
+def test_runtime_refuses_a_forward_in_another_precision(action: Action) -> None:
+    """Even an all-keep policy (which installs no saved-tensor hooks) checks the precision of the forward."""
+    policy = Policy.uniform(capture(_mlp, name="mlp", batch_size=4), action, hardware="cpu")
+    model, batch, loss_fn = _mlp()
+    rt = PolicyRuntime(policy, model)
+    with pytest.raises(AutotuneError, match=r"made for fp32 training but this forward runs in bf16"), rt.step():
+        TrainStep("bf16").loss(model, batch, loss_fn)
+    with rt.step():  # the check left nothing behind: the same runtime trains in fp32
+        TrainStep("fp32").backward(TrainStep("fp32").loss(model, batch, loss_fn))
+    assert active_precision("cpu") == "fp32"
+
+
+def test_cli_search_bf16_then_train_in_fp32_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    args = ["search", "--model", "resnet18", "--batch-size", "2", "--budget", "200MB", "--gpu", "a100-40gb"]
+    args += ["--reserve", "0"]
+    code, stdout, err = run(
+        capsys,
+        *args,
+        "--precision",
+        "bf16",
+        "--trials",
+        "5",
+        "--storage",
+        f"sqlite:///{tmp_path / 's.db'}",
+        "--out",
+        str(out),
+        "--json",
+    )
+    assert code == 0, err
+    assert json.loads(out.read_text())["precision"] == "bf16" == json.loads(stdout)["precision"]
+    code, _, err = run(capsys, "train", "--policy", str(out), "--precision", "fp32", "--steps", "1")
+    assert code == 2
+    assert "made for bf16 training but the workload trains in fp32" in err
