@@ -42,17 +42,21 @@ def _build(name: str, kwargs: dict):  # type: ignore[no-untyped-def,type-arg]
     return build_on(name, kwargs, "cuda")
 
 
-def _step(name: str, kwargs: dict, policy: Policy | None):  # type: ignore[no-untyped-def,type-arg]
-    return step_on(name, kwargs, policy, "cuda")
+def _step(name: str, kwargs: dict, policy: Policy | None, precision: str = "fp32"):  # type: ignore[no-untyped-def,type-arg]
+    return step_on(name, kwargs, policy, "cuda", precision)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize(("name", "kwargs"), [RESNET, GPT2], ids=["resnet18", "gpt2-2layer-dropout"])
-def test_gradients_bit_identical_on_cuda(name: str, kwargs: dict) -> None:  # type: ignore[type-arg]
-    w = capture(_build(name, kwargs), name=name, batch_size=kwargs["batch_size"], fake=False, device="cuda")
-    ref_loss, ref_grads, ref_buffers = _step(name, kwargs, None)
+def test_gradients_bit_identical_on_cuda(name: str, kwargs: dict, precision: str) -> None:  # type: ignore[type-arg]
+    """fp32 and CUDA autocast (bf16; fp16 with a GradScaler)."""
+    w = capture(
+        _build(name, kwargs), name=name, batch_size=kwargs["batch_size"], fake=False, device="cuda", precision=precision
+    )
+    ref_loss, ref_grads, ref_buffers = _step(name, kwargs, None, precision)
     for label, vec in _policies(w).items():
         policy = Policy.from_vector(w, vec, hardware="h200", options=PolicyOptions(prefetch_lookahead=2))
-        loss, grads, buffers = _step(name, kwargs, policy)
+        loss, grads, buffers = _step(name, kwargs, policy, precision)
         assert torch.equal(loss, ref_loss), label
         assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True)), label
         assert all(torch.equal(a, b) for a, b in zip(buffers, ref_buffers, strict=True)), label
