@@ -63,6 +63,7 @@ class Problem:
     trials: int | None = None  # None: the searcher's default; 0: no bound but time_limit_s (not reproducible)
     storage: str | None = None  # Optuna storage URL (None: in memory)
     study_name: str | None = None  # None: derived from the problem (see agents/optuna_search.py)
+    heartbeat_s: float | None = None  # Optuna heartbeats for shared RDB storages (NOTE [ Distributed search ])
     seeds: list[SearchResult] = field(default_factory=list)  # warm start: other searchers' results
     progress: Callable[[str, SimResult | None], None] | None = field(default=None, repr=False)  # (phase, best)
     interrupted: bool = field(default=False, repr=False)  # set when Ctrl-C stopped a search early

@@ -16,8 +16,20 @@ simulator scores.
 - Storage: any Optuna storage URL (``Problem.storage``; in memory when None). The study name defaults to
   ``<model>.b<batch>.<shape fingerprint>.<profile>.<budget bytes>.<searcher>``; a study that exists is
   resumed: its trials count, and its best trial is re-derived from its parameters.
+- Many processes, one study (NOTE [ Distributed search ]): ``Problem.trials`` is the study's total of
+  completed trials (Optuna's ``MaxTrialsCallback``), whoever ran them; workers send heartbeats, a dead
+  worker's trial is marked failed by the next worker to start a trial and retried with the same parameters
+  (``RetryFailedTrialCallback``); each worker's answer is the best over every worker's trials.
 - Deterministic for a seed when ``Problem.trials`` (default ``DEFAULT_TRIALS``) ends the search before the
   time limit does; ``trials=0`` runs until the time limit.
+
+NOTE [ Distributed search ]
+    Optuna's RDB storage is the coordinator: each trial is a row, claimed by one worker (the enqueued warm
+    starts too: ``skip_if_exists`` keeps two workers from enqueueing them twice). With ``heartbeat_s`` set
+    (``Problem.heartbeat_s``, ``--heartbeat``), a worker's running trial records a heartbeat every
+    ``heartbeat_s`` seconds; one that has not beaten for two periods is failed by any worker and a copy is
+    enqueued (at most ``MAX_RETRY`` times). The objective is deterministic in its parameters, so a retried
+    trial gives what the dead one would have given.
 - Ctrl-C ends the optimisation; the best trial so far is the answer and ``Problem.interrupted`` is set.
 """
 
@@ -35,6 +47,22 @@ from envs.simulator import SimResult
 from runtime.policy import PolicyOptions
 
 DEFAULT_TRIALS = 150
+MAX_RETRY = 3
+
+
+def storage_for(url: str | None, heartbeat_s: float | None) -> Any:
+    """The Optuna storage for ``url``: None (in memory) stays None; an RDB URL with ``heartbeat_s`` gets
+    heartbeats and retries of dead workers' trials (NOTE [ Distributed search ])."""
+    if url is None or heartbeat_s is None:
+        return url
+    import optuna
+
+    return optuna.storages.RDBStorage(
+        url,
+        heartbeat_interval=max(1, round(heartbeat_s)),
+        grace_period=max(2, round(2 * heartbeat_s)),
+        failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=MAX_RETRY),
+    )
 
 
 def study_name(problem: Problem, searcher: str) -> str:
@@ -85,24 +113,34 @@ class OptunaSearcher(Searcher):
         starts = ["keep", *sorted(seeds)]
         directions: list[Any] = ["maximize", "minimize"] if self.multi_objective else ["maximize"]
         study = optuna.create_study(
-            storage=problem.storage,
+            storage=storage_for(problem.storage, problem.heartbeat_s),
             study_name=problem.study_name or study_name(problem, self.name),
             sampler=self._sampler(problem),
             directions=directions,
             load_if_exists=True,
         )
         use_set_constraint = hasattr(optuna.trial.Trial, "set_constraint")
-        done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-        for t in done:  # a resumed study: its best so far counts
-            if t.params.get("start", "keep") in starts:
-                self._evaluate(problem, t.params, classes, seeds, seed_options, best)
+        seen: set[int] = set()
+
+        def absorb() -> None:
+            """Offer every completed trial not seen yet (a resumed study's, other workers') to ``best``."""
+            for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+                if t.number not in seen and t.params.get("start", "keep") in starts:
+                    seen.add(t.number)
+                    self._evaluate(problem, t.params, classes, seeds, seed_options, best)
+
+        absorb()
         if not study.trials:
             for s in starts[1:]:
                 lookahead = min(LOOKAHEADS, key=lambda x: abs(x - seed_options[s].prefetch_lookahead))
-                study.enqueue_trial({"start": s, "lookahead": lookahead, "revert": 0.0})
-            study.enqueue_trial({"start": "keep", "swap_bias": 0.1, "recompute_bias": 10.0, "lookahead": 8})
-            study.enqueue_trial({"start": "keep", "swap_bias": 10.0, "recompute_bias": 0.1})
-            study.enqueue_trial({"start": "keep"})
+                study.enqueue_trial({"start": s, "lookahead": lookahead, "revert": 0.0}, skip_if_exists=True)
+            warm: list[dict[str, Any]] = [
+                {"start": "keep", "swap_bias": 0.1, "recompute_bias": 10.0, "lookahead": 8},
+                {"start": "keep", "swap_bias": 10.0, "recompute_bias": 0.1},
+                {"start": "keep"},
+            ]
+            for params in warm:
+                study.enqueue_trial(params, skip_if_exists=True)
 
         def objective(trial: Any) -> Any:
             values: dict[str, Any] = {
@@ -119,9 +157,12 @@ class OptunaSearcher(Searcher):
             for c in classes:
                 values[f"class_{c}"] = trial.suggest_categorical(f"class_{c}", CLASS_MODES)
             result = self._evaluate(problem, values, classes, seeds, seed_options, best)
+            seen.add(trial.number)
             excess = (result.peak_bytes - problem.budget_bytes) / problem.budget_bytes
             if use_set_constraint:
-                trial.set_constraint("memory", excess)
+                with warnings.catch_warnings():  # a retried trial carries the dead one's (same) value
+                    warnings.filterwarnings("ignore", message="The constraint value is ignored")
+                    trial.set_constraint("memory", excess)
             trial.set_user_attr("constraint", [excess])
             trial.set_user_attr("peak_bytes", result.peak_bytes)
             trial.set_user_attr("samples_per_s", result.samples_per_s)
@@ -133,13 +174,17 @@ class OptunaSearcher(Searcher):
 
         if trials is None:
             trials = DEFAULT_TRIALS
-        n_trials = None if trials == 0 else trials  # 0: until the time limit
+        # The study's total of completed trials, whoever runs them (0: until the time limit).
+        complete = (optuna.trial.TrialState.COMPLETE,)
+        callbacks = [] if trials == 0 else [optuna.study.MaxTrialsCallback(trials, states=complete)]
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", category=optuna.exceptions.ExperimentalWarning)
-                study.optimize(objective, n_trials=n_trials, timeout=time_limit_s, catch=())
+                if trials == 0 or len(study.get_trials(deepcopy=False, states=complete)) < trials:
+                    study.optimize(objective, timeout=time_limit_s, catch=(), callbacks=callbacks)
         except KeyboardInterrupt:
             problem.interrupted = True
+        absorb()  # other workers' trials on a shared storage
         return study
 
     @staticmethod

@@ -296,6 +296,13 @@ def search(
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
     precision: PrecisionOpt = "fp32",
     grad_accum: AccumOpt = 1,
+    heartbeat: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds between Optuna heartbeats, for workers sharing one storage: a dead worker's trial is "
+            "failed and retried."
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Find the fastest policy within the budget and write it as a policy file (the main job)."""
@@ -342,6 +349,7 @@ def search(
         seed=seed,
         trials=trials if trials is not None else 0,
         storage=storage,
+        heartbeat_s=heartbeat,
     )
     problem.study_name = study or study_name(problem, "optuna-tpe")
     sr.check_budget(problem)
@@ -538,6 +546,171 @@ def train(
     out.print(table)
     if report.unknown_keys:
         out.print(f"[yellow]{len(report.unknown_keys)} saved tensors not in the policy were kept[/]")
+
+
+@app.command()
+def sweep(
+    models: Annotated[str, typer.Option(help="Comma-separated model names, e.g. resnet50,resnet101,gpt2.")],
+    budgets: Annotated[str, typer.Option(help="Comma-separated budgets, e.g. 4GB,6GB,8GB.")],
+    gpu: Annotated[
+        str | None, typer.Option("--gpu", help="Comma-separated hardware profiles [default: the detected GPU].")
+    ] = None,
+    methods: Annotated[str, typer.Option(help="Comma-separated: baselines, optuna, ppo.")] = "baselines,optuna",
+    batch_size: BatchOpt = None,
+    seq_len: Annotated[
+        int | None, typer.Option("--seq-len", help="Tokens per sample for the language models among --models.")
+    ] = None,
+    trials: Annotated[int, typer.Option(help="Optuna trials per cell, in all (a resumed study counts its own).")] = 60,
+    timeout: Annotated[float, typer.Option(help="Seconds per cell and method at most.")] = 60.0,
+    storage: Annotated[
+        str, typer.Option(help="Optuna storage URL shared by every cell (SQLite file, PostgreSQL, ...).")
+    ] = "sqlite:///autotune.db",
+    report: Annotated[Path | None, typer.Option(help="Write a self-contained HTML report here.")] = None,
+    out_dir: Annotated[
+        Path | None, typer.Option("--out-dir", help="Write each cell's best policy file into this folder.")
+    ] = None,
+    heartbeat: Annotated[
+        float | None,
+        typer.Option(help="Seconds between Optuna heartbeats: a dead worker's trial is failed and retried."),
+    ] = None,
+    optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
+    precision: PrecisionOpt = "fp32",
+    grad_accum: AccumOpt = 1,
+    seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Search every model x budget x profile cell into one Optuna storage (resumable), with an HTML report."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from autotune import search as sr
+    from autotune import sweep as sw
+    from autotune.units import parse_size
+    from autotune.workloads import TraceRequest
+    from runtime.hardware import get_profile, resolve_profile
+
+    method_list = sw.check_methods(methods)
+    budget_list = [parse_size(b) for b in budgets.split(",") if b.strip()]
+    names = [m.strip() for m in models.split(",") if m.strip()]
+    if not names or not budget_list:
+        raise AutotuneError("give at least one model and one budget, e.g. --models resnet50 --budgets 4GB,6GB")
+    if trials <= 0 or timeout <= 0:
+        raise AutotuneError(f"invalid --trials {trials} / --timeout {timeout}: expected positive numbers")
+    if gpu:
+        profiles = [get_profile(p.strip()) for p in gpu.split(",") if p.strip()]
+    else:
+        hw, note = resolve_profile(None)
+        err.print(note)
+        profiles = [hw]
+    from autotune.models import takes_seq_len
+
+    reqs = [
+        TraceRequest(
+            model=m,
+            batch_size=batch_size,
+            seq_len=seq_len if takes_seq_len(m) else None,  # one --seq-len for the language models
+            optimizer=optimizer,
+            precision=precision,
+            grad_accum=grad_accum,
+        )
+        for m in names
+    ]
+    for req in reqs:
+        req.validate()
+    workloads = [_trace(req)[0] for req in reqs]
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=as_json) as bar:
+        task = bar.add_task("sweep", total=len(workloads) * len(profiles) * len(budget_list))
+
+        def progress(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, description=what)
+
+        outcome = sw.run_sweep(
+            workloads,
+            profiles,
+            budget_list,
+            methods=method_list,
+            storage=storage,
+            trials=trials,
+            timeout_s=timeout,
+            seed=seed,
+            heartbeat_s=heartbeat,
+            progress=progress,
+        )
+    written: list[str] = []
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for cell in outcome.cells:
+            w = outcome.workloads[(cell.model, cell.batch_size)]
+            policy = sw.best_policy(cell, w, outcome.profiles[cell.profile])
+            if policy is not None:
+                stem = cell.model.replace(":", "_").replace("/", "_")
+                path = out_dir / f"{stem}.{cell.profile}.{cell.budget_bytes}.policy.json"
+                policy.save(path)
+                written.append(str(path))
+    if report is not None:
+        from autotune import sweep_report as rp
+
+        trials_by_study = rp.study_trials(storage, [c.study_name for c in outcome.cells])
+        text = rp.build_report(outcome.cells, outcome.workloads, outcome.profiles, trials_by_study)
+        rp.write_report(report, text)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "storage": storage,
+                    "cells": [c.to_json() for c in outcome.cells],
+                    "report": str(report) if report else None,
+                    "policies": written,
+                    "wall_s": outcome.wall_s,
+                }
+            )
+        )
+        return
+    t = Table(title=f"sweep: {len(outcome.cells)} cells in {storage}")
+    for col in ("model", "profile", "budget", "no policy", "best heuristic", "optuna", "ppo", "chosen", "study"):
+        t.add_column(col, justify="left" if col in ("model", "profile", "study") else "right")
+    for cell in outcome.cells:
+        j = cell.to_json()
+
+        def f(v: float | None) -> str:
+            return "—" if v is None else f"{v:,.1f}"
+
+        t.add_row(
+            cell.model,
+            cell.profile,
+            sr.format_bytes(cell.budget_bytes),
+            f(j["no_policy_samples_per_s"]),
+            f"{f(j['best_heuristic_samples_per_s'])} {j['best_heuristic'] or ''}",
+            f(j["optuna_samples_per_s"]),
+            f(j["ppo_samples_per_s"]),
+            "below the floor" if cell.below_floor else f"{f(j['samples_per_s'])} {j['best_method'] or ''}",
+            cell.study_name,
+        )
+    out.print(t)
+    out.print(
+        f"{outcome.wall_s:.0f} s; studies in {storage} (open them with `autotune dashboard --storage {storage}`)"
+        + (f"; report: {report}" if report else "")
+    )
+
+
+@app.command()
+def dashboard(
+    storage: Annotated[str, typer.Option(help="Optuna storage URL to serve.")] = "sqlite:///autotune.db",
+    host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8080,
+) -> None:
+    """Serve optuna-dashboard on the sweep's (or search's) storage, on loopback by default."""
+    try:
+        import optuna_dashboard
+    except ImportError:
+        raise AutotuneError(
+            "optuna-dashboard is not installed: pip install optuna-dashboard (it comes with autotune's own "
+            "dependencies; reinstall autotune with `pip install -e .`)"
+        ) from None
+    if not 0 < port < 65536:
+        raise AutotuneError(f"invalid --port {port}: expected 1 to 65535, e.g. --port 8080")
+    err.print(f"optuna-dashboard on {storage}: http://{host}:{port}/ (Ctrl-C stops it)")
+    optuna_dashboard.run_server(storage, host=host, port=port)
 
 
 @app.command()

@@ -207,6 +207,11 @@ def _torchvision_names() -> tuple[str, ...]:
     return tuple(_import("torchvision").models.list_models(module=_import("torchvision.models")))
 
 
+def takes_seq_len(name: str) -> bool:
+    """Whether ``--seq-len`` applies to ``name`` (language models and factories; not torchvision)."""
+    return _resolve(name)[0] != "torchvision"
+
+
 def _resolve(name: str) -> tuple[str, str]:
     """(family, canonical name) for ``name``, or AutotuneError with close matches."""
     if not isinstance(name, str):

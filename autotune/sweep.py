@@ -1,0 +1,312 @@
+"""`autotune sweep`: many models x budgets x profiles in one Optuna storage, resumable, with a report.
+
+NOTE [ Sweep storage ]
+    Each cell (model, batch, precision, profile, budget) is one Optuna study named
+    ``sweep.<model>.b<batch>[.<precision>].<profile>.<budget bytes>`` in the sweep's storage (SQLite file
+    by default, any RDB URL Optuna accepts). The study's trials are the ``optuna`` method's (TPE over the
+    parametric rule, seeded with the heuristics, ``--trials`` in all); its user attributes hold the rest:
+    ``baselines`` (every published heuristic's status, peak and samples/s), ``no_policy``, ``ppo`` (the RL
+    agent's best episode), ``per_method`` (each method's best fitting samples/s), ``best`` (the fastest
+    fitting policy of the cell and which method found it, as an action vector), and ``done`` (baselines and
+    ppo, once finished). Running the sweep again with the same storage skips what is done and continues each
+    study until it holds ``--trials`` completed trials (so a larger ``--trials`` goes on). With
+    ``--heartbeat``, a killed worker's trial is failed and retried (NOTE [ Distributed search ] in
+    agents/optuna_search.py), so several `autotune sweep` processes can share one PostgreSQL storage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agents.base import Problem, SearchResult, baseline_names, better, get_searcher
+from agents.optuna_search import storage_for
+from autotune.search import budget_floor, format_bytes
+from envs.simulator import SimResult
+from runtime.errors import AutotuneError
+from runtime.hardware import HardwareProfile
+from runtime.policy import Policy, PolicyOptions
+from runtime.workload import Workload
+
+METHODS = ("baselines", "optuna", "ppo")
+DEFAULT_TRIALS = 60
+
+
+def check_methods(value: str) -> list[str]:
+    names = [m.strip() for m in value.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown or not names:
+        raise AutotuneError(
+            f"unknown --methods {value!r}: expected a comma-separated list of {', '.join(METHODS)}, "
+            "e.g. --methods baselines,optuna"
+        )
+    return names
+
+
+def cell_study_name(w: Workload, hw: HardwareProfile, budget_bytes: int) -> str:
+    precision = f".{w.precision}" if w.precision != "fp32" else ""
+    accum = f".ga{w.grad_accum}" if w.grad_accum > 1 else ""
+    return f"sweep.{w.model}.b{w.batch_size}{precision}{accum}.{hw.name}.{budget_bytes}"
+
+
+@dataclass
+class CellResult:
+    """One cell as stored (NOTE [ Sweep storage ])."""
+
+    model: str
+    batch_size: int
+    profile: str
+    budget_bytes: int
+    study_name: str
+    no_policy: dict[str, Any]
+    baselines: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ppo: dict[str, Any] | None = None
+    best: dict[str, Any] | None = None  # the fastest fitting policy (None: nothing fits)
+    per_method: dict[str, float] = field(default_factory=dict)  # each method's best fitting samples/s
+    below_floor: bool = False
+    resumed: list[str] = field(default_factory=list)  # methods found done in the storage
+    wall_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        best_h = self.best_heuristic()
+        return {
+            "model": self.model,
+            "batch_size": self.batch_size,
+            "gpu": self.profile,
+            "budget_bytes": self.budget_bytes,
+            "study": self.study_name,
+            "below_floor": self.below_floor,
+            "no_policy_samples_per_s": self.no_policy["samples_per_s"],
+            "no_policy_peak_bytes": self.no_policy["peak_bytes"],
+            "best_heuristic": best_h[0] if best_h else None,
+            "best_heuristic_samples_per_s": best_h[1]["samples_per_s"] if best_h else None,
+            "optuna_samples_per_s": self.best_of("optuna"),
+            "ppo_samples_per_s": self.ppo["samples_per_s"] if self.ppo and self.ppo["feasible"] else None,
+            "best_method": self.best["method"] if self.best else None,
+            "samples_per_s": self.best["samples_per_s"] if self.best else None,
+            "peak_bytes": self.best["peak_bytes"] if self.best else None,
+            "resumed": self.resumed,
+            "wall_s": self.wall_s,
+        }
+
+    def best_heuristic(self) -> tuple[str, dict[str, Any]] | None:
+        fits = [(n, r) for n, r in self.baselines.items() if r["feasible"]]
+        return max(fits, key=lambda nr: nr[1]["samples_per_s"]) if fits else None
+
+    def best_of(self, method: str) -> float | None:
+        return self.per_method.get(method)
+
+
+def _sim_json(r: SimResult) -> dict[str, Any]:
+    return {"feasible": r.feasible, "peak_bytes": r.peak_bytes, "samples_per_s": r.samples_per_s, "iter_s": r.iter_s}
+
+
+def run_cell(
+    w: Workload,
+    hw: HardwareProfile,
+    budget_bytes: int,
+    *,
+    methods: Sequence[str],
+    storage: str,
+    trials: int,
+    timeout_s: float,
+    seed: int = 0,
+    heartbeat_s: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> CellResult:
+    """Run (or resume) one cell; everything it finds is written to its study before it returns."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    say = progress or (lambda _m: None)
+    started = time.perf_counter()
+    name = cell_study_name(w, hw, budget_bytes)
+    study = optuna.create_study(
+        storage=storage_for(storage, heartbeat_s), study_name=name, direction="maximize", load_if_exists=True
+    )
+    attrs = study.user_attrs
+    done: list[str] = list(attrs.get("done", []))
+    problem = Problem(
+        w, hw, budget_bytes, time_limit_s=timeout_s, seed=seed, trials=trials, storage=storage, study_name=name
+    )
+    problem.heartbeat_s = heartbeat_s
+    no_policy = problem.simulator.run(problem.keep_all(), budget_bytes=budget_bytes)
+    cell = CellResult(w.model, w.batch_size, hw.name, budget_bytes, name, _sim_json(no_policy))
+    cell.resumed = [m for m in methods if m in done and m != "optuna"]
+    if "meta" not in attrs:
+        study.set_user_attr(
+            "meta",
+            {
+                "model": w.model,
+                "batch_size": w.batch_size,
+                "gpu": hw.name,
+                "budget_bytes": budget_bytes,
+                "precision": w.precision,
+                "grad_accum": w.grad_accum,
+            },
+        )
+        study.set_user_attr("no_policy", cell.no_policy)
+    if budget_floor(problem) > budget_bytes:
+        cell.resumed = list(methods) if attrs.get("below_floor") else []
+        cell.below_floor = True
+        study.set_user_attr("below_floor", True)
+        _mark_done(study, done, methods)
+        cell.wall_s = time.perf_counter() - started
+        return cell
+    # The optuna method is done when its study holds --trials completed trials (raise --trials to go on).
+    # The heuristics are cheap and seed the search: re-run them when it still has work, even if their
+    # summary is stored (their policies are not).
+    complete = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+    need_optuna = "optuna" in methods and complete < trials
+    if "optuna" in methods and not need_optuna:
+        cell.resumed.append("optuna")
+    seeds: list[SearchResult] = []
+    if ("baselines" in methods and "baselines" not in done) or need_optuna:
+        say("baselines")
+        seeds = [get_searcher(n).search(problem) for n in baseline_names()]
+        if "baselines" in methods and "baselines" not in done:
+            summary = {r.searcher: {**_sim_json(r.result), "status": r.status.value} for r in seeds}
+            study.set_user_attr("baselines", summary)
+            _offer(study, "baselines", _best_result(seeds), w)
+            done.append("baselines")
+            study.set_user_attr("done", done)
+    if need_optuna:
+        say("optuna")
+        problem.seeds = seeds
+        found = get_searcher("optuna-tpe").search(problem)
+        _offer(study, "optuna", found, w)
+    if "ppo" in methods and "ppo" not in done:
+        say("ppo")
+        ppo_problem = Problem(w, hw, budget_bytes, time_limit_s=timeout_s, seed=seed)
+        found = get_searcher("ppo").search(ppo_problem)
+        study.set_user_attr("ppo", _sim_json(found.result))
+        _offer(study, "ppo", found, w)
+        done.append("ppo")
+        study.set_user_attr("done", done)
+    attrs = study.user_attrs  # re-read: what this run and any earlier one stored
+    cell.baselines = attrs.get("baselines", {})
+    cell.ppo = attrs.get("ppo")
+    cell.best = attrs.get("best")
+    cell.per_method = attrs.get("per_method", {})
+    cell.wall_s = time.perf_counter() - started
+    return cell
+
+
+def _best_result(results: Sequence[SearchResult]) -> SearchResult | None:
+    best: SearchResult | None = None
+    for r in results:
+        if best is None or better(r.result, best.result):
+            best = r
+    return best
+
+
+def _offer(study: Any, method: str, found: SearchResult | None, w: Workload) -> None:
+    """Keep each method's best samples/s in ``per_method`` and the cell's fastest fitting policy in ``best``."""
+    if found is None or not found.feasible:
+        return
+    per_method = dict(study.user_attrs.get("per_method") or {})
+    per_method[method] = max(per_method.get(method, 0.0), found.result.samples_per_s)
+    study.set_user_attr("per_method", per_method)
+    best = study.user_attrs.get("best")
+    if best is None or found.result.samples_per_s > best["samples_per_s"]:
+        best = {
+            "method": method,
+            "searcher": found.searcher,
+            "actions": [int(a) for a in found.policy.to_vector(w)],
+            "options": {
+                "prefetch_lookahead": found.policy.options.prefetch_lookahead,
+                "compress_dtype": found.policy.options.compress_dtype,
+                "lossy": found.policy.options.lossy,
+            },
+            **_sim_json(found.result),
+        }
+        study.set_user_attr("best", best)
+
+
+def _mark_done(study: Any, done: list[str], methods: Sequence[str]) -> None:
+    study.set_user_attr("done", sorted(set(done) | set(methods)))
+
+
+def best_policy(cell: CellResult, w: Workload, hw: HardwareProfile) -> Policy | None:
+    """The cell's stored best policy, for this workload."""
+    b = cell.best
+    if b is None or b.get("actions") is None:
+        return None
+    return Policy.from_vector(
+        w,
+        b["actions"],
+        hardware=hw.name,
+        budget_bytes=cell.budget_bytes,
+        options=PolicyOptions(**b["options"]),
+        searcher=f"sweep:{b['method']}",
+    )
+
+
+def describe(cell: CellResult) -> str:
+    if cell.below_floor:
+        return f"{cell.model} {cell.profile} {format_bytes(cell.budget_bytes)}: below what any policy needs"
+    got = cell.best["samples_per_s"] if cell.best else None
+    return f"{cell.model} {cell.profile} {format_bytes(cell.budget_bytes)}: " + (
+        f"{got:,.1f} samples/s ({cell.best['method']})" if got and cell.best else "no fitting policy"
+    )
+
+
+@dataclass
+class SweepOutcome:
+    cells: list[CellResult]
+    workloads: dict[tuple[str, int], Workload]
+    profiles: dict[str, HardwareProfile]
+    wall_s: float
+
+
+def run_sweep(
+    workloads: Sequence[Workload],
+    profiles: Sequence[HardwareProfile],
+    budgets: Sequence[int],
+    *,
+    methods: Sequence[str],
+    storage: str,
+    trials: int,
+    timeout_s: float,
+    seed: int = 0,
+    heartbeat_s: float | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> SweepOutcome:
+    """Every (workload, profile, budget) cell, in that order; ``progress(done, total, what)``."""
+    started = time.perf_counter()
+    total = len(workloads) * len(profiles) * len(budgets)
+    cells: list[CellResult] = []
+    for w in workloads:
+        for hw in profiles:
+            for budget in budgets:
+                label = f"{w.model} {hw.name} {format_bytes(budget)}"
+
+                def say(method: str, label: str = label) -> None:
+                    if progress is not None:
+                        progress(len(cells), total, f"{label}: {method}")
+
+                say("starting")
+                cells.append(
+                    run_cell(
+                        w,
+                        hw,
+                        budget,
+                        methods=methods,
+                        storage=storage,
+                        trials=trials,
+                        timeout_s=timeout_s,
+                        seed=seed,
+                        heartbeat_s=heartbeat_s,
+                        progress=say,
+                    )
+                )
+                if progress is not None:
+                    progress(len(cells), total, describe(cells[-1]))
+    return SweepOutcome(
+        cells,
+        {(w.model, w.batch_size): w for w in workloads},
+        {hw.name: hw for hw in profiles},
+        time.perf_counter() - started,
+    )

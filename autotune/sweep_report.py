@@ -1,0 +1,371 @@
+"""The sweep's HTML report: one self-contained file (plotly.js inline, no CDN, works offline).
+
+Sections: a summary table; samples/s against budget per model and method; slowdown against memory saved
+(every search trial, and the Pareto front); the memory timeline of the chosen policy against no policy; the
+action mix per layer; the search history per cell. JavaScript errors are caught into ``#js-errors`` (the
+report test reads it in headless Chromium).
+"""
+
+from __future__ import annotations
+
+import html
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from autotune.sweep import CellResult, best_policy
+from envs.simulator import Simulator
+from runtime.fileio import atomic_write
+from runtime.hardware import HardwareProfile
+from runtime.policy import ACTIONS
+from runtime.workload import Workload
+
+GIB = 2**30
+COLORS = {"no policy": "#7f7f7f", "best heuristic": "#ff7f0e", "optuna": "#1f77b4", "ppo": "#2ca02c"}
+ACTION_COLORS = {"keep": "#9e9e9e", "swap": "#1f77b4", "recompute": "#ff7f0e", "compress": "#2ca02c"}
+
+
+def build_report(
+    cells: Sequence[CellResult],
+    workloads: dict[tuple[str, int], Workload],
+    profiles: dict[str, HardwareProfile],
+    trials: dict[str, list[dict[str, Any]]],
+    *,
+    title: str = "autotune sweep",
+) -> str:
+    """The report's HTML. ``trials``: study name -> [{number, samples_per_s, peak_bytes, feasible}]."""
+    import plotly.offline
+
+    figures = [
+        ("Samples/s against the budget", _throughput(cells)),
+        ("Slowdown against memory saved (every trial; line: Pareto front)", _pareto(cells, trials)),
+        (
+            "Memory over one iteration: the chosen policy at the tightest budget against no policy",
+            _timelines(cells, workloads, profiles),
+        ),
+        ("Where each action goes, per layer (tightest budget)", _action_mix(cells, workloads, profiles)),
+        ("Search history (best fitting samples/s so far, per cell)", _history(cells, trials)),
+    ]
+    parts = [
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title>",
+        "<style>body{font-family:system-ui,sans-serif;margin:24px;max-width:1400px}"
+        "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;"
+        "text-align:right}th{background:#f3f3f3}td:first-child{text-align:left}h2{margin-top:32px}</style>",
+        # Caught before plotly runs, so that a headless browser can read them off the page.
+        "<script>window.__errors=[];window.addEventListener('error',function(e){window.__errors.push("
+        "String(e.message));var p=document.getElementById('js-errors');if(p){p.textContent="
+        "window.__errors.join('\\n');}});</script>",
+        f"<script>{plotly.offline.get_plotlyjs()}</script>",
+        "</head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        "<pre id='js-errors' style='color:#b00'></pre>",
+        _summary_table(cells),
+    ]
+    for i, (heading, fig) in enumerate(figures):
+        parts.append(f"<h2>{html.escape(heading)}</h2>")
+        if fig is None:
+            parts.append("<p>nothing to show (no fitting policy in any cell)</p>")
+            continue
+        parts.append(fig.to_html(full_html=False, include_plotlyjs=False, div_id=f"plot-{i}"))
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(path: Any, text: str) -> None:
+    atomic_write(path, text)
+
+
+def _summary_table(cells: Sequence[CellResult]) -> str:
+    head = ["model", "batch", "profile", "budget", "no policy", "best heuristic", "optuna", "ppo", "chosen"]
+    rows = []
+    for c in cells:
+        j = c.to_json()
+
+        def f(v: float | None) -> str:
+            return "—" if v is None else f"{v:,.1f}"
+
+        h = f"{f(j['best_heuristic_samples_per_s'])} ({j['best_heuristic']})" if j["best_heuristic"] else "—"
+        chosen = "below the floor" if c.below_floor else f"{f(j['samples_per_s'])} ({j['best_method'] or '—'})"
+        rows.append(
+            [
+                c.model,
+                str(c.batch_size),
+                c.profile,
+                f"{c.budget_bytes / GIB:.2f} GiB",
+                f"{f(j['no_policy_samples_per_s'])} ({j['no_policy_peak_bytes'] / GIB:.2f} GiB)",
+                h,
+                f(j["optuna_samples_per_s"]),
+                f(j["ppo_samples_per_s"]),
+                chosen,
+            ]
+        )
+    out = ["<table><tr>", *(f"<th>{html.escape(x)}</th>" for x in head), "</tr>"]
+    for r in rows:
+        out += ["<tr>", *(f"<td>{html.escape(x)}</td>" for x in r), "</tr>"]
+    out.append("</table><p>samples/s, simulated; the no-policy column is the ceiling (its peak in brackets).</p>")
+    return "".join(out)
+
+
+def _models(cells: Sequence[CellResult]) -> list[tuple[str, str]]:
+    return list(dict.fromkeys((c.model, c.profile) for c in cells))
+
+
+def _throughput(cells: Sequence[CellResult]) -> Any:
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    groups = _models(cells)
+    fig = make_subplots(rows=1, cols=len(groups), subplot_titles=[f"{m} on {p}" for m, p in groups])
+    shown: set[str] = set()
+    for col, (model, profile) in enumerate(groups, start=1):
+        sub = sorted((c for c in cells if c.model == model and c.profile == profile), key=lambda c: c.budget_bytes)
+        x = [c.budget_bytes / GIB for c in sub]
+        series: dict[str, list[float | None]] = {
+            "no policy": [c.no_policy["samples_per_s"] for c in sub],
+            "best heuristic": [(h[1]["samples_per_s"] if (h := c.best_heuristic()) else None) for c in sub],
+            "optuna": [c.best_of("optuna") for c in sub],
+            "ppo": [c.ppo["samples_per_s"] if c.ppo and c.ppo["feasible"] else None for c in sub],
+        }
+        for name, ys in series.items():
+            if all(y is None for y in ys):
+                continue
+            dash = "dash" if name == "no policy" else None
+            fig.add_trace(
+                go.Scatter(
+                    x=x,
+                    y=ys,
+                    mode="lines+markers",
+                    name=name,
+                    legendgroup=name,
+                    showlegend=name not in shown,
+                    line={"color": COLORS[name], "dash": dash},
+                ),
+                row=1,
+                col=col,
+            )
+            shown.add(name)
+        fig.update_xaxes(title_text="budget (GiB)", row=1, col=col)
+    fig.update_yaxes(title_text="samples/s (simulated)", row=1, col=1)
+    fig.update_layout(template="plotly_white", height=420, legend={"orientation": "h", "y": -0.25})
+    return fig
+
+
+def _pareto(cells: Sequence[CellResult], trials: dict[str, list[dict[str, Any]]]) -> Any:
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    groups = _models(cells)
+    fig = make_subplots(rows=1, cols=len(groups), subplot_titles=[f"{m} on {p}" for m, p in groups])
+    any_point = False
+    for col, (model, profile) in enumerate(groups, start=1):
+        pts: list[tuple[float, float, str]] = []
+        for c in cells:
+            if c.model != model or c.profile != profile:
+                continue
+            peak0, speed0 = c.no_policy["peak_bytes"], c.no_policy["samples_per_s"]
+            for t in trials.get(c.study_name, []):
+                if t["feasible"] and t["samples_per_s"]:
+                    saved = 100 * (1 - t["peak_bytes"] / peak0)
+                    slow = 100 * (speed0 / t["samples_per_s"] - 1)
+                    pts.append((saved, slow, f"{c.budget_bytes / GIB:.2f} GiB budget, trial {t['number']}"))
+        if not pts:
+            continue
+        any_point = True
+        fig.add_trace(
+            go.Scatter(
+                x=[p[0] for p in pts],
+                y=[p[1] for p in pts],
+                mode="markers",
+                text=[p[2] for p in pts],
+                name="trials",
+                legendgroup="trials",
+                showlegend=col == 1,
+                marker={"size": 5, "color": COLORS["optuna"], "opacity": 0.35},
+            ),
+            row=1,
+            col=col,
+        )
+        front: list[tuple[float, float]] = []
+        for saved, slow, _ in sorted(pts, key=lambda p: (-p[0], p[1])):
+            if not front or slow < front[-1][1]:
+                front.append((saved, slow))
+        front.sort()
+        fig.add_trace(
+            go.Scatter(
+                x=[p[0] for p in front],
+                y=[p[1] for p in front],
+                mode="lines",
+                name="Pareto front",
+                legendgroup="front",
+                showlegend=col == 1,
+                line={"color": "#d62728", "shape": "hv"},
+            ),
+            row=1,
+            col=col,
+        )
+        fig.update_xaxes(title_text="memory saved (% of the no-policy peak)", row=1, col=col)
+    if not any_point:
+        return None
+    fig.update_yaxes(title_text="slowdown against no policy (%)", row=1, col=1)
+    fig.update_layout(template="plotly_white", height=420, legend={"orientation": "h", "y": -0.25})
+    return fig
+
+
+def _tightest(cells: Sequence[CellResult], model: str, profile: str) -> CellResult | None:
+    fitting = [c for c in cells if c.model == model and c.profile == profile and c.best and c.best.get("actions")]
+    return min(fitting, key=lambda c: c.budget_bytes) if fitting else None
+
+
+def _timelines(
+    cells: Sequence[CellResult], workloads: dict[tuple[str, int], Workload], profiles: dict[str, HardwareProfile]
+) -> Any:
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    chosen = [(m, p, t) for m, p in _models(cells) if (t := _tightest(cells, m, p)) is not None]
+    if not chosen:
+        return None
+    fig = make_subplots(
+        rows=1,
+        cols=len(chosen),
+        subplot_titles=[f"{m} on {p}, budget {c.budget_bytes / GIB:.2f} GiB" for m, p, c in chosen],
+    )
+    for col, (model, profile, cell) in enumerate(chosen, start=1):
+        w, hw = workloads[(model, cell.batch_size)], profiles[profile]
+        sim = Simulator(w, hw)
+        policy = best_policy(cell, w, hw)
+        assert policy is not None
+        for name, actions, color in (
+            ("no policy", _keep(w), COLORS["no policy"]),
+            ("chosen policy", policy, COLORS["optuna"]),
+        ):
+            r = sim.run(actions, timeline=True)
+            assert r.timeline is not None
+            fig.add_trace(
+                go.Scatter(
+                    x=[t * 1e3 for t in r.timeline["op_start_s"]],
+                    y=[b / GIB for b in r.timeline["live_bytes"]],
+                    mode="lines",
+                    line={"shape": "hv", "color": color},
+                    name=name,
+                    legendgroup=name,
+                    showlegend=col == 1,
+                ),
+                row=1,
+                col=col,
+            )
+        fig.add_hline(y=cell.budget_bytes / GIB, line_dash="dash", line_color="red", row=1, col=col)
+        fig.update_xaxes(title_text="time in the iteration (ms)", row=1, col=col)
+    fig.update_yaxes(title_text="device memory (GiB)", row=1, col=1)
+    fig.update_layout(template="plotly_white", height=420, legend={"orientation": "h", "y": -0.25})
+    return fig
+
+
+def _keep(w: Workload) -> Any:
+    import numpy as np
+
+    return np.zeros(len(w.candidates), dtype=np.int8)
+
+
+def _action_mix(
+    cells: Sequence[CellResult], workloads: dict[tuple[str, int], Workload], profiles: dict[str, HardwareProfile]
+) -> Any:
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    chosen = [(m, p, t) for m, p in _models(cells) if (t := _tightest(cells, m, p)) is not None]
+    if not chosen:
+        return None
+    fig = make_subplots(rows=len(chosen), cols=1, subplot_titles=[f"{m} on {p}" for m, p, _ in chosen])
+    for row, (_model, profile, cell) in enumerate(chosen, start=1):
+        w = workloads[(cell.model, cell.batch_size)]
+        policy = best_policy(cell, w, profiles[profile])
+        assert policy is not None
+        per_layer: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys((a.value for a in ACTIONS), 0))
+        for cand in w.candidates:
+            per_layer[_layer(cand.key)][policy.actions[cand.key].value] += cand.nbytes
+        layers = list(per_layer)
+        for a in ACTIONS:
+            ys = [per_layer[layer][a.value] / 2**20 for layer in layers]
+            if any(ys):
+                fig.add_trace(
+                    go.Bar(
+                        x=layers,
+                        y=ys,
+                        name=a.value,
+                        legendgroup=a.value,
+                        showlegend=row == 1,
+                        marker_color=ACTION_COLORS[a.value],
+                    ),
+                    row=row,
+                    col=1,
+                )
+        fig.update_yaxes(title_text="saved activations (MiB)", row=row, col=1)
+    fig.update_layout(
+        template="plotly_white", barmode="stack", height=380 * len(chosen), legend={"orientation": "h", "y": 1.05}
+    )
+    return fig
+
+
+def _layer(key: str) -> str:
+    """The layer a candidate key belongs to: its module path's first two parts (``layer1.0``)."""
+    path = key.split("#", 1)[0]
+    parts = path.split(".")
+    return ".".join(parts[:2]) if parts and parts[0] else path
+
+
+def _history(cells: Sequence[CellResult], trials: dict[str, list[dict[str, Any]]]) -> Any:
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for c in cells:
+        best = None
+        xs, ys = [], []
+        for t in sorted(trials.get(c.study_name, []), key=lambda t: t["number"]):
+            if t["feasible"] and (best is None or t["samples_per_s"] > best):
+                best = t["samples_per_s"]
+            if best is not None:
+                xs.append(t["number"])
+                ys.append(best)
+        if xs:
+            fig.add_trace(
+                go.Scatter(
+                    x=xs,
+                    y=ys,
+                    mode="lines",
+                    line={"shape": "hv"},
+                    name=f"{c.model} {c.profile} {c.budget_bytes / GIB:.2f} GiB",
+                )
+            )
+    if not fig.data:
+        return None
+    fig.update_layout(template="plotly_white", height=420, xaxis_title="trial", yaxis_title="samples/s (simulated)")
+    return fig
+
+
+def study_trials(storage: str, names: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """Each study's completed trials as the report plots them."""
+    import optuna
+
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name in names:
+        try:
+            study = optuna.load_study(study_name=name, storage=storage)
+        except KeyError:
+            continue
+        rows = []
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            a = t.user_attrs
+            if "peak_bytes" in a:
+                feasible = a.get("constraint", [1.0])[0] <= 0
+                rows.append(
+                    {
+                        "number": t.number,
+                        "samples_per_s": a["samples_per_s"],
+                        "peak_bytes": a["peak_bytes"],
+                        "feasible": feasible,
+                    }
+                )
+        out[name] = rows
+    return out

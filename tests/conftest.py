@@ -1,0 +1,56 @@
+"""Shared fixtures: one small sweep (a subprocess, as users run it), reused by the sweep, report and
+dashboard tests; and the switch that turns skips for missing services into failures in CI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# .ci/run installs Chromium and PostgreSQL and sets this: there, a missing service is a failure, not a skip.
+REQUIRE_SERVICES = os.environ.get("AUTOTUNE_REQUIRE_SERVICES") == "1"
+
+SWEEP_ARGS = [
+    "sweep", "--models", "resnet18", "--batch-size", "8", "--budgets", "150MB,235MB,260MB", "--gpu", "a100-40gb",
+    "--trials", "15", "--timeout", "60", "--methods", "baselines,optuna",
+]  # fmt: skip
+
+
+def autotune(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """``autotune ARGS`` in a subprocess, from the repository root."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "autotune.cli", *args], cwd=root, capture_output=True, text=True, timeout=timeout
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def skip_or_fail(reason: str) -> None:
+    if REQUIRE_SERVICES:
+        pytest.fail(f"{reason} (AUTOTUNE_REQUIRE_SERVICES=1: .ci/run should have provided it)")
+    pytest.skip(reason)
+
+
+@dataclass
+class SweepRun:
+    storage: str
+    report: Path
+    out: dict[str, Any]
+    folder: Path
+
+
+@pytest.fixture(scope="session")
+def sweep_run(tmp_path_factory: pytest.TempPathFactory) -> SweepRun:
+    folder = tmp_path_factory.mktemp("sweep")
+    storage = f"sqlite:///{folder / 'sweep.db'}"
+    report = folder / "sweep.html"
+    proc = autotune(*SWEEP_ARGS, "--storage", storage, "--report", str(report), "--out-dir", str(folder), "--json")
+    return SweepRun(storage, report, json.loads(proc.stdout), folder)

@@ -1,0 +1,114 @@
+"""`autotune sweep`: one study per cell in one storage, resumed without recomputing, a killed worker's trial
+retried (heartbeats), and a self-contained report (NOTE [ Sweep storage ] in autotune/sweep.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SWEEP_ARGS, SweepRun, autotune
+
+
+def _study(storage: str, name: str):  # type: ignore[no-untyped-def]
+    import optuna
+
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+def test_one_study_per_cell_with_the_baselines_beside_it(sweep_run: SweepRun) -> None:
+    import optuna
+
+    cells = sweep_run.out["cells"]
+    budgets = [150_000_000, 235_000_000, 260_000_000]
+    assert [c["budget_bytes"] for c in cells] == budgets
+    assert {f"sweep.resnet18.b8.a100-40gb.{b}" for b in budgets} <= set(optuna.get_all_study_names(sweep_run.storage))
+    # 150 MB is below what any policy needs (parameters, gradients, momentum and the largest op): no search.
+    low = _study(sweep_run.storage, cells[0]["study"])
+    assert cells[0]["below_floor"] and low.user_attrs["below_floor"] and not low.trials
+    for c in cells[1:]:
+        study = _study(sweep_run.storage, c["study"])
+        attrs = study.user_attrs
+        assert set(attrs["baselines"]) >= {"capuchin", "dtr", "checkpoint-sqrt"}
+        assert attrs["done"] == ["baselines"] and c["resumed"] == []
+        assert Counter(t.state.name for t in study.trials) == {"COMPLETE": 15}
+        # Fits; never faster than no policy, never slower than the best heuristic (a seed of the search).
+        assert c["peak_bytes"] <= c["budget_bytes"]
+        assert c["best_heuristic_samples_per_s"] <= c["samples_per_s"] <= c["no_policy_samples_per_s"]
+    policies = sorted(p.name for p in sweep_run.folder.glob("*.policy.json"))
+    assert len(policies) == sum(c["samples_per_s"] is not None for c in cells)
+
+
+def test_running_again_recomputes_nothing(sweep_run: SweepRun) -> None:
+    proc = autotune(*SWEEP_ARGS, "--storage", sweep_run.storage, "--json")
+    again = json.loads(proc.stdout)["cells"]
+    for first, second in zip(sweep_run.out["cells"], again, strict=True):
+        assert second["resumed"] == ["baselines", "optuna"]
+        assert second["samples_per_s"] == first["samples_per_s"]
+        assert len(_study(sweep_run.storage, second["study"]).trials) == (0 if second["below_floor"] else 15)
+
+
+def test_a_killed_worker_loses_no_trial(tmp_path: Path) -> None:
+    """SIGKILL mid-search; the next run fails the dead trial (its heartbeat stopped) and retries it."""
+    import optuna
+    from optuna.storages import RetryFailedTrialCallback
+
+    storage = f"sqlite:///{tmp_path / 'k.db'}"
+    args = [*SWEEP_ARGS[:5], "--budgets", "235MB", "--gpu", "a100-40gb", "--trials", "150", "--timeout", "300"]
+    args += ["--storage", storage, "--heartbeat", "1", "--json"]
+    root = Path(__file__).resolve().parents[1]
+    worker = subprocess.Popen([sys.executable, "-m", "autotune.cli", *args], cwd=root, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    name = "sweep.resnet18.b8.a100-40gb.235000000"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until the search is well under way
+        time.sleep(0.5)
+        try:
+            if len(_study(storage, name).get_trials(states=(optuna.trial.TrialState.COMPLETE,))) >= 10:
+                break
+        except Exception:
+            continue
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    time.sleep(3)  # past the grace period (two heartbeats)
+    out = json.loads(autotune(*args).stdout)
+    study = _study(storage, name)
+    states = Counter(t.state.name for t in study.trials)
+    assert states["COMPLETE"] == 150 and states["RUNNING"] == 0 and states["WAITING"] == 0
+    failed = {t.number for t in study.trials if t.state.name == "FAIL"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retried = {RetryFailedTrialCallback.retried_trial_number(t) for t in study.trials} - {None}
+    assert failed == retried  # each dead trial ran again (at most one was in flight when it died)
+    assert len(failed) <= 1
+    assert out["cells"][0]["resumed"] == ["baselines"]
+
+
+def test_report_is_self_contained(sweep_run: SweepRun) -> None:
+    text = sweep_run.report.read_text()
+    # plotly.js inline, nothing fetched: works offline (no script or stylesheet from elsewhere).
+    assert not re.search(r"<script[^>]+src=|<link[^>]+href=[\"']http", text)
+    for i in range(5):
+        assert f'id="plot-{i}"' in text
+    assert "resnet18" in text and "Pareto front" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--methods", "baselines,magic"], "unknown --methods 'baselines,magic'"),
+        (["--budgets", "lots"], "lots"),
+    ],
+)
+def test_bad_input_is_a_one_line_error(args: list[str], message: str) -> None:
+    base = ["sweep", "--models", "resnet18", "--budgets", "200MB", "--gpu", "a100-40gb"]
+    proc = autotune(*base, *args, check=False)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
