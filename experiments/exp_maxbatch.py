@@ -23,7 +23,18 @@ import sys
 import time
 from pathlib import Path
 
-from headline_common import MODELS, RESULTS, fmt, markdown_table, models_arg, pyplot, save_png, trace, write_csv
+from headline_common import (
+    MODELS,
+    RESULTS,
+    fmt,
+    markdown_table,
+    models_arg,
+    pyplot,
+    read_csv,
+    save_png,
+    trace,
+    write_csv,
+)
 
 from autotune.maxbatch import MaxBatch
 from autotune.search import DEFAULT_GPU_RESERVE
@@ -58,7 +69,13 @@ def main() -> None:
     ap.add_argument("--per-size", type=float, default=6.0, help="seconds of portfolio search per batch size")
     ap.add_argument("--rel-tol", type=float, default=0.02)
     ap.add_argument("--out", type=Path, default=RESULTS / "maxbatch")
+    ap.add_argument("--replot", action="store_true", help="redraw the table and PNG from <out>.csv, no search")
     args = ap.parse_args()
+    if args.replot:
+        rows = read_csv(args.out.with_suffix(".csv"))
+        print(table(rows))
+        plot(rows, args.out.with_suffix(".png"), args.max_slowdown)
+        return
     rows: list[dict[str, object]] = []
     for profile in args.profiles.split(","):
         hw = get_profile(profile)
@@ -78,7 +95,7 @@ def main() -> None:
     plot(rows, args.out.with_suffix(".png"), args.max_slowdown)
     target = [r for r in rows if r["model"] == "resnet101"]
     for r in target:
-        ok = isinstance(r["ratio"], float) and r["ratio"] >= 3.0
+        ok = isinstance(r["ratio"], (int, float)) and r["ratio"] >= 3.0
         print(
             f"target: resnet101 on {r['profile']}: {fmt(r['ratio'], 'x')} the no-policy batch at "
             f"{fmt(r['slowdown'], 'pct')} slowdown (target >= 3x at <= {args.max_slowdown:.0%}): "
@@ -141,13 +158,13 @@ def table(rows: list[dict[str, object]]) -> str:
 def plot(rows: list[dict[str, object]], path: Path, max_slowdown: float) -> None:
     plt = pyplot()
     profiles = list(dict.fromkeys(str(r["profile"]) for r in rows))
-    fig, axes = plt.subplots(1, len(profiles), figsize=(6.5 * len(profiles), 4.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(profiles), figsize=(7.5 * len(profiles), 4.6), squeeze=False, sharey=True)
     for ax, profile in zip(axes[0], profiles, strict=True):
         sub = [r for r in rows if r["profile"] == profile]
         xs = range(len(sub))
         series = (("heuristic_ratio", "max_batch_heuristic", "best heuristic"), ("ratio", "max_batch", "autotune"))
         for k, (key, batch, label) in enumerate(series):
-            vals = [r[key] if isinstance(r[key], float) else 0.0 for r in sub]
+            vals = [r[key] if isinstance(r[key], (int, float)) else 0.0 for r in sub]
             bars = ax.bar([x + (k - 0.5) * 0.38 for x in xs], vals, width=0.38, label=label)
             ax.bar_label(bars, labels=[f"{r[batch]}\n{v:.1f}x" for r, v in zip(sub, vals, strict=True)], fontsize=7)
         for x, r in zip(xs, sub, strict=True):
@@ -156,7 +173,7 @@ def plot(rows: list[dict[str, object]], path: Path, max_slowdown: float) -> None
                 ax.plot([x - 0.4, x + 0.4], [pub[1]] * 2, color="black", lw=1.2, ls="--")
                 ax.annotate(pub[0], (x, pub[1]), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7)
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xticks(list(xs), [f"{r['model']}\n(no policy: {r['max_batch_no_policy']})" for r in sub], fontsize=8)
+        ax.set_xticks(list(xs), [f"{r['model']}\nno policy: {r['max_batch_no_policy']}" for r in sub], fontsize=7)
         ax.set_title(f"{profile}: whole card, <= {max_slowdown:.0%} slower")
         ax.set_ylabel("largest batch / largest batch with no policy")
         ax.legend(fontsize=8, loc="upper left")

@@ -147,7 +147,7 @@ def finish(
     print()
     print(table(rows, levels))
     plot(fronts, rows, out.with_suffix(".png"), profile)
-    at20 = [r["autotune"] for r in rows if r["level"] == 0.2 and isinstance(r["autotune"], float)]
+    at20 = [r["autotune"] for r in rows if r["level"] == 0.2 and isinstance(r["autotune"], (int, float))]
     if at20:
         print(f"\nautotune at <= 20% slowdown saves {min(at20):.0%}-{max(at20):.0%} of the peak (DELTA: 40-70%)")
     print(f"wrote {out.with_suffix('.csv')} and {out.with_suffix('.png')}")

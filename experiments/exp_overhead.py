@@ -27,6 +27,7 @@ from headline_common import (
     markdown_table,
     models_arg,
     pyplot,
+    read_csv,
     save_png,
     search_cell,
     trace,
@@ -64,7 +65,13 @@ def main() -> None:
     ap.add_argument("--shares", default="0.5,0.25")
     ap.add_argument("--search-s", type=float, default=15.0)
     ap.add_argument("--out", type=Path, default=RESULTS / "overhead")
+    ap.add_argument("--replot", action="store_true", help="redraw the table and PNG from <out>.csv, no search")
     args = ap.parse_args()
+    if args.replot:
+        rows = read_csv(args.out.with_suffix(".csv"))
+        print(table(rows))
+        plot(rows, args.out.with_suffix(".png"))
+        return
     hw = get_profile(args.profile)
     shares = [float(s) for s in args.shares.split(",")]
     rows: list[dict[str, object]] = []
@@ -105,7 +112,7 @@ def main() -> None:
     print()
     for share, target in TARGETS.items():
         cells = [r for r in rows if r["share"] == share]
-        met = [r for r in cells if isinstance(r["slowdown"], float) and r["slowdown"] <= target]
+        met = [r for r in cells if isinstance(r["slowdown"], (int, float)) and r["slowdown"] <= target]
         print(f"target: <= {target:.0%} slower at {share:.0%} of the activations: met in {len(met)} of {len(cells)}")
     plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out.with_suffix('.csv')} and {args.out.with_suffix('.png')}")
@@ -127,7 +134,7 @@ def table(rows: list[dict[str, object]]) -> str:
                 f"{fmt(r['samples_per_s_no_policy'])}/s",
                 heur,
                 ours,
-                f"<= {target:.0%}" if isinstance(target, float) else "",
+                f"<= {target:.0%}" if isinstance(target, (int, float)) else "",
             ]
         )
     return markdown_table(header, body)
@@ -141,7 +148,7 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
         sub = [r for r in rows if r["share"] == share]
         xs = range(len(sub))
         for k, (key, label) in enumerate((("heuristic_slowdown", "best heuristic"), ("slowdown", "autotune"))):
-            vals = [100 * r[key] if isinstance(r[key], float) else float("nan") for r in sub]
+            vals = [100 * r[key] if isinstance(r[key], (int, float)) else float("nan") for r in sub]
             bars = ax.bar([x + (k - 0.5) * 0.38 for x in xs], vals, width=0.38, label=label)
             ax.bar_label(bars, labels=["no fit" if v != v else f"{v:.1f}" for v in vals], fontsize=7)
         if share in TARGETS:

@@ -30,6 +30,7 @@ from headline_common import (
     markdown_table,
     models_arg,
     pyplot,
+    read_csv,
     save_png,
     search_cell,
     trace,
@@ -68,7 +69,13 @@ def main() -> None:
     ap.add_argument("--shares", default="0.5,0.25")
     ap.add_argument("--search-s", type=float, default=10.0)
     ap.add_argument("--out", type=Path, default=RESULTS / "swap_vs_recompute")
+    ap.add_argument("--replot", action="store_true", help="redraw the table and PNG from <out>.csv, no search")
     args = ap.parse_args()
+    if args.replot:
+        rows = read_csv(args.out.with_suffix(".csv"))
+        print(table(rows))
+        plot(rows, args.out.with_suffix(".png"))
+        return
     base = get_profile(args.profile)
     rows: list[dict[str, object]] = []
     for model in args.models:
@@ -150,7 +157,7 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
                     bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
             for x, link in zip(xs, LINKS, strict=True):
                 slow = sub.get(link, {}).get("slowdown")
-                label = f"{100 * slow:+.0f}%" if isinstance(slow, float) else "no fit"
+                label = f"{100 * slow:+.0f}%" if isinstance(slow, (int, float)) else "no fit"
                 ax.annotate(label, (x, 101), ha="center", fontsize=7)
             ax.set_xticks(xs, [link.replace("nvlink-", "NVL-") for link in LINKS], fontsize=7)
             ax.set_ylim(0, 112)

@@ -130,6 +130,23 @@ def write_csv(path: Path, header: Sequence[str], rows: Iterable[dict[str, Any]])
     atomic_write(path, buf.getvalue())
 
 
+def read_csv(path: Path) -> list[dict[str, Any]]:
+    """Rows written by ``write_csv``: numbers back to int or float, empty cells to None (for --replot)."""
+
+    def value(v: str) -> Any:
+        if v == "":
+            return None
+        for kind in (int, float):
+            try:
+                return kind(v)
+            except ValueError:
+                pass
+        return v
+
+    with path.open(newline="") as f:
+        return [{k: value(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
 def _csv_value(v: Any) -> Any:
     if isinstance(v, float):
         return f"{v:.6g}"
