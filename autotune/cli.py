@@ -667,8 +667,9 @@ def sweep(
         )
         return
     t = Table(title=f"sweep: {len(outcome.cells)} cells in {storage}")
-    for col in ("model", "profile", "budget", "no policy", "best heuristic", "optuna", "ppo", "chosen", "study"):
-        t.add_column(col, justify="left" if col in ("model", "profile", "study") else "right")
+    cols = ["model", "profile", "budget", "no policy", "best heuristic", "optuna", "ppo", "chosen"]
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("model", "profile") else "right")
     for cell in outcome.cells:
         j = cell.to_json()
 
@@ -684,12 +685,11 @@ def sweep(
             f(j["optuna_samples_per_s"]),
             f(j["ppo_samples_per_s"]),
             "below the floor" if cell.below_floor else f"{f(j['samples_per_s'])} {j['best_method'] or ''}",
-            cell.study_name,
         )
     out.print(t)
     out.print(
-        f"{outcome.wall_s:.0f} s; studies in {storage} (open them with `autotune dashboard --storage {storage}`)"
-        + (f"; report: {report}" if report else "")
+        f"{outcome.wall_s:.0f} s; one study per cell (sweep.<model>.b<batch>.<profile>.<budget bytes>) in {storage}: "
+        f"`autotune dashboard --storage {storage}` opens them" + (f"; report: {report}" if report else "")
     )
 
 
