@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 ruff check .
 ruff format --check .
 mypy
-python -m pytest -n 2 "$@"
+python -m pytest -n 2 --durations=15 "$@"
