@@ -55,8 +55,17 @@ def _step(name: str, kwargs: dict, policy: Policy | None, device: str = "cpu", p
     return loss.detach(), [p.grad for p in model.parameters()], [b.clone() for b in model.buffers()]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize(("name", "kwargs"), [RESNET, GPT2], ids=["resnet18", "gpt2-2layer-dropout"])
+# fp16 on GPT-2 is left out: the CPU's fp16 matmuls are slow (110 s for the case), and the GradScaler path
+# it would add is model-independent (resnet18 covers it; tests/test_cuda.py runs both on a GPU).
+BIT_CASES = [
+    pytest.param(name, kwargs, precision, id=f"{label}-{precision}")
+    for (name, kwargs), label in ((RESNET, "resnet18"), (GPT2, "gpt2-2layer-dropout"))
+    for precision in ("fp32", "bf16", "fp16")
+    if not (name == "gpt2" and precision == "fp16")
+]
+
+
+@pytest.mark.parametrize(("name", "kwargs", "precision"), BIT_CASES)
 def test_gradients_bit_identical(name: str, kwargs: dict, precision: str) -> None:  # type: ignore[type-arg]
     """Under autocast too (CPU autocast runs bf16 and fp16): the casts autocast inserts are candidates like
     any other, swapped and recomputed with the rest."""
