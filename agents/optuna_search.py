@@ -29,7 +29,12 @@ NOTE [ Distributed search ]
     (``Problem.heartbeat_s``, ``--heartbeat``), a worker's running trial records a heartbeat every
     ``heartbeat_s`` seconds; one that has not beaten for two periods is failed by any worker and a copy is
     enqueued (at most ``MAX_RETRY`` times). The objective is deterministic in its parameters, so a retried
-    trial gives what the dead one would have given.
+    trial gives what the dead one would have given. Optuna starts a trial's heartbeat only after
+    ``study.ask()`` has sampled it, so a worker killed while sampling leaves a RUNNING trial without any
+    heartbeat, which Optuna never fails: a worker whose study has its trials adopts such trials (gives them
+    a first heartbeat, ``adopt_orphans``), waits out the grace period, fails the stale ones and runs their
+    retries before it answers (``_settle``). The heartbeat must therefore be longer than the sampler takes
+    to propose one trial (well under a second for TPE here; 10 s in the README's recipe).
 - Ctrl-C ends the optimisation; the best trial so far is the answer and ``Problem.interrupted`` is set.
 """
 
@@ -57,12 +62,27 @@ def storage_for(url: str | None, heartbeat_s: float | None) -> Any:
         return url
     import optuna
 
-    return optuna.storages.RDBStorage(
-        url,
-        heartbeat_interval=max(1, round(heartbeat_s)),
-        grace_period=max(2, round(2 * heartbeat_s)),
-        failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=MAX_RETRY),
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", category=optuna.exceptions.ExperimentalWarning)
+        retry: dict[str, Any]
+        if hasattr(optuna.storages, "RetryHeartbeatStaleTrialCallback"):  # Optuna >= 4.9
+            retry = {"heartbeat_stale_trial_callback": optuna.storages.RetryHeartbeatStaleTrialCallback(MAX_RETRY)}
+        else:
+            retry = {"failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=MAX_RETRY)}
+        return optuna.storages.RDBStorage(
+            url, heartbeat_interval=max(1, round(heartbeat_s)), grace_period=max(2, round(2 * heartbeat_s)), **retry
+        )
+
+
+def retried_trial_number(trial: Any) -> int | None:
+    """The number of the failed trial that ``trial`` retries (None: not a retry), on any Optuna version."""
+    import optuna
+
+    cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", category=optuna.exceptions.ExperimentalWarning)
+        number: int | None = cls.retried_trial_number(trial)
+    return number
 
 
 def study_name(problem: Problem, searcher: str) -> str:
@@ -112,8 +132,9 @@ class OptunaSearcher(Searcher):
         seed_options = {r.searcher: r.policy.options for r in problem.seeds if r.feasible}
         starts = ["keep", *sorted(seeds)]
         directions: list[Any] = ["maximize", "minimize"] if self.multi_objective else ["maximize"]
+        storage = storage_for(problem.storage, problem.heartbeat_s)
         study = optuna.create_study(
-            storage=storage_for(problem.storage, problem.heartbeat_s),
+            storage=storage,
             study_name=problem.study_name or study_name(problem, self.name),
             sampler=self._sampler(problem),
             directions=directions,
@@ -184,6 +205,8 @@ class OptunaSearcher(Searcher):
                     study.optimize(objective, timeout=time_limit_s, catch=(), callbacks=callbacks)
         except KeyboardInterrupt:
             problem.interrupted = True
+        if isinstance(storage, optuna.storages.RDBStorage) and not problem.interrupted:
+            _settle(study, storage, objective)
         absorb()  # other workers' trials on a shared storage
         return study
 
@@ -201,6 +224,49 @@ class OptunaSearcher(Searcher):
         actions, options, result = rule_actions(problem, params, start=seeds.get(start))
         best.offer(actions, options, result)
         return result
+
+
+def adopt_orphans(study: Any, storage: Any) -> int:
+    """Give a first heartbeat to the study's running trials that have none (NOTE [ Distributed search ]).
+
+    Optuna only fails a trial whose heartbeat went stale; one whose worker died inside ``study.ask()``
+    (while the sampler ran, before its heartbeat thread started) has no heartbeat and would stay RUNNING
+    forever. With one, it goes stale after the grace period unless its worker is alive and beating."""
+    import sqlalchemy
+
+    sql = sqlalchemy.text(
+        "INSERT INTO trial_heartbeats (trial_id, heartbeat) SELECT t.trial_id, CURRENT_TIMESTAMP FROM trials t "
+        "WHERE t.study_id = :sid AND t.state = 'RUNNING' "
+        "AND NOT EXISTS (SELECT 1 FROM trial_heartbeats h WHERE h.trial_id = t.trial_id)"
+    )
+    try:
+        with storage.engine.begin() as conn:
+            return int(conn.execute(sql, {"sid": study._study_id}).rowcount or 0)
+    except sqlalchemy.exc.IntegrityError:  # the trial's own worker beat first: it is alive
+        return 0
+
+
+def _settle(study: Any, storage: Any, objective: Any) -> None:
+    """Leave no trial behind when the study has its trials: adopt running trials without a heartbeat, wait
+    until a dead worker's trial is stale, fail it (the retry callback enqueues a copy) and run the copies.
+    Trials of live workers keep beating and are left to them."""
+    import optuna
+
+    grace = 2 * (storage.get_heartbeat_interval() or 1)
+    for _ in range(MAX_RETRY + 1):
+        adopt_orphans(study, storage)
+        running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        if running:
+            time.sleep(grace + 1)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", category=optuna.exceptions.ExperimentalWarning)
+                optuna.storages.fail_stale_trials(study)
+        waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+        if not waiting:
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", category=optuna.exceptions.ExperimentalWarning)
+            study.optimize(objective, n_trials=len(waiting), catch=())
 
 
 def _constraints_kwargs() -> dict[str, Any]:

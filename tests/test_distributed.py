@@ -12,12 +12,12 @@ import subprocess
 import sys
 import time
 import uuid
-import warnings
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from agents.optuna_search import retried_trial_number
 from tests.conftest import skip_or_fail
 
 TRIALS = 120
@@ -29,7 +29,6 @@ def test_two_workers_one_killed() -> None:
     if not url:
         skip_or_fail("needs a PostgreSQL server: set AUTOTUNE_TEST_POSTGRES (.ci/run starts one)")
     import optuna
-    from optuna.storages import RetryFailedTrialCallback
 
     study_name = f"dist-{uuid.uuid4().hex[:8]}"
     args = ["search", "--model", "resnet18", "--batch-size", "8", "--budget", "235MB", "--gpu", "a100-40gb"]
@@ -66,9 +65,7 @@ def test_two_workers_one_killed() -> None:
     states = Counter(t.state.name for t in study.trials)
     assert states["COMPLETE"] >= TRIALS and states["RUNNING"] == 0 and states["WAITING"] == 0, states
     failed = {t.number for t in study.trials if t.state.name == "FAIL"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        retried = {RetryFailedTrialCallback.retried_trial_number(t) for t in study.trials} - {None}
+    retried = {retried_trial_number(t) for t in study.trials} - {None}
     assert failed == retried  # the killed worker's trial (if one was in flight) ran again
     best = max(
         t.user_attrs["samples_per_s"] for t in study.get_trials(states=complete) if t.user_attrs["constraint"][0] <= 0

@@ -199,3 +199,30 @@ def test_default_reserve_on_gpu_profiles(capsys: pytest.CaptureFixture[str]) -> 
     args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "100MB"]
     code, _, err = run(capsys, *args)
     assert code == 2 and "the default reserve (128.00 MiB) is not below the budget (100MB)" in err, err
+
+
+def test_a_trial_orphaned_while_sampling_is_failed_and_retried(tmp_path: Path) -> None:
+    """A worker killed inside ``study.ask()`` leaves a RUNNING trial with no heartbeat, which Optuna never
+    fails by itself; the next worker adopts it (a first heartbeat), fails it once stale and runs its retry
+    (NOTE [ Distributed search ])."""
+    import warnings
+    from collections import Counter
+
+    import optuna
+
+    from agents.optuna_search import retried_trial_number, storage_for, study_name
+
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    problem = chain_problem(0.7, trials=6, storage=url, heartbeat_s=1)
+    name = study_name(problem, "optuna-tpe")
+    study = optuna.create_study(storage=storage_for(url, 1), study_name=name, direction="maximize")
+    with warnings.catch_warnings():  # "heartbeat ... supposed to be used with Study.optimize": indeed
+        warnings.simplefilter("ignore", UserWarning)
+        orphan = study.ask()  # RUNNING, never beats: its worker "died" while sampling
+    got = get_searcher("optuna-tpe").search(problem)
+    study = optuna.load_study(study_name=name, storage=url)
+    states = Counter(t.state.name for t in study.trials)
+    assert states["RUNNING"] == 0 and states["WAITING"] == 0 and states["COMPLETE"] >= 6, states
+    assert study.trials[orphan.number].state == optuna.trial.TrialState.FAIL
+    assert orphan.number in {retried_trial_number(t) for t in study.trials}
+    assert got.feasible

@@ -9,12 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from agents.optuna_search import retried_trial_number
 from tests.conftest import SWEEP_ARGS, SweepRun, autotune
 
 
@@ -59,7 +59,6 @@ def test_running_again_recomputes_nothing(sweep_run: SweepRun) -> None:
 def test_a_killed_worker_loses_no_trial(tmp_path: Path) -> None:
     """SIGKILL mid-search; the next run fails the dead trial (its heartbeat stopped) and retries it."""
     import optuna
-    from optuna.storages import RetryFailedTrialCallback
 
     storage = f"sqlite:///{tmp_path / 'k.db'}"
     args = [*SWEEP_ARGS[:5], "--budgets", "235MB", "--gpu", "a100-40gb", "--trials", "150", "--timeout", "300"]
@@ -82,11 +81,9 @@ def test_a_killed_worker_loses_no_trial(tmp_path: Path) -> None:
     out = json.loads(autotune(*args).stdout)
     study = _study(storage, name)
     states = Counter(t.state.name for t in study.trials)
-    assert states["COMPLETE"] == 150 and states["RUNNING"] == 0 and states["WAITING"] == 0
+    assert states["COMPLETE"] >= 150 and states["RUNNING"] == 0 and states["WAITING"] == 0, states
     failed = {t.number for t in study.trials if t.state.name == "FAIL"}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        retried = {RetryFailedTrialCallback.retried_trial_number(t) for t in study.trials} - {None}
+    retried = {retried_trial_number(t) for t in study.trials} - {None}
     assert failed == retried  # each dead trial ran again (at most one was in flight when it died)
     assert len(failed) <= 1
     assert out["cells"][0]["resumed"] == ["baselines"]
