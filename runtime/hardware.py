@@ -438,12 +438,16 @@ def resolve_profile(name: str | None) -> tuple[HardwareProfile, str]:
 def _best_time_s(fn: Callable[[], object], budget_s: float, max_reps: int = 100) -> float:
     """Fastest of repeated runs of ``fn`` within ``budget_s``: the minimum is the least noisy estimate
     of what the hardware can do (noise only ever adds time). A warm-up run goes first; if it alone took
-    the budget, its time is the answer (pessimistic, but bf16 matmul on an old CPU must not take seconds)."""
+    the budget, one more run decides (the first call of a dtype can spend a tenth of a second creating
+    oneDNN kernels: once, that made the bf16 rate 140x too slow), and no more (fp16 matmul emulated on an
+    old CPU must not take seconds)."""
     start = time.perf_counter()
     fn()  # first call pays for page faults, thread-pool start-up and kernel selection
     warm_up_s = time.perf_counter() - start
     if warm_up_s >= budget_s:
-        return warm_up_s
+        t0 = time.perf_counter()
+        fn()
+        return min(warm_up_s, time.perf_counter() - t0)
     best, start = math.inf, time.perf_counter()
     for _ in range(max_reps):
         t0 = time.perf_counter()
