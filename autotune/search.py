@@ -36,8 +36,7 @@ class SearchOutcome:
     no_policy: SimResult
     policy_path: Path
     wall_s: float
-    study_name: str | None
-    interrupted: bool = False
+    interrupted: bool = False  # the study's name is problem.study_name
     notes: list[str] = field(default_factory=list)
 
 
@@ -184,7 +183,6 @@ def run_search(
         no_policy,
         out,
         time.perf_counter() - started,
-        problem.study_name,
         problem.interrupted,
     )
 
@@ -239,7 +237,7 @@ def to_json(outcome: SearchOutcome) -> dict[str, Any]:
         "no_policy_peak_bytes": outcome.no_policy.peak_bytes,
         "bytes_by_action": memory_by_action(p, f.policy),
         "policy_path": str(outcome.policy_path),
-        "study_name": outcome.study_name,
+        "study_name": outcome.problem.study_name,
         "storage": p.storage,
         "evaluations": p.evaluations,
         "wall_s": outcome.wall_s,
