@@ -19,7 +19,7 @@ simulator scores.
 - Many processes, one study (NOTE [ Distributed search ]): ``Problem.trials`` is the study's total of
   completed trials (Optuna's ``MaxTrialsCallback``), whoever ran them; workers send heartbeats, a dead
   worker's trial is marked failed by the next worker to start a trial and retried with the same parameters
-  (``RetryFailedTrialCallback``); each worker's answer is the best over every worker's trials.
+  (``RetryHeartbeatStaleTrialCallback``); each worker's answer is the best over every worker's trials.
 - Deterministic for a seed when ``Problem.trials`` (default ``DEFAULT_TRIALS``) ends the search before the
   time limit does; ``trials=0`` runs until the time limit.
 
