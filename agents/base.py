@@ -255,6 +255,15 @@ def better(a: SimResult, b: SimResult | None) -> bool:
     return a.samples_per_s > b.samples_per_s if a.feasible else a.peak_bytes < b.peak_bytes
 
 
+def best_of(results: Iterable[SearchResult]) -> SearchResult | None:
+    """The best of ``results`` by :func:`better` (the first of equals), None for none."""
+    best: SearchResult | None = None
+    for r in results:
+        if best is None or better(r.result, best.result):
+            best = r
+    return best
+
+
 def first_fit_status(result: SimResult) -> Status:
     return Status.FEASIBLE if result.feasible else Status.INFEASIBLE
 
@@ -268,6 +277,7 @@ __all__ = [
     "Status",
     "apply_until_fits",
     "baseline_names",
+    "best_of",
     "better",
     "get_searcher",
     "list_searchers",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.base import Problem, SearchResult, Status, baseline_names, better, get_searcher
+from agents.base import Problem, SearchResult, Status, baseline_names, best_of, get_searcher
 from autotune.search import budget_floor
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError
@@ -168,11 +168,7 @@ class MaxBatch:
         return self.max_slowdown is None or slowdown <= self.max_slowdown
 
     def _best_baseline(self, b: int) -> SearchResult | None:
-        best: SearchResult | None = None
-        for r in self.baselines(b)[1]:
-            if best is None or better(r.result, best.result):
-                best = r
-        return best
+        return best_of(self.baselines(b)[1])
 
     def baseline_fits(self, b: int) -> bool:
         no_policy, _ = self.baselines(b)

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from agents.base import Problem, SearchResult, baseline_names, better, get_searcher
+from agents.base import Problem, SearchResult, baseline_names, best_of, better, get_searcher
 from autotune.units import format_bytes, parse_size
 from envs.simulator import RECOMPUTE, SimResult, uniform_actions
 from runtime.errors import AutotuneError
@@ -159,16 +159,16 @@ def run_search(
                 problem.time_limit_s = saved_limit
         if limit is not None:
             problem.time_limit_s = max(1.0, limit - (time.perf_counter() - started))
-        found = _best_of(baselines) if problem.interrupted else None
+        found = best_of(baselines) if problem.interrupted else None
         if found is None:
             try:
                 found = get_searcher(searcher).search(problem)
             except KeyboardInterrupt:  # outside the searchers' own handling: keep what the baselines found
                 problem.interrupted = True
-                found = _best_of(baselines)
+                found = best_of(baselines)
         if found is None:
             raise KeyboardInterrupt
-        top = _best_of(baselines)
+        top = best_of(baselines)
         # A searcher alone (not the portfolio) can lose to a seed.
         if top is not None and better(top.result, found.result):
             found = top
@@ -185,14 +185,6 @@ def run_search(
         time.perf_counter() - started,
         problem.interrupted,
     )
-
-
-def _best_of(results: list[SearchResult]) -> SearchResult | None:
-    best: SearchResult | None = None
-    for r in results:
-        if best is None or better(r.result, best.result):
-            best = r
-    return best
 
 
 def best_heuristic(outcome: SearchOutcome) -> SearchResult | None:

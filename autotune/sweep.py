@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.base import Problem, SearchResult, baseline_names, better, get_searcher
+from agents.base import Problem, SearchResult, baseline_names, best_of, get_searcher
 from agents.optuna_search import storage_for
 from autotune.search import budget_floor, format_bytes
 from envs.simulator import SimResult
@@ -169,7 +169,7 @@ def run_cell(
         if "baselines" in methods and "baselines" not in done:
             summary = {r.searcher: {**_sim_json(r.result), "status": r.status.value} for r in seeds}
             study.set_user_attr("baselines", summary)
-            _offer(study, "baselines", _best_result(seeds), w)
+            _offer(study, "baselines", best_of(seeds), w)
             done.append("baselines")
             study.set_user_attr("done", done)
     if need_optuna:
@@ -192,14 +192,6 @@ def run_cell(
     cell.per_method = attrs.get("per_method", {})
     cell.wall_s = time.perf_counter() - started
     return cell
-
-
-def _best_result(results: Sequence[SearchResult]) -> SearchResult | None:
-    best: SearchResult | None = None
-    for r in results:
-        if best is None or better(r.result, best.result):
-            best = r
-    return best
 
 
 def _offer(study: Any, method: str, found: SearchResult | None, w: Workload) -> None:
