@@ -59,6 +59,16 @@ def memory_timeline_figure(
     return fig
 
 
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (memory saved, slowdown) points no other point beats (saves at least as much for less slowdown),
+    by increasing memory saved: the staircase the reports draw."""
+    out: list[tuple[float, float]] = []
+    for saved, slow in sorted(points, key=lambda p: (-p[0], p[1])):  # most saved first
+        if not out or slow < out[-1][1]:
+            out.append((saved, slow))
+    return sorted(out)
+
+
 def write_html(fig: Any, path: str | os.PathLike[str]) -> None:
     """Write a figure as one self-contained HTML file, atomically (temp file, then rename)."""
     atomic_write(path, fig.to_html(include_plotlyjs=True, full_html=True))

@@ -13,11 +13,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from autotune.plots import pareto_front
 from autotune.sweep import CellResult, best_policy
-from envs.simulator import Simulator
+from envs.simulator import Simulator, uniform_actions
 from runtime.fileio import atomic_write
 from runtime.hardware import HardwareProfile
-from runtime.policy import ACTIONS
+from runtime.policy import ACTIONS, Action
 from runtime.workload import Workload
 
 GIB = 2**30
@@ -186,11 +187,7 @@ def _pareto(cells: Sequence[CellResult], trials: dict[str, list[dict[str, Any]]]
             row=1,
             col=col,
         )
-        front: list[tuple[float, float]] = []
-        for saved, slow, _ in sorted(pts, key=lambda p: (-p[0], p[1])):
-            if not front or slow < front[-1][1]:
-                front.append((saved, slow))
-        front.sort()
+        front = pareto_front([(saved, slow) for saved, slow, _ in pts])
         fig.add_trace(
             go.Scatter(
                 x=[p[0] for p in front],
@@ -237,7 +234,7 @@ def _timelines(
         policy = best_policy(cell, w, hw)
         assert policy is not None
         for name, actions, color in (
-            ("no policy", _keep(w), COLORS["no policy"]),
+            ("no policy", uniform_actions(w, Action.KEEP), COLORS["no policy"]),
             ("chosen policy", policy, COLORS["optuna"]),
         ):
             r = sim.run(actions, timeline=True)
@@ -260,12 +257,6 @@ def _timelines(
     fig.update_yaxes(title_text="device memory (GiB)", row=1, col=1)
     fig.update_layout(template="plotly_white", height=420, legend={"orientation": "h", "y": -0.25})
     return fig
-
-
-def _keep(w: Workload) -> Any:
-    import numpy as np
-
-    return np.zeros(len(w.candidates), dtype=np.int8)
 
 
 def _action_mix(

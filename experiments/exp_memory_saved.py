@@ -38,6 +38,7 @@ from headline_common import (
     write_csv,
 )
 
+from autotune.plots import pareto_front
 from runtime.hardware import get_profile
 from runtime.workload import peak_report
 
@@ -180,13 +181,13 @@ def plot(
         for m in METHODS:
             pts = fronts[model][m]
             ax.scatter([100 * x for x, _ in pts], [100 * y for _, y in pts], marker=style[m][0], s=14, alpha=0.45)
-            front = _front(pts)
+            front = pareto_front(pts)
             ax.plot([100 * x for x, _ in front], [100 * y for _, y in front], style[m][1], label=m.replace("_", " "))
         peak = next(r["no_policy_peak_bytes"] for r in rows if r["model"] == model)
         ax.set_title(f"{model} (no-policy peak {fmt(peak, 'gib')})", fontsize=9)
         ax.set_xlabel("memory saved (% of the no-policy peak)")
         ax.set_ylabel("slowdown (%)")
-        tops = [100 * y for m in METHODS for _, y in _front(fronts[model][m])]
+        tops = [100 * y for m in METHODS for _, y in pareto_front(fronts[model][m])]
         ax.set_ylim(0, min(100.0, 1.15 * max(tops, default=10.0) + 2))  # points above: slower than any front
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -195,15 +196,6 @@ def plot(
     fig.suptitle(f"Memory saved against slowdown ({profile}, simulated): lower right is better", fontsize=10)
     fig.tight_layout()
     save_png(fig, path)
-
-
-def _front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The Pareto front (most saved for least slowdown) as a staircase, by increasing memory saved."""
-    out: list[tuple[float, float]] = []
-    for saved, slow in sorted(points, key=lambda p: (-p[0], p[1])):  # most saved first
-        if not out or slow < out[-1][1]:
-            out.append((saved, slow))
-    return sorted(out)
 
 
 if __name__ == "__main__":

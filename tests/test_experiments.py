@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from autotune.plots import pareto_front
 from tests.synthetic import chain_workload, fixed_profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
@@ -32,7 +33,7 @@ def test_activation_budget_on_the_chain() -> None:
 
 def test_front_keeps_the_points_no_other_point_beats() -> None:
     points = [(0.1, 0.01), (0.3, 0.05), (0.2, 0.08), (0.5, 0.2), (0.5, 0.3), (0.4, 0.25)]
-    assert exp_memory_saved._front(points) == [(0.1, 0.01), (0.3, 0.05), (0.5, 0.2)]
+    assert pareto_front(points) == [(0.1, 0.01), (0.3, 0.05), (0.5, 0.2)]
 
 
 def _png(path: Path) -> None:
