@@ -40,8 +40,10 @@ NOTE [ Distributed search ]
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import numpy as np
@@ -55,6 +57,16 @@ DEFAULT_TRIALS = 150
 MAX_RETRY = 3
 
 
+@contextlib.contextmanager
+def _quiet_experimental() -> Iterator[None]:
+    """Optuna's heartbeats, retries and stale-trial checks are marked experimental: say it once, here."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", category=optuna.exceptions.ExperimentalWarning)
+        yield
+
+
 def storage_for(url: str | None, heartbeat_s: float | None) -> Any:
     """The Optuna storage for ``url``: None (in memory) stays None; an RDB URL with ``heartbeat_s`` gets
     heartbeats and retries of dead workers' trials (NOTE [ Distributed search ])."""
@@ -62,8 +74,7 @@ def storage_for(url: str | None, heartbeat_s: float | None) -> Any:
         return url
     import optuna
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", category=optuna.exceptions.ExperimentalWarning)
+    with _quiet_experimental():
         retry: dict[str, Any]
         if hasattr(optuna.storages, "RetryHeartbeatStaleTrialCallback"):  # Optuna >= 4.9
             retry = {"heartbeat_stale_trial_callback": optuna.storages.RetryHeartbeatStaleTrialCallback(MAX_RETRY)}
@@ -79,8 +90,7 @@ def retried_trial_number(trial: Any) -> int | None:
     import optuna
 
     cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", category=optuna.exceptions.ExperimentalWarning)
+    with _quiet_experimental():
         number: int | None = cls.retried_trial_number(trial)
     return number
 
@@ -199,8 +209,7 @@ class OptunaSearcher(Searcher):
         complete = (optuna.trial.TrialState.COMPLETE,)
         callbacks = [] if trials == 0 else [optuna.study.MaxTrialsCallback(trials, states=complete)]
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", category=optuna.exceptions.ExperimentalWarning)
+            with _quiet_experimental():
                 if trials == 0 or len(study.get_trials(deepcopy=False, states=complete)) < trials:
                     study.optimize(objective, timeout=time_limit_s, catch=(), callbacks=callbacks)
         except KeyboardInterrupt:
@@ -258,14 +267,12 @@ def _settle(study: Any, storage: Any, objective: Any) -> None:
         running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
         if running:
             time.sleep(grace + 1)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", category=optuna.exceptions.ExperimentalWarning)
+            with _quiet_experimental():
                 optuna.storages.fail_stale_trials(study)
         waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
         if not waiting:
             return
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", category=optuna.exceptions.ExperimentalWarning)
+        with _quiet_experimental():
             study.optimize(objective, n_trials=len(waiting), catch=())
 
 
