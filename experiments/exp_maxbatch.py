@@ -19,19 +19,20 @@ to 7x for BERT; Checkmate up to 5.1x larger inputs). Simulator figures, on the p
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
 
 from headline_common import (
     MODELS,
-    RESULTS,
+    experiment_parser,
     fmt,
     markdown_table,
-    models_arg,
     pyplot,
     read_csv,
     save_png,
+    show,
     trace,
     write_csv,
 )
@@ -62,19 +63,15 @@ PUBLISHED = {"resnet50": ("DELTA", 2.04), "resnet101": ("DELTA", 2.25), "bert-ba
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", type=models_arg, default=list(MODELS))
+    ap = experiment_parser(__doc__, "maxbatch")
     ap.add_argument("--profiles", default="v100-16gb,a100-40gb")
     ap.add_argument("--max-slowdown", type=float, default=0.2)
     ap.add_argument("--per-size", type=float, default=6.0, help="seconds of portfolio search per batch size")
     ap.add_argument("--rel-tol", type=float, default=0.02)
-    ap.add_argument("--out", type=Path, default=RESULTS / "maxbatch")
-    ap.add_argument("--replot", action="store_true", help="redraw the table and PNG from <out>.csv, no search")
     args = ap.parse_args()
+    draw = functools.partial(plot, max_slowdown=args.max_slowdown)
     if args.replot:
-        rows = read_csv(args.out.with_suffix(".csv"))
-        print(table(rows))
-        plot(rows, args.out.with_suffix(".png"), args.max_slowdown)
+        show(read_csv(args.out.with_suffix(".csv")), table, draw, args.out)
         return
     rows: list[dict[str, object]] = []
     for profile in args.profiles.split(","):
@@ -90,9 +87,7 @@ def main() -> None:
                 flush=True,
             )
             write_csv(args.out.with_suffix(".csv"), HEADER, rows)
-    print()
-    print(table(rows))
-    plot(rows, args.out.with_suffix(".png"), args.max_slowdown)
+    show(rows, table, draw, args.out)
     target = [r for r in rows if r["model"] == "resnet101"]
     for r in target:
         ok = isinstance(r["ratio"], (int, float)) and r["ratio"] >= 3.0

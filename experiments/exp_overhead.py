@@ -14,22 +14,20 @@ Simulator figures, on the profile's datasheet rates.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from headline_common import (
-    MODELS,
-    RESULTS,
     activation_budget,
     activation_bytes_at_peak,
+    experiment_parser,
     fmt,
     markdown_table,
-    models_arg,
     pyplot,
     read_csv,
     save_png,
     search_cell,
+    show,
     trace,
     write_csv,
 )
@@ -59,18 +57,13 @@ TARGETS = {0.5: 0.05, 0.25: 0.15}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", type=models_arg, default=list(MODELS))
+    ap = experiment_parser(__doc__, "overhead")
     ap.add_argument("--profile", default="a100-40gb")
     ap.add_argument("--shares", default="0.5,0.25")
     ap.add_argument("--search-s", type=float, default=15.0)
-    ap.add_argument("--out", type=Path, default=RESULTS / "overhead")
-    ap.add_argument("--replot", action="store_true", help="redraw the table and PNG from <out>.csv, no search")
     args = ap.parse_args()
     if args.replot:
-        rows = read_csv(args.out.with_suffix(".csv"))
-        print(table(rows))
-        plot(rows, args.out.with_suffix(".png"))
+        show(read_csv(args.out.with_suffix(".csv")), table, plot, args.out)
         return
     hw = get_profile(args.profile)
     shares = [float(s) for s in args.shares.split(",")]
@@ -107,14 +100,12 @@ def main() -> None:
                 flush=True,
             )
             write_csv(args.out.with_suffix(".csv"), HEADER, rows)
-    print()
-    print(table(rows))
+    show(rows, table, plot, args.out)
     print()
     for share, target in TARGETS.items():
         cells = [r for r in rows if r["share"] == share]
         met = [r for r in cells if isinstance(r["slowdown"], (int, float)) and r["slowdown"] <= target]
         print(f"target: <= {target:.0%} slower at {share:.0%} of the activations: met in {len(met)} of {len(cells)}")
-    plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out.with_suffix('.csv')} and {args.out.with_suffix('.png')}")
 
 

@@ -17,22 +17,20 @@ link (which also fits with a faster one, and runs at least as fast). Writes <out
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
 
 from headline_common import (
-    MODELS,
-    RESULTS,
     activation_budget,
+    experiment_parser,
     fmt,
     markdown_table,
-    models_arg,
     pyplot,
     read_csv,
     save_png,
     search_cell,
+    show,
     trace,
     write_csv,
 )
@@ -63,18 +61,13 @@ def with_link(hw: HardwareProfile, name: str, rate: float) -> HardwareProfile:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", type=models_arg, default=list(MODELS))
+    ap = experiment_parser(__doc__, "swap_vs_recompute")
     ap.add_argument("--profile", default="h100-80gb")
     ap.add_argument("--shares", default="0.5,0.25")
     ap.add_argument("--search-s", type=float, default=10.0)
-    ap.add_argument("--out", type=Path, default=RESULTS / "swap_vs_recompute")
-    ap.add_argument("--replot", action="store_true", help="redraw the table and PNG from <out>.csv, no search")
     args = ap.parse_args()
     if args.replot:
-        rows = read_csv(args.out.with_suffix(".csv"))
-        print(table(rows))
-        plot(rows, args.out.with_suffix(".png"))
+        show(read_csv(args.out.with_suffix(".csv")), table, plot, args.out)
         return
     base = get_profile(args.profile)
     rows: list[dict[str, object]] = []
@@ -112,9 +105,7 @@ def main() -> None:
                     flush=True,
                 )
                 write_csv(args.out.with_suffix(".csv"), HEADER, rows)
-    print()
-    print(table(rows))
-    plot(rows, args.out.with_suffix(".png"))
+    show(rows, table, plot, args.out)
     print(f"wrote {args.out.with_suffix('.csv')} and {args.out.with_suffix('.png')}")
 
 

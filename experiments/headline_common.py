@@ -7,15 +7,16 @@ Not a command; imported by experiments/exp_*.py (run from the repository root, e
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agents.base import Problem, SearchResult, Status, baseline_names, better, get_searcher
+from agents.base import Problem, SearchResult, Status, baseline_names, best_of, get_searcher
 from autotune.search import budget_floor
 from autotune.workloads import TraceRequest, trace_model
 from envs.simulator import SimResult
@@ -36,6 +37,27 @@ MODELS: dict[str, dict[str, Any]] = {
     "bert-base": {"kw": {"seq_len": 512}, "batch": 8, "start": 2},
     "gpt2-medium": {"kw": {"seq_len": 1024}, "batch": 4, "start": 1},
 }
+
+
+def experiment_parser(doc: str | None, out: str, replot_from: str = "<out>.csv") -> argparse.ArgumentParser:
+    """The options every headline experiment has: --models, --out (results/<out>.csv and .png), --replot."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", type=models_arg, default=list(MODELS))
+    ap.add_argument("--out", type=Path, default=RESULTS / out)
+    ap.add_argument("--replot", action="store_true", help=f"redraw the table and PNG from {replot_from}, no search")
+    return ap
+
+
+def show(
+    rows: list[dict[str, Any]],
+    table: Callable[[list[dict[str, Any]]], str],
+    plot: Callable[[list[dict[str, Any]], Path], None],
+    out: Path,
+) -> None:
+    """Print an experiment's table and draw its PNG beside the CSV."""
+    print()
+    print(table(rows))
+    plot(rows, out.with_suffix(".png"))
 
 
 def trace(model: str, batch: int | None = None) -> Workload:
@@ -78,11 +100,7 @@ class Cell:
     wall_s: float
 
     def best_heuristic(self) -> SearchResult | None:
-        best: SearchResult | None = None
-        for r in self.heuristics:
-            if r.feasible and (best is None or better(r.result, best.result)):
-                best = r
-        return best
+        return best_of(r for r in self.heuristics if r.feasible)
 
     def heuristic(self, name: str) -> SearchResult | None:
         return next((r for r in self.heuristics if r.searcher == name and r.feasible), None)
