@@ -53,7 +53,7 @@ import collections
 import contextlib
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,23 +101,22 @@ _Spec = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]  # (list length
 
 def _flatten_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], _Spec]:
     leaves: list[Any] = []
-    arg_lens: list[int] = []
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            arg_lens.append(len(a))
-            leaves.extend(a)
-        else:
-            arg_lens.append(-1)
-            leaves.append(a)
-    kw_lens: list[int] = []
-    for v in kwargs.values():
+    arg_lens = _flatten_into(args, leaves)
+    kw_lens = _flatten_into(kwargs.values(), leaves)
+    return leaves, (arg_lens, tuple(kwargs), kw_lens)
+
+
+def _flatten_into(values: Iterable[Any], leaves: list[Any]) -> tuple[int, ...]:
+    """Append each value (the items of a list or tuple) to ``leaves``; each one's length (-1: not a list)."""
+    lens: list[int] = []
+    for v in values:
         if isinstance(v, (list, tuple)):
-            kw_lens.append(len(v))
+            lens.append(len(v))
             leaves.extend(v)
         else:
-            kw_lens.append(-1)
+            lens.append(-1)
             leaves.append(v)
-    return leaves, (tuple(arg_lens), tuple(kwargs), tuple(kw_lens))
+    return tuple(lens)
 
 
 def _unflatten_args(leaves: list[Any], spec: _Spec) -> tuple[tuple[Any, ...], dict[str, Any]]:
