@@ -1,7 +1,7 @@
 """Simulator and gymnasium environments (see ARCHITECTURE in the README)."""
 
 #: The keep / swap / recompute / compress environment (envs/memory_env.py), for ``gymnasium.make``.
-MEMORY_POLICY_ENV_ID = "autotune/MemoryPolicy-v0"
+MEMORY_POLICY_ENV_ID = "autotune/MemoryPolicy-v1"
 
 try:
     import gymnasium

@@ -1,6 +1,6 @@
 """A gymnasium environment that builds a keep / swap / recompute / compress policy one tensor at a time.
 
-Registered as ``autotune/MemoryPolicy-v0`` (see ``envs/__init__.py``). The simulator (envs/simulator.py)
+Registered as ``autotune/MemoryPolicy-v1`` (see ``envs/__init__.py``). The simulator (envs/simulator.py)
 scores every finished policy, or, with ``backend="real"``, real training iterations do (:func:`real_backend`).
 The observation is a fixed-size vector, independent of the model, so one network can serve many models.
 
@@ -51,6 +51,12 @@ CANDIDATE_FIELDS: tuple[str, ...] = (
     "fwd_position",  # producer op / number of forward ops
     "block_input",  # 1.0 for a block boundary (Candidate.block_input)
     *(f"class_{name}" for name in OP_CLASSES),  # one-hot op class of the producer (agents.features)
+    # v1: where the candidate stands among this workload's candidates (0 = lowest), so that one network can
+    # compare a candidate with the rest of any model, and whether dropping it can lower the no-policy peak.
+    "live_at_peak",  # 1.0 when its storage is live at the no-policy peak op
+    "size_rank",  # percentile of nbytes
+    "recompute_rank",  # percentile of recompute time per byte (cheapest to recompute = 0)
+    "swap_rank",  # percentile of swap_hide_ratio (easiest to hide = 0)
 )
 #: The policy so far: decided prefix as chosen, every candidate after it kept.
 STATE_FIELDS: tuple[str, ...] = (
@@ -61,9 +67,10 @@ STATE_FIELDS: tuple[str, ...] = (
     "swap_share",
     "recompute_share",
     "compress_share",
+    "need_ratio",  # v1: (peak of the partial policy - budget) / candidate bytes still to decide, clipped to [0, 10]
 )
 OBS_FIELDS: tuple[str, ...] = (*CANDIDATE_FIELDS, *STATE_FIELDS)
-#: Length of the observation vector (24 with agents.features' ten op classes).
+#: Length of the observation vector (29 with agents.features' ten op classes).
 OBS_SIZE = len(OBS_FIELDS)
 _RATIO_CAP = 10.0  # ratios that can be large (times, peaks) are clipped here
 _HIGH = {
@@ -72,6 +79,7 @@ _HIGH = {
     "swap_hide_ratio": _RATIO_CAP,
     "peak_ratio": _RATIO_CAP,
     "remaining_ratio": _RATIO_CAP,
+    "need_ratio": _RATIO_CAP,
 }
 OBS_LOW = np.zeros(OBS_SIZE, dtype=np.float32)
 OBS_HIGH = np.array([_HIGH.get(name, 1.0) for name in OBS_FIELDS], dtype=np.float32)
@@ -119,8 +127,9 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
 
     ## Observation Space
 
-    ``Box(0, high, (OBS_SIZE,), float32)`` with ``OBS_SIZE`` = 24, the same for every model (fields named in
-    ``OBS_FIELDS``; times are relative to the no-policy iteration time, bytes to the budget):
+    ``Box(0, high, (OBS_SIZE,), float32)`` with ``OBS_SIZE`` = 29, the same for every model (fields named in
+    ``OBS_FIELDS``; times are relative to the no-policy iteration time, bytes to the budget, ranks are
+    percentiles among the workload's candidates):
 
     | index | field           | meaning                                                            | range   |
     |-------|-----------------|--------------------------------------------------------------------|---------|
@@ -132,10 +141,15 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
     | 5     | fwd_position    | producer op / number of forward ops                                | [0, 1]  |
     | 6     | block_input     | 1 for a block boundary                                             | {0, 1}  |
     | 7-16  | class_*         | one-hot op class of the producer (``agents.features.OP_CLASSES``)  | {0, 1}  |
-    | 17    | peak_ratio      | simulated peak of the partial policy / budget                      | [0, 10] |
-    | 18    | remaining_ratio | candidate bytes still to decide / budget                           | [0, 10] |
-    | 19    | done_fraction   | candidates decided / candidates                                    | [0, 1]  |
-    | 20-23 | *_share         | decided bytes per action (keep, swap, recompute, compress) / bytes decided | [0, 1] |
+    | 17    | live_at_peak    | 1 when the candidate is live at the no-policy peak op              | {0, 1}  |
+    | 18    | size_rank       | percentile of its bytes                                            | [0, 1]  |
+    | 19    | recompute_rank  | percentile of its recompute time per byte                          | [0, 1]  |
+    | 20    | swap_rank       | percentile of its swap_hide_ratio                                  | [0, 1]  |
+    | 21    | peak_ratio      | simulated peak of the partial policy / budget                      | [0, 10] |
+    | 22    | remaining_ratio | candidate bytes still to decide / budget                           | [0, 10] |
+    | 23    | done_fraction   | candidates decided / candidates                                    | [0, 1]  |
+    | 24-27 | *_share         | decided bytes per action (keep, swap, recompute, compress) / bytes decided | [0, 1] |
+    | 28    | need_ratio      | (partial peak - budget) / candidate bytes still to decide; 0 once it fits  | [0, 10] |
 
     The partial policy is the decided prefix as chosen with every later candidate kept; its peak is
     re-simulated only after a non-keep action (a keep changes nothing). After the last step the candidate
@@ -168,8 +182,8 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
     import gymnasium as gym
     import envs  # registers the id
 
-    env = gym.make("autotune/MemoryPolicy-v0")  # a small synthetic CNN on a100-40gb, budget 60% of its peak
-    env = gym.make("autotune/MemoryPolicy-v0", problem=Problem(workload, get_profile("h100-80gb"), budget))
+    env = gym.make("autotune/MemoryPolicy-v1")  # a small synthetic CNN on a100-40gb, budget 60% of its peak
+    env = gym.make("autotune/MemoryPolicy-v1", problem=Problem(workload, get_profile("h100-80gb"), budget))
     env = MemoryPolicyEnv(workload=w, hardware=hw, budget_bytes=b, allow_compress=True)
     ```
 
@@ -189,7 +203,9 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
 
     ## Version History
 
-    * v0: initial version.
+    * v1: ``live_at_peak``, ``size_rank``, ``recompute_rank``, ``swap_rank`` and ``need_ratio`` added (29
+      fields), so that one network can place a candidate among the rest of any model (agents/pretrained.py).
+    * v0: initial version (24 fields).
     """
 
     # A plain class attribute, as gymnasium.Env declares it (ClassVar would clash with the base class).
@@ -263,6 +279,19 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
         table[:, 6] = feats.block_input
         for i, name in enumerate(feats.producer_class):
             table[i, 7 + OP_CLASSES.index(name)] = 1.0
+        ranks = 7 + len(OP_CLASSES)
+        w, peak_op = self.problem.workload, self.baseline.peak_op
+        n_ops = len(w.ops)
+        for i, c in enumerate(w.candidates):
+            t = w.tensors[c.tensor]
+            end = n_ops if t.free_op is None else t.free_op
+            table[i, ranks] = float(max(t.alloc_op, 0) <= peak_op <= end)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            per_byte = np.where(np.isfinite(feats.recompute_s), feats.recompute_s / np.maximum(self._nbytes, 1), np.inf)
+        table[:, ranks + 1] = _percentile(self._nbytes)
+        table[:, ranks + 2] = _percentile(per_byte)
+        hide_ratio = np.where(feats.swap_out_s > 0, hide, 0.0)
+        table[:, ranks + 3] = _percentile(np.nan_to_num(hide_ratio, nan=np.inf))
         table = np.nan_to_num(table, nan=0.0, posinf=_RATIO_CAP, neginf=0.0)
         return np.clip(table, OBS_LOW[:_N_CAND], OBS_HIGH[:_N_CAND])
 
@@ -361,7 +390,10 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
         obs[_N_CAND + 1] = self._to_place[self._t] / budget
         obs[_N_CAND + 2] = self._t / self.k
         if decided > 0:
-            obs[_N_CAND + 3 :] = self._decided_bytes / decided
+            obs[_N_CAND + 3 : _N_CAND + 7] = self._decided_bytes / decided
+        left = self._to_place[self._t]
+        excess = self._partial.peak_bytes - budget
+        obs[_N_CAND + 7] = 0.0 if excess <= 0 else (excess / left if left > 0 else _RATIO_CAP)
         obs = np.nan_to_num(obs, nan=0.0, posinf=_RATIO_CAP, neginf=0.0)
         return np.clip(obs, OBS_LOW, OBS_HIGH).astype(np.float32)
 
@@ -407,6 +439,14 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
                 raise ValueError(f"real backend returned iter_s={iter_s!r}: expected a positive number of seconds")
             self._measured[key] = (int(peak), float(iter_s))
         return self._measured[key]
+
+
+def _percentile(values: np.ndarray) -> np.ndarray:
+    """Each value's rank among ``values`` as a fraction in [0, 1] (ties share their lowest rank; one value: 0)."""
+    n = len(values)
+    if n <= 1:
+        return np.zeros(n)
+    return np.searchsorted(np.sort(values), values, side="left") / (n - 1)
 
 
 def _as_code(action: Any) -> int | None:

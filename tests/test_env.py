@@ -26,7 +26,7 @@ from tests.synthetic import chain_workload, fixed_profile
 
 S = 1000  # bytes per tensor of the chain workload
 TAU = 1e-3  # seconds per op
-ENV_ID = "autotune/MemoryPolicy-v0"
+ENV_ID = "autotune/MemoryPolicy-v1"
 
 
 @pytest.fixture
@@ -221,7 +221,7 @@ def test_observations_stay_in_the_box_over_random_episodes(allow_compress: bool)
         MemoryPolicyEnv(workload=synthetic_workload(blocks=1), budget_bytes=1, allow_compress=allow_compress),
         chain_env(2 * S, n=16, allow_compress=allow_compress),
     ]
-    assert OBS_SIZE == len(OBS_FIELDS) == 24
+    assert OBS_SIZE == len(OBS_FIELDS) == 29
     for env in problems:
         space = env.observation_space
         assert space.shape == (OBS_SIZE,) and space.dtype == np.float32
@@ -247,11 +247,30 @@ def test_observation_tracks_the_partial_policy() -> None:
     assert obs[peak] == pytest.approx(10 / 9) and obs[left] == pytest.approx(8 / 9) and obs[done] == 0.0
     assert obs[OBS_FIELDS.index("byte_share")] == pytest.approx(1 / 8)
     assert obs[OBS_FIELDS.index("fwd_position")] == 0.0
+    need = OBS_FIELDS.index("need_ratio")
+    assert obs[need] == pytest.approx(1 / 8)  # one S over the budget, eight S still to decide
+    assert obs[OBS_FIELDS.index("live_at_peak")] == 1.0  # every activation of the chain is live at its peak
+    assert obs[OBS_FIELDS.index("size_rank")] == 0.0  # eight equal sizes share the lowest rank
     obs, *_ = env.step(RECOMPUTE)  # takes c_0 off the peak
     assert obs[peak] == pytest.approx(1.0) and obs[left] == pytest.approx(7 / 9) and obs[done] == 1 / 8
+    assert obs[need] == 0.0  # it fits
     assert obs[OBS_FIELDS.index("recompute_share")] == 1.0 and obs[OBS_FIELDS.index("keep_share")] == 0.0
     obs, *_ = env.step(KEEP)
     assert obs[OBS_FIELDS.index("recompute_share")] == 0.5 and obs[OBS_FIELDS.index("keep_share")] == 0.5
+
+
+def test_rank_fields_are_percentiles_among_the_candidates() -> None:
+    """The synthetic CNN: its feature maps are its largest candidates, the log-probabilities its smallest."""
+    env = MemoryPolicyEnv()
+    size = env._features[:, OBS_FIELDS.index("size_rank")]
+    nbytes = np.array([c.nbytes for c in env.problem.workload.candidates])
+    n, ties = len(nbytes), int(np.sum(nbytes == nbytes.max()))  # equal sizes share the lowest rank
+    assert size[np.argmax(nbytes)] == pytest.approx((n - ties) / (n - 1))
+    assert size[np.argmin(nbytes)] == 0.0
+    assert np.all(np.diff(size[np.argsort(nbytes, kind="stable")]) >= 0)  # ordered as the sizes are
+    for name in ("recompute_rank", "swap_rank"):
+        col = env._features[:, OBS_FIELDS.index(name)]
+        assert col.min() == 0.0 and col.max() <= 1.0
 
 
 def test_render_ansi_is_one_line() -> None:
