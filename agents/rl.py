@@ -36,6 +36,8 @@ class MaskablePPOSearcher(Searcher):
         from envs.memory_env import MemoryPolicyEnv
 
         env = MemoryPolicyEnv(problem, allow_compress=problem.allow_compress)
+        if env.baseline.feasible:  # no policy fits: nothing to learn (and nothing is faster)
+            return Proposal(problem.keep_all(), note="no policy fits the budget")
         k = env.k
         episodes = problem.trials if problem.trials else DEFAULT_EPISODES
         deadline = None if problem.time_limit_s is None else time.perf_counter() + problem.time_limit_s
