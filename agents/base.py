@@ -189,6 +189,7 @@ def _load_builtins() -> None:
         "agents.optuna_search",
         "agents.portfolio",
         "agents.rl",
+        "agents.pretrained",
     ):
         importlib.import_module(package)
 

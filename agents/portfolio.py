@@ -16,6 +16,7 @@ it runs ``DEFAULT_TIME_S``. Reinforcement-learning searchers join here when they
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 import numpy as np
 
@@ -33,18 +34,28 @@ class Portfolio(Searcher):
     name = "portfolio"
     composite = True
     summary = "baselines, then Optuna TPE warm-started with them, then per-tensor refinement; the best wins"
+    study_key: ClassVar[str] = OptunaTPE.name  # study names: the problem's for this key, suffixed per phase
+
+    def _initial_seeds(self, problem: Problem) -> None:
+        """The warm-start seeds: every heuristic baseline, unless the caller passed seeds."""
+        if problem.seeds:
+            return
+        for name in baseline_names():
+            if problem.interrupted:
+                break
+            problem.seeds.append(get_searcher(name).search(problem))
+            if problem.progress is not None:
+                problem.progress(f"baseline {name}", None)
+
+    def _phases(self, problem: Problem) -> list[tuple[float, list[SearchResult], str, OptunaSearcher]]:
+        """(share of the Optuna time left, seeds, study-name suffix, searcher) per Optuna phase."""
+        return [(0.5, [], ".explore", OptunaNSGA2()), (1.0, problem.seeds, ".seeded", OptunaTPE())]
 
     def _search(self, problem: Problem) -> Proposal:
         started = time.perf_counter()
         limit = DEFAULT_TIME_S if problem.time_limit_s is None else problem.time_limit_s
         deadline = started + limit
-        if not problem.seeds:
-            for name in baseline_names():
-                if problem.interrupted:
-                    break
-                problem.seeds.append(get_searcher(name).search(problem))
-                if problem.progress is not None:
-                    problem.progress(f"baseline {name}", None)
+        self._initial_seeds(problem)
         best = _Best()
         winner = ""
         for r in problem.seeds:
@@ -53,13 +64,9 @@ class Portfolio(Searcher):
         # Optuna twice: NSGA-II from keep-all alone (TPE, given the seeds as starts, settles on the best seed
         # and stops exploring; NSGA-II alone beat TPE alone in most cells of experiments/bench_quality.py),
         # then TPE from the seeds. Two studies, since their ``start`` choices differ.
-        name = problem.study_name or study_name(problem, OptunaTPE.name)
+        name = problem.study_name or study_name(problem, self.study_key)
         seeds = problem.seeds
-        phases: list[tuple[float, list[SearchResult], str, OptunaSearcher]] = [
-            (0.5, [], ".explore", OptunaNSGA2()),
-            (1.0, seeds, ".seeded", OptunaTPE()),
-        ]
-        for share, phase_seeds, suffix, searcher in phases:
+        for share, phase_seeds, suffix, searcher in self._phases(problem):
             if problem.interrupted:
                 break
             budget_s = (remaining(deadline) or 0.0) * OPTUNA_SHARE * share

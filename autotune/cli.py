@@ -270,7 +270,11 @@ def search(
     seq_len: SeqOpt = None,
     gpu: GpuOpt = None,
     searcher: Annotated[
-        str, typer.Option(help="portfolio (default), optuna-tpe, optuna-nsga2, refine, or a baseline's name.")
+        str,
+        typer.Option(
+            help="portfolio (default), optuna-tpe, optuna-nsga2, refine, ppo-pretrained (the shipped agent's "
+            "one pass, then Optuna), ppo-onepass, ppo, or a baseline's name."
+        ),
     ] = "portfolio",
     trials: Annotated[
         int | None, typer.Option(help="Optuna trials (reproducible under --seed) [default: until --timeout].")

@@ -1,0 +1,184 @@
+"""The pretrained agent (agents/pretrained.py): safe loading, masks honoured, the one pass's decoding steps on
+hand-made networks with known answers, and determinism."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from agents.base import Problem, apply_until_fits, get_searcher
+from agents.pretrained import AGENT_PATH, Agent, load_agent, one_pass, save_agent
+from envs.memory_env import OBS_FIELDS, OBS_SIZE, MemoryPolicyEnv, synthetic_workload
+from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP
+from runtime.errors import AutotuneError
+from runtime.hardware import get_profile
+from runtime.trace import capture
+from runtime.workload import peak_report
+from tests.test_trace import tiny_cnn_build
+
+_W = capture(tiny_cnn_build(batch=4), name="cnn", batch_size=4)
+_HW = get_profile("v100-16gb")
+_PEAK = peak_report(_W, _HW.alloc_granularity_bytes).peak_bytes
+
+
+def problem(fraction: float, **kw) -> Problem:  # type: ignore[no-untyped-def]
+    return Problem(_W, _HW, budget_bytes=int(_PEAK * fraction), **kw)
+
+
+def constant_agent(bias: list[float], hidden: int = 8) -> Agent:
+    """A network whose logits are ``bias`` whatever it sees (zero weights): its choices are known."""
+    w1 = np.zeros((hidden, OBS_SIZE), dtype=np.float32)
+    b1 = np.zeros(hidden, dtype=np.float32)
+    head = (np.zeros((4, hidden), dtype=np.float32), np.array(bias, dtype=np.float32))
+    return Agent([(w1, b1)], head, OBS_FIELDS)
+
+
+# -- loading ----------------------------------------------------------------------------------------------------
+def test_the_shipped_agent_loads_with_weights_only_and_records_its_split() -> None:
+    agent = load_agent()
+    state = torch.load(AGENT_PATH, map_location="cpu", weights_only=True)  # no arbitrary objects in the file
+    assert state["obs_fields"] == list(OBS_FIELDS)
+    assert agent.logits(np.zeros(OBS_SIZE, dtype=np.float32)).shape == (4,)
+    train, heldout = set(agent.meta["train"]), set(agent.meta["heldout"])
+    assert train and heldout and not train & heldout
+    assert not {k.split("-b")[0] for k in heldout} & {k.split("-b")[0] for k in train}  # whole models held out
+
+
+def test_save_and_load_round_trip(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    hidden = [(rng.normal(size=(16, OBS_SIZE)).astype(np.float32), rng.normal(size=16).astype(np.float32))]
+    agent = Agent(hidden, (rng.normal(size=(4, 16)).astype(np.float32), np.zeros(4, np.float32)), OBS_FIELDS)
+    agent.meta = {"train": ["a"], "note": "x"}
+    save_agent(agent, tmp_path / "a.pt")
+    back = load_agent(tmp_path / "a.pt")
+    obs = rng.uniform(size=(5, OBS_SIZE)).astype(np.float32)
+    assert np.array_equal(back.logits(obs), agent.logits(obs)) and back.meta == agent.meta
+
+
+class _Evil:
+    """Unpickling this would run a shell command: what weights-only loading exists to refuse."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_file_with_an_arbitrary_object_is_refused_without_running_it(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    state = constant_agent([0, 0, 0, 0]).state()
+    state["meta"] = {"payload": _Evil(marker)}
+    torch.save(state, tmp_path / "evil.pt")
+    with pytest.raises(AutotuneError, match="weights-only"):
+        load_agent(tmp_path / "evil.pt")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda s: s.update(obs_fields=list(OBS_FIELDS[:-1])), f"observations of {OBS_SIZE - 1} fields"),
+        (lambda s: s.update(format=99), "format 99"),
+        (lambda s: s["state_dict"].update({"head.weight": torch.zeros(3, 8)}), "do not chain|outputs"),
+        (lambda s: s["state_dict"].pop("hidden.0.bias"), "missing"),
+        (lambda s: s["state_dict"].update({"head.bias": torch.full((4,), float("nan"))}), "non-finite"),
+        (lambda s: s.update(activation="gelu"), "activation"),
+    ],
+)
+def test_a_malformed_agent_is_refused_with_how_to_retrain(tmp_path: Path, change, match: str) -> None:  # type: ignore[no-untyped-def]
+    state = constant_agent([0, 0, 0, 0]).state()
+    change(state)
+    torch.save(state, tmp_path / "bad.pt")
+    with pytest.raises(AutotuneError, match=match) as e:
+        load_agent(tmp_path / "bad.pt")
+    assert "train_agent.py" in str(e.value)
+
+
+def test_a_missing_or_garbage_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(AutotuneError, match="cannot read"):
+        load_agent(tmp_path / "none.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    with pytest.raises(AutotuneError, match="weights-only"):
+        load_agent(tmp_path / "junk.pt")
+
+
+# -- the one pass ----------------------------------------------------------------------------------------------
+def test_masks_are_honoured_even_when_the_network_wants_an_illegal_action() -> None:
+    wants_compress = constant_agent([0.0, 0.1, 0.2, 5.0])
+    # Compression not allowed: the legal choice it likes best is recompute, everywhere.
+    p = problem(0.7)
+    env = MemoryPolicyEnv(p)
+    r = one_pass(wants_compress, p)
+    assert set(r.actions.tolist()) <= {KEEP, RECOMPUTE}  # the rollout recomputes all; fit and give-back keep
+    # Allowed: compress exactly where the environment's mask allows it (floats wider than bf16; the synthetic
+    # CNN's pooling indices are int64).
+    sw = synthetic_workload()
+    pc = Problem(sw, _HW, budget_bytes=int(peak_report(sw, _HW.alloc_granularity_bytes).peak_bytes * 0.7),
+                 allow_compress=True)  # fmt: skip
+    masks = MemoryPolicyEnv(pc)._masks
+    env.close()
+    rollout = MemoryPolicyEnv(pc)
+    obs, _ = rollout.reset()
+    for _ in range(rollout.k):
+        mask = rollout.action_masks()
+        action = int(np.argmax(np.where(mask, wants_compress.logits(obs), -np.inf)))
+        assert mask[action] and action == (COMPRESS if mask[COMPRESS] else RECOMPUTE)
+        obs, *_ = rollout.step(action)
+    assert masks[:, COMPRESS].any() and not masks[:, COMPRESS].all()
+    r = one_pass(wants_compress, pc)
+    assert all(masks[i, a] for i, a in enumerate(r.actions))
+
+
+def test_give_back_returns_every_needless_drop_to_keep() -> None:
+    """At a budget above the no-policy peak, a network that recomputes everything is undone to keep-all."""
+    p = problem(1.05)
+    r = one_pass(constant_agent([0.0, 0.0, 1.0, 0.0]), p)
+    assert r.rollout_feasible and r.given_back == p.n
+    assert np.array_equal(r.actions, p.keep_all()) and r.result == p.evaluate(p.keep_all())
+
+
+def test_the_fit_step_drops_in_the_networks_order_until_the_policy_fits() -> None:
+    """A network that keeps everything misses a 95% budget; the fit step then drops candidates by its margin
+    (all equal here, so in candidate order) with its preferred drop (swap over recompute), as
+    apply_until_fits would, and gives back nothing it needed."""
+    p = problem(0.95)
+    agent = constant_agent([1.0, 0.5, 0.2, 0.0])
+    r = one_pass(agent, p)
+    assert not r.rollout_feasible and r.result.feasible and r.fitted > 0
+    expected, result = apply_until_fits(problem(0.95), ((i, SWAP) for i in range(p.n)))
+    assert result.feasible
+    # Give-back may then return some of those swaps to keep, never anything else.
+    assert set(np.flatnonzero(r.actions != KEEP)) <= set(np.flatnonzero(expected != KEEP))
+    assert set(r.actions.tolist()) <= {KEEP, SWAP}
+
+
+def test_one_pass_is_deterministic_and_the_shipped_agent_fits() -> None:
+    agent = load_agent()
+    a, b = one_pass(agent, problem(0.95)), one_pass(agent, problem(0.95))  # no heuristic fits 70% here
+    assert np.array_equal(a.actions, b.actions) and a.result == b.result and a.result.feasible
+
+
+def test_ppo_pretrained_is_deterministic_under_a_seed_and_never_below_its_one_pass() -> None:
+    runs = [get_searcher("ppo-pretrained").search(problem(0.95, seed=5, trials=20, time_limit_s=60)) for _ in range(2)]
+    assert np.array_equal(runs[0].policy.to_vector(_W), runs[1].policy.to_vector(_W))
+    first = get_searcher("ppo-onepass").search(problem(0.95))
+    assert runs[0].feasible and runs[0].result.samples_per_s >= first.result.samples_per_s
+
+
+def test_search_command_with_the_pretrained_agent(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from tests.test_cli import run
+
+    out, db = tmp_path / "r18.policy.json", tmp_path / "s.db"
+    args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "200MB"]
+    args += ["--reserve", "8MiB", "--searcher", "ppo-pretrained", "--trials", "6", "--timeout", "20"]
+    code, stdout, err = run(capsys, *args, "--out", str(out), "--storage", f"sqlite:///{db}", "--json")
+    assert code == 0, err
+    got = json.loads(stdout)
+    assert got["feasible"] and got["samples_per_s"] >= got["best_heuristic_samples_per_s"]
+    assert got["searcher"] in ("ppo-pretrained", got["best_heuristic"]) and out.exists()
