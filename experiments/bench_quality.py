@@ -1,8 +1,8 @@
 """Search quality: every searcher against the baselines, per model x profile x budget, on the simulator.
 
-    python experiments/bench_quality.py [--models resnet50,...] [--profiles a100-40gb,v100-16gb]
+    python experiments/bench_quality.py [--models resnet50,...|heldout] [--profiles a100-40gb,v100-16gb]
         [--fractions 0.8,0.6,0.45,0.3] [--search-s 10] [--portfolio-s 20] [--milp-s 10] [--csv FILE]
-        [--precision fp32|bf16|fp16]
+        [--precision fp32|bf16|fp16] [--agent] [--skip milp,portfolio]
 
 For each cell (budget = fraction of the model's no-policy peak on that profile) it prints samples/s of: no
 policy (the ceiling, over budget), the best heuristic (exact solvers excluded), the MILP (and whether it
@@ -14,6 +14,18 @@ searchers appear as new columns), and the default portfolio; then the targets:
 - the portfolio against the MILP where it proved optimality (target >= 98%) and where it timed out (above
   its incumbent);
 - the Optuna searcher alone against the portfolio (target >= 95% in most cells).
+
+With ``--agent`` (the pretrained agent, agents/pretrained.py) each cell also gets the agent's one pass
+(``ppo-onepass``, and its time) and ``ppo-pretrained`` (one pass, then Optuna refinement) at the same time
+as each searcher alone, and the summary adds the agent's targets: one pass >= the best heuristic in every
+cell (the cells that fall short are listed), ppo-pretrained >= optuna-tpe alone at the same time, one pass
+under a second on ResNet-101; and, unless portfolio is skipped, the portfolio with the one pass among its
+seeds (``portfolio_agent``, same time in all) against the portfolio. ``--models heldout`` is the agent's
+held-out split (experiments/train_agent.py: models never used in training, their batch sizes, profiles and
+budgets)::
+
+    python experiments/bench_quality.py --models heldout --agent --skip milp --search-s 8 --portfolio-s 16 \
+        --csv experiments/results/agent_heldout.csv
 
 The ceiling is the no-policy speed, not the optimum at the budget: a cell can be far below it with no
 better policy existing. Searchers run with their seeds fixed; the time limits make runs on a busy machine
@@ -44,11 +56,14 @@ MODELS = {
     "bert-base": {},
 }
 ALONE = ("optuna-tpe", "optuna-nsga2", "refine")  # composites run without seeds; new ones go here
+AGENT_ALONE = ("ppo-pretrained",)  # with --agent
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument(
+        "--models", default=",".join(MODELS), help="model names, or heldout[=m1,m2] (the agent's split, or part)"
+    )
     ap.add_argument("--profiles", default="a100-40gb,v100-16gb")
     ap.add_argument("--fractions", default="0.8,0.6,0.45,0.3")
     ap.add_argument("--search-s", type=float, default=10.0, help="seconds for each searcher alone")
@@ -56,18 +71,34 @@ def main() -> None:
     ap.add_argument("--milp-s", type=float, default=10.0)
     ap.add_argument("--csv", type=Path, default=Path("experiments/results/quality.csv"))
     ap.add_argument("--precision", default="fp32", help="fp32, or bf16/fp16 under torch.autocast")
+    ap.add_argument("--agent", action="store_true", help="add the pretrained agent's columns and targets")
+    ap.add_argument("--skip", default="", help="columns not to run: milp, portfolio, or searchers run alone")
     args = ap.parse_args()
-    alone = [s for s in ALONE if s in list_searchers()]
+    skip = {x.strip() for x in args.skip.split(",") if x.strip()}
+    alone = [s for s in (*ALONE, *(AGENT_ALONE if args.agent else ())) if s in list_searchers() and s not in skip]
+    workloads: list[tuple[str, dict[str, object], int | None]] = []
+    if args.models.split("=")[0] == "heldout":
+        from train_agent import HELDOUT, HELDOUT_FRACTIONS, HELDOUT_PROFILES
+
+        names = args.models.partition("=")[2]
+        chosen = [h for h in HELDOUT if not names or h.model in names.split(",")]
+        workloads = [(h.model, {"seq_len": h.seq_len} if h.seq_len else {}, h.batch) for h in chosen]
+        args.profiles = ",".join(HELDOUT_PROFILES)
+        args.fractions = ",".join(str(f) for f in HELDOUT_FRACTIONS)
+    else:
+        workloads = [(m, MODELS.get(m, {}), None) for m in args.models.split(",")]
     rows: list[dict[str, object]] = []
     args.csv.parent.mkdir(parents=True, exist_ok=True)
-    header = ["model", "precision", "profile", "budget", "ceiling", "best_heuristic", "heuristic", "milp"]
-    header += ["milp_status"]
-    header += [*alone, "portfolio", "portfolio_vs_heuristic", "optuna_vs_portfolio", "portfolio_s"]
+    header = ["model", "batch", "precision", "profile", "budget", "ceiling", "best_heuristic", "heuristic"]
+    header += [] if "milp" in skip else ["milp", "milp_status"]
+    header += ["ppo-onepass", "onepass_s"] if args.agent else []
+    header += [*alone] + ([] if "portfolio" in skip else ["portfolio", "portfolio_vs_heuristic", "portfolio_s"])
+    header += ["optuna_vs_portfolio"] if "portfolio" not in skip and "optuna-tpe" in alone else []
+    header += ["portfolio_agent"] if "portfolio" not in skip and args.agent else []
     print(" | ".join(header), flush=True)
-    for model in args.models.split(","):
-        kw = MODELS.get(model, {})
+    for model, kw, batch in workloads:
         started = time.perf_counter()
-        req = TraceRequest(model=model, batch_size=default_batch_size(model), precision=args.precision, **kw)  # type: ignore[arg-type]
+        req = TraceRequest(model=model, batch_size=batch or default_batch_size(model), precision=args.precision, **kw)  # type: ignore[arg-type]
         w, _ = trace_model(req)
         took = time.perf_counter() - started
         print(f"# {model} batch {w.batch_size} {w.precision}: traced in {took:.1f} s", flush=True)
@@ -75,18 +106,21 @@ def main() -> None:
             hw = get_profile(profile)
             peak = peak_report(w, hw.alloc_granularity_bytes).peak_bytes
             for fraction in (float(f) for f in args.fractions.split(",")):
-                row = cell(w, hw, int(peak * fraction), alone, args)
-                row.update(model=model, precision=w.precision, profile=profile, budget=f"{fraction:.0%}")
+                row = cell(w, hw, int(peak * fraction), alone, args, skip)
+                row.update(model=model, batch=w.batch_size, precision=w.precision, profile=profile)
+                row["budget"] = f"{fraction:.0%}"
                 rows.append(row)
                 print(" | ".join(_fmt(row.get(h)) for h in header), flush=True)
                 with args.csv.open("w", newline="") as f:
-                    writer = csv.DictWriter(f, fieldnames=header)
+                    writer = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
                     writer.writeheader()
                     writer.writerows(rows)
     summarize(rows)
+    if args.agent:
+        summarize_agent(rows)
 
 
-def cell(w, hw, budget: int, alone: list[str], args: argparse.Namespace) -> dict[str, object]:  # type: ignore[no-untyped-def]
+def cell(w, hw, budget: int, alone: list[str], args: argparse.Namespace, skip: set[str]) -> dict[str, object]:  # type: ignore[no-untyped-def]
     def problem(time_s: float) -> Problem:
         return Problem(w, hw, budget, time_limit_s=time_s, trials=0)
 
@@ -95,25 +129,36 @@ def cell(w, hw, budget: int, alone: list[str], args: argparse.Namespace) -> dict
     seeds = [get_searcher(n).search(p) for n in baseline_names()]
     feasible = [r for r in seeds if r.feasible]
     top = max(feasible, key=lambda r: r.result.samples_per_s) if feasible else None
-    milp = get_searcher("milp").search(p)
     row: dict[str, object] = {
         "ceiling": ceiling,
         "best_heuristic": top.searcher if top else None,
         "heuristic": _speed(top),
-        "milp": _speed(milp),
-        "milp_status": milp.status.value,
     }
+    if "milp" not in skip:
+        milp = get_searcher("milp").search(p)
+        row.update(milp=_speed(milp), milp_status=milp.status.value)
+    onepass = None
+    if args.agent:
+        started = time.perf_counter()  # from the trace: the simulator's construction counts
+        onepass = get_searcher("ppo-onepass").search(problem(args.search_s))
+        row["ppo-onepass"] = _speed(onepass)
+        row["onepass_s"] = time.perf_counter() - started
     for name in alone:
         row[name] = _speed(get_searcher(name).search(problem(args.search_s)))
-    started = time.perf_counter()
-    pp = problem(args.portfolio_s)
-    pp.seeds = seeds
-    port = get_searcher("portfolio").search(pp)
-    row["portfolio_s"] = time.perf_counter() - started
-    row["portfolio"] = _speed(port)
-    h, ps, o = row["heuristic"], row["portfolio"], row.get("optuna-tpe")
-    row["portfolio_vs_heuristic"] = ps / h - 1 if isinstance(h, float) and isinstance(ps, float) else None
-    row["optuna_vs_portfolio"] = o / ps if isinstance(o, float) and isinstance(ps, float) else None
+    if "portfolio" not in skip:
+        started = time.perf_counter()
+        pp = problem(args.portfolio_s)
+        pp.seeds = seeds
+        port = get_searcher("portfolio").search(pp)
+        row["portfolio_s"] = time.perf_counter() - started
+        row["portfolio"] = _speed(port)
+        if onepass is not None:  # the portfolio with the agent's one pass among its seeds, in the same time
+            pa = problem(args.portfolio_s - float(row["onepass_s"]))  # type: ignore[arg-type]
+            pa.seeds = [*seeds, onepass]
+            row["portfolio_agent"] = _speed(get_searcher("portfolio").search(pa))
+        h, ps, o = row["heuristic"], row["portfolio"], row.get("optuna-tpe")
+        row["portfolio_vs_heuristic"] = ps / h - 1 if isinstance(h, float) and isinstance(ps, float) else None
+        row["optuna_vs_portfolio"] = o / ps if isinstance(o, float) and isinstance(ps, float) else None
     return row
 
 
@@ -128,6 +173,8 @@ def _fmt(v: object) -> str:
 
 
 def summarize(rows: list[dict[str, object]]) -> None:
+    if "portfolio" not in rows[0]:
+        return
     hard = [
         r
         for r in rows
@@ -139,16 +186,47 @@ def summarize(rows: list[dict[str, object]]) -> None:
         print(f"portfolio over the best heuristic, median over those: {statistics.median(gains):+.2%} (target +5%)")
     no_heuristic = [r for r in rows if r["heuristic"] is None and isinstance(r["portfolio"], float)]
     print(f"cells where no heuristic fits but the portfolio does: {len(no_heuristic)}")
-    opt = [r for r in rows if r["milp_status"] == "OPTIMAL" and isinstance(r["milp"], float)]
+    opt = [r for r in rows if r.get("milp_status") == "OPTIMAL" and isinstance(r["milp"], float)]
     ok = [r for r in opt if isinstance(r["portfolio"], float) and r["portfolio"] >= 0.98 * r["milp"]]  # type: ignore[operator]
     print(f"MILP proved optimal (coarsened model) in {len(opt)} cells; portfolio >= 98% of it in {len(ok)}")
-    timed = [r for r in rows if r["milp_status"] == "TIMEOUT" and isinstance(r["milp"], float)]
+    timed = [r for r in rows if r.get("milp_status") == "TIMEOUT" and isinstance(r["milp"], float)]
     above = [r for r in timed if isinstance(r["portfolio"], float) and r["portfolio"] > r["milp"]]  # type: ignore[operator]
     print(f"MILP timed out with an incumbent in {len(timed)} cells; portfolio above it in {len(above)}")
     ratios = [r["optuna_vs_portfolio"] for r in rows if isinstance(r["optuna_vs_portfolio"], float)]
     if ratios:
         n95 = sum(x >= 0.95 for x in ratios)  # type: ignore[operator]
         print(f"optuna-tpe alone >= 95% of the portfolio in {n95} of {len(ratios)} cells (target: most)")
+
+
+def summarize_agent(rows: list[dict[str, object]]) -> None:
+    """The pretrained agent's targets (see the module docstring)."""
+
+    def at_least(a: object, b: object) -> bool:  # None: does not fit; a fitting policy beats none
+        return b is None or (isinstance(a, float) and isinstance(b, float) and a >= b * (1 - 1e-9))
+
+    name = [f"{r['model']} {r['profile']} {r['budget']}" for r in rows]
+    short = [n for n, r in zip(name, rows, strict=True) if not at_least(r["ppo-onepass"], r["heuristic"])]
+    print(f"\none pass >= the best heuristic in {len(rows) - len(short)} of {len(rows)} cells (target: all)")
+    for n, r in zip(name, rows, strict=True):
+        if n in short:
+            print(f"  short: {n}: one pass {_fmt(r['ppo-onepass'])}, {r['best_heuristic']} {_fmt(r['heuristic'])}")
+    if "ppo-pretrained" in rows[0] and "optuna-tpe" in rows[0]:
+        ok = [at_least(r["ppo-pretrained"], r["optuna-tpe"]) for r in rows]
+        print(f"ppo-pretrained >= optuna-tpe alone (same time) in {sum(ok)} of {len(rows)} cells (target: all)")
+        for n, r, good in zip(name, rows, ok, strict=True):
+            if not good:
+                print(f"  short: {n}: {_fmt(r['ppo-pretrained'])} vs {_fmt(r['optuna-tpe'])}")
+    if "portfolio_agent" in rows[0]:
+        pairs = [(r["portfolio_agent"], r["portfolio"]) for r in rows]
+        up = sum(isinstance(a, float) and (b is None or a > b * (1 + 1e-9)) for a, b in pairs)
+        down = sum(isinstance(b, float) and (a is None or a < b * (1 - 1e-9)) for a, b in pairs)
+        gains = [a / b - 1 for a, b in pairs if isinstance(a, float) and isinstance(b, float)]
+        print(f"portfolio with the one pass among its seeds: faster in {up}, slower in {down} of {len(rows)} cells; "
+              f"median {statistics.median(gains):+.2%}" if gains else "")  # fmt: skip
+    times = [(r["onepass_s"], r["model"]) for r in rows if isinstance(r["onepass_s"], float)]
+    if times:
+        print(f"one-pass time: median {statistics.median(t for t, _ in times):.2f} s, max {max(times)[0]:.2f} s "
+              f"({max(times)[1]}); target < 1 s on resnet101")  # fmt: skip
 
 
 if __name__ == "__main__":
