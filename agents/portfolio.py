@@ -1,7 +1,8 @@
 """The default searcher: baselines, then Optuna warm-started with them, then per-tensor refinement.
 
 1. Every heuristic baseline runs (about a second on ResNet-101); their results become the warm-start seeds
-   (``Problem.seeds``), unless the caller already ran them and passed them in.
+   (``Problem.seeds``), unless the caller already ran them and passed them in. The pretrained agent's one
+   pass (agents/pretrained.py, under a second on ResNet-101) joins them.
 2. Optuna over the parametric rule (agents/optuna_search.py) for most of the remaining time (or
    ``Problem.trials`` trials): NSGA-II from keep-all alone, then TPE whose starts are the seeds (one trial
    per feasible seed enqueued first). Study names: the problem's, suffixed ``.explore`` and
@@ -10,12 +11,13 @@
    while nothing fits), then iterated local search: random perturbations of the best, each refined.
 
 The best feasible result of all three wins, so the portfolio is never below its seeds. Without a time limit
-it runs ``DEFAULT_TIME_S``. Reinforcement-learning searchers join here when they earn it.
+it runs ``DEFAULT_TIME_S``. The per-problem RL searcher (``ppo``) has not earned a place here.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from typing import ClassVar
 
 import numpy as np
@@ -24,8 +26,12 @@ from agents.base import Problem, Proposal, Searcher, SearchResult, baseline_name
 from agents.optuna_search import OptunaNSGA2, OptunaSearcher, OptunaTPE, _Best, remaining, study_name
 from agents.refine import refine
 from envs.simulator import KEEP, RECOMPUTE, SWAP
+from runtime.errors import AutotuneError
 
 DEFAULT_TIME_S = 45.0
+#: The pretrained agent's one pass joins the seeds (measured in experiments/bench_quality.py --agent: the
+#: portfolio with it, in the same time, was faster in more held-out cells than it was slower).
+AGENT_SEED = True
 OPTUNA_SHARE = 0.75  # of the time left after the baselines; the rest goes to refinement
 
 
@@ -37,15 +43,22 @@ class Portfolio(Searcher):
     study_key: ClassVar[str] = OptunaTPE.name  # study names: the problem's for this key, suffixed per phase
 
     def _initial_seeds(self, problem: Problem) -> None:
-        """The warm-start seeds: every heuristic baseline, unless the caller passed seeds."""
-        if problem.seeds:
-            return
-        for name in baseline_names():
-            if problem.interrupted:
-                break
-            problem.seeds.append(get_searcher(name).search(problem))
+        """The warm-start seeds: every heuristic baseline, unless the caller passed seeds; then the pretrained
+        agent's one pass (agents/pretrained.py), under a second, unless a seed came from it already."""
+        if not problem.seeds:
+            for name in baseline_names():
+                if problem.interrupted:
+                    break
+                problem.seeds.append(get_searcher(name).search(problem))
+                if problem.progress is not None:
+                    problem.progress(f"baseline {name}", None)
+        if AGENT_SEED and not problem.interrupted and all(r.searcher != "ppo-onepass" for r in problem.seeds):
+            try:
+                problem.seeds.append(get_searcher("ppo-onepass").search(problem))
+            except AutotuneError as e:  # a broken agent file must not cost the search its answer
+                warnings.warn(f"the pretrained agent's seed is left out: {e}", stacklevel=2)
             if problem.progress is not None:
-                problem.progress(f"baseline {name}", None)
+                problem.progress("ppo-onepass", None)
 
     def _phases(self, problem: Problem) -> list[tuple[float, list[SearchResult], str, OptunaSearcher]]:
         """(share of the Optuna time left, seeds, study-name suffix, searcher) per Optuna phase."""

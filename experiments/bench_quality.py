@@ -20,7 +20,8 @@ With ``--agent`` (the pretrained agent, agents/pretrained.py) each cell also get
 as each searcher alone, and the summary adds the agent's targets: one pass >= the best heuristic in every
 cell (the cells that fall short are listed), ppo-pretrained >= optuna-tpe alone at the same time, one pass
 under a second on ResNet-101; and, unless portfolio is skipped, the portfolio with the one pass among its
-seeds (``portfolio_agent``, same time in all) against the portfolio. ``--models heldout`` is the agent's
+seeds (``portfolio_agent``, same time in all; the default since) against the portfolio without it
+(``portfolio`` in this mode). ``--models heldout`` is the agent's
 held-out split (experiments/train_agent.py: models never used in training, their batch sizes, profiles and
 budgets)::
 
@@ -41,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+from agents import portfolio
 from agents.base import Problem, SearchResult, baseline_names, get_searcher, list_searchers
 from autotune.models import default_batch_size
 from autotune.workloads import TraceRequest, trace_model
@@ -149,7 +151,11 @@ def cell(w, hw, budget: int, alone: list[str], args: argparse.Namespace, skip: s
         started = time.perf_counter()
         pp = problem(args.portfolio_s)
         pp.seeds = seeds
-        port = get_searcher("portfolio").search(pp)
+        portfolio.AGENT_SEED = not args.agent  # --agent: this column without the agent, the next one with it
+        try:
+            port = get_searcher("portfolio").search(pp)
+        finally:
+            portfolio.AGENT_SEED = True
         row["portfolio_s"] = time.perf_counter() - started
         row["portfolio"] = _speed(port)
         if onepass is not None:  # the portfolio with the agent's one pass among its seeds, in the same time

@@ -65,3 +65,46 @@ def test_plots_are_written(tmp_path: Path) -> None:
     ]  # fmt: skip
     exp_swap_vs_recompute.plot(rows, tmp_path / "sr.png")
     _png(tmp_path / "sr.png")
+
+
+# -- the pretrained agent's training script ------------------------------------------------------------------------
+def test_agent_split_holds_out_whole_models() -> None:
+    import train_agent
+
+    train = {s.model for s in train_agent.TRAIN}
+    assert not train & {s.model for s in train_agent.HELDOUT}
+    assert train_agent.VALIDATION in train
+
+
+def test_expert_labels_turn_to_keep_once_the_policy_fits() -> None:
+    import numpy as np
+    import train_agent
+
+    from envs.memory_env import OBS_FIELDS, OBS_SIZE
+
+    label = train_agent.Label(train_agent.TRAIN[0], "a100-40gb", 0.5, np.array([2, 1, 3]), 0.9, 0.8, "capuchin")
+    obs = np.zeros(OBS_SIZE, dtype=np.float32)
+    legal = np.array([True, True, True, False])
+    assert train_agent.expert_action(label, 0, obs, legal) == 0  # need_ratio 0: it fits already
+    obs[OBS_FIELDS.index("need_ratio")] = 0.2
+    assert [train_agent.expert_action(label, t, obs, legal) for t in range(3)] == [2, 1, 0]  # 3 is masked
+
+
+@pytest.mark.slow
+def test_train_agent_end_to_end_writes_a_loadable_agent(tmp_path: Path) -> None:
+    """The whole script on one small training workload, a fraction of a second of search per cell."""
+    import subprocess
+
+    from agents.pretrained import load_agent
+
+    script = Path(__file__).resolve().parents[1] / "experiments" / "train_agent.py"
+    args = ["--models", "resnet18-b64", "--expert-s", "0.3", "--epochs", "2", "--dagger", "1", "--dagger-epochs", "1"]
+    args += ["--jobs", "1", "--out", str(tmp_path / "a.pt"), "--cache", str(tmp_path / "cache")]
+    args += ["--results", str(tmp_path / "res")]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    agent = load_agent(tmp_path / "a.pt")
+    assert agent.meta["train"] == ["resnet18-b64"] and "resnet101-b64" in agent.meta["heldout"]
+    _png(tmp_path / "res" / "agent_curves.png")
+    assert "second_choice" in (tmp_path / "res" / "agent_train.csv").read_text().splitlines()[0]
+    assert "one pass >= best heuristic" in done.stdout

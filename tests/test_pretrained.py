@@ -182,3 +182,12 @@ def test_search_command_with_the_pretrained_agent(capsys: pytest.CaptureFixture[
     got = json.loads(stdout)
     assert got["feasible"] and got["samples_per_s"] >= got["best_heuristic_samples_per_s"]
     assert got["searcher"] in ("ppo-pretrained", got["best_heuristic"]) and out.exists()
+
+
+def test_the_portfolio_takes_the_one_pass_among_its_seeds() -> None:
+    p = problem(0.95, trials=6, time_limit_s=30)
+    r = get_searcher("portfolio").search(p)
+    seeds = [s.searcher for s in p.seeds]
+    assert seeds.count("ppo-onepass") == 1 and len(seeds) > 1  # the baselines, then the agent's one pass
+    onepass = next(s for s in p.seeds if s.searcher == "ppo-onepass")
+    assert r.feasible and r.result.samples_per_s >= onepass.result.samples_per_s
