@@ -355,7 +355,9 @@ def search(
         storage=storage,
         heartbeat_s=heartbeat,
     )
-    problem.study_name = study or study_name(problem, "optuna-tpe")
+    # The portfolio keeps the name its studies always had; another searcher gets its own, so that two
+    # searchers on one problem never share a study (their trials' parameters can differ).
+    problem.study_name = study or study_name(problem, "optuna-tpe" if searcher == "portfolio" else searcher)
     sr.check_budget(problem)
     path = out_path or Path(f"{w.model.replace(':', '_').replace('/', '_')}.policy.json")
     outcome = sr.run_search(
