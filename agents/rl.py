@@ -1,13 +1,16 @@
 """Reinforcement learning: MaskablePPO (sb3-contrib) trained on MemoryPolicyEnv for the problem at hand.
 
-``--searcher ppo`` trains a fresh agent on this problem's environment (one episode assigns an action to
-every candidate; the reward is simulated samples/s relative to no policy when the policy fits, a penalty
-growing with the excess when it does not) and answers with the best fitting policy any episode produced
-(``env.best``); if none fit, with the agent's greedy policy. Small MLP (two layers of 64), one torch
-thread (fastest for networks this small), episodic returns (gamma 1: the only reward is at the end).
+``--searcher ppo`` trains an agent on this problem's environment (one episode assigns an action to every
+candidate; the reward is simulated samples/s relative to no policy when the policy fits, a penalty growing
+with the excess when it does not). Its actor starts from the pretrained agent's weights
+(agents/pretrained.py; a fresh actor if they cannot be read), its critic fresh. The answer is the best of:
+the fitting policies its episodes produced (``env.best``), and the one pass (NOTE [ One pass ]: masked
+rollout, then decoding with the simulator) of the actor before and after training. Small MLP (two layers
+of 64), one torch thread (fastest for networks this small), episodic returns (gamma 1: the only reward is
+at the end). When keep-all fits the budget, that is the answer at once.
 
 Deterministic for a seed when ``Problem.trials`` episodes (default ``DEFAULT_EPISODES``) end before the
-time limit. A pretrained agent that proposes a policy for an unseen model in one pass is separate work.
+time limit.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, register
+from agents.base import Problem, Proposal, Searcher, better, register
 
 DEFAULT_EPISODES = 40
 
@@ -33,6 +36,7 @@ class MaskablePPOSearcher(Searcher):
         from sb3_contrib import MaskablePPO
         from stable_baselines3.common.callbacks import BaseCallback
 
+        from agents.pretrained import from_sb3, one_pass
         from envs.memory_env import MemoryPolicyEnv
 
         env = MemoryPolicyEnv(problem, allow_compress=problem.allow_compress)
@@ -67,15 +71,43 @@ class MaskablePPOSearcher(Searcher):
                 device="cpu",
                 verbose=0,
             )
+            warm = WARM_START and _warm_start(model)
+            # The pretrained actor's one pass is the first policy seen (PPO's first updates can undo it).
+            first = one_pass(from_sb3(model.policy), problem) if warm else None
             try:
                 model.learn(total_timesteps=episodes * k, callback=Stop())
             except KeyboardInterrupt:
                 problem.interrupted = True
-            if env.best is not None:
-                return Proposal(env.best.actions.copy(), note=f"best of {env.episodes} episodes")
-            return Proposal(greedy(model, env), note=f"no episode of {env.episodes} fit: the greedy policy")
+            start = "pretrained actor" if warm else "fresh actor"
+            # The trained actor's one pass (agents/pretrained.py: its rollout, decoded with the simulator).
+            decoded = one_pass(from_sb3(model.policy), problem)
+            if first is not None and better(first.result, decoded.result):
+                decoded, start = first, "pretrained actor, its one pass before training"
+            if env.best is not None and not better(decoded.result, env.best.result):
+                return Proposal(env.best.actions.copy(), note=f"best of {env.episodes} episodes ({start})")
+            return Proposal(
+                decoded.actions,
+                options=decoded.options,
+                note=f"the trained actor's one pass, after {env.episodes} episodes ({start})",
+            )
         finally:
             torch.set_num_threads(threads)
+
+
+WARM_START = True
+
+
+def _warm_start(model: Any) -> bool:
+    """Start the actor from the pretrained agent's weights (agents/pretrained.py) when their shapes agree;
+    the critic starts fresh. False (a fresh actor) when they do not or the file cannot be read."""
+    from agents.pretrained import into_sb3, load_agent
+    from runtime.errors import AutotuneError
+
+    try:
+        into_sb3(load_agent(), model.policy)
+    except (AutotuneError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def greedy(model: Any, env: Any) -> np.ndarray:

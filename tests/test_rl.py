@@ -1,5 +1,5 @@
-"""The MaskablePPO searcher on MemoryPolicyEnv: masks honoured, deterministic under a seed, and the best
-episode it saw is its answer."""
+"""The MaskablePPO searcher on MemoryPolicyEnv: masks honoured, deterministic under a seed, warm-started from
+the pretrained agent, and the best policy it saw is its answer."""
 
 from __future__ import annotations
 
@@ -23,11 +23,21 @@ def problem(**kw) -> Problem:  # type: ignore[no-untyped-def]
     return Problem(_W, _HW, budget_bytes=int(_PEAK * 0.9), time_limit_s=60, trials=40, **kw)
 
 
-def test_ppo_answers_with_the_best_fitting_episode() -> None:
+def test_ppo_answers_with_its_best_policy_never_below_the_pretrained_one_pass() -> None:
     p = problem()
     r = get_searcher("ppo").search(p)
-    assert r.feasible and "episodes" in r.note
-    assert p.evaluate(r.policy.to_vector(_W)) == r.result
+    assert r.feasible and "episodes" in r.note and "pretrained actor" in r.note
+    assert p.evaluate(r.policy.to_vector(_W), r.policy.options) == r.result
+    first = get_searcher("ppo-onepass").search(problem())  # the warm-started actor's one pass before training
+    assert r.result.samples_per_s >= first.result.samples_per_s
+
+
+def test_ppo_without_the_pretrained_actor_starts_fresh(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from agents import rl
+
+    monkeypatch.setattr(rl, "WARM_START", False)
+    r = get_searcher("ppo").search(problem())
+    assert r.feasible and "fresh actor" in r.note
 
 
 def test_ppo_is_deterministic_under_a_seed() -> None:
