@@ -455,6 +455,12 @@ def plot_curves(curve: list[dict[str, float]], ppo_rewards: list[float], path: P
     axes[0].legend()
     axes[1].plot(ep, [p["train_acc"] for p in curve], label="action accuracy, training")
     axes[1].plot(ep, [p["val_acc"] for p in curve], label="action accuracy, validation")
+    for p in curve:  # where each DAgger round's data joined (the training loss jumps there)
+        if "dagger_round" in p:
+            for ax in axes[:2]:
+                ax.axvline(p["epoch"] - 0.5, color="grey", linestyle=":", linewidth=0.8)
+            axes[0].annotate(f"DAgger {int(p['dagger_round'])}", (p["epoch"], 1.0), xycoords=("data", "axes fraction"),
+                             fontsize=7, color="grey", rotation=90, va="top")  # fmt: skip
     marks = [p for p in curve if "val_onepass" in p]
     if marks:
         axes[1].plot(
@@ -539,6 +545,7 @@ def main() -> None:
         print(f"DAgger round {round_}: {len(train.actions)} decisions ({time.perf_counter() - started:.0f} s)")
         offset = curve[-1]["epoch"]
         more = behaviour_clone(model, train, val, args.dagger_epochs, args.seed + round_, on_epoch)
+        more[0]["dagger_round"] = float(round_)
         curve += [{**p, "epoch": p["epoch"] + offset} for p in more]
     rewards: list[float] = []
     if args.ppo_steps > 0:
