@@ -198,62 +198,39 @@ def expert_action(label: Label, t: int, obs: np.ndarray, mask: np.ndarray) -> in
     return a if mask[a] else 0
 
 
-def rollouts(labels: list[Label], cache: Path) -> Dataset:
-    """Teacher-forced rollouts of every labelled cell: the expert's actions are taken, and labelled by
-    :func:`expert_action`."""
+def cell_problem(label: Label, cache: Path) -> Any:
+    """The search problem of a labelled cell: its workload, profile and budget."""
     from agents.base import Problem
-    from envs.memory_env import MemoryPolicyEnv
     from runtime.hardware import get_profile
 
-    obs, masks, acts, weights, cells = [], [], [], [], []
-    workloads: dict[Spec, Any] = {}
-    for ci, label in enumerate(labels):
-        if label.actions is None:
-            continue
-        w = workloads.setdefault(label.spec, trace(label.spec, cache))
-        hw = get_profile(label.profile)
-        env = MemoryPolicyEnv(Problem(w, hw, budget_at(w, hw, label.fraction)))
-        o, _ = env.reset()
-        for t in range(env.k):
-            mask = env.action_masks()
-            a = expert_action(label, t, o, mask)
-            obs.append(o)
-            masks.append(mask)
-            acts.append(a)
-            o, *_ = env.step(int(label.actions[t]) if mask[int(label.actions[t])] else 0)
-        weights += [1.0 / env.k] * env.k
-        cells += [ci] * env.k
-    return Dataset(
-        np.array(obs, dtype=np.float32),
-        np.array(masks, dtype=bool),
-        np.array(acts, dtype=np.int64),
-        np.array(weights, dtype=np.float32),
-        np.array(cells),
-    )
+    w = trace(label.spec, cache)
+    hw = get_profile(label.profile)
+    return Problem(w, hw, budget_at(w, hw, label.fraction))
 
 
-def dagger_rollouts(agent: Any, labels: list[Label], cache: Path) -> Dataset:
-    """The agent's own greedy rollouts, each state labelled with the expert's action for its candidate
-    (DAgger: the states the agent reaches, not only the expert's; the expert's policy is a fixed vector, so it
-    labels any state)."""
-    from agents.base import Problem
+def rollouts(labels: list[Label], cache: Path, agent: Any = None) -> Dataset:
+    """One rollout per labelled cell, every state labelled by :func:`expert_action`. Without ``agent`` the
+    expert's actions are taken (teacher forcing); with one, the agent's greedy masked actions (DAgger: the
+    states the agent reaches, not only the expert's; the expert's policy is a fixed vector, so it labels any
+    state)."""
     from envs.memory_env import MemoryPolicyEnv
-    from runtime.hardware import get_profile
 
     obs, masks, acts, weights, cells = [], [], [], [], []
     for ci, label in enumerate(labels):
         if label.actions is None:
             continue
-        w = trace(label.spec, cache)
-        hw = get_profile(label.profile)
-        env = MemoryPolicyEnv(Problem(w, hw, budget_at(w, hw, label.fraction)))
+        env = MemoryPolicyEnv(cell_problem(label, cache))
         o, _ = env.reset()
         for t in range(env.k):
             mask = env.action_masks()
             obs.append(o)
             masks.append(mask)
             acts.append(expert_action(label, t, o, mask))
-            o, *_ = env.step(int(np.argmax(np.where(mask, agent.logits(o), -np.inf))))
+            if agent is None:
+                taken = int(label.actions[t]) if mask[int(label.actions[t])] else 0
+            else:
+                taken = int(np.argmax(np.where(mask, agent.logits(o), -np.inf)))
+            o, *_ = env.step(taken)
         weights += [1.0 / env.k] * env.k
         cells += [ci] * env.k
     return Dataset(
@@ -352,17 +329,13 @@ def behaviour_clone(
 def onepass_scores(agent: Any, labels: list[Label], cache: Path, ablation: bool = False) -> list[dict[str, Any]]:
     """One pass per labelled cell: its speed against the expert's and the best heuristic's; with ``ablation``
     also the speed after each prefix of its decoding steps (``stage_<name>``; ``stage_rollout``: none)."""
-    from agents.base import Problem
     from agents.pretrained import STAGES, one_pass
-    from runtime.hardware import get_profile
 
     rows: list[dict[str, Any]] = []
     for label in labels:
         if label.actions is None:
             continue
-        w = trace(label.spec, cache)
-        hw = get_profile(label.profile)
-        p = Problem(w, hw, budget_at(w, hw, label.fraction))
+        p = cell_problem(label, cache)
         ceiling = p.simulator.run(p.keep_all()).samples_per_s
         r = one_pass(agent, p)
         speed = r.result.samples_per_s / ceiling if r.result.feasible else 0.0
@@ -383,7 +356,7 @@ def onepass_scores(agent: Any, labels: list[Label], cache: Path, ablation: bool 
         )
         if ablation:
             for n, stage in enumerate(("rollout", *STAGES)):
-                part = one_pass(agent, Problem(w, hw, p.budget_bytes), stages=STAGES[:n])
+                part = one_pass(agent, cell_problem(label, cache), stages=STAGES[:n])
                 ok = part.result.feasible
                 rows[-1][f"stage_{stage}"] = part.result.samples_per_s / ceiling if ok else 0.0
     return rows
@@ -394,17 +367,9 @@ def cells_env(labels: list[Label], cache: Path, seed: int) -> Any:
     """One gymnasium environment over many cells: each reset picks a training cell at random."""
     import gymnasium as gym
 
-    from agents.base import Problem
     from envs.memory_env import MemoryPolicyEnv
-    from runtime.hardware import get_profile
 
-    envs = []
-    for label in labels:
-        if label.actions is None:
-            continue
-        w = trace(label.spec, cache)
-        hw = get_profile(label.profile)
-        envs.append(MemoryPolicyEnv(Problem(w, hw, budget_at(w, hw, label.fraction))))
+    envs = [MemoryPolicyEnv(cell_problem(label, cache)) for label in labels if label.actions is not None]
 
     class Cells(gym.Env):  # type: ignore[misc]
         def __init__(self) -> None:
@@ -541,7 +506,7 @@ def main() -> None:
     curve = behaviour_clone(model, train, val, args.epochs, args.seed, on_epoch)
     for round_ in range(1, args.dagger + 1):
         started = time.perf_counter()
-        train = merge(train, dagger_rollouts(from_sb3(model.policy), train_labels, args.cache))
+        train = merge(train, rollouts(train_labels, args.cache, agent=from_sb3(model.policy)))
         print(f"DAgger round {round_}: {len(train.actions)} decisions ({time.perf_counter() - started:.0f} s)")
         offset = curve[-1]["epoch"]
         more = behaviour_clone(model, train, val, args.dagger_epochs, args.seed + round_, on_epoch)
