@@ -51,7 +51,9 @@ from typing import Any
 import numpy as np
 
 from agents.base import Problem, Proposal, Searcher, SearchResult, better, register
+from agents.optuna_search import OptunaSearcher, OptunaTPE
 from agents.portfolio import Portfolio
+from agents.refine import fastest_lookahead
 from agents.rule import LOOKAHEADS
 from envs.simulator import KEEP, RECOMPUTE, SWAP, SimResult
 from runtime.errors import AutotuneError
@@ -201,7 +203,7 @@ def from_sb3(policy: Any, meta: dict[str, Any] | None = None) -> Agent:
 
     from envs.memory_env import OBS_FIELDS
 
-    linears = [m for m in policy.mlp_extractor.policy_net if isinstance(m, nn.Linear)]
+    linears = _actor_linears(policy)
     acts = {type(m).__name__ for m in policy.mlp_extractor.policy_net if not isinstance(m, nn.Linear)}
     activation = "relu" if acts == {"ReLU"} else "tanh"
     if acts - {"ReLU", "Tanh"}:
@@ -215,12 +217,18 @@ def from_sb3(policy: Any, meta: dict[str, Any] | None = None) -> Agent:
     return Agent(hidden, head, OBS_FIELDS, activation, dict(meta or {}))
 
 
+def _actor_linears(policy: Any) -> list[Any]:
+    """The hidden linear layers of a MaskablePPO ``MlpPolicy``'s actor, in order (its head is ``action_net``)."""
+    import torch.nn as nn
+
+    return [m for m in policy.mlp_extractor.policy_net if isinstance(m, nn.Linear)]
+
+
 def into_sb3(agent: Agent, policy: Any) -> None:
     """Copy the agent's weights into the actor of a MaskablePPO ``MlpPolicy`` of the same shape."""
     import torch
-    import torch.nn as nn
 
-    linears = [m for m in policy.mlp_extractor.policy_net if isinstance(m, nn.Linear)]
+    linears = _actor_linears(policy)
     if len(linears) != len(agent.hidden):
         raise ValueError(f"the policy has {len(linears)} hidden layers, the agent {len(agent.hidden)}")
     with torch.no_grad():
@@ -268,7 +276,7 @@ def one_pass(agent: Agent, problem: Problem, stages: tuple[str, ...] = STAGES) -
         scores[t], masks[t] = logits, mask
         obs, _, _, _, info = env.step(int(np.argmax(logits)))
     actions = np.asarray(info["actions"], dtype=np.int8)
-    result = problem.evaluate(actions)
+    result = env.result  # the finished rollout, simulated by its last step
     rollout_feasible = result.feasible
     # The network's preference for dropping each candidate, and the drop it prefers.
     drop = np.where(masks[:, 1:], scores[:, 1:], -np.inf)
@@ -279,15 +287,11 @@ def one_pass(agent: Agent, problem: Problem, stages: tuple[str, ...] = STAGES) -
     if "fit" in stages and not result.feasible:
         actions, options, result, fitted = _fit(problem, actions, result, margin, best_drop, masks)
         if not result.feasible:  # from keep-all instead of the rollout (dropping more can raise the peak)
-            alt = _fit(problem, problem.keep_all(), problem.evaluate(problem.keep_all()), margin, best_drop, masks)
+            alt = _fit(problem, problem.keep_all(), env.baseline, margin, best_drop, masks)
             if better(alt[2], result):
                 actions, options, result, fitted = alt
     if "lookahead" in stages and result.feasible:
-        for lookahead in LOOKAHEADS:  # the prefetch distance that suits these actions best
-            trial = dataclasses.replace(problem.options, prefetch_lookahead=lookahead)
-            r = problem.evaluate(actions, trial)
-            if r.feasible and r.samples_per_s > result.samples_per_s:
-                options, result = trial, r
+        options, result = fastest_lookahead(problem, actions, options, result)
     sweep = {"give_back", "second_choice"} & set(stages)
     for i in np.argsort(margin, kind="stable") if sweep and result.feasible else ():
         if actions[i] == KEEP:
@@ -388,7 +392,7 @@ class PretrainedPPO(Portfolio):
     name = "ppo-pretrained"
     composite = True
     summary = "one pass of the pretrained agent, then Optuna TPE warm-started from it and per-tensor refinement"
-    study_key = "ppo-pretrained"
+    study_key = name
 
     def _initial_seeds(self, problem: Problem) -> None:
         """The agent's one pass joins whatever seeds the caller passed (the baselines, in `autotune search`)."""
@@ -397,7 +401,5 @@ class PretrainedPPO(Portfolio):
         if problem.progress is not None:
             problem.progress("ppo-onepass", r.result)
 
-    def _phases(self, problem: Problem) -> list[tuple[float, list[SearchResult], str, Any]]:
-        from agents.optuna_search import OptunaTPE
-
+    def _phases(self, problem: Problem) -> list[tuple[float, list[SearchResult], str, OptunaSearcher]]:
         return [(1.0, problem.seeds, ".seeded", OptunaTPE())]

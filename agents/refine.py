@@ -65,16 +65,33 @@ def refine(
         if not improved and not late():
             best, best_result, paired = _pairs(problem, best, options, best_result, late)
             improved = improved or paired
-        for lookahead in LOOKAHEADS:
-            if late():
-                break
-            trial = replace(options, prefetch_lookahead=lookahead)
-            r = problem.evaluate(best, trial)
-            if r.feasible and r.samples_per_s > best_result.samples_per_s:
-                options, best_result, improved = trial, r, True
+        if not late():
+            options, faster = fastest_lookahead(problem, best, options, best_result, late)
+            improved = improved or faster is not best_result
+            best_result = faster
         if not improved:
             break
     return best, options, best_result
+
+
+def fastest_lookahead(
+    problem: Problem,
+    actions: np.ndarray,
+    options: PolicyOptions,
+    result: SimResult,
+    late: Callable[[], bool] | None = None,
+) -> tuple[PolicyOptions, SimResult]:
+    """The prefetch look-ahead (of agents.rule's ``LOOKAHEADS``) under which ``actions`` fit and run fastest,
+    starting from ``options`` and their ``result`` (returned as they are when none is faster); stops when
+    ``late()``."""
+    for lookahead in LOOKAHEADS:
+        if late is not None and late():
+            break
+        trial = replace(options, prefetch_lookahead=lookahead)
+        r = problem.evaluate(actions, trial)
+        if r.feasible and r.samples_per_s > result.samples_per_s:
+            options, result = trial, r
+    return options, result
 
 
 def _repair(

@@ -18,8 +18,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
-
 from agents.base import Problem, Proposal, Searcher, better, register
 
 DEFAULT_EPISODES = 40
@@ -108,14 +106,3 @@ def _warm_start(model: Any) -> bool:
     except (AutotuneError, ValueError, RuntimeError):
         return False
     return True
-
-
-def greedy(model: Any, env: Any) -> np.ndarray:
-    """One deterministic, masked episode of ``model`` on ``env``: its action vector."""
-    obs, _ = env.reset()
-    done = False
-    while not done:
-        action, _ = model.predict(obs, deterministic=True, action_masks=env.action_masks())
-        obs, _, terminated, truncated, _ = env.step(action)
-        done = terminated or truncated
-    return np.asarray(env.actions, dtype=np.int8)

@@ -370,6 +370,12 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
         return self._actions.copy()
 
     @property
+    def result(self) -> SimResult:
+        """The simulated result of the current policy: the decided prefix, every later candidate kept (after
+        the last step, the finished policy's)."""
+        return self._partial
+
+    @property
     def candidate(self) -> int:
         """Index into ``workload.candidates`` of the candidate the next action decides (``k`` when done)."""
         return self._t

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from agents.base import Problem, get_searcher
-from agents.rl import greedy
+from agents.pretrained import from_sb3, one_pass
 from envs.memory_env import MemoryPolicyEnv
 from envs.simulator import COMPRESS
 from runtime.hardware import get_profile
@@ -59,5 +59,5 @@ def test_greedy_rollout_honours_the_masks() -> None:
         action, _ = model.predict(obs, deterministic=True, action_masks=mask)
         assert mask[int(action)]
         obs, _, done, _, _ = env.step(action)
-    vec = greedy(model, env)
+    vec = one_pass(from_sb3(model.policy), problem(), stages=()).actions  # the same rollout, as the searcher runs it
     assert not np.any(vec == COMPRESS) and len(vec) == len(_W.candidates)
