@@ -182,7 +182,6 @@ class Dataset:
     masks: np.ndarray  # (n, 4) bool
     actions: np.ndarray  # (n,) int64
     weights: np.ndarray  # (n,) float32: 1 / candidates of the cell
-    cell: np.ndarray  # (n,) int: index into the labels
 
 
 def expert_action(label: Label, t: int, obs: np.ndarray, mask: np.ndarray) -> int:
@@ -215,8 +214,8 @@ def rollouts(labels: list[Label], cache: Path, agent: Any = None) -> Dataset:
     state)."""
     from envs.memory_env import MemoryPolicyEnv
 
-    obs, masks, acts, weights, cells = [], [], [], [], []
-    for ci, label in enumerate(labels):
+    obs, masks, acts, weights = [], [], [], []
+    for label in labels:
         if label.actions is None:
             continue
         env = MemoryPolicyEnv(cell_problem(label, cache))
@@ -232,13 +231,11 @@ def rollouts(labels: list[Label], cache: Path, agent: Any = None) -> Dataset:
                 taken = int(np.argmax(np.where(mask, agent.logits(o), -np.inf)))
             o, *_ = env.step(taken)
         weights += [1.0 / env.k] * env.k
-        cells += [ci] * env.k
     return Dataset(
         np.array(obs, dtype=np.float32),
         np.array(masks, dtype=bool),
         np.array(acts, dtype=np.int64),
         np.array(weights, dtype=np.float32),
-        np.array(cells),
     )
 
 
@@ -462,7 +459,7 @@ def main() -> None:
 
     import torch
 
-    from agents.pretrained import from_sb3, into_sb3, save_agent
+    from agents.pretrained import from_sb3, save_agent
 
     keys = {k.strip() for k in args.models.split(",") if k.strip()}
     unknown = keys - {s.key for s in TRAIN}
@@ -518,8 +515,6 @@ def main() -> None:
         rewards = fine_tune(model, args.ppo_steps)
         print(f"PPO fine-tuning: {len(rewards)} episodes in {time.perf_counter() - started:.0f} s", flush=True)
     agent = from_sb3(model.policy, meta_base)
-    check = from_sb3(model.policy)
-    into_sb3(check, model.policy)  # the round trip the fine-tuning path relies on
     rows = onepass_scores(agent, labels, args.cache, ablation=True)
     save_agent(agent, args.out)
     digest = hashlib.sha256(args.out.read_bytes()).hexdigest()[:12]
