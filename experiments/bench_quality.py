@@ -21,12 +21,11 @@ as each searcher alone, and the summary adds the agent's targets: one pass >= th
 cell (the cells that fall short are listed), ppo-pretrained >= optuna-tpe alone at the same time, one pass
 under a second on ResNet-101; and, unless portfolio is skipped, the portfolio with the one pass among its
 seeds (``portfolio_agent``, same time in all; the default since) against the portfolio without it
-(``portfolio`` in this mode). ``--models heldout`` is the agent's
-held-out split (experiments/train_agent.py: models never used in training, their batch sizes, profiles and
-budgets)::
+(``portfolio`` in this mode). ``--models heldout`` is the agent's held-out split (experiments/train_agent.py:
+models never used in training, their batch sizes, profiles and budgets); the README's held-out table::
 
-    python experiments/bench_quality.py --models heldout --agent --skip milp --search-s 8 --portfolio-s 16 \
-        --csv experiments/results/agent_heldout.csv
+    python experiments/bench_quality.py --models heldout --agent --skip milp,optuna-nsga2,refine \
+        --search-s 8 --portfolio-s 16 --csv experiments/results/agent_heldout.csv
 
 The ceiling is the no-policy speed, not the optimum at the budget: a cell can be far below it with no
 better policy existing. Searchers run with their seeds fixed; the time limits make runs on a busy machine
