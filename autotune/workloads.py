@@ -82,6 +82,7 @@ def trace_model(req: TraceRequest) -> tuple[Workload, float]:
     )
     w.seq_len = built.get("seq_len")
     w.batch_size = built["batch_size"] or 0
+    w.compute_fingerprints()  # the shape fingerprint hashes the batch size and sequence length set just now
     w.meta["device_profile"] = _device_profile(req.device) if req.mode == "real" else None
     return w, time.perf_counter() - start
 

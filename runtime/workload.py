@@ -259,8 +259,8 @@ class Workload:
                 f"{source}: corrupted workload file ({type(e).__name__}: {e}); "
                 "trace the model again with `autotune profile --model M --out FILE`"
             ) from None
-            rest["precision"] = d.get("precision", "fp32")  # files from before precisions were traced
-            rest["grad_accum"] = int(d.get("grad_accum", 1))
+        rest["precision"] = d.get("precision", "fp32")  # files from before precisions were traced
+        rest["grad_accum"] = int(d.get("grad_accum", 1))
         return cls(ops=ops, tensors=tensors, candidates=cands, **rest)
 
     def save(self, path: str | os.PathLike[str]) -> None:
