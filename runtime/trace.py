@@ -67,7 +67,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from runtime.errors import AutotuneError
 from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, block_paths
 from runtime.precision import TrainStep
-from runtime.workload import Candidate, OpInfo, Phase, TensorInfo, TensorKind, Workload
+from runtime.workload import Candidate, Frame, OpInfo, Phase, TensorInfo, TensorKind, Workload
 
 Batch = tuple[torch.Tensor, ...]
 LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
@@ -117,11 +117,14 @@ class _Recorder(TorchDispatchMode):
         self.paused = False
         self.closed = False
         self.module_of: Callable[[], str] = lambda: OUTSIDE
+        self.frame_of: Callable[[], int] = lambda: -1  # innermost module call (NOTE [ Frames ])
         self._time_ops = time_ops
         self.ignored_keys: list[str] = []
         self._cuda_events: list[tuple[int, Any, Any]] = []
         # Real CUDA traces read each op's workspace off the allocator (bytes allocated and released inside it).
         self._cuda_memory = time_ops and torch.cuda.is_available() and torch.cuda.is_initialized()
+        # ... and where the host is apart from the device (CUDA), when the host reached each op.
+        self._host_entry: list[float] | None = [] if self._cuda_memory else None
 
     # -- storages ----------------------------------------------------------------------------------------
     def register(self, t: torch.Tensor, kind: TensorKind, alloc_op: int = -1) -> int:
@@ -160,6 +163,7 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.paused or func.namespace == "prim":
             return func(*args, **kwargs)
+        entered = time.perf_counter()
         if self._cuda_memory:
             torch.cuda.reset_peak_memory_stats()  # the op's own high-water mark, for its workspace
         start = self._clock()
@@ -190,6 +194,7 @@ class _Recorder(TorchDispatchMode):
             self.tensors[tid].readers.append(index)
 
         dtype = next((str(t.dtype).removeprefix("torch.") for t in out_tensors if t.is_floating_point()), "float32")
+        forward = self.phase == Phase.FORWARD
         self.ops.append(
             OpInfo(
                 index=index,
@@ -202,8 +207,12 @@ class _Recorder(TorchDispatchMode):
                 outputs=tuple(outputs),
                 dtype=dtype,
                 workspace_bytes=max(0, int(workspace)),
+                frame=self.frame_of() if forward else -1,
+                seeded=torch.Tag.nondeterministic_seeded in func.tags,
             )
         )
+        if self._host_entry is not None:
+            self._host_entry.append(entered)
         if self._time_ops:
             if isinstance(start, float):
                 self.ops[-1].time_s = float(end) - start
@@ -225,6 +234,10 @@ class _Recorder(TorchDispatchMode):
             torch.cuda.synchronize()
             for index, start, end in self._cuda_events:
                 self.ops[index].time_s = start.elapsed_time(end) / 1e3
+        if self._host_entry:  # each op's host time: from its dispatch to the next op's
+            entries = self._host_entry
+            for op, begin, end in zip(self.ops, entries, [*entries[1:], entries[-1]], strict=True):
+                op.host_s = end - begin
 
 
 def written_tensors(
@@ -303,6 +316,72 @@ def _backward_module() -> str:
     return str(_metadata(node).get(_MODULE_TAG, OUTSIDE))
 
 
+# -- module calls (NOTE [ Frames ] in runtime/workload.py) -------------------------------------------------
+class _FrameLog:
+    """The module calls of the recorded forward, and the frame each pack happens in."""
+
+    def __init__(self, rec: _Recorder) -> None:
+        self.rec = rec
+        self.frames = [Frame(0, OUTSIDE, 0, -1, 0, -1)]
+        self._stack = [0]
+        self._calls: dict[str, int] = {}
+        self.packs: dict[int, list[tuple[int, int]]] = {}  # candidate tensor id -> (frame, last op) per pack
+        self.active = True  # until the forward ends
+
+    @property
+    def current(self) -> int:
+        return self._stack[-1]
+
+    @contextlib.contextmanager
+    def attached(self, model: torch.nn.Module) -> Iterator[_FrameLog]:
+        handles = []
+        for path, mod in model.named_modules():
+            name = path or ROOT
+            norm = isinstance(mod, torch.nn.modules.batchnorm._BatchNorm)
+
+            def pre(_m: torch.nn.Module, args: Any, kwargs: Any, name: str = name, norm: bool = norm) -> None:
+                self._enter(name, norm, (args, kwargs))
+
+            def post(_m: torch.nn.Module, _args: Any, _kwargs: Any, out: Any, name: str = name) -> None:
+                self._leave(name, out)
+
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True, prepend=True))
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _ids(self, values: Any) -> tuple[int, ...]:
+        ids = (self.rec.tensor_id(t) for t in tree_leaves(values) if isinstance(t, torch.Tensor))
+        return tuple(-1 if i is None else i for i in ids)
+
+    def _enter(self, name: str, norm: bool, args: Any) -> None:
+        if not self.active:
+            return
+        if name == ROOT and len(self._stack) == 1:  # a new forward: calls count from 0, as in the keys
+            self._calls.clear()
+        call = self._calls.get(name, 0)
+        self._calls[name] = call + 1
+        parent = self._stack[-1] if len(self._stack) > 1 else -1  # frame 0 encloses nothing
+        n = len(self.rec.ops)
+        frame = Frame(len(self.frames), name, call, parent, n, n - 1, args=self._ids(args), norm=norm)
+        self.frames.append(frame)
+        self._stack.append(frame.index)
+
+    def _leave(self, name: str, out: Any) -> None:
+        if not self.active or len(self._stack) == 1 or self.frames[self._stack[-1]].path != name:
+            return
+        frame = self.frames[self._stack.pop()]
+        frame.last_op = len(self.rec.ops) - 1
+        frame.outputs = self._ids(_outputs_of(out))
+
+    def end_forward(self) -> None:
+        self.frames[0].last_op = len(self.rec.ops) - 1
+        self.active = False
+
+
 # -- the capture -------------------------------------------------------------------------------------------
 def capture(
     build: BuildFn,
@@ -331,10 +410,10 @@ def capture(
         keyer = SavedTensorKeyer(model)
         with keyer.attached():
             dropped = _drop_pass(model, batch, loss_fn, opt, keyer, step)
-            rec, cand_order, (saved_after, saved_in) = _record(
+            rec, cand_order, (saved_after, saved_in), frames = _record(
                 model, batch, loss_fn, opt, keyer, step, time_ops=not fake
             )
-        plain_iter_s = None if fake else _plain_iteration_s(model, batch, loss_fn, opt, step)
+        plain = None if fake else _plain_iteration_s(model, batch, loss_fn, opt, step)
     w = _build_workload(
         rec,
         cand_order,
@@ -342,6 +421,7 @@ def capture(
         saved_in,
         dropped,
         block_paths(model),
+        frames,
         model=name,
         batch_size=batch_size,
         seq_len=seq_len,
@@ -353,23 +433,28 @@ def capture(
     w.grad_accum = step.grad_accum
     if step.grad_accum > 1:
         opt.zero_grad(set_to_none=True)
-    w.meta["plain_iter_s"] = plain_iter_s
+    w.meta["plain_iter_s"] = None if plain is None else plain[0]
+    w.meta["plain_host_s"] = None if plain is None else plain[1]
     return w
 
 
 def _plain_iteration_s(
     model: torch.nn.Module, batch: Batch, loss_fn: LossFn, opt: torch.optim.Optimizer, step: TrainStep
-) -> float:
-    """Wall time of one iteration without the recorder (NOTE [ Op time calibration ] in runtime.hardware)."""
-    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
-    sync()
+) -> tuple[float, float | None]:
+    """Wall time of one iteration without the recorder (NOTE [ Op time calibration ] in runtime.hardware)
+    and, on a GPU, the host's part of it: until the last op was issued, before waiting for the device."""
+    cuda = next(model.parameters()).is_cuda
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     step.backward(step.loss(model, batch, loss_fn))
     step.step(opt)
-    sync()
+    issued = time.perf_counter()
+    if cuda:
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     opt.zero_grad(set_to_none=True)
-    return elapsed
+    return elapsed, (issued - start) if cuda else None
 
 
 def _warm_up(
@@ -458,23 +543,28 @@ def _record(
     keyer: SavedTensorKeyer,
     step: TrainStep,
     time_ops: bool,
-) -> tuple[_Recorder, dict[int, str], tuple[dict[int, int], dict[int, set[str]]]]:
+) -> tuple[_Recorder, dict[int, str], tuple[dict[int, int], dict[int, set[str]]], _FrameLog]:
     rec = _Recorder(time_ops=time_ops)
     _register_state(rec, model, batch, opt, step)
     cand: dict[int, str] = {}  # tensor id -> key, in first-pack order
     saved_after: dict[int, int] = {}  # tensor id -> last op completed at its first pack
     saved_in: dict[int, set[str]] = {}  # tensor id -> modules whose ops saved it
     ignored: list[str] = rec.ignored_keys
+    log = _FrameLog(rec)
+    packs = log.packs
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         rec.paused = True
         try:
             k = keyer.key_for(t)
             tid = rec.tensor_id(t)
+            frame = log.current
+            log.frames[frame].packs += 1
             if k.key is not None and tid is not None and rec.tensors[tid].phase == Phase.FORWARD:
                 cand.setdefault(tid, k.key)
                 saved_after.setdefault(tid, len(rec.ops) - 1)
                 saved_in.setdefault(tid, set()).add(keyer.current_module)
+                packs.setdefault(tid, []).append((frame, len(rec.ops) - 1))
             elif k.first_pack and k.key is not None:
                 ignored.append(k.key)  # saved but not made in forward (the batch, targets): not a candidate
             return t.detach()  # not t itself: a saved output holding its own grad_fn would never be freed
@@ -484,12 +574,14 @@ def _record(
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
-    with _attribute_backward(model, keyer), rec:
+    with _attribute_backward(model, keyer), log.attached(model), rec:
         rec.phase = Phase.FORWARD
         rec.module_of = lambda: keyer.current_module
+        rec.frame_of = lambda: log.current
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             # The fp16 loss scaling saves the scale: inside the hooks, so it is known (and ignored) by key.
             loss = step.scaled(step.loss(model, batch, loss_fn))
+        log.end_forward()
         _tag_graph(loss, OUTSIDE)
         rec.phase = Phase.BACKWARD
         rec.module_of = _backward_module
@@ -509,7 +601,7 @@ def _record(
             opt.zero_grad(set_to_none=True)  # gradients die here, after the last op
     rec.closed = True
     rec.finish_timing()
-    return rec, cand, (saved_after, saved_in)
+    return rec, cand, (saved_after, saved_in), log
 
 
 def _build_workload(
@@ -519,6 +611,7 @@ def _build_workload(
     saved_in: dict[int, set[str]],
     dropped: dict[str, int],
     blocks: dict[str, str],
+    log: _FrameLog,
     **info: Any,
 ) -> Workload:
     tensors = [
@@ -560,9 +653,17 @@ def _build_workload(
                 recompute_inputs=tuple(sorted(needs)),
                 block=_block(blocks, rec.ops[t.alloc_op].module),
                 block_input=any(_block(blocks, m) != _block(blocks, rec.ops[t.alloc_op].module) for m in saved_in[tid]),
+                packs=tuple(log.packs[tid]),
             )
         )
-    w = Workload(ops=rec.ops, tensors=tensors, candidates=candidates, torch_version=torch.__version__, **info)
+    w = Workload(
+        ops=rec.ops,
+        tensors=tensors,
+        candidates=candidates,
+        torch_version=torch.__version__,
+        frames=log.frames,
+        **info,
+    )
     w.meta["ignored_keys"] = rec.ignored_keys
     w.compute_fingerprints()
     return w

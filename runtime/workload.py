@@ -25,6 +25,15 @@ NOTE [ Candidates ]
     written for a key finds its tensor again. ``free_op`` of its tensor is where it dies when kept;
     ``free_if_dropped_op`` is where it would die if autograd did not hold it (measured, not guessed: see
     NOTE [ Drop pass ] in runtime/trace.py).
+
+NOTE [ Frames ]
+    A frame is one call of one module in the forward (``layer1.0#0``: path and call, as in the keys), with
+    the range of forward ops that ran during it (nested calls included: frames nest like the calls), the
+    tensors it was given and returned, and how many saved-tensor packs happened with it as the innermost
+    module. Frame 0 is ``<loss>#0``: what runs outside the model (the loss); it encloses nothing. Each
+    candidate lists its packs as (frame, last op completed). The runtime decides with them where it needs
+    hooks at all, which module calls it can recompute with ``torch.utils.checkpoint`` (runtime/plan.py), and
+    the simulator reads the same to cost exactly that.
 """
 
 from __future__ import annotations
@@ -99,6 +108,11 @@ class OpInfo:
     # Device bytes the op allocated and released inside itself (cuDNN and cuBLAS workspaces), above what it
     # left allocated; measured from the CUDA allocator by real-mode traces, 0 elsewhere.
     workspace_bytes: int = 0
+    frame: int = -1  # forward ops: the innermost module call running it (NOTE [ Frames ]); -1 elsewhere
+    seeded: bool = False  # draws random numbers (dropout): recomputing it needs the random state restored
+    # Real-mode traces on a GPU: seconds the host spent issuing this op (dispatch, launch and the Python up
+    # to the next op), from host timestamps; None where not measured (NOTE [ Host clock ] in envs/simulator.py).
+    host_s: float | None = None
 
 
 @dataclass
@@ -117,11 +131,28 @@ class Candidate:
     recompute_inputs: tuple[int, ...]  # tensors the producer chain (producer + writers) reads
     block: str = ""  # block of the producer (runtime.keys.block_paths): a recompute region
     block_input: bool = False  # also saved in another block than its producer's: a block boundary
+    packs: tuple[tuple[int, int], ...] = ()  # each pack of its storage: (frame, last op completed), in order
 
     @property
     def recompute_ops(self) -> tuple[int, ...]:
         """Ops that regenerate the storage, in order: its producer then its in-place writers."""
         return (self.producer, *self.writers)
+
+
+@dataclass
+class Frame:
+    """One module call in the forward (see NOTE [ Frames ])."""
+
+    index: int
+    path: str  # module path; "<root>" for the model itself, "<loss>" for frame 0 (outside the model)
+    call: int  # which call of that module since the forward started
+    parent: int  # the enclosing call; -1 for the root and for frame 0
+    first_op: int  # first forward op run during the call
+    last_op: int  # last forward op run during it (first_op - 1 when it ran none)
+    packs: int = 0  # packs (any storage, parameters included) with this call as the innermost module
+    args: tuple[int, ...] = ()  # tensor ids of its tensor arguments, positional then keyword (-1: unknown)
+    outputs: tuple[int, ...] = ()  # tensor ids of the tensors it returned
+    norm: bool = False  # a BatchNorm module: writes its running statistics in forward
 
 
 @dataclass
@@ -143,6 +174,7 @@ class Workload:
     meta: dict[str, Any] = field(default_factory=dict)
     precision: str = "fp32"  # fp32, or bf16/fp16 under torch.autocast (NOTE [ Precision ] in runtime.precision)
     grad_accum: int = 1  # micro-batches per optimizer step (NOTE [ Gradient accumulation ] in runtime.trace)
+    frames: list[Frame] = field(default_factory=list)  # module calls of the forward (NOTE [ Frames ])
 
     # -- structure ---------------------------------------------------------------------------------------
     def phase_range(self, phase: Phase) -> range:
@@ -235,9 +267,13 @@ class Workload:
                         "writers": tuple(c["writers"]),
                         "bwd_uses": tuple(c["bwd_uses"]),
                         "recompute_inputs": tuple(c["recompute_inputs"]),
+                        "packs": tuple((int(f), int(op)) for f, op in c.get("packs", ())),
                     }
                 )
                 for c in d["candidates"]
+            ]
+            frames = [  # files from before frames were traced have none
+                Frame(**{**f, "args": tuple(f["args"]), "outputs": tuple(f["outputs"])}) for f in d.get("frames", [])
             ]
             rest = {
                 k: d[k]
@@ -261,7 +297,7 @@ class Workload:
             ) from None
         rest["precision"] = d.get("precision", "fp32")  # files from before precisions were traced
         rest["grad_accum"] = int(d.get("grad_accum", 1))
-        return cls(ops=ops, tensors=tensors, candidates=cands, **rest)
+        return cls(ops=ops, tensors=tensors, candidates=cands, frames=frames, **rest)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write JSON (gzip-compressed when the name ends in .gz), atomically: temp file, then rename."""
