@@ -7,44 +7,66 @@ Usage::
         loss = criterion(model(x), y)
         loss.backward()
 
-or, to reuse pinned buffers and streams across iterations, one :class:`PolicyRuntime` and ``rt.step()``.
+or, to reuse pinned buffers, streams and what the first step learned, one :class:`PolicyRuntime` and
+``rt.step()``.
 
 NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its NOTE [ Simulator semantics ].
-    R1. Recognition. A :class:`~runtime.keys.SavedTensorKeyer` on the model names every storage autograd
-        packs, as the tracer did; the policy's action for that key decides. A key the policy does not know
-        is kept, counted and reported once (the saved batch and targets are listed in the policy's schedule
-        and kept silently). All packs of one storage share one handle, so views come back as views.
+    R1. Recognition. In the first step a :class:`~runtime.keys.SavedTensorKeyer` on the model names every
+        storage autograd packs, as the tracer did; the policy's action for that key decides. A key the
+        policy does not know is kept, counted and reported once (the saved batch and targets are listed in
+        the policy's schedule and kept silently). All packs of one storage share one handle, so views come
+        back as views. Later steps look each pack up instead (R11).
     R2. Keep: the pack hook returns a detached alias (a saved output holding its own grad_fn would
         otherwise never be freed).
     R3. Swap out (Rule 4): at the first pack, the storage's bytes are copied to host memory: on CUDA into a
         pinned buffer (one per key, reused across iterations) on a dedicated device-to-host stream that
-        first waits for the compute stream. The handle holds the device bytes until the copy's event has
-        completed (polled at every pack and unpack), then lets go: the block is released when the copy
-        ends, as the simulator plans, and the allocator's statistics say so (``record_stream`` would hide
-        the block's true lifetime from ``max_memory_allocated``). On the CPU the copy goes to a host store
-        that the memory tracker does not count (runtime.measure.host_memory) and the handle holds nothing.
+        first waits for the compute stream. The handle holds the device bytes until its release point, the
+        ``release_after``-th pack point after its own (a pack point is the first pack of a candidate that
+        the step observes, R11), or the first unpack of a swapped, recomputed or compressed tensor in
+        backward, whichever comes first. There the compute stream waits for the copy's event (no host
+        synchronisation) and the handle lets go, so the block is released at that point of the program,
+        as the simulator plans. On the CPU the host store is the same memory: the copy is counted like any
+        storage (runtime.measure), unpacks return views of it, and it goes after the last one (R9).
         Tensors on another device than the model's (attention's RNG seed on the host) are kept.
     R4. Prefetch (Rule 5): when backward first unpacks a tensor of unpack rank r, the copies back of every
         swapped tensor of rank <= r + L are issued, in rank order, on a host-to-device stream that waits
         for the compute stream (so the copy starts where the GPU is, not where Python is) and for the
-        tensor's own copy out. The device buffer is allocated at issue.
+        tensor's own copy out. Ranks count the unpack points of the tensors that no checkpointed region
+        serves; the tensors whose unpacks are due triggers (Rule 5's carriers) are observed for that. The
+        device buffer is allocated on the compute stream at issue (no ``record_stream``).
     R5. Stall (Rule 6): before a swapped tensor is used, the compute stream waits for its copy.
-    R6. Recompute (Rule 7): while the forward runs, a dispatch mode records every op (name, arguments as
-        storage references with their layout and version, random-number state for random ops). At the
-        first unpack, the tensor's producer chain is replayed from resident storages: alive ones are used
-        as they are, candidates that are swapped, recomputed or
-        compressed are brought back first (and kept for their own use), other missing inputs are replayed
-        recursively and dropped afterwards. Arguments an op would mutate that are not being regenerated
-        (BatchNorm's running statistics) are passed as copies, so replay changes no module state. The
-        recorder records from the start of the step to the first unpack (forward and loss), then passes
-        ops through. Limit: an input modified in place after its use cannot be detected (views made over
-        a storage do not share the original tensor's version counter).
+    R6. Replay (Rule 7): while the forward runs, a dispatch mode records ops (runtime.replay: name,
+        arguments as storage references with their layout and version, random-number state for random
+        ops). At the first unpack, the tensor's producer chain is replayed from resident storages: alive
+        ones are used as they are, candidates that are swapped, recomputed or compressed are brought back
+        first (and kept for their own use), other missing inputs are replayed recursively and dropped
+        afterwards. Arguments an op would mutate that are not being regenerated (BatchNorm's running
+        statistics) are passed as copies, so replay changes no module state. The recorder records the
+        forward and the loss, never backward. Limit: an input modified in place after its use cannot be
+        detected (views made over a storage do not share the original tensor's version counter).
     R7. Compress (Rule 8): at the first pack, a cast to the policy's dtype; at the first unpack, a cast
         back. Lossy, allowed only by the policy's ``lossy`` option.
     R8. Compress and swap apply to what the simulator says they do: compress only to floating-point
         tensors wider than the target dtype (others are kept, as envs.simulator treats them).
     R9. A handle drops its device copy after the last unpack of its storage (the pack count of the
         forward), so the memory lives until the last backward node that needs it is done, as when kept.
+    R10. Regions (Rule 11; NOTE [ Recompute mechanisms ] in runtime/plan.py): a module call that the
+        policy's schedule lists as a region runs under ``torch.utils.checkpoint`` (non-reentrant, the RNG
+        state preserved only where the call draws random numbers, no determinism check): no Python per op.
+        The runtime's own hooks are suspended during the call, so the checkpoint's saved inputs are kept
+        (they are, by P4). BatchNorm's running statistics inside it are copied when the recompute starts
+        and put back when it ends, so they are updated once, as in plain training. In a first step the
+        keyer names the call's inputs and outputs that the trace first saw packed inside it.
+    R11. Scope. The first step runs as R1 says, with hooks on every pack, the keyer's module hooks and,
+        when anything is replayed, the recorder over the whole forward; it learns each pack's module call
+        (frame) and key. From the second step on, saved-tensor hooks are entered only in the module calls
+        that hold a pack of a tensor swapped, compressed or replayed, or of a prefetch trigger (R4), and
+        stay on inside them; ``<loss>`` is what runs after the model's forward. Each pack is looked up in
+        its call's table by its ordinal there and checked by shape and dtype (and, for a later pack of a
+        handled tensor, by storage); a mismatch keeps that tensor and every later one of the step, warns
+        once, and the next step learns again. The recorder is entered only in the calls whose ops a replay
+        re-ran. An all-keep policy, or one that only recomputes through regions, installs no saved-tensor
+        hooks at all.
 """
 
 from __future__ import annotations
@@ -53,179 +75,40 @@ import collections
 import contextlib
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
-from runtime.keys import SavedTensorKeyer
-from runtime.measure import host_memory
+from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer
+from runtime.plan import Region
 from runtime.policy import Action, Policy
 from runtime.precision import check_active
-from runtime.trace import written_tensors
+from runtime.replay import Frame, Recorder, Replayer, view_of
 
 _COMPRESS_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": getattr(torch, "float8_e4m3fn", torch.bfloat16)}
-
-
-# -- R6: the forward recorder ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Ref:
-    """A tensor argument as a storage reference with its layout."""
-
-    sid: int
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-
-@dataclass
-class _OpRecord:
-    index: int
-    func: Any
-    spec: _Spec  # how to rebuild (args, kwargs) from leaves
-    leaves: list[Any]  # flattened (args, kwargs), tensors replaced by _Ref
-    outputs: list[int | None]  # storage id of each flattened output (None: not a tensor)
-    writes: frozenset[int]  # leaf positions the op mutates
-    rng: tuple[torch.Tensor, torch.Tensor | None] | None  # (cpu, cuda) state before a random op
-
-
-# An aten op's arguments are flat: tensors, scalars, and lists of them (``Tensor[]``, ``Tensor?[]``), positional
-# or keyword. Flattening one level of lists is therefore exact, and far cheaper than torch.utils._pytree,
-# which the recorder would otherwise call on every forward op.
-_Spec = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]  # (list lengths or -1, kwarg names, kwarg lengths)
-
-
-def _flatten_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], _Spec]:
-    leaves: list[Any] = []
-    arg_lens = _flatten_into(args, leaves)
-    kw_lens = _flatten_into(kwargs.values(), leaves)
-    return leaves, (arg_lens, tuple(kwargs), kw_lens)
-
-
-def _flatten_into(values: Iterable[Any], leaves: list[Any]) -> tuple[int, ...]:
-    """Append each value (the items of a list or tuple) to ``leaves``; each one's length (-1: not a list)."""
-    lens: list[int] = []
-    for v in values:
-        if isinstance(v, (list, tuple)):
-            lens.append(len(v))
-            leaves.extend(v)
-        else:
-            lens.append(-1)
-            leaves.append(v)
-    return tuple(lens)
-
-
-def _unflatten_args(leaves: list[Any], spec: _Spec) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    arg_lens, names, kw_lens = spec
-    pos = 0
-    values: list[Any] = []
-    for n in (*arg_lens, *kw_lens):
-        if n < 0:
-            values.append(leaves[pos])
-            pos += 1
-        else:
-            values.append(list(leaves[pos : pos + n]))
-            pos += n
-    return tuple(values[: len(arg_lens)]), dict(zip(names, values[len(arg_lens) :], strict=True))
-
-
-def _flatten_out(out: Any) -> list[Any]:
-    """An op's outputs: one tensor, or a tuple of tensors and lists of tensors."""
-    if not isinstance(out, (list, tuple)):
-        return [out]
-    flat: list[Any] = []
-    for x in out:
-        if isinstance(x, (list, tuple)):
-            flat.extend(x)
-        else:
-            flat.append(x)
-    return flat
-
-
-class _Recorder(TorchDispatchMode):
-    """Records forward ops so that the runtime can replay producer chains (R6)."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self.device = device
-        self.ops: list[_OpRecord] = []
-        self.sid_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> id
-        self.storage: dict[int, weakref.ref[torch.UntypedStorage]] = {}
-        self.writers: dict[int, list[int]] = {}  # storage id -> ops that allocated or wrote it, in order
-        self.recording = True  # until backward starts (R6)
-        self.paused = False  # inside the runtime's own hooks: their ops are not the model's
-
-    def sid(self, storage: torch.UntypedStorage) -> int:
-        sid = self.sid_of.get(storage)
-        if sid is None:
-            sid = len(self.storage)
-            self.sid_of[storage] = sid
-            self.storage[sid] = weakref.ref(storage)
-        return sid
-
-    def ref(self, t: torch.Tensor) -> _Ref:
-        return _Ref(self.sid(t.untyped_storage()), t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if not self.recording or self.paused:
-            return func(*args, **kwargs)
-        rng = None
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-            rng = (torch.get_rng_state(), cuda)
-        leaves, spec = _flatten_args(args, kwargs)
-        writes = _written_positions(func, args, kwargs, leaves)
-        refs = [self.ref(x) if isinstance(x, torch.Tensor) else x for x in leaves]
-        out = func(*args, **kwargs)
-        out_leaves = _flatten_out(out)
-        index = len(self.ops)
-        outputs: list[int | None] = []
-        for x in out_leaves:
-            if not isinstance(x, torch.Tensor):
-                outputs.append(None)
-                continue
-            known = x.untyped_storage() in self.sid_of
-            sid = self.sid(x.untyped_storage())
-            outputs.append(sid)
-            if not known:
-                self.writers.setdefault(sid, []).append(index)
-        for pos in writes:
-            ref = refs[pos]
-            assert isinstance(ref, _Ref)
-            self.writers.setdefault(ref.sid, []).append(index)
-        self.ops.append(_OpRecord(index, func, spec, refs, outputs, frozenset(writes), rng))
-        return out
-
-
-# Ops that update arguments their schema does not mark as written: BatchNorm's running statistics
-# (native_functions.yaml declares native_batch_norm's running_mean/running_var as plain ``Tensor?``).
-_UNDECLARED_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4), "miopen_batch_norm": (3, 4)}
-
-
-def _written_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any]) -> list[int]:
-    """Leaf positions (in the flattened (args, kwargs)) of tensors the op mutates, from its schema."""
-    positions: list[int] = []
-    mutated = written_tensors(func, args, kwargs, _UNDECLARED_WRITES.get(func.overloadpacket.__name__, ()))
-    for t in mutated:
-        positions.extend(p for p, x in enumerate(leaves) if x is t)
-    return positions
+_LOSS: Frame = (OUTSIDE, 0)  # what runs outside the model after its forward (R11)
+_BEFORE: Frame = ("<before>", 0)  # ... and before it (rare: a loss function's work on the batch)
+_PUSH_HOOKS = torch._C._autograd._push_saved_tensors_default_hooks
+_POP_HOOKS = torch._C._autograd._pop_saved_tensors_default_hooks
 
 
 # -- handles -------------------------------------------------------------------------------------------------
 @dataclass
 class _Handle:
-    """One storage packed under a non-keep action (R3-R8)."""
+    """One storage packed under a non-keep action (R3-R9)."""
 
     key: str
     action: Action
     nbytes: int
     rank: int
-    sid: int | None = None  # recorder storage id (recompute)
+    ref: weakref.ref[torch.UntypedStorage]  # the storage packed (R11's check)
+    sid: int | None = None  # recorder storage id (replay)
     packs: int = 0
     unpacks: int = 0
     host: torch.Tensor | None = None  # swap: bytes in host memory
@@ -234,7 +117,8 @@ class _Handle:
     packed: torch.Tensor | None = None  # compress: the cast copy
     device: torch.UntypedStorage | None = None  # the storage back on the device
     issued: bool = False
-    leaving: torch.Tensor | None = None  # swap on CUDA: the device bytes until the copy out is done
+    leaving: torch.Tensor | None = None  # swap on CUDA: the device bytes until the release point (R3)
+    release_at: int = 0  # the pack point at which it lets them go
     views: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]] = field(default_factory=list)
 
 
@@ -255,11 +139,6 @@ class _Kept:
     rank: int
 
 
-def _view(storage: torch.UntypedStorage, dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...],
-          offset: int) -> torch.Tensor:  # fmt: skip
-    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
-
-
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
@@ -268,11 +147,56 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
 class RuntimeStats:
     """What one step did, for reports and tests."""
 
-    packs: int = 0
+    packs: int = 0  # packs the runtime's hooks saw (every pack in a first step, R11)
+    hooked_calls: int = 0  # module calls whose hooks ran (later steps, R11)
     swapped_bytes: int = 0
-    recomputed_ops: int = 0
+    swaps: int = 0
+    recorded_ops: int = 0  # forward ops the recorder ran under (R6)
+    recomputed_ops: int = 0  # ops replayed (R6)
+    regions: int = 0  # module calls run under torch.utils.checkpoint (R10)
     compressed_bytes: int = 0
     unknown_keys: list[str] = field(default_factory=list)
+
+
+# -- what the first step learns (R11) ------------------------------------------------------------------------
+@dataclass
+class _Logged:
+    """One pack of the first step."""
+
+    stack: tuple[Frame, ...]  # module calls running, outermost first; () outside the model
+    after_root: bool  # outside the model: after its forward (the only ``<loss>`` later steps observe)
+    key: str | None
+    action: Action | None  # what the pack did: None for keep
+    point: bool  # the first pack of a candidate: a pack point (R3)
+    trigger: bool  # a kept tensor whose unpack triggers prefetches (R4)
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """What a later step does with one pack of one module call (R11)."""
+
+    key: str | None
+    action: Action | None
+    point: bool
+    trigger: bool
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+@dataclass
+class _Learned:
+    tables: dict[Frame, list[_Entry]]  # the hooked module calls and their packs in order
+    record: set[Frame]  # the module calls the recorder runs in
+    modules: list[str]  # module paths that need hooks
+    forced: bool
+
+
+@dataclass
+class _Table:
+    entries: list[_Entry]
+    pos: int = 0
 
 
 class PolicyRuntime:
@@ -283,32 +207,73 @@ class PolicyRuntime:
         self.model = model
         self.device = next(iter(model.parameters())).device
         self.keyer = SavedTensorKeyer(model)
-        self.ranks = policy.schedule.unpack_rank if policy.schedule else {}
-        self.ignored = set(policy.schedule.ignored_keys) if policy.schedule else set()
+        schedule = policy.schedule
+        self.ignored = set(schedule.ignored_keys) if schedule else set()
         self.lookahead = policy.options.prefetch_lookahead
+        self.release_after = policy.options.release_after
         self.compress_dtype = _COMPRESS_DTYPES[policy.options.compress_dtype]
-        self.needs_hooks = any(a != Action.KEEP for a in policy.actions.values())
-        self.needs_recorder = any(a == Action.RECOMPUTE for a in policy.actions.values())
-        self.needs_triggers = any(a == Action.SWAP for a in policy.actions.values()) and self.lookahead > 0
+        self.regions = self._usable_regions(schedule.regions if schedule else [])
+        served = {k for r in self.regions.values() for k in r.keys}
+        per_tensor = {k: a for k, a in policy.actions.items() if a != Action.KEEP and k not in served}
+        self.needs_hooks = bool(per_tensor)
+        self.needs_recorder = any(a == Action.RECOMPUTE for a in per_tensor.values())
+        # R4: ranks among the unpack points of the tensors no region serves.
+        ranks = {k: r for k, r in (schedule.unpack_rank if schedule else {}).items() if k not in served}
+        dense = {r: i for i, r in enumerate(sorted(set(ranks.values())))}
+        self.ranks = {k: dense[r] for k, r in ranks.items()}
+        swapped = [k for k, a in per_tensor.items() if a == Action.SWAP]
+        # No copy back on the CPU (R3): nothing to prefetch.
+        self.needs_triggers = bool(swapped) and self.lookahead > 0 and self.device.type == "cuda"
+        due = {max(0, self.ranks[k] - self.lookahead) for k in swapped if k in self.ranks}
+        self.carriers = {k for k, r in self.ranks.items() if r in due} if self.needs_triggers else set()
+        self.observed = set(per_tensor) | self.carriers  # keys whose packs later steps must see (R11)
+        self._learned: _Learned | None = None
         self._pinned: dict[str, torch.Tensor] = {}  # R3: one pinned buffer per key, reused
         self._cuda = self.device.type == "cuda"
         if self._cuda:
             self._d2h = torch.cuda.Stream(self.device)
             self._h2d = torch.cuda.Stream(self.device)
         self._reported: set[str] = set()
+        self._recorder: Recorder | None = None
+        self._suspended = 0
+        self._keying = False  # a first step is running (R11)
         self.stats = RuntimeStats()
 
+    def _usable_regions(self, regions: list[Region]) -> dict[Frame, Region]:
+        """The schedule's regions whose keys the actions still recompute (a hand-edited file may not)."""
+        modules = dict(self.model.named_modules())
+        out: dict[Frame, Region] = {}
+        for r in regions:
+            if r.module in modules and all(self.policy.actions.get(k) == Action.RECOMPUTE for k in r.keys):
+                out[(r.module, r.call)] = r
+            else:
+                warnings.warn(
+                    f"autotune: region {r.module}#{r.call} of the policy does not match its actions or the model; "
+                    "its tensors are replayed instead (R6)",
+                    stacklevel=3,
+                )
+        return out
+
+    # -- the step ------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def step(self, force_hooks: bool = False) -> Iterator[RuntimeStats]:
-        """One forward and its backward under the policy. ``force_hooks`` installs the hooks even for an
-        all-keep policy (to measure their overhead)."""
+        """One forward and its backward under the policy. ``force_hooks`` observes every pack from the
+        second step on, keep included (to measure the hooks' cost)."""
         self.stats = RuntimeStats()
         with self._precision_checked():
-            if not (self.needs_hooks or force_hooks):
+            hooks = self.needs_hooks or force_hooks
+            if not (hooks or self.regions):
                 yield self.stats
                 return
-            with self._hooked():
-                yield self.stats
+            with self._regions_installed():
+                if not hooks:
+                    yield self.stats
+                elif self._learned is None or self._learned.forced != force_hooks:
+                    with self._learning(force_hooks):
+                        yield self.stats
+                else:
+                    with self._steady(self._learned):
+                        yield self.stats
 
     @contextlib.contextmanager
     def _precision_checked(self) -> Iterator[None]:
@@ -327,149 +292,410 @@ class PolicyRuntime:
         finally:
             handle.remove()
 
-    @contextlib.contextmanager
-    def _hooked(self) -> Iterator[None]:
-        self._by_storage: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> _Handle, while it lives
+    def _begin_step(self) -> None:
+        self._by_storage: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> _Handle (first step)
+        self._by_key: dict[str, _Handle] = {}  # key -> _Handle (later steps)
         self._handles: list[_Handle] = []  # every handle of this step
-        self._by_sid: dict[int, _Handle] = {}  # recorder storage id -> handle (recompute)
+        self._by_sid: dict[int, _Handle] = {}  # recorder storage id -> handle (replay)
         self._swapped: list[_Handle] = []  # in rank order once sorted (R4)
         self._next_fetch = 0
-        self._leaving: collections.deque[_Handle] = collections.deque()  # copies out in flight, in order
-        self._recorder = _Recorder(self.device) if self.needs_recorder else None
-        try:
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(self.keyer.attached(global_hooks=True))
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
-                if self._recorder is not None:
-                    stack.enter_context(self._recorder)
-                yield
-        finally:
-            self._recorder = None
-            for h in self._leaving:  # backward waited for every copy out (R5): nothing is in flight
-                h.leaving = None
-            self._leaving.clear()
-            self._handles = []
-            self._by_sid = {}
-            self._swapped = []
+        self._leaving: collections.deque[_Handle] = collections.deque()  # device bytes held to a release point
+        self._points = 0  # pack points so far (R3)
+        self._suspended = 0
+        self._mismatch: str | None = None
 
-    # -- pack ----------------------------------------------------------------------------------------------
-    def _pack(self, t: torch.Tensor) -> Any:
-        if self._recorder is None:
-            return self._pack_now(t)
-        # The runtime's own ops (copies, casts, views) are not the model's: they bypass the recorder, which
-        # costs a Python call per op (R6).
-        with self._without_recorder():
-            return self._pack_now(t)
+    def _end_step(self) -> None:
+        for h in self._leaving:  # a forward without backward: nothing waits for these any more
+            h.leaving = None
+        self._leaving.clear()
+        if self._recorder is not None:
+            self.stats.recorded_ops = len(self._recorder.ops)
+        self._recorder = None
+        self._handles = []
+        self._by_sid = {}
+        self._by_key = {}
+        self._swapped = []
+
+    # -- R10: regions --------------------------------------------------------------------------------------
+    def _module(self, path: str) -> torch.nn.Module:
+        return self.model if path == ROOT else self.model.get_submodule(path)
 
     @contextlib.contextmanager
-    def _without_recorder(self) -> Iterator[None]:
-        """Take the recorder off the dispatch-mode stack while the runtime's own ops run (when it is on top;
-        a mode entered inside the step stays, and the recorder's pause flag does the job). Other modes, the
-        CPU memory tracker among them, still see every op."""
-        if _get_current_dispatch_mode() is self._recorder:
-            with _pop_mode_temporarily():
-                yield
-            return
-        assert self._recorder is not None
-        self._recorder.paused = True
+    def _regions_installed(self) -> Iterator[None]:
+        """For this step, the forward of each region's module goes through :meth:`_region_forward`."""
+        calls: dict[str, int] = {}
+        installed: list[tuple[torch.nn.Module, Any]] = []
+        for path in sorted({path for path, _ in self.regions}):
+            mod = self._module(path)
+            own = mod.__dict__.get("forward")  # an instance attribute already there is put back after
+            mod.forward = self._region_forward(mod, path, mod.forward, calls)  # type: ignore[method-assign]
+            installed.append((mod, own))
         try:
             yield
         finally:
-            self._recorder.paused = False
+            for mod, own in installed:
+                if own is None:
+                    del mod.forward
+                else:
+                    mod.forward = own  # type: ignore[method-assign]
 
-    def _reap(self) -> None:
-        """Release the device bytes of every copy out that has finished (R3). The copies run in order on one
-        stream, so the first unfinished one ends the walk."""
-        while self._leaving and self._leaving[0].d2h_done.query():
-            self._leaving.popleft().leaving = None
+    def _region_forward(
+        self, mod: torch.nn.Module, path: str, forward: Callable[..., Any], calls: dict[str, int]
+    ) -> Callable[..., Any]:
+        norm = [m for m in mod.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        buffers = [b for m in norm for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
 
-    def _pack_now(self, t: torch.Tensor) -> Any:
+        def recomputable(*args: Any, **kwargs: Any) -> Any:
+            if not buffers or torch._C._current_graph_task_id() == -1:
+                return forward(*args, **kwargs)  # the forward itself
+            saved = [b.clone() for b in buffers]  # the recompute, in backward: BatchNorm's statistics stay
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                with torch.no_grad():
+                    for b, s in zip(buffers, saved, strict=True):
+                        b.copy_(s)
+
+        def region_forward(*args: Any, **kwargs: Any) -> Any:
+            call = calls.get(path, 0)
+            calls[path] = call + 1
+            region = self.regions.get((path, call))
+            if region is None or not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            self.stats.regions += 1
+            self._suspended += 1
+            try:
+                out = checkpoint(
+                    recomputable,
+                    *args,
+                    use_reentrant=False,
+                    preserve_rng_state=region.rng,
+                    determinism_check="none",
+                    **kwargs,
+                )
+            finally:
+                self._suspended -= 1
+            if self._keying:  # the first step's keyer names what the trace saw packed inside
+                self._name(region.inputs, (args, kwargs))
+                self._name(region.outputs, out.values() if isinstance(out, dict) else out)
+            return out
+
+        return region_forward
+
+    def _name(self, named: list[tuple[int, str]], values: Any) -> None:
+        if not named:
+            return
+        tensors = [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
+        for pos, key in named:
+            if pos < len(tensors):
+                self.keyer.assign(tensors[pos], key)
+
+    # -- R11: the first step -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _learning(self, force: bool) -> Iterator[None]:
+        self._begin_step()
+        log: list[_Logged] = []
+        self._log = log
+        self._after_root = False
+        keyer = self.keyer
+
+        def frame_of() -> Frame:
+            return keyer._stack[-1] if keyer._stack else _LOSS if self._after_root else _BEFORE
+
+        def root_done(*_: Any) -> None:
+            self._after_root = True
+
+        rec = Recorder(self.device, frame_of) if self.needs_recorder else None
+        self._recorder = rec
+        self._keying = True
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(keyer.attached(global_hooks=True))
+                stack.callback(self.model.register_forward_hook(root_done, always_call=True).remove)
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack_first, self._unpack))
+                if rec is not None:
+                    stack.enter_context(rec)
+                yield
+        finally:
+            self._keying = False
+            self._end_step()
+        self._learned = self._learn(log, rec, force)
+
+    def _learn(self, log: list[_Logged], rec: Recorder | None, force: bool) -> _Learned:
+        """Which module calls later steps hook, and their tables (R11)."""
+
+        def innermost(e: _Logged) -> Frame:
+            return e.stack[-1] if e.stack else _LOSS if e.after_root else _BEFORE
+
+        hooked = {innermost(e) for e in log if force or (e.key is not None and e.key in self.observed)}
+        tables: dict[Frame, list[_Entry]] = {}
+        for e in log:
+            frame = next((f for f in reversed(e.stack) if f in hooked), None)
+            if frame is None and not e.stack and innermost(e) in hooked:
+                frame = innermost(e)
+            if frame is not None:
+                tables.setdefault(frame, []).append(_Entry(e.key, e.action, e.point, e.trigger, e.shape, e.dtype))
+        record = {rec.ops[i].frame for i in rec.replayed} if rec is not None else set()
+        modules = sorted({f[0] for f in [*tables, *record] if f is not None and f not in (_LOSS, _BEFORE)})
+        return _Learned(tables, {f for f in record if f is not None}, modules, force)
+
+    def _pack_first(self, t: torch.Tensor) -> Any:
+        if self._suspended:
+            return t.detach()  # a region's saved inputs (R10)
+        if self._recorder is None:
+            return self._pack_keyed(t)
+        with self._without_recorder():  # the runtime's own ops (copies, casts) are not the model's (R6)
+            return self._pack_keyed(t)
+
+    def _pack_keyed(self, t: torch.Tensor) -> Any:
         self.stats.packs += 1
-        if self._leaving:
-            self._reap()
         keyed = self.keyer.key_for(t)
-        if keyed.key is None:
-            return t.detach()
-        action = self.policy.actions.get(keyed.key)
+        stack = tuple(self.keyer._stack)
+        point = keyed.first_pack and keyed.key in self.policy.actions
+        if point:
+            self._pack_point()
+        packed, action = self._pack_as(t, keyed.key)
+        trigger = isinstance(packed, _Kept)
+        self._log.append(_Logged(stack, self._after_root, keyed.key, action, point, trigger, t.shape, t.dtype))
+        return packed
+
+    def _pack_as(self, t: torch.Tensor, key: str | None) -> tuple[Any, Action | None]:
+        """R1-R8 for one pack of the first step: the packed object and the action taken (None: kept)."""
+        if key is None:
+            return t.detach(), None
+        action = self.policy.actions.get(key)
         if action is None:
-            if keyed.key not in self.ignored and keyed.key not in self._reported:
-                self._reported.add(keyed.key)
-                self.stats.unknown_keys.append(keyed.key)
-                warnings.warn(f"autotune: saved tensor {keyed.key!r} is not in the policy for "
-                              f"{self.policy.model}; it is kept", stacklevel=2)  # fmt: skip
-            return t.detach()
+            if key not in self.ignored and key not in self._reported:
+                self._reported.add(key)
+                self.stats.unknown_keys.append(key)
+                warnings.warn(f"autotune: saved tensor {key!r} is not in the policy for {self.policy.model}; "
+                              "it is kept", stacklevel=3)  # fmt: skip
+            return t.detach(), None
         if action == Action.COMPRESS and not _compressible(t.dtype, self.compress_dtype):
             action = Action.KEEP  # R8
         if t.device != self.device:
             action = Action.KEEP  # R2: not device memory (attention's RNG seed and offset on the host)
         if action == Action.KEEP:  # R2
-            rank = self.ranks.get(keyed.key, -1)
-            return _Kept(t.detach(), rank) if self.needs_triggers else t.detach()
+            if key in self.carriers:
+                return _Kept(t.detach(), self.ranks[key]), None
+            return t.detach(), None
         storage = t.untyped_storage()
         handle = self._by_storage.get(storage)
         if handle is None:
-            handle = _Handle(keyed.key, action, storage.nbytes(), self.ranks.get(keyed.key, -1))
-            if self._recorder is not None:
-                handle.sid = self._recorder.sid(storage)
-                self._by_sid[handle.sid] = handle
-            self._by_storage[storage] = handle
-            self._handles.append(handle)
-            self._first_pack(handle, t, storage)
+            handle = self._by_storage[storage] = self._new_handle(key, action, t)
+        handle.packs += 1
+        return _Packed(handle, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset())), action
+
+    # -- R11: later steps ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _steady(self, learned: _Learned) -> Iterator[None]:
+        self._begin_step()
+        rec = Recorder(self.device) if learned.record and self.needs_recorder else None
+        self._recorder = rec
+        tables: list[_Table] = []
+        self._tables = tables
+        tokens: list[int] = []  # per hooked module call: 1 pushed the hooks, 2 entered the recorder
+        calls: dict[str, int] = {}
+
+        def enter(frame: Frame) -> int:
+            self.stats.hooked_calls += 1
+            token = 0
+            entries = learned.tables.get(frame)
+            if entries is not None:
+                tables.append(_Table(entries))
+                _PUSH_HOOKS(self._pack_later, self._unpack)
+                token |= 1
+            if rec is not None and frame in learned.record:
+                if rec.depth == 0:
+                    rec.__enter__()
+                rec.depth += 1
+                token |= 2
+            return token
+
+        def leave(token: int) -> None:
+            if token & 2 and rec is not None:
+                rec.depth -= 1
+                if rec.depth == 0:
+                    rec.__exit__(None, None, None)
+            if token & 1:
+                _POP_HOOKS()
+                tables.pop()
+
+        def make_hooks(path: str) -> tuple[Callable[..., None], Callable[..., None]]:
+            def pre(_m: torch.nn.Module, _args: Any) -> None:
+                call = calls.get(path, 0)
+                calls[path] = call + 1
+                tokens.append(enter((path, call)))
+
+            def post(_m: torch.nn.Module, _args: Any, _out: Any) -> None:
+                leave(tokens.pop())
+
+            return pre, post
+
+        outside: list[int] = []  # tokens of <before> (left at the model's forward) and <loss> (at the step's end)
+
+        def root_starts(*_: Any) -> None:
+            while outside:
+                leave(outside.pop())
+
+        def root_done(*_: Any) -> None:
+            if not outside:
+                outside.append(enter(_LOSS))
+
+        handles: list[torch.utils.hooks.RemovableHandle] = []
+        try:
+            for path in learned.modules:
+                pre, post = make_hooks(path)
+                mod = self._module(path)
+                handles.append(mod.register_forward_pre_hook(pre))
+                handles.append(mod.register_forward_hook(post, always_call=True))
+            if _BEFORE in learned.tables or _BEFORE in learned.record:
+                outside.append(enter(_BEFORE))
+                handles.append(self.model.register_forward_pre_hook(root_starts))
+            if _LOSS in learned.tables or _LOSS in learned.record:
+                handles.append(self.model.register_forward_hook(root_done, always_call=True))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            while tokens:
+                leave(tokens.pop())
+            while outside:
+                leave(outside.pop())
+            self._end_step()
+            if self._mismatch is not None:
+                self._learned = None  # learn again next step
+
+    def _pack_later(self, t: torch.Tensor) -> Any:
+        if self._suspended:
+            return t.detach()  # a region's saved inputs (R10)
+        table = self._tables[-1]
+        i = table.pos
+        table.pos = i + 1
+        if self._mismatch is not None or i >= len(table.entries):
+            return self._mismatched(t, i)
+        e = table.entries[i]
+        if t.dtype != e.dtype or t.shape != e.shape:
+            return self._mismatched(t, i)
+        self.stats.packs += 1
+        if e.point:
+            self._pack_point()
+        if e.action is None:
+            return _Kept(t.detach(), self.ranks[e.key]) if e.trigger and e.key is not None else t.detach()
+        if self._recorder is None:
+            return self._pack_handle(t, e)
+        with self._without_recorder():
+            return self._pack_handle(t, e)
+
+    def _pack_handle(self, t: torch.Tensor, e: _Entry) -> Any:
+        assert e.key is not None and e.action is not None
+        handle = self._by_key.get(e.key)
+        if handle is None:
+            handle = self._by_key[e.key] = self._new_handle(e.key, e.action, t)
+        elif handle.ref() is not t.untyped_storage():
+            return self._mismatched(t, -1)
         handle.packs += 1
         return _Packed(handle, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
-    def _first_pack(self, h: _Handle, t: torch.Tensor, storage: torch.UntypedStorage) -> None:
-        if h.action == Action.SWAP:  # R3
+    def _mismatched(self, t: torch.Tensor, pos: int) -> torch.Tensor:
+        if self._mismatch is None:
+            self._mismatch = f"pack {pos}" if pos >= 0 else "a later pack of a handled tensor"
+            warnings.warn(
+                f"autotune: the saved tensors of this step differ from the first step's ({self._mismatch}: "
+                f"{tuple(t.shape)} {t.dtype}); from here on this step keeps them, and the next step learns again",
+                stacklevel=3,
+            )
+        return t.detach()
+
+    # -- the actions -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _without_recorder(self) -> Iterator[None]:
+        """Take the recorder off the dispatch-mode stack while the runtime's own ops run (when it is on top;
+        a mode entered inside the step stays, and the recorder's pause flag does the job). Other modes, the
+        CPU memory tracker among them, still see every op."""
+        rec = self._recorder
+        assert rec is not None
+        if _get_current_dispatch_mode() is rec:
+            with _pop_mode_temporarily():
+                yield
+            return
+        rec.paused = True
+        try:
+            yield
+        finally:
+            rec.paused = False
+
+    def _pack_point(self) -> None:
+        """R3: one more pack point; release the swapped tensors due here."""
+        self._points += 1
+        while self._leaving and self._leaving[0].release_at <= self._points:
+            self._release(self._leaving.popleft())
+
+    def _release(self, h: _Handle) -> None:
+        torch.cuda.current_stream(self.device).wait_event(h.d2h_done)
+        h.leaving = None
+
+    def _new_handle(self, key: str, action: Action, t: torch.Tensor) -> _Handle:
+        storage = t.untyped_storage()
+        h = _Handle(key, action, storage.nbytes(), self.ranks.get(key, -1), weakref.ref(storage))
+        if self._recorder is not None:
+            h.sid = self._recorder.sid(storage)
+            self._by_sid[h.sid] = h
+        self._handles.append(h)
+        if action == Action.SWAP:  # R3
             self.stats.swapped_bytes += h.nbytes
+            self.stats.swaps += 1
             src = _bytes_of(storage)
             if self._cuda:
-                buf = self._pinned.get(h.key)
+                buf = self._pinned.get(key)
                 if buf is None or buf.numel() != h.nbytes:
-                    buf = self._pinned[h.key] = torch.empty(h.nbytes, dtype=torch.uint8, pin_memory=True)
+                    buf = self._pinned[key] = torch.empty(h.nbytes, dtype=torch.uint8, pin_memory=True)
                 self._d2h.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._d2h):
                     buf.copy_(src, non_blocking=True)
                     h.d2h_done = torch.cuda.Event()
                     h.d2h_done.record()
-                h.leaving = src  # R3: held until the copy is done (_reap), never reused under it
+                h.leaving = src  # held to the release point, never reused under the copy
+                h.release_at = self._points + self.release_after
                 self._leaving.append(h)
                 h.host = buf
             else:
-                with host_memory():
-                    h.host = src.clone()
+                h.host = src.clone()  # on the CPU, host memory is the same memory: counted (R3)
             self._swapped.append(h)
-        elif h.action == Action.COMPRESS:  # R7
+        elif action == Action.COMPRESS:  # R7
             self.stats.compressed_bytes += h.nbytes
             with torch.no_grad():
                 h.packed = _bytes_of(storage).view(t.dtype).to(self.compress_dtype)
             h.views.append((t.dtype, (), (), 0))
-        elif h.action == Action.RECOMPUTE:  # R6: nothing to do now; the recorder has its producer
-            assert h.sid is not None
+        return h
 
     # -- unpack --------------------------------------------------------------------------------------------
     def _unpack(self, p: Any) -> torch.Tensor:
-        if self._recorder is None:
+        if isinstance(p, torch.Tensor):
+            return p
+        rec = self._recorder
+        if rec is None:
             return self._unpack_now(p)
-        self._recorder.recording = False  # backward has started (R6)
-        with self._without_recorder():  # as in _pack; replays record nothing either
+        rec.recording = False  # backward has started (R6)
+        with self._without_recorder():  # as in pack; replays record nothing either
             return self._unpack_now(p)
 
     def _unpack_now(self, p: Any) -> torch.Tensor:
-        if self._leaving:
-            self._reap()
-        if isinstance(p, torch.Tensor):
-            return p
         if isinstance(p, _Kept):
             self._prefetch_upto(p.rank)
             return p.tensor
         h: _Handle = p.handle
+        while self._leaving:  # R3: the first unpack of a handled tensor releases what is still held
+            self._release(self._leaving.popleft())
         if self.needs_triggers:
             self._prefetch_upto(h.rank)  # R4
-        out = _view(self._materialize(h), p.dtype, p.size, p.stride, p.offset)
+        out = view_of(self._materialize(h), p.dtype, p.size, p.stride, p.offset)
         h.unpacks += 1
-        if h.unpacks >= h.packs:  # R8: the last backward node that needs it holds it from here
+        if h.unpacks >= h.packs:  # R9: the last backward node that needs it holds it from here
             h.device = None
             h.unpacks = h.packs = 0
+            if not self._cuda:
+                h.host = None  # R3 on the CPU: the copy was the tensor
         return out
 
     def _prefetch_upto(self, rank: int) -> None:
@@ -483,18 +709,18 @@ class PolicyRuntime:
         if h.issued:
             return
         h.issued = True
-        assert h.host is not None
-        dev = torch.empty(h.nbytes, dtype=torch.uint8, device=self.device)
-        if self._cuda:
-            self._h2d.wait_stream(torch.cuda.current_stream(self.device))
-            self._h2d.wait_event(h.d2h_done)
-            with torch.cuda.stream(self._h2d):
-                dev.copy_(h.host, non_blocking=True)
-                h.h2d_done = torch.cuda.Event()
-                h.h2d_done.record()
-            dev.record_stream(self._h2d)
-        else:
-            dev.copy_(h.host)  # the host copy stays until the step ends, should the tensor be needed again
+        if h.host is None:
+            raise RuntimeError(f"autotune: swapped tensor {h.key!r} was needed after its release")
+        if not self._cuda:
+            self._hold(h, h.host.untyped_storage())  # R3 on the CPU: no copy back
+            return
+        dev = torch.empty(h.nbytes, dtype=torch.uint8, device=self.device)  # on the compute stream (R4)
+        self._h2d.wait_stream(torch.cuda.current_stream(self.device))
+        self._h2d.wait_event(h.d2h_done)
+        with torch.cuda.stream(self._h2d):
+            dev.copy_(h.host, non_blocking=True)
+            h.h2d_done = torch.cuda.Event()
+            h.h2d_done.record()
         self._hold(h, dev.untyped_storage())
 
     def _hold(self, h: _Handle, storage: torch.UntypedStorage) -> None:
@@ -523,92 +749,16 @@ class PolicyRuntime:
                 self._hold(h, h.packed.to(h.views[0][0]).untyped_storage())
             h.packed = None
         elif h.action == Action.RECOMPUTE:
-            assert self._recorder is not None and h.sid is not None
+            rec = self._recorder
+            assert rec is not None and h.sid is not None
             with torch.no_grad():
-                self._hold(h, _Replayer(self).storage(h.sid, len(self._recorder.ops)))
+                self._hold(h, Replayer(self, rec).storage(h.sid, len(rec.ops)))
         assert h.device is not None
         return h.device
 
 
 def _compressible(dtype: torch.dtype, target: torch.dtype) -> bool:
     return dtype.is_floating_point and dtype.itemsize > target.itemsize
-
-
-class _Replayer:
-    """Regenerates storages by replaying recorded ops (R6)."""
-
-    def __init__(self, rt: PolicyRuntime) -> None:
-        self.rt = rt
-        assert rt._recorder is not None
-        self.rec = rt._recorder
-        self.handles = rt._by_sid
-        self.made: dict[int, torch.UntypedStorage] = {}  # temporaries regenerated in this replay
-
-    def storage(self, sid: int, before: int) -> torch.UntypedStorage:
-        """The storage ``sid`` as it was just before op ``before`` (or at the end of the forward)."""
-        if sid in self.made:
-            return self.made[sid]
-        alive = self.rec.storage[sid]()
-        if alive is not None:
-            return alive
-        handle = self.handles.get(sid)
-        if handle is not None and (handle.device is not None or handle.action != Action.RECOMPUTE):
-            return self.rt._materialize(handle)  # held already, or brought back (swap, compress)
-        chain = [i for i in self.rec.writers.get(sid, []) if i < before]
-        if not chain:
-            raise RuntimeError(f"autotune: cannot recompute a saved tensor: storage {sid} has no recorded producer")
-        result: torch.UntypedStorage | None = None
-        for index in chain:
-            result = self._run(self.rec.ops[index], sid, result)
-        assert result is not None
-        if handle is not None:
-            handle.device = result  # a candidate: held until its own unpacks (Rule 7)
-        self.rec.storage[sid] = weakref.ref(result)  # found alive by later replays while anything holds it
-        self.made[sid] = result
-        return result
-
-    def _run(self, op: _OpRecord, target: int, current: torch.UntypedStorage | None) -> torch.UntypedStorage:
-        leaves: list[Any] = []
-        for pos, leaf in enumerate(op.leaves):
-            if not isinstance(leaf, _Ref):
-                leaves.append(leaf)
-                continue
-            if leaf.sid == target:
-                assert current is not None, "an op writes a storage before its producer"
-                leaves.append(_view(current, leaf.dtype, leaf.size, leaf.stride, leaf.offset))
-                continue
-            storage = self.storage(leaf.sid, op.index)
-            t = _view(storage, leaf.dtype, leaf.size, leaf.stride, leaf.offset)
-            if pos in op.writes:
-                t = t.clone()  # e.g. BatchNorm's running statistics: replay must not update them twice
-            leaves.append(t)
-        args, kwargs = _unflatten_args(leaves, op.spec)
-        with _rng_state(op.rng, self.rt.device):
-            out = op.func(*args, **kwargs)
-        self.rt.stats.recomputed_ops += 1
-        out_leaves = _flatten_out(out)
-        for sid, x in zip(op.outputs, out_leaves, strict=False):
-            if sid is not None and isinstance(x, torch.Tensor) and sid != target and sid not in self.made:
-                self.made[sid] = x.untyped_storage()  # another output of the same op (BatchNorm's stats)
-        if target in op.outputs:
-            x = out_leaves[op.outputs.index(target)]
-            assert isinstance(x, torch.Tensor)
-            return x.untyped_storage()
-        assert current is not None
-        return current  # an in-place writer: the target was updated in place
-
-
-@contextlib.contextmanager
-def _rng_state(rng: tuple[torch.Tensor, torch.Tensor | None] | None, device: torch.device) -> Iterator[None]:
-    if rng is None:
-        yield
-        return
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(rng[0])
-        if rng[1] is not None:
-            torch.cuda.set_rng_state(rng[1], device)
-        yield
 
 
 # -- Policy.applied --------------------------------------------------------------------------------------------

@@ -148,6 +148,13 @@ class SavedTensorKeyer:
             if isinstance(t, torch.Tensor):
                 self._excluded[t.untyped_storage()] = True
 
+    def assign(self, t: torch.Tensor, key: str) -> None:
+        """Name a storage whose first pack this keyer did not see: a checkpointed region's input or output,
+        packed inside the region, where the runtime's hooks are not (runtime R10)."""
+        storage = t.untyped_storage()
+        if storage not in self._keys and storage not in self._excluded:
+            self._keys[storage] = key
+
     @property
     def current_module(self) -> str:
         return self._stack[-1][0] if self._stack else OUTSIDE

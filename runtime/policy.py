@@ -59,6 +59,7 @@ import numpy as np
 
 from runtime.errors import AutotuneError
 from runtime.fileio import atomic_write
+from runtime.plan import Region, regions_for
 from runtime.precision import check_grad_accum, check_precision
 from runtime.workload import Workload
 
@@ -89,6 +90,9 @@ class PolicyOptions:
     prefetch_lookahead: int = 2  # unpack points ahead of first backward use a swap-in starts; 0: on demand
     compress_dtype: str = "bfloat16"  # one of COMPRESS_DTYPES
     lossy: bool = False  # the user's consent to `compress`, which changes the gradients
+    # Pack points after its own at which a swapped tensor's device bytes are let go, the compute stream
+    # waiting for its copy there (simulator Rule 4, runtime R3): more holds memory longer, fewer may stall.
+    release_after: int = 4
 
     def __post_init__(self) -> None:
         if self.compress_dtype not in COMPRESS_DTYPES:
@@ -98,6 +102,11 @@ class PolicyOptions:
         if self.prefetch_lookahead < 0:
             raise AutotuneError(
                 f"prefetch_lookahead={self.prefetch_lookahead} is negative: expected 0 (fetch on demand) or more"
+            )
+        if self.release_after < 1:
+            raise AutotuneError(
+                f"release_after={self.release_after}: expected 1 or more pack points (the first pack point after a "
+                "swapped tensor's own is the earliest its device bytes can go)"
             )
 
 
@@ -132,15 +141,20 @@ class Schedule:
 
     ``unpack_rank``: each candidate's position among the unpack points (the distinct first-backward-use
     ops, in order): the runtime issues a swapped tensor's copy back when backward first unpacks a tensor of
-    rank ``unpack_rank[key] - prefetch_lookahead`` (envs/simulator.py, Rule 5). ``ignored_keys``: saved
-    tensors that are not candidates (the batch, the targets): kept without being reported as unknown.
+    rank ``unpack_rank[key] - prefetch_lookahead`` (envs/simulator.py, Rule 5; ranks among the tensors no
+    region serves). ``ignored_keys``: saved tensors that are not candidates (the batch, the targets): kept
+    without being reported as unknown. ``regions``: the module calls recomputed with
+    ``torch.utils.checkpoint`` (NOTE [ Recompute mechanisms ] in runtime/plan.py), which depend on the
+    actions too: :meth:`Policy.from_vector` plans them.
     """
 
     unpack_rank: dict[str, int]
     ignored_keys: list[str] = field(default_factory=list)
+    regions: list[Region] = field(default_factory=list)
 
     @classmethod
-    def of(cls, workload: Workload) -> Schedule:
+    def of(cls, workload: Workload, codes: Sequence[int] | np.ndarray | None = None) -> Schedule:
+        """The schedule of ``workload``; with action ``codes``, its regions too."""
         n = len(workload.ops)
         firsts = [c.bwd_uses[0] if c.bwd_uses else n for c in workload.candidates]
         points = sorted(set(firsts))
@@ -148,6 +162,7 @@ class Schedule:
         return cls(
             {c.key: rank[u] for c, u in zip(workload.candidates, firsts, strict=True)},
             list(workload.meta.get("ignored_keys", [])),
+            regions_for(workload, np.asarray(codes)) if codes is not None and len(codes) else [],
         )
 
 
@@ -227,7 +242,7 @@ class Policy:
             grad_accum=workload.grad_accum,
             predicted=predicted,
             provenance=Provenance.now(searcher, trials, wall_s),
-            schedule=Schedule.of(workload),
+            schedule=Schedule.of(workload, codes),
         )
 
     @classmethod
@@ -386,7 +401,7 @@ class Policy:
                 predicted=Prediction(**pred) if pred is not None else None,
                 measured=Prediction(**meas) if meas is not None else None,
                 provenance=Provenance(**d["provenance"]),
-                schedule=Schedule(**d["schedule"]) if d.get("schedule") is not None else None,
+                schedule=_schedule(d["schedule"]) if d.get("schedule") is not None else None,
             )
         except AutotuneError as e:  # the lossy check: say which file
             raise AutotuneError(f"{source}: {e}") from None
@@ -420,6 +435,10 @@ def load_policy(
 
 
 # -- helpers -------------------------------------------------------------------------------------------------
+def _schedule(d: dict[str, Any]) -> Schedule:
+    return Schedule(**{**d, "regions": [Region.from_dict(r) for r in d.get("regions", [])]})
+
+
 @functools.cache
 def schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of ``autotune.policy/v1``, shipped as package data."""

@@ -1,0 +1,306 @@
+"""Which mechanism serves each recomputed tensor: decided once per policy, from the workload it was made for.
+
+NOTE [ Recompute mechanisms ]
+    A recomputed candidate is served one of two ways. Where a policy recomputes everything one module call
+    makes and keeps inside, the runtime runs that call under ``torch.utils.checkpoint`` (non-reentrant): a
+    *region*, no Python per op, recomputed at its first unpack in backward (runtime R10, simulator Rule 11).
+    Every other recomputed candidate is *replayed* from the recorded ops of its producer chain (R6, Rule 7).
+    A module call R (a frame, NOTE [ Frames ] in runtime/workload.py) is a region when
+
+    P1. it is a call of a submodule of the model (not the loss) whose module runs once per forward (the
+        modules of backward ops carry no call index, so its backward is then its own);
+    P2. every candidate made inside R (by an op R ran) and packed only inside it is recomputed (the
+        checkpoint holds its packs, not the tensor: kept, it would be recomputed all the same), and there
+        is one: those are the ones the region serves;
+    P3. every candidate made inside R and packed after it too is kept if one of its packs is inside R
+        (checkpoint holds that pack; a swap or compression would start late), and is not recomputed
+        otherwise (its replay would need what R recomputes); one first packed inside R must be among the
+        tensors R returns (the runtime names it there);
+    P4. every candidate made before R and packed inside R is kept and is one of R's tensor arguments (the
+        checkpoint's saved inputs hold it and the recompute reads it); so is every candidate among R's
+        tensor arguments (checkpoint holds them until R's backward is done, whatever the policy says);
+    P5. R's forward writes no module state except BatchNorm's running statistics (which the runtime puts
+        back after the recompute); random ops are fine (checkpoint replays the RNG state);
+    P6. no candidate made outside R is replayed whose producer chain reads (Rule 7 of the simulator: its
+        closure's candidate inputs) one that R serves (one that another region serves is regenerated from
+        that region's own inputs, which its checkpoint holds);
+
+    and no enclosing call is a region (the outermost qualifying calls are chosen). By P2-P6 a region needs
+    nothing from outside but its kept arguments, and no replay needs what a region recomputes, so regions
+    and replays never depend on each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.workload import Phase, TensorKind, Workload
+
+RECOMPUTE_CODE, KEEP_CODE = 2, 0  # Action codes (runtime.policy.ACTIONS); plain ints: this module is below it
+
+
+@dataclass
+class Region:
+    """One module call recomputed with ``torch.utils.checkpoint`` (NOTE [ Recompute mechanisms ])."""
+
+    module: str  # module path, as in the keys
+    call: int  # which call of it in the forward
+    rng: bool  # it draws random numbers: checkpoint preserves the RNG state
+    keys: list[str]  # the recomputed candidates it serves
+    # Candidates first packed inside the call, which the runtime's keyer must still name (runtime R10):
+    inputs: list[tuple[int, str]] = field(default_factory=list)  # (position among its tensor arguments, key)
+    outputs: list[tuple[int, str]] = field(default_factory=list)  # (position among its returned tensors, key)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> Region:
+        return cls(
+            module=str(d["module"]),
+            call=int(d["call"]),  # type: ignore[call-overload]
+            rng=bool(d["rng"]),
+            keys=[str(k) for k in d["keys"]],  # type: ignore[attr-defined]
+            inputs=[(int(p), str(k)) for p, k in d.get("inputs", [])],  # type: ignore[attr-defined]
+            outputs=[(int(p), str(k)) for p, k in d.get("outputs", [])],  # type: ignore[attr-defined]
+        )
+
+
+class RegionPlanner:
+    """The regions of one workload for any action vector; built once, then :meth:`select` is vectorised
+    (the simulator calls it for every policy it scores)."""
+
+    def __init__(self, w: Workload, closures: list[Closure] | None = None) -> None:
+        self.w = w
+        frames = w.frames
+        self.n_frames = len(frames)
+        self.candidates = len(w.candidates)
+        # Preorder: a frame's descendants are the frames after it up to end[f] (frames are logged in call order).
+        end = np.arange(self.n_frames, dtype=np.int64)
+        for f in reversed(frames):
+            if f.parent >= 0:
+                end[f.parent] = max(end[f.parent], end[f.index])
+        self.end = end
+        calls: dict[str, int] = {}
+        for f in frames:
+            calls[f.path] = calls.get(f.path, 0) + 1
+        writes_state = self._state_writers()
+        if closures is None:
+            closures = closures_of(w)
+        frame_of_producer = np.array([w.ops[c.producer].frame for c in w.candidates], dtype=np.int64)
+        packed_in: list[set[int]] = [set() for _ in frames]  # candidates packed in each frame or below
+        self.packed_in = packed_in
+        for ci, c in enumerate(w.candidates):
+            for pf, _ in c.packs:
+                fi = pf
+                while fi >= 0 and ci not in packed_in[fi]:
+                    packed_in[fi].add(ci)
+                    fi = frames[fi].parent
+        # P6: (reader, read) pairs of candidates made in different calls, listed under every call that made
+        # the read one but not the reader.
+        pairs: list[list[tuple[int, int]]] = [[] for _ in frames]
+        for ci, cl in enumerate(closures):
+            reader_frames = set(self._ancestry(int(frame_of_producer[ci])))
+            for d in cl.deps:
+                for fi in self._ancestry(int(frame_of_producer[d])):
+                    if fi not in reader_frames:
+                        pairs[fi].append((ci, d))
+        producers = np.array([c.producer for c in w.candidates], dtype=np.int64)
+        order = np.argsort(producers, kind="stable")
+        cand_of = {c.tensor: i for i, c in enumerate(w.candidates)}
+
+        must: dict[str, list[list[int]]] = {"recompute": [], "keep": [], "not_recompute": []}
+        self.static_ok = np.zeros(self.n_frames, dtype=bool)
+        self.rng = np.zeros(self.n_frames, dtype=bool)
+        self.internal: list[np.ndarray] = []  # candidates a region of this call would serve, if recomputed
+        self._inputs: list[list[tuple[int, int]]] = []
+        self._outputs: list[list[tuple[int, int]]] = []
+        for f in frames:
+            lists: dict[str, list[int]] = {name: [] for name in must}
+            inputs: list[tuple[int, int]] = []
+            outputs: list[tuple[int, int]] = []
+            ok = f.index > 0 and f.path != "<root>" and calls[f.path] == 1 and f.last_op >= f.first_op  # P1
+            ok = ok and not writes_state[f.first_op : f.last_op + 1].any()  # P5
+            if ok:
+                lo, hi = np.searchsorted(producers[order], [f.first_op, f.last_op + 1])
+                made = set(order[lo:hi].tolist())
+                args = {cand_of[t] for t in f.args if t in cand_of} - made
+                for ci in sorted(args - packed_in[f.index]):
+                    lists["keep"].append(ci)  # P4: held by the checkpoint's inputs
+                for ci in sorted(made | packed_in[f.index]):
+                    c = w.candidates[ci]
+                    inside = [f.index <= pf <= end[f.index] for pf, _ in c.packs]
+                    if ci not in made:  # P4: made before R, packed inside
+                        lists["keep"].append(ci)
+                        if c.tensor not in f.args:
+                            ok = False
+                        elif inside[0]:
+                            inputs.append((f.args.index(c.tensor), ci))
+                    elif all(inside):  # P2
+                        lists["recompute"].append(ci)
+                    elif any(inside):  # P3: packed inside and after
+                        lists["keep"].append(ci)
+                        if inside[0] and c.tensor not in f.outputs:
+                            ok = False  # first packed inside, escaping some other way than R's returns
+                        elif inside[0]:
+                            outputs.append((f.outputs.index(c.tensor), ci))
+                    else:
+                        lists["not_recompute"].append(ci)  # P3: packed after R only
+            self.static_ok[f.index] = ok and bool(lists["recompute"])  # P2: something to serve
+            for name in must:
+                must[name].append(lists[name])
+            self._inputs.append(inputs)
+            self._outputs.append(outputs)
+            self.internal.append(np.array(lists["recompute"], dtype=np.int64))
+            self.rng[f.index] = ok and any(w.ops[i].seeded for i in range(f.first_op, f.last_op + 1))
+        self._checks = {name: _Ragged(lists) for name, lists in must.items()}
+        flat = [(f, reader, read) for f, lst in enumerate(pairs) for reader, read in lst]
+        self._pair_frame, self._pair_reader, self._pair_read = (
+            np.array([p[i] for p in flat], dtype=np.int64) for i in range(3)
+        )
+
+    def _ancestry(self, f: int) -> list[int]:
+        """``f`` and the calls enclosing it."""
+        out = []
+        while f >= 0:
+            out.append(f)
+            f = self.w.frames[f].parent
+        return out
+
+    def _state_writers(self) -> np.ndarray:
+        """Per forward op: it writes a buffer (module state) outside a BatchNorm call (P5)."""
+        w = self.w
+        out = np.zeros(len(w.ops), dtype=bool)
+        norm = {f.index for f in w.frames if f.norm}
+        for op in w.ops:
+            if op.phase != Phase.FORWARD:
+                break
+            if op.frame not in norm and any(w.tensors[t].kind == TensorKind.BUFFER for t in op.outputs):
+                out[op.index] = True
+        return out
+
+    def select(self, act: np.ndarray) -> list[int]:
+        """Frame indices of the regions for action codes ``act`` (outermost first, in call order)."""
+        if not self.static_ok.any():
+            return []
+        rec = act == RECOMPUTE_CODE
+        bad = self._checks["recompute"].count(~rec)
+        bad += self._checks["keep"].count(act != KEEP_CODE)
+        bad += self._checks["not_recompute"].count(rec)
+        ok = self.static_ok & (bad == 0)
+        pairs = rec[self._pair_read] & rec[self._pair_reader]  # P6 pairs that may matter
+        frames, readers = self._pair_frame[pairs], self._pair_reader[pairs]
+        while True:  # P6 counts only readers that are replayed, which depends on the regions: to a fixpoint
+            chosen = self._outermost(ok)
+            if not len(frames):
+                return chosen
+            chosen_mask = np.zeros(self.n_frames, dtype=bool)
+            chosen_mask[chosen] = True
+            failing = frames[chosen_mask[frames] & ~self.served(chosen)[readers]]
+            if not len(failing):
+                return chosen
+            ok[failing] = False  # fewer regions: more readers replayed, never fewer
+
+    def _outermost(self, ok: np.ndarray) -> list[int]:
+        chosen: list[int] = []
+        covered = -1
+        for f in np.flatnonzero(ok).tolist():
+            if f > covered:  # not inside a region chosen already
+                chosen.append(f)
+                covered = int(self.end[f])
+        return chosen
+
+    def served(self, regions: list[int]) -> np.ndarray:
+        """Boolean mask over candidates: recomputed by one of ``regions``."""
+        mask = np.zeros(self.candidates, dtype=bool)
+        for f in regions:
+            mask[self.internal[f]] = True
+        return mask
+
+    def inside(self, regions: list[int]) -> np.ndarray:
+        """Boolean mask over frames: one of ``regions`` or inside one (their packs go to checkpoint)."""
+        delta = np.zeros(self.n_frames + 1, dtype=np.int64)
+        for f in regions:
+            delta[f] += 1
+            delta[self.end[f] + 1] -= 1
+        return np.cumsum(delta[:-1]) > 0
+
+    def region(self, f: int) -> Region:
+        """The policy file's record of region ``f``."""
+        frame, cands = self.w.frames[f], self.w.candidates
+        return Region(
+            module=frame.path,
+            call=frame.call,
+            rng=bool(self.rng[f]),
+            keys=[cands[ci].key for ci in self.internal[f].tolist()],
+            inputs=[(pos, cands[ci].key) for pos, ci in self._inputs[f]],
+            outputs=[(pos, cands[ci].key) for pos, ci in self._outputs[f]],
+        )
+
+
+# -- replay closures (Rule 7 of the simulator) -------------------------------------------------------------
+@dataclass(frozen=True)
+class Closure:
+    """What replaying one candidate re-runs: its producer chain and, recursively, the chains of the tensors
+    it reads that are gone at its first backward use (freed, not candidates); ``deps``: the candidates it
+    reads (materialized first when not kept)."""
+
+    ops: frozenset[int]
+    deps: tuple[int, ...]
+
+
+def closures_of(w: Workload) -> list[Closure]:
+    """Rule 7's closure of every candidate, in candidate order."""
+    n = len(w.ops)
+    cand_of = {c.tensor: i for i, c in enumerate(w.candidates)}
+    writers: dict[int, list[int]] = {}
+    for op in w.ops:
+        if op.phase != Phase.FORWARD:
+            break
+        for tid in op.outputs:
+            if w.tensors[tid].alloc_op != op.index:
+                writers.setdefault(tid, []).append(op.index)
+    out: list[Closure] = []
+    for c in w.candidates:
+        u = c.bwd_uses[0] if c.bwd_uses else n
+        ops: set[int] = set(c.recompute_ops)
+        deps: list[int] = []
+        stack = list(c.recompute_inputs)
+        seen = {c.tensor}
+        while stack:
+            tid = stack.pop()
+            if tid in seen:
+                continue
+            seen.add(tid)
+            if tid in cand_of:
+                deps.append(cand_of[tid])
+                continue
+            t = w.tensors[tid]
+            if t.alloc_op < 0 or t.free_op is None or t.free_op >= u:
+                continue  # resident: persistent, or still live at u as traced
+            chain = [t.alloc_op, *writers.get(tid, [])]
+            ops.update(chain)
+            stack.extend(i for op in chain for i in w.ops[op].inputs)
+        out.append(Closure(frozenset(ops), tuple(sorted(deps))))
+    return out
+
+
+class _Ragged:
+    """Per-frame lists of candidate indices, flattened, so that counting how many of each frame's satisfy a
+    condition is one vectorised call."""
+
+    def __init__(self, lists: list[list[int]]) -> None:
+        self.flat = np.array([i for lst in lists for i in lst], dtype=np.int64)
+        lengths = np.array([len(lst) for lst in lists], dtype=np.int64)
+        self.segment = np.repeat(np.arange(len(lists)), lengths)
+        self.n = len(lists)
+
+    def count(self, condition: np.ndarray) -> np.ndarray:
+        if not len(self.flat):
+            return np.zeros(self.n, dtype=np.int64)
+        return np.bincount(self.segment, weights=condition[self.flat], minlength=self.n).astype(np.int64)
+
+
+def regions_for(w: Workload, act: np.ndarray) -> list[Region]:
+    """The regions of a policy with action codes ``act`` on ``w`` (one-off; the simulator keeps a planner)."""
+    planner = RegionPlanner(w)
+    return [planner.region(f) for f in planner.select(np.asarray(act))]

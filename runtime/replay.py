@@ -1,0 +1,259 @@
+"""Recompute by replay (runtime R6): record the forward's ops where a replayed chain needs them, and re-run a
+saved tensor's producer chain in backward. Used by runtime.apply for the recomputed tensors that no
+checkpointed region serves (NOTE [ Recompute mechanisms ] in runtime/plan.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from runtime.trace import written_tensors
+
+if TYPE_CHECKING:
+    from runtime.apply import PolicyRuntime
+
+Frame = tuple[str, int]  # (module path, call), as in the keys
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A tensor argument as a storage reference with its layout."""
+
+    sid: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+# An aten op's arguments are flat: tensors, scalars, and lists of them (``Tensor[]``, ``Tensor?[]``), positional
+# or keyword. Flattening one level of lists is therefore exact, and far cheaper than torch.utils._pytree,
+# which the recorder would otherwise call on every forward op.
+_Spec = tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]  # (list lengths or -1, kwarg names, kwarg lengths)
+
+
+@dataclass
+class OpRecord:
+    index: int
+    func: Any
+    spec: _Spec  # how to rebuild (args, kwargs) from leaves
+    leaves: list[Any]  # flattened (args, kwargs), tensors replaced by _Ref
+    outputs: list[int | None]  # storage id of each flattened output (None: not a tensor)
+    writes: frozenset[int]  # leaf positions the op mutates
+    rng: tuple[torch.Tensor, torch.Tensor | None] | None  # (cpu, cuda) state before a random op
+    frame: Frame | None  # the innermost module call it ran in (first steps only: to learn where to record)
+
+
+def _flatten_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], _Spec]:
+    leaves: list[Any] = []
+    arg_lens = _flatten_into(args, leaves)
+    kw_lens = _flatten_into(kwargs.values(), leaves)
+    return leaves, (arg_lens, tuple(kwargs), kw_lens)
+
+
+def _flatten_into(values: Iterable[Any], leaves: list[Any]) -> tuple[int, ...]:
+    """Append each value (the items of a list or tuple) to ``leaves``; each one's length (-1: not a list)."""
+    lens: list[int] = []
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            lens.append(len(v))
+            leaves.extend(v)
+        else:
+            lens.append(-1)
+            leaves.append(v)
+    return tuple(lens)
+
+
+def _unflatten_args(leaves: list[Any], spec: _Spec) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    arg_lens, names, kw_lens = spec
+    pos = 0
+    values: list[Any] = []
+    for n in (*arg_lens, *kw_lens):
+        if n < 0:
+            values.append(leaves[pos])
+            pos += 1
+        else:
+            values.append(list(leaves[pos : pos + n]))
+            pos += n
+    return tuple(values[: len(arg_lens)]), dict(zip(names, values[len(arg_lens) :], strict=True))
+
+
+def _flatten_out(out: Any) -> list[Any]:
+    """An op's outputs: one tensor, or a tuple of tensors and lists of tensors."""
+    if not isinstance(out, (list, tuple)):
+        return [out]
+    flat: list[Any] = []
+    for x in out:
+        if isinstance(x, (list, tuple)):
+            flat.extend(x)
+        else:
+            flat.append(x)
+    return flat
+
+
+class Recorder(TorchDispatchMode):
+    """Records forward ops so that the runtime can replay producer chains (R6). It is active for the
+    whole forward in a first step (``frame_of`` names each op's module call) and, from then on, only
+    inside the module calls whose ops were replayed (R11)."""
+
+    def __init__(self, device: torch.device, frame_of: Callable[[], Frame] | None = None) -> None:
+        super().__init__()
+        self.device = device
+        self.frame_of = frame_of
+        self.ops: list[OpRecord] = []
+        self.sid_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> id
+        self.storage: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.writers: dict[int, list[int]] = {}  # storage id -> ops that allocated or wrote it, in order
+        self.recording = True  # until backward starts (R6)
+        self.paused = False  # inside the runtime's own hooks: their ops are not the model's
+        self.replayed: set[int] = set()  # indices of the ops some replay re-ran
+        self.depth = 0  # module calls entered that record (R11)
+
+    def sid(self, storage: torch.UntypedStorage) -> int:
+        sid = self.sid_of.get(storage)
+        if sid is None:
+            sid = len(self.storage)
+            self.sid_of[storage] = sid
+            self.storage[sid] = weakref.ref(storage)
+        return sid
+
+    def ref(self, t: torch.Tensor) -> _Ref:
+        return _Ref(self.sid(t.untyped_storage()), t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if not self.recording or self.paused or torch._C._current_graph_task_id() != -1:
+            return func(*args, **kwargs)  # backward (a checkpointed region's recompute included)
+        rng = None
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+            rng = (torch.get_rng_state(), cuda)
+        leaves, spec = _flatten_args(args, kwargs)
+        writes = _written_positions(func, args, kwargs, leaves)
+        refs = [self.ref(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        out = func(*args, **kwargs)
+        out_leaves = _flatten_out(out)
+        index = len(self.ops)
+        outputs: list[int | None] = []
+        for x in out_leaves:
+            if not isinstance(x, torch.Tensor):
+                outputs.append(None)
+                continue
+            known = x.untyped_storage() in self.sid_of
+            sid = self.sid(x.untyped_storage())
+            outputs.append(sid)
+            if not known:
+                self.writers.setdefault(sid, []).append(index)
+        for pos in writes:
+            ref = refs[pos]
+            assert isinstance(ref, _Ref)
+            self.writers.setdefault(ref.sid, []).append(index)
+        frame = self.frame_of() if self.frame_of is not None else None
+        self.ops.append(OpRecord(index, func, spec, refs, outputs, frozenset(writes), rng, frame))
+        return out
+
+
+# Ops that update arguments their schema does not mark as written: BatchNorm's running statistics
+# (native_functions.yaml declares native_batch_norm's running_mean/running_var as plain ``Tensor?``).
+_UNDECLARED_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4), "miopen_batch_norm": (3, 4)}
+
+
+def _written_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any]) -> list[int]:
+    """Leaf positions (in the flattened (args, kwargs)) of tensors the op mutates, from its schema."""
+    positions: list[int] = []
+    mutated = written_tensors(func, args, kwargs, _UNDECLARED_WRITES.get(func.overloadpacket.__name__, ()))
+    for t in mutated:
+        positions.extend(p for p, x in enumerate(leaves) if x is t)
+    return positions
+
+
+def view_of(storage: torch.UntypedStorage, dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...],
+            offset: int) -> torch.Tensor:  # fmt: skip
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+
+
+class Replayer:
+    """Regenerates storages by replaying recorded ops (R6)."""
+
+    def __init__(self, rt: PolicyRuntime, rec: Recorder) -> None:
+        self.rt = rt
+        self.rec = rec
+        self.handles = rt._by_sid
+        self.made: dict[int, torch.UntypedStorage] = {}  # temporaries regenerated in this replay
+
+    def storage(self, sid: int, before: int) -> torch.UntypedStorage:
+        """The storage ``sid`` as it was just before op ``before`` (or at the end of the forward)."""
+        from runtime.policy import Action
+
+        if sid in self.made:
+            return self.made[sid]
+        alive = self.rec.storage[sid]()
+        if alive is not None:
+            return alive
+        handle = self.handles.get(sid)
+        if handle is not None and (handle.device is not None or handle.action != Action.RECOMPUTE):
+            return self.rt._materialize(handle)  # held already, or brought back (swap, compress)
+        chain = [i for i in self.rec.writers.get(sid, []) if i < before]
+        if not chain:
+            raise RuntimeError(f"autotune: cannot recompute a saved tensor: storage {sid} has no recorded producer")
+        result: torch.UntypedStorage | None = None
+        for index in chain:
+            result = self._run(self.rec.ops[index], sid, result)
+        assert result is not None
+        if handle is not None:
+            handle.device = result  # a candidate: held until its own unpacks (Rule 7)
+        self.rec.storage[sid] = weakref.ref(result)  # found alive by later replays while anything holds it
+        self.made[sid] = result
+        return result
+
+    def _run(self, op: OpRecord, target: int, current: torch.UntypedStorage | None) -> torch.UntypedStorage:
+        leaves: list[Any] = []
+        for pos, leaf in enumerate(op.leaves):
+            if not isinstance(leaf, _Ref):
+                leaves.append(leaf)
+                continue
+            if leaf.sid == target:
+                assert current is not None, "an op writes a storage before its producer"
+                leaves.append(view_of(current, leaf.dtype, leaf.size, leaf.stride, leaf.offset))
+                continue
+            storage = self.storage(leaf.sid, op.index)
+            t = view_of(storage, leaf.dtype, leaf.size, leaf.stride, leaf.offset)
+            if pos in op.writes:
+                t = t.clone()  # e.g. BatchNorm's running statistics: replay must not update them twice
+            leaves.append(t)
+        args, kwargs = _unflatten_args(leaves, op.spec)
+        with _rng_state(op.rng, self.rt.device):
+            out = op.func(*args, **kwargs)
+        self.rt.stats.recomputed_ops += 1
+        self.rec.replayed.add(op.index)
+        out_leaves = _flatten_out(out)
+        for sid, x in zip(op.outputs, out_leaves, strict=False):
+            if sid is not None and isinstance(x, torch.Tensor) and sid != target and sid not in self.made:
+                self.made[sid] = x.untyped_storage()  # another output of the same op (BatchNorm's stats)
+        if target in op.outputs:
+            x = out_leaves[op.outputs.index(target)]
+            assert isinstance(x, torch.Tensor)
+            return x.untyped_storage()
+        assert current is not None
+        return current  # an in-place writer: the target was updated in place
+
+
+@contextlib.contextmanager
+def _rng_state(rng: tuple[torch.Tensor, torch.Tensor | None] | None, device: torch.device) -> Iterator[None]:
+    if rng is None:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1], device)
+        yield
