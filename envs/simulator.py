@@ -2,58 +2,93 @@
 
 NOTE [ Simulator semantics ] -- the runtime (runtime/apply.py) implements the same rules; cite them by number.
 
-Rule 1 (streams). One compute stream runs the workload's ops in traced order, each taking
-    ``runtime.hardware.op_times_s``. A device-to-host (D2H) and a host-to-device (H2D) copy stream each run
-    their copies one at a time in the order issued, concurrently with compute and with each other (PCIe is
-    full duplex, GPUs have a copy engine per direction). A copy of n bytes takes n / ``d2h_bytes_per_s``
-    (or ``h2d_bytes_per_s``). On a profile without copy engines (``is_gpu`` false: the CPU, where "swap"
-    moves bytes to a host store) copies run on the compute stream instead: each delays compute by its
-    duration (counted as ``stall_s``) and is complete when compute resumes.
+Rule 1 (streams and clocks). The host issues the workload's ops in traced order, op i costing it h_i
+    (Rule 12), and the compute stream runs op i for d_i = ``runtime.hardware.op_times_s`` from when both it
+    is free and the host has issued op i. A device-to-host (D2H) and a host-to-device (H2D) copy stream each
+    run their copies one at a time in the order issued, concurrently with compute and with each other (PCIe
+    is full duplex, GPUs have a copy engine per direction); a copy of n bytes takes n / ``d2h_bytes_per_s``
+    (or ``h2d_bytes_per_s``). On a profile without copy engines (``is_gpu`` false: the CPU) host and device
+    are one clock: every cost adds, and copies run on it, complete when it resumes.
 Rule 2 (memory). Memory is counted per op: the live bytes *during* op i are all allocations whose op
     interval [first, last] contains i; every allocation is rounded up to ``alloc_granularity_bytes``. Tensors
     that are not candidates keep their traced intervals [alloc_op, free_op]. An op's workspace (cuDNN,
     cuBLAS; measured by real CUDA traces) is live during that op alone. The peak is the maximum over ops;
     the policy is feasible when the peak is within the budget.
 Rule 3 (keep). A kept candidate lives [producer, free_op], as traced.
-Rule 4 (swap out). A swapped candidate's D2H copy is issued when op ``save_op`` ends (the pack hook: its value
-    is final). Its device storage is released at the first op boundary where both the program has dropped
-    it (after ``free_if_dropped_op``) and the copy has completed, i.e. it lives [producer, max(
-    free_if_dropped_op, j - 1)] with j the first op that starts at or after the copy's end. (PyTorch's
-    caching allocator reuses a block used by a side stream only once that stream's work is done.)
-Rule 5 (prefetch). The unpack points U are the distinct first-backward-use ops of all candidates, sorted
-    (the runtime's unpack hook fires there). The H2D copy of a swapped candidate whose first backward use is
-    U[p] is issued just before op U[max(0, p - L)] runs, L = ``prefetch_lookahead`` (L = 0: on demand);
-    copies due at the same op are issued in order of need (first backward use, then candidate index). A copy
-    starts once the H2D stream is free and its own D2H copy has completed. Its device buffer is allocated
+Rule 4 (swap out). A swapped candidate's D2H copy is issued when op ``save_op`` ends (the pack hook: its
+    value is final) and starts when the compute stream has finished that op and the D2H stream is free. Its
+    device storage is let go at its *release point*: the pack point ``release_after`` places after its own
+    (pack points: the first packs of the observed candidates, Rule 13, in candidate order), or, if there are
+    not that many, just before the first backward use of any handled candidate (swapped, compressed or
+    replayed); there the compute stream waits until the copy has ended (``stall_s``). It lives [producer,
+    max(free_if_dropped_op, r)], r the op of the release point's pack (or that first use - 1). On a profile
+    without copy engines host memory is the device's: the copy (on the one clock) lives [save_op, free_op],
+    the original [producer, free_if_dropped_op], and nothing is copied back (Rules 5, 6 do not apply).
+Rule 5 (prefetch). The unpack points U are the distinct first-backward-use ops of the candidates that no
+    region serves (Rule 11), sorted (the runtime's unpack hook fires there). The H2D copy of a swapped
+    candidate whose first backward use is U[p] is issued just before op U[max(0, p - L)] runs, L =
+    ``prefetch_lookahead`` (L = 0: on demand); copies due at the same op are issued in order of need (first
+    backward use, then candidate index). A copy starts once the H2D stream is free, its own D2H copy has
+    completed and the compute stream has reached the op where it is issued. Its device buffer is allocated
     at issue: it lives [issue op, free_op].
 Rule 6 (stall). Before its first backward use u, the compute stream waits until a swapped tensor has
     arrived; the waiting is ``stall_s``.
-Rule 7 (recompute). A recomputed candidate lives [producer, free_if_dropped_op]. Just before its first
-    backward use u, the compute stream re-runs its closure: its producer chain (producer and in-place
-    writers) and, recursively, the chains of its inputs that are not resident at u, where resident means
-    persistent, live at u as traced (tensors that are not candidates), or a kept candidate. Candidate inputs
-    that are swapped, recomputed or compressed are materialized first (Rules 6-8, in candidate order), at
-    u, so their memory starts at u and lasts to their own free_op (they are not recomputed twice). The
-    regenerated tensor lives [u, free_op]. Every other storage the closure's ops write (regenerated
-    temporaries, other outputs of multi-output ops, copies of arguments an op would mutate) is held during
-    the recompute only: nested recomputations hold theirs until the outermost one is done, separate ones at
-    the same op run one after another. The recompute runs before op u allocates its own outputs, so the
-    live bytes of op u are the larger of (live during u) and (live during u, less u's own allocations, plus
-    the largest recompute's held bytes). Its time is the sum of the closure's op times (``recompute_s``).
+Rule 7 (replay). A recomputed candidate that no region serves lives [producer, free_if_dropped_op]. Just
+    before its first backward use u, the compute stream re-runs its closure (runtime.plan.closures_of): its
+    producer chain (producer and in-place writers) and, recursively, the chains of its inputs that are not
+    resident at u, where resident means persistent, live at u as traced (tensors that are not candidates),
+    or a kept candidate. Candidate inputs that are swapped, recomputed or compressed are materialized first
+    (Rules 6-8, in candidate order), at u, so their memory starts at u and lasts to their own free_op (they
+    are not recomputed twice). The regenerated tensor lives [u, free_op]. Every other storage the closure's
+    ops write (regenerated temporaries, other outputs of multi-output ops, copies of arguments an op would
+    mutate) is held during the recompute only: nested recomputations hold theirs until the outermost one is
+    done, separate ones at the same op run one after another. The recompute runs before op u allocates its
+    own outputs, so the live bytes of op u are the larger of (live during u) and (live during u, less u's own
+    allocations, plus the largest recompute's held bytes). Its time is the sum of the closure's op times
+    (``recompute_s``), issued by the host as one block (Rule 12) after which the device runs it.
 Rule 8 (compress). A compressed candidate is cast to ``compress_dtype`` when ``save_op`` ends, by a kernel on
     the compute stream that reads n bytes and writes n / r (r = element size ratio, at least 1). The full
     storage lives [producer, free_if_dropped_op], the packed one [save_op, u]; just before u an unpack
     kernel (reads n / r, writes n) re-creates it, living [u, free_op]. Both kernels are ``compress_s``.
-Rule 9 (time). ``iter_s`` is when the compute stream finishes: compute + recompute + compress + stall.
+Rule 9 (time). ``iter_s`` is when both the compute stream and the host are done (the step ends with a
+    synchronisation): compute + recompute + compress + stall and whatever the host adds where it is behind.
     ``samples_per_s`` = batch size / ``iter_s``.
 Rule 10 (gradient accumulation). With ``grad_accum`` k > 1 the workload is one micro-batch that adds to
     existing gradients, then the optimizer step (NOTE [ Gradient accumulation ] in runtime.trace). The peak
     is the traced one; the iteration runs everything before the optimizer phase k times and the step once:
-    ``iter_s`` = k (t - t_opt) + t_opt, with t Rule 9's time and t_opt the optimizer ops' compute time
-    (nothing of a policy happens there), and ``samples_per_s`` = k x batch size / ``iter_s``.
+    ``iter_s`` = k (t - t_opt) + t_opt, with t Rule 9's time and t_opt the optimizer ops' time run alone
+    (Rule 1's clocks from idle; nothing of a policy happens there), and ``samples_per_s`` = k x batch size /
+    ``iter_s``.
+Rule 11 (regions). A module call that runtime.plan's NOTE [ Recompute mechanisms ] makes a region runs
+    under torch.utils.checkpoint. At u_R, the first backward op of its module that reads a tensor packed
+    inside it, the compute stream re-runs the call's forward ops from its first to the last one after which
+    something inside it was packed (checkpoint stops there), issued by the host as one block (Rule 12). Every
+    candidate made and packed inside it is regenerated: a recomputed one lives [producer,
+    free_if_dropped_op] and again [u_R, free_op]; a kept one also has the regenerated copy, [u_R, its last
+    backward use by the call's module]. The other storages the re-run ops make live as in the forward (from
+    their op to their traced free op) during the recompute; its peak above the regenerated candidates is
+    held at u_R, before op u_R allocates its outputs, as in Rule 7. The call's tensor arguments that are not
+    candidates are held by the checkpoint until its module's last backward op.
+Rule 12 (host costs). h_i is 0 on a profile without copy engines (op times are wall times there); on a GPU
+    it is the op's measured host time, scaled to the plain iteration's, when the trace ran on that device,
+    and ``host.op_s`` otherwise. The runtime's own work costs the host (``HardwareProfile.host``): each
+    observed pack (Rule 13) ``pack_s`` after its op and ``unpack_s`` at its tensor's first backward use (for
+    packs of non-candidates: the first backward op of their module); each call of a module with a hooked
+    or recorded call ``frame_s`` at its first op (``<loss>``: one); each copy out or back ``swap_s``; each
+    region ``region_s`` plus ``region_pack_s`` per pack inside it, at its first op and again with its
+    recompute, whose ops also cost their h_i; each op the recorder runs under ``record_op_s`` (the forward
+    ops of the module calls whose ops a replay re-runs, the calls they ran in included; outside the model:
+    from the model's end); each replayed op ``replay_op_s`` plus its h_i; each compress kernel h of an op.
+    The costs of one point are issued before the op there.
+Rule 13 (observed packs). The runtime's saved-tensor hooks see a pack when one of its module calls (its
+    frame, or one enclosing it) is *hooked* and it is not inside a region: hooked are the frames of the
+    packs of the handled candidates (swapped, compressed, replayed) and of the carriers, the candidates whose
+    first backward use is U[max(0, p - L)] for a swapped candidate at U[p] when L > 0 (Rule 5). A workload
+    traced without frames has every pack observed.
 
-Two implementations share these rules: :class:`Simulator` (vectorised, precomputed closures, for search)
-and :func:`simulate_reference` (op by op with an explicit live set, for tests). They must agree exactly.
+Two implementations share these rules: :class:`Simulator` (vectorised where it can be, an event walk where it
+cannot, for search) and :func:`simulate_reference` (op by op with explicit clocks and a live set, for tests).
+They must agree exactly.
 """
 
 from __future__ import annotations
@@ -65,7 +100,8 @@ from typing import Any
 
 import numpy as np
 
-from runtime.hardware import HardwareProfile, op_times_s
+from runtime.hardware import HardwareProfile, host_times_s, op_times_s
+from runtime.plan import RegionPlanner, closures_of
 from runtime.policy import Action, Policy, PolicyOptions
 from runtime.workload import Phase, Workload, memory_timeline, rounded, workspace_bytes
 
@@ -90,6 +126,9 @@ class SimResult:
     budget_bytes: int | None
     peak_op: int
     timeline: dict[str, list[float]] | None = field(default=None, repr=False)  # op_start_s, live_bytes
+    host_s: float = 0.0  # the host's busy time (Rule 12): issuing ops and the runtime's own work
+    overhead_s: float = 0.0  # ... of which the runtime's own work (hooks, copies, regions, recorder, replays)
+    regions: int = 0  # module calls recomputed under torch.utils.checkpoint (Rule 11)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -112,15 +151,63 @@ def _as_vector(w: Workload, policy: Policy | Sequence[int] | np.ndarray) -> np.n
     return vec
 
 
+def _scatter(into: np.ndarray, at: np.ndarray, values: np.ndarray | float) -> None:
+    """``into[at] += values`` with repeated indices adding up (np.add.at, by bincount: much faster)."""
+    if len(at):
+        weights = np.broadcast_to(values, at.shape).astype(np.float64)
+        into += np.bincount(at, weights=weights, minlength=len(into))[: len(into)].astype(into.dtype)
+
+
+class _PerOp:
+    """Seconds added before ops, gathered and summed in one go (one bincount instead of one per source)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.at: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+        self.one: dict[int, float] = {}
+
+    def add_one(self, at: int, value: float) -> None:
+        self.one[at] = self.one.get(at, 0.0) + value
+
+    def add(self, at: np.ndarray | int, values: np.ndarray | float) -> None:
+        at = np.atleast_1d(np.asarray(at, dtype=np.int64))
+        if len(at):
+            self.at.append(at)
+            self.values.append(np.broadcast_to(np.asarray(values, dtype=np.float64), at.shape))
+
+    def array(self) -> np.ndarray:
+        out = np.zeros(self.n)
+        if self.at:
+            out += np.bincount(np.concatenate(self.at), weights=np.concatenate(self.values), minlength=self.n)[: self.n]
+        for at, value in self.one.items():
+            out[at] += value
+        return out[: self.n]
+
+
 def accumulated_s(w: Workload, t: float, optimizer_s: float) -> float:
     """Rule 10: the time of ``w.grad_accum`` micro-batches and one optimizer step, from one of each (``t``)."""
     return t if w.grad_accum == 1 else w.grad_accum * (t - optimizer_s) + optimizer_s
 
 
 def optimizer_s(w: Workload, op_s: np.ndarray) -> float:
-    """Compute time of the optimizer ops (Rule 10)."""
+    """Compute time of the optimizer ops (their kernels alone; Rule 10 runs them on Rule 1's clocks)."""
     ops = w.phase_range(Phase.OPTIMIZER)
     return float(op_s[ops.start : ops.stop].sum())
+
+
+@dataclass
+class _RegionCost:
+    """What a region costs and holds (Rules 11, 12), once per region of a workload."""
+
+    use: int  # u_R; n when nothing of it is unpacked
+    device_s: float  # the re-run ops' compute time
+    host_s: float  # their h_i, the region's own cost and its packs', for the recompute
+    forward_host_s: float  # the region's own cost and its packs', in forward
+    transient: int  # bytes above the regenerated candidates at the recompute's peak
+    regenerated: list[tuple[int, int]]  # (candidate, last op of its regenerated copy; -1 for its free_op)
+    held: list[tuple[int, int, int]]  # (first op, last op, bytes): arguments the checkpoint holds longer
+    intervals: tuple[np.ndarray, np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0), np.zeros(0))  # Rule 2
 
 
 class Simulator:
@@ -131,11 +218,14 @@ class Simulator:
         n = self.n_ops = len(w.ops)
         g = hw.alloc_granularity_bytes
         self.op_s = np.asarray(op_times_s(w, hw), dtype=np.float64)
-        self.op_start_s = np.concatenate([[0.0], np.cumsum(self.op_s)[:-1]])
+        self.host_op_s = np.asarray(host_times_s(w, hw), dtype=np.float64)  # h_i (Rule 12)
+        self.op_start_s = np.concatenate([[0.0], np.cumsum(self.op_s)[:-1]])  # compute alone, no host clock
         self.compute_s = float(self.op_s.sum())
         self.optimizer_s = optimizer_s(w, self.op_s)
+        opt = w.phase_range(Phase.OPTIMIZER)
+        self._opt_start = opt.start if len(opt) else n
         cands = w.candidates
-        self.k = k = len(cands)
+        self.k = len(cands)
         cand_of_tensor = {c.tensor: i for i, c in enumerate(cands)}
         self._cand_of_tensor = cand_of_tensor
 
@@ -163,66 +253,35 @@ class Simulator:
         self.sync_copies = not hw.is_gpu  # Rule 1
         self.d2h_s = self.nbytes / hw.d2h_bytes_per_s
         self.h2d_s = self.nbytes / hw.h2d_bytes_per_s
-        self.closure_ops: list[frozenset[int]] = []  # Rule 7: the ops re-run to regenerate each candidate
-        self._closures = [self._closure(i) for i in range(k)]
+        closures = closures_of(w)
+        self.closure_ops: list[frozenset[int]] = [cl.ops for cl in closures]  # Rule 7: the ops re-run
+        self._closures = [self._closure_cost(ci, cl.ops, cl.deps) for ci, cl in enumerate(closures)]
+        self._closure_host = [float(self.host_op_s[sorted(ops)].sum()) for ops in self.closure_ops]
+        self._closure_len = [len(ops) for ops in self.closure_ops]
         self._compress_cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         needed = np.flatnonzero(self.first_use < n)
         self._need_order = needed[np.lexsort((needed, self.first_use[needed]))]
         self._first_use_list = self.first_use.tolist()
         self._op_start_list = self.op_start_s.tolist()
         self._triggers: dict[int, np.ndarray] = {}
+        self._optimizer_alone = self._optimizer_alone_s()
+        self._observation_setup(closures)
+
+    def _closure_cost(self, ci: int, ops: frozenset[int], deps: tuple[int, ...]) -> tuple[float, int, tuple[int, ...]]:
+        """Rule 7: (recompute seconds, transient bytes, candidate dependencies) of candidate ``ci``: every
+        storage the replayed ops write but the target is held during the recompute."""
+        w, g = self.w, self.hw.alloc_granularity_bytes
+        outputs = {tid for op in ops for tid in w.ops[op].outputs} - {w.candidates[ci].tensor}
+        transient = sum(rounded(w.tensors[tid].nbytes, g) for tid in outputs)
+        return float(self.op_s[sorted(ops)].sum()), transient, tuple(sorted(deps))
 
     def _trigger_ops(self, lookahead: int) -> np.ndarray:
-        """Rule 5: the op before which each candidate's H2D copy is issued, for one look-ahead."""
+        """Rule 5 with no region: the op before which each candidate's H2D copy is issued."""
         if lookahead not in self._triggers:
             up = np.array([*self.unpack_points, self.n_ops], dtype=np.int64)
             pos = np.array(self._u_pos, dtype=np.int64)
             self._triggers[lookahead] = up[np.maximum(0, pos - lookahead)]
         return self._triggers[lookahead]
-
-    # -- Rule 7: static recompute closures ----------------------------------------------------------------
-    def _closure(self, ci: int) -> tuple[float, int, tuple[int, ...]]:
-        """(recompute seconds, transient bytes, candidate dependencies) of candidate ``ci``."""
-        w, g = self.w, self.hw.alloc_granularity_bytes
-        c = w.candidates[ci]
-        u = int(self.first_use[ci])
-        ops: set[int] = set(c.recompute_ops)
-        deps: list[int] = []
-        transient = 0
-        stack = list(c.recompute_inputs)
-        seen = {c.tensor}
-        while stack:
-            tid = stack.pop()
-            if tid in seen:
-                continue
-            seen.add(tid)
-            if tid in self._cand_of_tensor:
-                deps.append(self._cand_of_tensor[tid])
-                continue
-            t = w.tensors[tid]
-            if t.alloc_op < 0 or t.free_op is None or t.free_op >= u:
-                continue  # resident: persistent, or still live at u as traced
-            chain = [t.alloc_op, *self._writers(tid)]
-            ops.update(chain)
-            stack.extend(i for op in chain for i in w.ops[op].inputs)
-        # Every storage the replayed ops write, but the target: regenerated temporaries, other outputs of
-        # multi-output ops (BatchNorm's statistics), copies of arguments an op would mutate.
-        self.closure_ops.append(frozenset(ops))
-        outputs = {tid for op in ops for tid in w.ops[op].outputs} - {c.tensor}
-        transient = sum(rounded(w.tensors[tid].nbytes, g) for tid in outputs)
-        return float(self.op_s[sorted(ops)].sum()), transient, tuple(sorted(deps))
-
-    def _writers(self, tid: int) -> list[int]:
-        if not hasattr(self, "_writers_of"):
-            writers: dict[int, list[int]] = {}
-            for op in self.w.ops:
-                if op.phase != Phase.FORWARD:
-                    break
-                for out in op.outputs:
-                    if self.w.tensors[out].alloc_op != op.index:
-                        writers.setdefault(out, []).append(op.index)
-            self._writers_of = writers
-        return self._writers_of.get(tid, [])
 
     def _compression(self, dtype: str) -> tuple[np.ndarray, np.ndarray]:
         """(packed sizes, seconds of one pack or unpack kernel) per candidate (Rule 8)."""
@@ -237,6 +296,138 @@ class Simulator:
             self._compress_cache[dtype] = (np.array(packed, dtype=np.int64), np.array(cost))
         return self._compress_cache[dtype]
 
+    # -- Rules 11-13: what the runtime's hooks see, regions, the recorder -----------------------------------
+    def _observation_setup(self, closures: list[Any]) -> None:
+        w, n = self.w, self.n_ops
+        frames = w.frames
+        self.has_frames = bool(frames) and all(c.packs for c in w.candidates)
+        self.planner = RegionPlanner(w, closures) if self.has_frames else None
+        self._regions: dict[int, _RegionCost] = {}
+        first_bwd = next((op.index for op in w.ops if op.phase == Phase.BACKWARD), n)
+        self._first_bwd = first_bwd
+        if not self.has_frames:
+            self._pack_ops = self.save_op.copy()  # first pack: after save_op
+            return
+        nf = len(frames)
+        pc, pf, po = [], [], []
+        for ci, c in enumerate(w.candidates):
+            for f, op in c.packs:
+                pc.append(ci)
+                pf.append(f)
+                po.append(op)
+        self._pack_cand = np.array(pc, dtype=np.int64)
+        self._pack_frame = np.array(pf, dtype=np.int64)
+        self._pack_op = np.array(po, dtype=np.int64)
+        self._pack_ops = np.array([c.packs[0][1] for c in w.candidates], dtype=np.int64)
+        self._first_pack = np.searchsorted(self._pack_cand, np.arange(self.k))  # packs are in candidate order
+        cand_packs = np.bincount(self._pack_frame, minlength=nf)
+        self._noncand_packs = np.maximum(0, np.array([f.packs for f in frames], dtype=np.int64) - cand_packs)
+        self._frame_first_op = np.array([max(f.first_op, 0) for f in frames], dtype=np.int64)
+        path_ids: dict[str, int] = {}
+        self._frame_path = np.array([path_ids.setdefault(f.path, len(path_ids)) for f in frames], dtype=np.int64)
+        by_module: dict[str, int] = {}
+        self._bwd_ops_of_module: dict[str, list[int]] = {}
+        for info in w.ops:
+            if info.phase == Phase.BACKWARD:
+                by_module.setdefault(info.module, info.index)
+                self._bwd_ops_of_module.setdefault(info.module, []).append(info.index)
+        self._frame_bwd_op = np.array([by_module.get(f.path, first_bwd) for f in frames], dtype=np.int64)
+        assert self.planner is not None
+        self._frame_end = self.planner.end
+        # Rule 12's recorder: the frames of each candidate's closure ops, flattened.
+        root = next((f for f in frames if f.path == "<root>"), None)
+        self._root_last = root.last_op if root is not None else -1
+        self._root_first = root.first_op if root is not None else 0
+        lists = [sorted({w.ops[op].frame for op in ops if w.ops[op].frame >= 0}) for ops in self.closure_ops]
+        self._closure_frames = [np.array(lst, dtype=np.int64) for lst in lists]
+        self._frame_lo = np.array([f.first_op for f in frames], dtype=np.int64)
+        self._frame_hi = np.array([f.last_op for f in frames], dtype=np.int64)
+        self._loss_before_root = [
+            any(w.ops[op].frame == 0 and op < self._root_first for op in ops) for ops in self.closure_ops
+        ]
+
+    def region_cost(self, f: int) -> _RegionCost:
+        """Rule 11 for frame ``f`` as a region (cached)."""
+        if f in self._regions:
+            return self._regions[f]
+        w, n, g = self.w, self.n_ops, self.hw.alloc_granularity_bytes
+        assert self.planner is not None
+        frame = w.frames[f]
+        end = int(self._frame_end[f])
+        path = frame.path
+
+        module_ops = {
+            op for m, ops in self._bwd_ops_of_module.items() if m == path or m.startswith(path + ".") for op in ops
+        }
+
+        def in_module(op: int) -> bool:
+            return op in module_ops
+
+        inside = sorted(self.planner.packed_in[f])
+        uses = [b for ci in inside for b in w.candidates[ci].bwd_uses if in_module(b)]
+        use = min(uses) if uses else n
+        last_pack = max(op for ci in inside for pf, op in w.candidates[ci].packs if f <= pf <= end)
+        first = frame.first_op
+        rerun = range(first, max(first, min(last_pack, frame.last_op)) + 1)
+        regenerated: list[tuple[int, int]] = []
+        internal = set(self.planner.internal[f].tolist())
+        for ci in inside:
+            c = w.candidates[ci]
+            if not first <= c.producer <= frame.last_op:
+                continue  # an input (P4)
+            if ci in internal:
+                regenerated.append((ci, -1))
+            else:  # a kept output packed inside: its copy until the call's module is done with it
+                own = [b for b in c.bwd_uses if in_module(b)]
+                regenerated.append((ci, max(own) if own else use))
+        regen = {w.candidates[ci].tensor for ci, _ in regenerated}
+        transient = 0
+        live = 0
+        temps: dict[int, int] = {}  # freed at op -> bytes
+        later = sum(int(self.size[ci]) for ci, _ in regenerated)  # regenerated, not yet re-made
+        made_at: dict[int, int] = {}
+        for ci, _ in regenerated:
+            made_at[w.candidates[ci].producer] = made_at.get(w.candidates[ci].producer, 0) + int(self.size[ci])
+        for op in rerun:
+            for tid in w.ops[op].outputs:
+                t = w.tensors[tid]
+                if t.alloc_op == op and tid not in regen and tid not in self._cand_of_tensor:
+                    free = t.free_op if t.free_op is not None else n
+                    if free >= op:
+                        live += rounded(t.nbytes, g)
+                        temps[free] = temps.get(free, 0) + rounded(t.nbytes, g)
+            later -= made_at.get(op, 0)
+            transient = max(transient, live - later)
+            live -= temps.pop(op, 0)
+        packs = int(sum(w.frames[x].packs for x in range(f, end + 1)))
+        last_bwd = max(module_ops, default=-1)
+        held = []
+        for tid in sorted(set(frame.args) - {-1} - set(self._cand_of_tensor)):
+            t = w.tensors[tid]
+            if t.free_op is not None and t.free_op < last_bwd:
+                held.append((t.free_op + 1, last_bwd, rounded(t.nbytes, g)))
+        hc = self.hw.host
+        own_s = hc.region_s + hc.region_pack_s * packs
+        cost = _RegionCost(
+            use=use,
+            device_s=float(self.op_s[list(rerun)].sum()),
+            host_s=own_s + float(self.host_op_s[list(rerun)].sum()),
+            forward_host_s=own_s,
+            transient=max(0, transient),
+            regenerated=regenerated,
+            held=held,
+        )
+        starts = [cost.use] * len(regenerated) if cost.use < n else []
+        ends = [int(self.free_keep[ci]) if last < 0 else last for ci, last in regenerated] if cost.use < n else []
+        sizes = [int(self.size[ci]) for ci, _ in regenerated] if cost.use < n else []
+        cost.intervals = (
+            np.array(starts + [a for a, _, _ in held], dtype=np.int64),
+            np.array(ends + [b for _, b, _ in held], dtype=np.int64),
+            np.array(sizes + [z for _, _, z in held], dtype=np.int64),
+        )
+        self._regions[f] = cost
+        return cost
+
     # -- one evaluation -----------------------------------------------------------------------------------
     def run(
         self,
@@ -246,156 +437,337 @@ class Simulator:
         options: PolicyOptions | None = None,
         timeline: bool = False,
     ) -> SimResult:
-        w, n = self.w, self.n_ops
+        w, n, k, hw = self.w, self.n_ops, self.k, self.hw
+        hc = hw.host
         act = _as_vector(w, policy)
         if options is None:
             options = policy.options if isinstance(policy, Policy) else PolicyOptions()
         lookahead = max(0, int(options.prefetch_lookahead))
+        release_after = max(1, int(options.release_after))
         packed, pack_s = self._compression(options.compress_dtype)
-        insert = np.zeros(n + 1)  # seconds the compute stream spends before op i beyond the traced ops
+        sync = self.sync_copies
+
+        # Rule 11: regions, and what they serve.
+        planner = self.planner
+        regions = planner.select(act) if planner is not None else []
+        served = planner.served(regions) if planner is not None and regions else np.zeros(k, dtype=bool)
+        handled = (act != KEEP) & ~served
+        swp_mask = act == SWAP
+        # Rule 5: unpack points among the candidates no region serves, and each copy back's trigger op.
+        if regions:
+            points = np.unique(self.first_use[~served & (self.first_use < n)]).tolist()
+            up = np.array([*points, n], dtype=np.int64)
+            pos = np.searchsorted(points, self.first_use)
+            trigger_all = up[np.maximum(0, pos - lookahead)]
+        else:
+            points, pos = self.unpack_points, np.array(self._u_pos, dtype=np.int64)
+            trigger_all = self._trigger_ops(lookahead)
+        carriers = np.zeros(k, dtype=bool)
+        if lookahead > 0 and swp_mask.any() and not sync:
+            up_pts = np.asarray(points, dtype=np.int64)
+            due = up_pts[np.maximum(0, pos[swp_mask & (self.first_use < n)] - lookahead)]
+            carriers = np.isin(self.first_use, due) & ~served
+
+        # Rule 13: observed packs; pack points in candidate order.
+        hxa = _PerOp(n + 1)  # host seconds before op i (Rule 12)
+        dxa = _PerOp(n + 1)  # compute seconds before op i, fixed by the policy
+        if self.has_frames:
+            watched = handled | carriers
+            hooked_frames = np.unique(self._pack_frame[watched[self._pack_cand]])
+            delta = np.zeros(len(w.frames) + 1, dtype=np.int64)
+            _scatter(delta, hooked_frames, 1)
+            _scatter(delta, self._frame_end[hooked_frames] + 1, -1)
+            obs_frame = np.cumsum(delta[:-1]) > 0
+            if regions:
+                assert self.planner is not None
+                obs_frame &= ~self.planner.inside(regions)
+            obs_pack = obs_frame[self._pack_frame]
+            point = obs_pack[self._first_pack]
+            hxa.add(self._pack_op[obs_pack] + 1, hc.pack_s)
+            hxa.add(np.minimum(self.first_use[self._pack_cand[obs_pack]], n), hc.unpack_s)
+            others = self._noncand_packs * obs_frame
+            hxa.add(self._frame_first_op, others * hc.pack_s)
+            hxa.add(self._frame_bwd_op, others * hc.unpack_s)
+            n_observed = int(obs_pack.sum() + others.sum())
+            replayed = np.flatnonzero(handled & (act == RECOMPUTE))
+            recorder_frames = self._recorder_frames(replayed) if len(replayed) else np.zeros(0, dtype=np.int64)
+            paths = np.unique(self._frame_path[np.concatenate([hooked_frames, recorder_frames])])
+            calls = np.flatnonzero(np.isin(self._frame_path, paths))
+            hxa.add(self._frame_first_op[calls], hc.frame_s)
+            frame_calls = len(calls)
+        else:  # one pack per candidate, after save_op, every one observed
+            point = np.ones(k, dtype=bool)
+            hxa.add(self.save_op + 1, hc.pack_s)
+            hxa.add(np.minimum(self.first_use, n), hc.unpack_s)
+            recorder_frames = np.zeros(0, dtype=np.int64)
+            n_observed = k
+            frame_calls = 0
+        overhead_s = n_observed * (hc.pack_s + hc.unpack_s) + frame_calls * hc.frame_s
+
+        # Rule 4: release points.
+        point_idx = np.flatnonzero(point)
+        point_op = self._pack_ops[point_idx]
+        rank_of = np.full(k, -1, dtype=np.int64)
+        rank_of[point_idx] = np.arange(len(point_idx))
+        handled_uses = self.first_use[handled & (self.first_use < n)]
+        first_handled = int(handled_uses.min()) if len(handled_uses) else n
 
         # Rule 8: pack kernels after save_op.
         comp = np.flatnonzero(act == COMPRESS)
-        np.add.at(insert, self.save_op[comp] + 1, pack_s[comp])
+        dxa.add(self.save_op[comp] + 1, pack_s[comp])
+        hxa.add(self.save_op[comp] + 1, hc.op_s if hw.is_gpu else 0.0)
         compress_s = float(pack_s[comp].sum())
 
-        # Rule 4: D2H copies, FIFO in issue order. end_j = C_j + max_{m<=j}(issue_m - C_{m-1}).
-        swp = np.flatnonzero(act == SWAP)
-        swp = swp[np.lexsort((swp, self.save_op[swp]))]
-        start_fwd = self.op_start_s + np.cumsum(insert)[:n]
-        issue = start_fwd[self.save_op[swp]] + self.op_s[self.save_op[swp]]
-        d2h_end = np.zeros(self.k)
-        stall_s = 0.0
-        if self.sync_copies:  # Rule 1: on the compute stream, done when compute resumes
-            d2h_end[swp] = issue
-            np.add.at(insert, self.save_op[swp] + 1, self.d2h_s[swp])
-            stall_s = float(self.d2h_s[swp].sum())
-        else:
-            csum = np.cumsum(self.d2h_s[swp])
-            d2h_end[swp] = csum + np.maximum.accumulate(issue - (csum - self.d2h_s[swp])) if len(swp) else csum
-
-        # Rules 5-8 in backward: a walk over the ops where something happens.
-        mat_op = [-1] * self.k  # op at which a dropped candidate is materialized again
-        fetch_op = [-1] * self.k  # op at which a swapped candidate's H2D copy was issued
-        h2d_end = [-1.0] * self.k
-        extra: dict[int, int] = {}  # transient recompute bytes before an op (Rule 7)
-        held = [0]  # transient bytes of the recomputation in progress
-        # Candidates in order of need (first backward use, then index); Rule 5's trigger op is monotone in
-        # that order, so issues and uses merge without sorting.
-        order = self._need_order
-        uses = order[act[order] != KEEP].tolist()
-        fetches = order[act[order] == SWAP].tolist()
-        trigger = self._trigger_ops(lookahead).tolist()
-        first_use = self._first_use_list
-        cum_insert = np.cumsum(insert)
-        delay = float(cum_insert[n])  # every forward insertion precedes every backward event
-        h2d_free = 0.0
+        # Rule 11: regions in forward and their recomputes.
         recompute_s = 0.0
-        sync = self.sync_copies
-        d2h = d2h_end.tolist()
-        h2d_dur = self.h2d_s.tolist()
+        region_costs = [self.region_cost(f) for f in regions]
+        for f, rc in zip(regions, region_costs, strict=True):
+            hxa.add_one(int(self._frame_first_op[f]), rc.forward_host_s)
+            overhead_s += rc.forward_host_s
+            if rc.use < n:
+                hxa.add_one(rc.use, rc.host_s)
+                dxa.add_one(rc.use, rc.device_s)
+                recompute_s += rc.device_s
+                overhead_s += rc.forward_host_s  # the region's own part of the recompute's host time
+
+        # Rule 12: the recorder's ops.
+        replayed = np.flatnonzero(handled & (act == RECOMPUTE))
+        if len(replayed) and hc.record_op_s > 0:
+            recorded = self._recorded_ops(replayed, recorder_frames)
+            hxa.add(np.arange(n), recorded * hc.record_op_s)
+            overhead_s += float(recorded.sum()) * hc.record_op_s
+
+        # Rule 4: swaps, in issue order.
+        swp = np.flatnonzero(swp_mask)
+        swp = swp[np.lexsort((swp, self.save_op[swp]))]
+        if sync:  # Rule 1: the copy on the one clock, done when it resumes
+            dxa.add(self.save_op[swp] + 1, self.d2h_s[swp])
+        else:
+            hxa.add(self.save_op[swp] + 1, hc.swap_s)
+        if not sync:
+            overhead_s += len(swp) * hc.swap_s
+        release_op = np.full(k, -1, dtype=np.int64)  # the op after which the device bytes go
+        release_event = np.full(k, n, dtype=np.int64)  # the event position (op before which it happens)
+        if not sync and len(swp):
+            target = rank_of[swp] + release_after
+            in_fwd = (rank_of[swp] >= 0) & (target < len(point_idx))
+            rel_pp = np.where(in_fwd, point_op[np.minimum(target, len(point_idx) - 1)], first_handled - 1)
+            release_op[swp] = rel_pp
+            release_event[swp] = np.where(in_fwd, rel_pp + 1, first_handled)
+
+        # The walk (Rules 1, 4-7, 12). Events come before op x; at one x, in this order: copies out, releases,
+        # copies back (in order of need), uses (in order of need); then op x with its fixed insertions.
+        hx, dx = hxa.array(), dxa.array()
+        hcum = np.concatenate([[0.0], np.cumsum(self.host_op_s + hx[:n])])  # Hc
+        dcum = np.concatenate([[0.0], np.cumsum(self.op_s + dx[:n])])  # Dc
+        reach = hcum[1:] - dcum[:-1]  # A_k: when the host has issued op k, less the compute before it
+        uses_arr = self._need_order[handled[self._need_order]]
+        fetch_arr = self._need_order[act[self._need_order] == SWAP] if not sync else np.zeros(0, dtype=np.int64)
+        d2h_end_arr = np.zeros(k)
+        begin_at, clock0 = 0, (0.0, 0.0)
+        fwd_events = not sync and len(swp) > 0
+        if fwd_events:  # Rule 4 in forward, at once when no release point waits for its copy
+            cm = np.maximum.accumulate(np.maximum(reach, 0.0))
+            e_after = dcum[1:] + cm  # the compute stream's end of each op, no wait on the way
+            issue = e_after[self.save_op[swp]]
+            dur = self.d2h_s[swp]
+            csum = np.cumsum(dur)
+            d2h_end_arr[swp] = csum + np.maximum.accumulate(issue - (csum - dur))
+            fwd_rel = release_event[swp] < self._first_bwd
+            waits = d2h_end_arr[swp[fwd_rel]] > e_after[release_event[swp[fwd_rel]] - 1]
+            if not waits.any():
+                fwd_events = False
+                begin_at = self._first_bwd
+                clock0 = (float(hcum[begin_at]), float(e_after[begin_at - 1]) if begin_at > 0 else 0.0)
+        pos_parts = [self.first_use[uses_arr], trigger_all[fetch_arr]]
+        kind_parts = [np.full(len(uses_arr), 3), np.full(len(fetch_arr), 2)]
+        ci_parts = [uses_arr, fetch_arr]
+        rank_parts = [np.arange(len(uses_arr)), np.arange(len(fetch_arr))]
+        if not sync and len(swp):
+            rel = swp if fwd_events else swp[release_event[swp] >= self._first_bwd]
+            pos_parts.append(release_event[rel])
+            kind_parts.append(np.full(len(rel), 1))
+            ci_parts.append(rel)
+            rank_parts.append(np.arange(len(rel)))
+            if fwd_events:
+                pos_parts.append(self.save_op[swp] + 1)
+                kind_parts.append(np.zeros(len(swp), dtype=np.int64))
+                ci_parts.append(swp)
+                rank_parts.append(np.arange(len(swp)))
+        pos_a, kind_a, ci_a, rank_a = (np.concatenate(x) for x in (pos_parts, kind_parts, ci_parts, rank_parts))
+        keep_ev = pos_a < n
+        pos_a, kind_a, ci_a, rank_a = pos_a[keep_ev], kind_a[keep_ev], ci_a[keep_ev], rank_a[keep_ev]
+        order_ev = np.lexsort((rank_a, kind_a, pos_a))
+        sorted_pos = pos_a[order_ev]
+        pos_l, kind_l, ci_l = sorted_pos.tolist(), kind_a[order_ev].tolist(), ci_a[order_ev].tolist()
+        firsts = np.concatenate([[True], sorted_pos[1:] != sorted_pos[:-1]])
+        points_ev = sorted_pos[firsts].tolist() if len(sorted_pos) else []
+        seg_max = np.maximum.reduceat(reach, [begin_at, *points_ev]).tolist() if n > begin_at else [0.0]
+        hcl, dcl = hcum.tolist(), dcum.tolist()
+
+        clock = [clock0[0], clock0[1]]  # host, device: before the current op (and its fixed insertions)
+        stall_s = 0.0
+        d2h_free = 0.0
+        h2d_free = 0.0
+        d2h_end = d2h_end_arr.tolist()
+        h2d_end = [-1.0] * k
+        mat_op = [-1] * k
+        fetch_op = [-1] * k
+        extra: dict[int, int] = {}
+        held = [0]
         actl = act.tolist()
         closures = self._closures
+        closure_host = self._closure_host
+        closure_len = self._closure_len
         unpack_cost = pack_s.tolist()
-        op_start = self._op_start_list
-        bwd_insert: dict[int, float] = {}
+        h2d_dur = self.h2d_s.tolist()
+        d2h_dur = self.d2h_s.tolist()
+        floors: dict[int, tuple[float, float]] = {}  # timeline: the clocks after the events at an op
+        host_dyn = 0.0
+        own_dyn = 0.0  # the runtime's own part of it (copies back, replays)
+        h_op = hc.op_s if hw.is_gpu else 0.0
+        swap_host = hc.swap_s
+        replay_host = hc.replay_op_s
 
-        def issue_h2d(ci: int, t: float, op: int) -> float:
-            """Issue the copy back at time t; returns the compute time it takes (Rule 1, sync copies)."""
-            nonlocal h2d_free, stall_s
-            fetch_op[ci] = op
+        def spend(host: float, device: float) -> None:
+            """Dynamic work issued as one block at this event (Rules 7, 8, 12)."""
+            nonlocal host_dyn
+            host_dyn += host
             if sync:
-                h2d_end[ci] = t + h2d_dur[ci]
-                stall_s += h2d_dur[ci]
-                return h2d_dur[ci]
-            begin = max(t, h2d_free, d2h[ci])
-            h2d_free = h2d_end[ci] = begin + h2d_dur[ci]
-            return 0.0
+                clock[1] += host + device
+                clock[0] = clock[1]
+            else:
+                clock[0] += host
+                if device:  # the device runs the block once the host has issued it
+                    clock[1] = max(clock[1], clock[0]) + device
 
-        def materialize(ci: int, op: int, t: float) -> float:
-            nonlocal stall_s, recompute_s, compress_s
+        def wait(until: float) -> None:
+            nonlocal stall_s
+            if until > clock[1]:
+                stall_s += until - clock[1]
+                clock[1] = until
+
+        def issue_h2d(ci: int, op: int) -> None:
+            nonlocal h2d_free, own_dyn
+            own_dyn += swap_host
+            fetch_op[ci] = op
+            begin = max(clock[1], h2d_free, d2h_end[ci])
+            h2d_free = h2d_end[ci] = begin + h2d_dur[ci]
+            spend(swap_host, 0.0)
+
+        def materialize(ci: int, op: int) -> None:
+            nonlocal recompute_s, compress_s, own_dyn
             if mat_op[ci] >= 0:
-                return t
+                return
             mat_op[ci] = op  # first, so that a cycle through in-place writers cannot recurse forever
             a = actl[ci]
             if a == SWAP:
+                if sync:
+                    return  # Rule 4: no copy back without copy engines
                 if fetch_op[ci] < 0:
-                    t += issue_h2d(ci, t, op)
-                if h2d_end[ci] > t:
-                    stall_s += h2d_end[ci] - t
-                    t = h2d_end[ci]
+                    issue_h2d(ci, op)
+                wait(h2d_end[ci])
             elif a == COMPRESS:
-                t += unpack_cost[ci]
+                spend(h_op, unpack_cost[ci])
                 compress_s += unpack_cost[ci]
             elif a == RECOMPUTE:
                 seconds, transient, deps = closures[ci]
                 for d in deps:
                     if actl[d] != KEEP:
-                        t = materialize(d, op, t)
-                t += seconds
+                        materialize(d, op)
+                own = closure_len[ci] * replay_host
+                own_dyn += own
+                spend(closure_host[ci] + own, seconds)
                 recompute_s += seconds
                 held[0] += transient  # nested recomputations hold theirs until the outer one is done
-            return t
 
-        nf, f = len(fetches), 0
-        for ci in uses:
-            op = first_use[ci]
-            while f < nf and trigger[fetches[f]] <= op:  # H2D issues due before this use (Rule 5)
-                cf = fetches[f]
-                f += 1
-                if fetch_op[cf] < 0:
-                    top = trigger[cf]
-                    spent = issue_h2d(cf, op_start[top] + delay, top)
-                    if spent:
-                        bwd_insert[top] = bwd_insert.get(top, 0.0) + spent
-                        delay += spent
-            t = op_start[op] + delay
-            held[0] = 0
-            t_after = materialize(ci, op, t)
-            if held[0] > extra.get(op, 0):  # separate recomputations at one op run one after the other
-                extra[op] = held[0]
-            if t_after > t:
-                bwd_insert[op] = bwd_insert.get(op, 0.0) + (t_after - t)
-                delay += t_after - t
-
-        iter_s = accumulated_s(w, self.compute_s + delay, self.optimizer_s)
-        # Rule 4: release op of each swapped storage, from op start times with every insertion.
-        if bwd_insert:
-            ops_idx = np.fromiter(bwd_insert.keys(), dtype=np.int64)
-            np.add.at(insert, ops_idx, np.fromiter(bwd_insert.values(), dtype=np.float64))
-            cum_insert = np.cumsum(insert)
-        op_start_all = op_start + cum_insert[:n]
-        rel = np.maximum(self.drop[swp], np.searchsorted(op_start_all, d2h_end[swp], side="left") - 1)
+        prev, seg_i, at = begin_at, 0, -1
+        for x, kind, ci in zip(pos_l, kind_l, ci_l, strict=True):
+            if x != at:  # Rule 1 over the ops since the last event, none inside
+                if timeline and at >= 0:
+                    floors[at] = (clock[0], clock[1])
+                if x > prev:
+                    ih, ed = clock
+                    if sync:
+                        clock[1] = ed + (hcl[x] - hcl[prev]) + (dcl[x] - dcl[prev])
+                        clock[0] = clock[1]
+                    else:
+                        clock[0] = ih + hcl[x] - hcl[prev]
+                        clock[1] = dcl[x] + max(ed - dcl[prev], ih - hcl[prev] + seg_max[seg_i])
+                seg_i += 1
+                prev = at = x
+            if kind == 3:
+                held[0] = 0
+                materialize(ci, x)
+                if held[0] > extra.get(x, 0):  # separate recomputations at one op run one after the other
+                    extra[x] = held[0]
+            elif kind == 2:
+                if fetch_op[ci] < 0:
+                    issue_h2d(ci, x)
+            elif kind == 1:
+                wait(d2h_end[ci])
+            else:
+                begin = max(clock[1], d2h_free)
+                d2h_free = d2h_end[ci] = begin + d2h_dur[ci]
+        if timeline and at >= 0:
+            floors[at] = (clock[0], clock[1])
+        if n > prev:
+            ih, ed = clock
+            if sync:
+                clock[1] = ed + (hcl[n] - hcl[prev]) + (dcl[n] - dcl[prev])
+                clock[0] = clock[1]
+            else:
+                clock[0] = ih + hcl[n] - hcl[prev]
+                clock[1] = dcl[n] + max(ed - dcl[prev], ih - hcl[prev] + seg_max[seg_i])
+        t_end = max(clock)
+        overhead_s += own_dyn
+        iter_s = accumulated_s(w, t_end, self._optimizer_alone)
 
         # Rule 2: candidate intervals.
         keep = np.flatnonzero(act == KEEP)
-        rec = np.flatnonzero(act == RECOMPUTE)
+        rec = np.flatnonzero((act == RECOMPUTE) & ~served)
+        srv = np.flatnonzero(served)
         mat = np.array(mat_op, dtype=np.int64)
         fet = np.array(fetch_op, dtype=np.int64)
         never = n  # a tensor never materialized in backward starts "after the end"
-        starts = [self.producer[keep], self.producer[swp], self.producer[rec], self.producer[comp]]
-        ends = [self.free_keep[keep], rel, self.drop[rec], self.drop[comp]]
-        sizes = [self.size[keep], self.size[swp], self.size[rec], self.size[comp]]
-        for group, first in ((swp, fet), (rec, mat), (comp, mat)):
-            at = first[group]
-            starts.append(np.where(at < 0, never, at))
-            ends.append(self.free_keep[group])
-            sizes.append(self.size[group])
+        starts_l = [self.producer[keep], self.producer[rec], self.producer[srv], self.producer[comp]]
+        ends_l = [self.free_keep[keep], self.drop[rec], self.drop[srv], self.drop[comp]]
+        sizes_l = [self.size[keep], self.size[rec], self.size[srv], self.size[comp]]
+        if sync:  # Rule 4 without copy engines: the copy is device memory
+            starts_l += [self.producer[swp], self.save_op[swp]]
+            ends_l += [self.drop[swp], self.free_keep[swp]]
+            sizes_l += [self.size[swp], self.size[swp]]
+        else:
+            starts_l += [self.producer[swp], np.where(fet[swp] < 0, never, fet[swp])]
+            ends_l += [np.maximum(self.drop[swp], release_op[swp]), self.free_keep[swp]]
+            sizes_l += [self.size[swp], self.size[swp]]
+        for group in (rec, comp):
+            back = mat[group]
+            starts_l.append(np.where(back < 0, never, back))
+            ends_l.append(self.free_keep[group])
+            sizes_l.append(self.size[group])
         cm = mat[comp]
-        starts.append(self.save_op[comp])
-        ends.append(np.where(cm < 0, n - 1, cm))
-        sizes.append(packed[comp])
-        s_all, e_all, z_all = np.concatenate(starts), np.concatenate(ends), np.concatenate(sizes)
+        starts_l.append(self.save_op[comp])
+        ends_l.append(np.where(cm < 0, n - 1, cm))
+        sizes_l.append(packed[comp])
+        for rc in region_costs:  # Rule 11: regenerated copies, held arguments
+            starts_l.append(rc.intervals[0])
+            ends_l.append(rc.intervals[1])
+            sizes_l.append(rc.intervals[2])
+            if rc.use < n and rc.transient > extra.get(rc.use, 0):
+                extra[rc.use] = rc.transient
+        s_all, e_all, z_all = np.concatenate(starts_l), np.concatenate(ends_l), np.concatenate(sizes_l)
         ok = s_all <= e_all
         delta = np.zeros(n + 1, dtype=np.int64)
-        np.add.at(delta, s_all[ok], z_all[ok])
-        np.add.at(delta, e_all[ok] + 1, -z_all[ok])
+        delta += np.bincount(s_all[ok], weights=z_all[ok], minlength=n + 1)[: n + 1].astype(np.int64)
+        delta -= np.bincount(e_all[ok] + 1, weights=z_all[ok], minlength=n + 1)[: n + 1].astype(np.int64)
         live = self.base_live + np.cumsum(delta[:n])
-        for op, b in extra.items():  # Rule 7: the recompute runs before op u allocates its own outputs
+        for op, b in extra.items():  # Rules 7, 11: the recompute runs before op u allocates its own outputs
             live[op] = max(live[op], live[op] - self.base_alloc[op] - self.workspace[op] + b)
         peak_op = int(np.argmax(live))
         peak = int(live[peak_op])
         swapped_bytes = int(self.nbytes[swp].sum())
+        host_total = float(hcl[n]) + host_dyn
         return SimResult(
             peak_bytes=peak,
             iter_s=iter_s,
@@ -403,14 +775,70 @@ class Simulator:
             compute_s=self.compute_s,
             recompute_s=recompute_s,
             compress_s=compress_s,
-            stall_s=stall_s,
+            stall_s=stall_s + (float(self.d2h_s[swp].sum()) if sync else 0.0),
             d2h_bytes=swapped_bytes,
-            h2d_bytes=swapped_bytes,
+            h2d_bytes=0 if sync else swapped_bytes,
             feasible=budget_bytes is None or peak <= budget_bytes,
             budget_bytes=budget_bytes,
             peak_op=peak_op,
-            timeline={"op_start_s": op_start_all.tolist(), "live_bytes": live.tolist()} if timeline else None,
+            timeline=self._timeline(hx, dx, floors, live) if timeline else None,
+            host_s=host_total,
+            overhead_s=overhead_s,
+            regions=len(regions),
         )
+
+    def _recorder_frames(self, replayed: np.ndarray) -> np.ndarray:
+        """The frames the recorder runs in (Rule 12): those of the replayed candidates' closure ops."""
+        lists = [self._closure_frames[ci] for ci in replayed.tolist()]
+        return np.unique(np.concatenate(lists)).astype(np.int64) if lists else np.zeros(0, dtype=np.int64)
+
+    def _recorded_ops(self, replayed: np.ndarray, frames: np.ndarray) -> np.ndarray:
+        """Rule 12: 1 for each forward op the recorder runs under, in ``frames`` (the replayed candidates')."""
+        n = self.n_ops
+        out = np.zeros(n)
+        if not self.has_frames:
+            fwd = self.w.phase_range(Phase.FORWARD)
+            out[fwd.start : fwd.stop] = 1.0
+            return out
+        first, last = self._frame_lo[frames].copy(), self._frame_hi[frames]
+        if len(frames) and frames[0] == 0:  # outside the model: from its end, or the whole forward if needed before
+            first[0] = 0 if any(self._loss_before_root[ci] for ci in replayed.tolist()) else self._root_last + 1
+        ok = last >= first
+        delta = np.zeros(n + 1)
+        _scatter(delta, first[ok], 1.0)
+        _scatter(delta, last[ok] + 1, -1.0)
+        return (np.cumsum(delta[:n]) > 0).astype(np.float64)
+
+    def _optimizer_alone_s(self) -> float:
+        """Rule 10: the optimizer ops on Rule 1's clocks from idle (no policy acts there)."""
+        a = self._opt_start
+        h, d = self.host_op_s[a:], self.op_s[a:]
+        if not len(d):
+            return 0.0
+        if self.sync_copies:
+            return float(h.sum() + d.sum())
+        hcum, dcum = np.cumsum(h), np.concatenate([[0.0], np.cumsum(d)])
+        return float(dcum[-1] + max(0.0, float((hcum - dcum[:-1]).max())))
+
+    def _timeline(
+        self, hx: np.ndarray, dx: np.ndarray, floors: dict[int, tuple[float, float]], live: np.ndarray
+    ) -> dict[str, list[float]]:
+        """Op start times on the compute stream (Rule 1), from the walk's clocks at its events, and live bytes."""
+        ih = ed = 0.0
+        starts = []
+        for i in range(self.n_ops):
+            if i in floors:
+                ih, ed = floors[i]
+            if self.sync_copies:
+                start = ed + hx[i] + self.host_op_s[i] + dx[i]
+            else:
+                ih += hx[i] + self.host_op_s[i]
+                start = max(ed, ih) + dx[i]
+            starts.append(float(start))
+            ed = start + self.op_s[i]
+            if self.sync_copies:
+                ih = ed
+        return {"op_start_s": starts, "live_bytes": live.astype(float).tolist()}
 
 
 def simulate(

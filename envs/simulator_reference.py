@@ -1,10 +1,11 @@
 """The op-by-op reference for :mod:`envs.simulator`: same rules, plain mechanics, for tests.
 
-It walks every op in order with explicit stream clocks and an explicit set of live allocations, and
-regenerates recomputed tensors by walking their inputs at the moment they are needed. It is slow (a Python
-loop over ops and tensors) and deliberately shares no code with :class:`envs.simulator.Simulator` beyond
-the workload, the op times and the allocator rounding, so that their agreement on random policies checks
-the fast one's vectorised bookkeeping. Rule numbers refer to NOTE [ Simulator semantics ].
+It walks every op in order with an explicit host clock, compute clock and copy-stream clocks and an explicit
+set of live allocations, and regenerates recomputed tensors by walking their inputs at the moment they are
+needed. It is slow (a Python loop over ops and tensors) and deliberately shares no code with
+:class:`envs.simulator.Simulator` beyond the workload, the op and host times, the allocator rounding and the
+choice of regions (runtime.plan, which the runtime shares too), so that their agreement on random policies
+checks the fast one's bookkeeping. Rule numbers refer to NOTE [ Simulator semantics ].
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, SimResult, _itemsize, accumulated_s, optimizer_s
-from runtime.hardware import HardwareProfile, op_times_s
+from runtime.hardware import HardwareProfile, host_times_s, op_times_s
+from runtime.plan import RegionPlanner
 from runtime.policy import PolicyOptions
 from runtime.workload import Phase, Workload, rounded
 
+KEEP, SWAP, RECOMPUTE, COMPRESS = 0, 1, 2, 3  # runtime.policy.ACTIONS order
 _TARGET_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+_SIZES = {"float64": 8, "float32": 4, "int64": 8, "int32": 4, "bool": 1, "uint8": 1, "int8": 1, **_TARGET_ITEMSIZE}
 
 
 def simulate_reference(
@@ -29,18 +32,23 @@ def simulate_reference(
     *,
     budget_bytes: int | None = None,
     options: PolicyOptions | None = None,
-) -> SimResult:
+):  # type: ignore[no-untyped-def]
+    from envs.simulator import SimResult  # the result type only
+
     options = options or PolicyOptions()
     n, g = len(w.ops), hw.alloc_granularity_bytes
     op_s = op_times_s(w, hw)
+    host_op = host_times_s(w, hw)
+    hc, gpu = hw.host, hw.is_gpu
+    h_kernel = hc.op_s if gpu else 0.0
     cands = w.candidates
     act = [int(a) for a in actions]
     cand_of = {c.tensor: i for i, c in enumerate(cands)}
     size = {t.id: rounded(t.nbytes, g) for t in w.tensors}
-    free_keep = [n - 1 if w.tensors[c.tensor].free_op is None else w.tensors[c.tensor].free_op for c in cands]
+    free_keep: list[int] = [n - 1 if (f := w.tensors[c.tensor].free_op) is None else f for c in cands]
     first_use = [c.bwd_uses[0] if c.bwd_uses else n for c in cands]
     target = _TARGET_ITEMSIZE[options.compress_dtype]
-    ratio = [max(1.0, _itemsize(w.tensors[c.tensor].dtype) / target) for c in cands]
+    ratio = [max(1.0, _SIZES.get(w.tensors[c.tensor].dtype, 4) / target) for c in cands]
     pack_s = [hw.op_time_s(0.0, c.nbytes + c.nbytes / r, "fp32") for c, r in zip(cands, ratio, strict=True)]
     packed = [rounded(int(c.nbytes / r), g) for c, r in zip(cands, ratio, strict=True)]
     writers: dict[int, list[int]] = {}
@@ -49,167 +57,411 @@ def simulate_reference(
             for out in op.outputs:
                 if w.tensors[out].alloc_op != op.index:
                     writers.setdefault(out, []).append(op.index)
+    framed = bool(w.frames) and all(c.packs for c in cands)
 
-    # Rule 5: unpack points and prefetch triggers.
-    points = sorted({u for u in first_use if u < n})
+    # Rule 11: regions, the candidates they serve, and what each one re-runs and holds.
+    planner = RegionPlanner(w) if framed else None
+    regions = planner.select(np.array(act, dtype=np.int8)) if planner is not None else []
+    frames = w.frames
+
+    def within(f: int, region: int) -> bool:
+        while f >= 0:
+            if f == region:
+                return True
+            f = frames[f].parent
+        return False
+
+    served: set[int] = set()
+    region_info = []
+    for r in regions:
+        assert planner is not None
+        mine = planner.internal[r].tolist()
+        served.update(mine)
+        region_info.append(_region(w, r, mine, within, size, op_s, host_op, hc))
+    handled = [a != KEEP and ci not in served for ci, a in enumerate(act)]
+
+    # Rule 5: unpack points among the unserved, and when each copy back is issued.
+    points = sorted({first_use[ci] for ci in range(len(cands)) if ci not in served and first_use[ci] < n})
     triggers: dict[int, list[int]] = {}  # issued in order of need: first backward use, then index
-    for ci in sorted(range(len(cands)), key=lambda c: (first_use[c], c)):
-        if act[ci] == SWAP and first_use[ci] < n:
-            p = bisect.bisect_left(points, first_use[ci])
-            triggers.setdefault(points[max(0, p - options.prefetch_lookahead)], []).append(ci)
-    uses: dict[int, list[int]] = {}
-    for ci, a in enumerate(act):
-        if a != KEEP and first_use[ci] < n:
-            uses.setdefault(first_use[ci], []).append(ci)
+    carriers: set[int] = set()
+    if gpu:
+        for ci in sorted(range(len(cands)), key=lambda c: (first_use[c], c)):
+            if act[ci] == SWAP and first_use[ci] < n:
+                p = bisect.bisect_left(points, first_use[ci])
+                at = points[max(0, p - options.prefetch_lookahead)]
+                triggers.setdefault(at, []).append(ci)
+                if options.prefetch_lookahead > 0:
+                    carriers.update(c for c in range(len(cands)) if c not in served and first_use[c] == at)
 
-    live: dict[tuple[str, int], int] = {}  # ("t", tensor) device storage, ("f", cand) copy back, ("p", cand)
-    t = 0.0
-    d2h_free = h2d_free = 0.0
+    # Rule 13: observed packs; Rule 12: what they cost the host, where.
+    host_at = [0.0] * (n + 1)
+    device_at = [0.0] * (n + 1)
+    overhead = 0.0
+    pack_points: list[tuple[int, int]] = []  # (candidate, op of its first pack), in candidate order
+    if framed:
+        hooked = {f for ci in range(len(cands)) if handled[ci] or ci in carriers for f, _ in cands[ci].packs}
+
+        def observed(f: int) -> bool:
+            if any(within(f, r) for r in regions):
+                return False
+            return any(within(f, h) for h in hooked)
+
+        in_frame = [0] * len(frames)
+        for ci, c in enumerate(cands):
+            for j, (pf, after) in enumerate(c.packs):
+                in_frame[pf] += 1
+                if observed(pf):
+                    host_at[after + 1] += hc.pack_s
+                    host_at[min(first_use[ci], n)] += hc.unpack_s
+                    overhead += hc.pack_s + hc.unpack_s
+                    if j == 0:
+                        pack_points.append((ci, after))
+        first_bwd = next((op.index for op in w.ops if op.phase == Phase.BACKWARD), n)
+        # Module calls with a hook: every call of a module one of whose calls is hooked or records.
+        replaying = [ci for ci in range(len(cands)) if act[ci] == RECOMPUTE and ci not in served]
+        record = {w.ops[op].frame for ci in replaying for op in _closure(w, ci, cand_of, first_use, writers)[0]}
+        paths = {frames[fi].path for fi in hooked | record if fi >= 0}
+        for frame in frames:
+            if frame.path in paths:
+                host_at[max(frame.first_op, 0)] += hc.frame_s
+                overhead += hc.frame_s
+        for frame in frames:
+            others = max(0, frame.packs - in_frame[frame.index])
+            if others and observed(frame.index):
+                bwd = next((o.index for o in w.ops if o.phase == Phase.BACKWARD and o.module == frame.path), first_bwd)
+                host_at[max(frame.first_op, 0)] += others * hc.pack_s
+                host_at[bwd] += others * hc.unpack_s
+                overhead += others * (hc.pack_s + hc.unpack_s)
+    else:
+        for ci, c in enumerate(cands):
+            host_at[c.save_op + 1] += hc.pack_s
+            host_at[min(first_use[ci], n)] += hc.unpack_s
+            overhead += hc.pack_s + hc.unpack_s
+            pack_points.append((ci, c.save_op))
+
+    # Rule 12: the recorder, over the module calls whose ops a replay re-runs.
+    replayed = [ci for ci in range(len(cands)) if act[ci] == RECOMPUTE and ci not in served]
+    if replayed and hc.record_op_s > 0:
+        recorded = [False] * n
+        root = next((f for f in frames if f.path == "<root>"), None)
+        for ci in replayed:
+            for op in _closure(w, ci, cand_of, first_use, writers)[0]:
+                f = w.ops[op].frame
+                if not framed:
+                    for i in w.phase_range(Phase.FORWARD):
+                        recorded[i] = True
+                    break
+                if f < 0:
+                    continue
+                lo, hi = frames[f].first_op, frames[f].last_op
+                if f == 0:
+                    lo = 0 if root is None or op < root.first_op else root.last_op + 1
+                for i in range(lo, hi + 1):
+                    recorded[i] = True
+        for i in range(n):
+            if recorded[i]:
+                host_at[i] += hc.record_op_s
+                overhead += hc.record_op_s
+
+    # Rule 4: release points of swapped tensors.
+    handled_uses = [first_use[ci] for ci in range(len(cands)) if handled[ci] and first_use[ci] < n]
+    first_handled = min(handled_uses, default=n)
+    release_after: dict[int, int] = {}  # swapped candidate -> the op after which its bytes go
+    release_before: dict[int, list[int]] = {}  # op before which the compute stream waits for these copies
+    if gpu:
+        order = [ci for ci, _ in pack_points]
+        for ci in range(len(cands)):
+            if act[ci] != SWAP:
+                continue
+            q = order.index(ci) + options.release_after
+            if q < len(pack_points):
+                release_after[ci] = pack_points[q][1]
+                release_before.setdefault(pack_points[q][1] + 1, []).append(ci)
+            else:
+                release_after[ci] = first_handled - 1
+                release_before.setdefault(first_handled, []).append(ci)
+
+    # Fixed insertions: compress kernels, swaps' host costs, regions.
+    for ci, c in enumerate(cands):
+        if act[ci] == COMPRESS:
+            device_at[c.save_op + 1] += pack_s[ci]
+            host_at[c.save_op + 1] += h_kernel
+        if act[ci] == SWAP:
+            if gpu:
+                host_at[c.save_op + 1] += hc.swap_s
+                overhead += hc.swap_s
+            else:
+                device_at[c.save_op + 1] += c.nbytes / hw.d2h_bytes_per_s
+    stats = {"recompute": 0.0, "compress": sum(pack_s[ci] for ci in range(len(cands)) if act[ci] == COMPRESS)}
+    stats["stall"] = 0.0 if gpu else sum(c.nbytes / hw.d2h_bytes_per_s for ci, c in enumerate(cands) if act[ci] == SWAP)
+    for r, info in zip(regions, region_info, strict=True):
+        host_at[max(frames[r].first_op, 0)] += info["own_s"]
+        overhead += info["own_s"]
+        if info["use"] < n:
+            host_at[info["use"]] += info["own_s"] + info["rerun_host_s"]
+            device_at[info["use"]] += info["rerun_s"]
+            stats["recompute"] += info["rerun_s"]
+            overhead += info["own_s"]
+
+    uses: dict[int, list[int]] = {}
+    for ci in range(len(cands)):
+        if handled[ci] and first_use[ci] < n:
+            uses.setdefault(first_use[ci], []).append(ci)
+    for lst in uses.values():
+        lst.sort()
+
+    # The walk.
+    clock = {"host": 0.0, "dev": 0.0, "d2h": 0.0, "h2d": 0.0, "busy": 0.0}
     d2h_end: dict[int, float] = {}
     h2d_end: dict[int, float] = {}
-    awaiting_copy: set[int] = set()  # swapped candidates the program has dropped, copy maybe still running
-    materialized: dict[int, int] = {}  # candidate -> op at which it was materialized
-    stats = {"recompute": 0.0, "compress": 0.0, "stall": 0.0}
-    transient = 0  # the largest held bytes of one top-level recompute at this op
-    held = 0  # held bytes of the recompute in progress (nested ones add up)
+    fetched: dict[int, int] = {}
+    materialized: dict[int, int] = {}
+    live: dict[tuple[str, int], int] = {}
+    ends: dict[tuple[str, int], int] = {}  # entries of live with their last op
     timeline: list[int] = []
     starts: list[float] = []
+    held = 0
+    transient = 0
 
-    def issue_h2d(ci: int, now: float) -> float:
-        """Issue the copy back at ``now``; returns the time compute resumes."""
-        nonlocal h2d_free
-        live[("f", ci)] = size[cands[ci].tensor]
-        duration = w.candidates[ci].nbytes / hw.h2d_bytes_per_s
-        if not hw.is_gpu:  # Rule 1: a copy on the compute stream
-            h2d_end[ci] = now + duration
-            stats["stall"] += duration
-            return now + duration
-        begin = max(now, h2d_free, d2h_end[ci])
-        h2d_free = h2d_end[ci] = begin + duration
-        return now
+    def block(host_s: float, device_s: float) -> None:
+        """Work issued at once at this point (Rule 7's replays, Rule 8's unpacks, copies back)."""
+        clock["busy"] += host_s
+        if gpu:
+            clock["host"] += host_s
+            if device_s:
+                clock["dev"] = max(clock["dev"], clock["host"]) + device_s
+        else:
+            clock["dev"] += host_s + device_s
+            clock["host"] = clock["dev"]
 
-    def materialize(ci: int, now: float, i: int) -> float:
-        nonlocal held
+    def wait(until: float) -> None:
+        if until > clock["dev"]:
+            stats["stall"] += until - clock["dev"]
+            clock["dev"] = until
+
+    def add(tag: str, ci: int, nbytes: int, last: int) -> None:
+        live[(tag, ci)] = nbytes
+        ends[(tag, ci)] = last
+
+    def fetch(ci: int, i: int) -> None:
+        nonlocal overhead
+        fetched[ci] = i
+        begin = max(clock["dev"], clock["h2d"], d2h_end[ci])
+        clock["h2d"] = h2d_end[ci] = begin + cands[ci].nbytes / hw.h2d_bytes_per_s
+        add("f", ci, size[cands[ci].tensor], free_keep[ci])
+        overhead += hc.swap_s
+        block(hc.swap_s, 0.0)
+
+    def materialize(ci: int, i: int) -> None:
+        nonlocal held, overhead
         if ci in materialized:
-            return now
+            return
         materialized[ci] = i
         c = cands[ci]
-        if act[ci] == SWAP:  # Rule 6
-            if ci not in h2d_end:
-                now = issue_h2d(ci, now)
-            if h2d_end[ci] > now:
-                stats["stall"] += h2d_end[ci] - now
-                now = h2d_end[ci]
+        if act[ci] == SWAP:
+            if not gpu:
+                return
+            if ci not in fetched:
+                fetch(ci, i)
+            wait(h2d_end[ci])
         elif act[ci] == COMPRESS:  # Rule 8
-            now += pack_s[ci]
+            block(h_kernel, pack_s[ci])
             stats["compress"] += pack_s[ci]
-            live[("f", ci)] = size[c.tensor]
+            add("f", ci, size[c.tensor], free_keep[ci])
         elif act[ci] == RECOMPUTE:  # Rule 7, walking the inputs now
-            ran: set[int] = set(c.recompute_ops)
-            pending = list(c.recompute_inputs)
-            seen = {c.tensor}
-            needed: set[int] = set()  # candidates among the inputs: materialized first, in candidate order
-            while pending:
-                tid = pending.pop()
-                if tid in seen:
-                    continue
-                seen.add(tid)
-                if tid in cand_of:
-                    needed.add(cand_of[tid])
-                    continue
-                info = w.tensors[tid]
-                if info.alloc_op < 0 or info.free_op is None or info.free_op >= first_use[ci]:
-                    continue
-                chain = [info.alloc_op, *writers.get(tid, [])]
-                ran.update(chain)
-                pending.extend(x for op in chain for x in w.ops[op].inputs)
+            ran, needed = _closure(w, ci, cand_of, first_use, writers)
             for dep in sorted(needed):
                 if act[dep] != KEEP:
-                    now = materialize(dep, now, i)
+                    materialize(dep, i)
             held += sum(size[x] for x in {x for j in ran for x in w.ops[j].outputs} - {c.tensor})
             seconds = sum(op_s[j] for j in ran)
-            now += seconds
+            host = sum(host_op[j] for j in ran) + len(ran) * hc.replay_op_s
+            overhead += len(ran) * hc.replay_op_s
+            block(host, seconds)
             stats["recompute"] += seconds
-            live[("f", ci)] = size[c.tensor]
-        return now
+            add("f", ci, size[c.tensor], free_keep[ci])
 
+    for info in region_info:
+        info["ends"] = {ci: (free_keep[ci] if last < 0 else last) for ci, last in info["regenerated"]}
+
+    extended: dict[int, int] = {}  # Rule 11: arguments a region holds, to their last op
+    for info in region_info:
+        for tid, last in info["held"]:
+            extended[tid] = max(extended.get(tid, -1), last)
     for i, op in enumerate(w.ops):
         transient = 0
+        for ci in sorted(k for k, c in enumerate(cands) if gpu and act[k] == SWAP and c.save_op + 1 == i):
+            begin = max(clock["dev"], clock["d2h"])  # Rule 4: the copy out, after op save_op
+            clock["d2h"] = d2h_end[ci] = begin + cands[ci].nbytes / hw.d2h_bytes_per_s
+        for ci in sorted(release_before.get(i, [])):
+            wait(d2h_end[ci])
         for ci in triggers.get(i, []):
-            if ci not in h2d_end:
-                t = issue_h2d(ci, t)
+            if ci not in fetched:
+                fetch(ci, i)
         for ci in uses.get(i, []):
             held = 0
-            t = materialize(ci, t, i)
+            materialize(ci, i)
             transient = max(transient, held)
-        for ci in sorted(awaiting_copy):  # Rule 4: released at the first op starting after the copy
-            if d2h_end[ci] <= t:
-                awaiting_copy.discard(ci)
-                del live[("t", cands[ci].tensor)]
+        for info in region_info:
+            if info["use"] == i:  # Rule 11: the regenerated copies, and the recompute's own peak
+                for ci, last in info["ends"].items():
+                    add("r", ci, size[cands[ci].tensor], last)
+                transient = max(transient, info["transient"])
         if i == 0:
-            for info in w.tensors:
-                if info.alloc_op < 0 and (info.free_op is None or info.free_op >= 0):
-                    live[("t", info.id)] = size[info.id]
-        recomputing = sum(live.values()) + transient  # Rule 7: before op i allocates its outputs
+            for t in w.tensors:
+                if t.alloc_op < 0 and (t.free_op is None or t.free_op >= 0):
+                    live[("t", t.id)] = size[t.id]
+        recomputing = sum(live.values()) + transient  # Rules 7, 11: before op i allocates its outputs
         for tid in op.outputs:
             if w.tensors[tid].alloc_op == i:
                 live[("t", tid)] = size[tid]
         for ci, c in enumerate(cands):
             if act[ci] == COMPRESS and c.save_op == i:
                 live[("p", ci)] = packed[ci]
-        starts.append(t)
+            if act[ci] == SWAP and not gpu and c.save_op == i:  # Rule 4: the copy is device memory
+                add("c", ci, size[c.tensor], free_keep[ci])
+        # Op i on the clocks (Rule 1), after the fixed insertions before it.
+        clock["busy"] += host_at[i] + host_op[i]
+        if gpu:
+            clock["host"] += host_at[i] + host_op[i]
+            start = max(clock["dev"], clock["host"]) + device_at[i]
+        else:
+            start = clock["dev"] + host_at[i] + host_op[i] + device_at[i]
+        starts.append(start)
+        clock["dev"] = start + op_s[i]
+        if not gpu:
+            clock["host"] = clock["dev"]
         timeline.append(max(sum(live.values()) + op.workspace_bytes, recomputing))  # workspace: during the op
-        t += op_s[i]
 
-        # After op i: the swap copies and pack kernels of tensors saved here (Rules 4, 8) ...
-        copies_end = t
+        # Releases after op i.
+        for t in w.tensors:
+            if t.id not in cand_of and max(t.free_op if t.free_op is not None else n, extended.get(t.id, -1)) == i:
+                live.pop(("t", t.id), None)
+        for key in [key for key, last in ends.items() if last == i]:
+            live.pop(key, None)
+            del ends[key]
         for ci, c in enumerate(cands):
-            if c.save_op == i and act[ci] == SWAP:
-                duration = c.nbytes / hw.d2h_bytes_per_s
-                if not hw.is_gpu:  # Rule 1: on the compute stream, complete when compute resumes
-                    d2h_end[ci] = t
-                    copies_end += duration
-                    stats["stall"] += duration
-                    continue
-                begin = max(t, d2h_free)
-                d2h_free = d2h_end[ci] = begin + duration
-        t = copies_end
-        for ci, c in enumerate(cands):
-            if c.save_op == i and act[ci] == COMPRESS:
-                t += pack_s[ci]
-                stats["compress"] += pack_s[ci]
-        # ... then releases.
-        for info in w.tensors:
-            if info.free_op == i and info.id not in cand_of:
-                live.pop(("t", info.id), None)
-        for ci, c in enumerate(cands):
-            if act[ci] == KEEP and free_keep[ci] == i:
+            a = act[ci]
+            if a == KEEP and free_keep[ci] == i:
                 live.pop(("t", c.tensor), None)
-            if act[ci] != KEEP and free_keep[ci] == i:
-                live.pop(("f", ci), None)
-            if act[ci] == COMPRESS and materialized.get(ci) == i:
+            if a == COMPRESS and materialized.get(ci) == i:
                 live.pop(("p", ci), None)
-            if act[ci] in (RECOMPUTE, COMPRESS) and c.free_if_dropped_op == i:
+            if a in (RECOMPUTE, COMPRESS) and c.free_if_dropped_op == i:
                 live.pop(("t", c.tensor), None)
-            if act[ci] == SWAP and c.free_if_dropped_op == i:
-                awaiting_copy.add(ci)
+            if a == SWAP and i == (max(c.free_if_dropped_op, release_after[ci]) if gpu else c.free_if_dropped_op):
+                live.pop(("t", c.tensor), None)
 
+    end = max(clock["dev"], clock["host"])
+    opt = w.phase_range(Phase.OPTIMIZER)
+    t_opt_host = t_opt_dev = 0.0
+    for i in opt:  # Rule 10: the optimizer ops alone, from idle
+        if gpu:
+            t_opt_host += host_op[i]
+            t_opt_dev = max(t_opt_dev, t_opt_host) + op_s[i]
+        else:
+            t_opt_dev += host_op[i] + op_s[i]
+    iter_s = end if w.grad_accum == 1 else w.grad_accum * (end - t_opt_dev) + t_opt_dev
     peak = max(timeline)
     swapped = sum(c.nbytes for ci, c in enumerate(cands) if act[ci] == SWAP)
-    compute_s = sum(op_s)
-    t = accumulated_s(w, t, optimizer_s(w, np.asarray(op_s, dtype=np.float64)))  # Rule 10
     return SimResult(
         peak_bytes=peak,
-        iter_s=t,
-        samples_per_s=w.batch_size * w.grad_accum / t,
-        compute_s=compute_s,
+        iter_s=iter_s,
+        samples_per_s=w.batch_size * w.grad_accum / iter_s,
+        compute_s=sum(op_s),
         recompute_s=stats["recompute"],
         compress_s=stats["compress"],
         stall_s=stats["stall"],
         d2h_bytes=swapped,
-        h2d_bytes=swapped,
+        h2d_bytes=swapped if gpu else 0,
         feasible=budget_bytes is None or peak <= budget_bytes,
         budget_bytes=budget_bytes,
         peak_op=timeline.index(peak),
         timeline={"op_start_s": starts, "live_bytes": [float(b) for b in timeline]},
+        host_s=clock["busy"],
+        overhead_s=overhead,
+        regions=len(regions),
     )
+
+
+def _closure(w, ci, cand_of, first_use, writers):  # type: ignore[no-untyped-def]
+    """Rule 7: the ops re-run for candidate ``ci`` and its candidate inputs, walking its inputs now."""
+    c = w.candidates[ci]
+    ran: set[int] = set(c.recompute_ops)
+    pending = list(c.recompute_inputs)
+    seen = {c.tensor}
+    needed: set[int] = set()
+    while pending:
+        tid = pending.pop()
+        if tid in seen:
+            continue
+        seen.add(tid)
+        if tid in cand_of:
+            needed.add(cand_of[tid])
+            continue
+        info = w.tensors[tid]
+        if info.alloc_op < 0 or info.free_op is None or info.free_op >= first_use[ci]:
+            continue
+        chain = [info.alloc_op, *writers.get(tid, [])]
+        ran.update(chain)
+        pending.extend(x for op in chain for x in w.ops[op].inputs)
+    return ran, needed
+
+
+def _region(w, r, mine, within, size, op_s, host_op, hc):  # type: ignore[no-untyped-def]
+    """Rule 11 for region ``r``: when it recomputes, what it re-runs and what it holds, walked op by op."""
+    frame, n = w.frames[r], len(w.ops)
+    path = frame.path
+    owned = {
+        op.index
+        for op in w.ops
+        if op.phase == Phase.BACKWARD and (op.module == path or op.module.startswith(path + "."))
+    }
+    inside = [ci for ci, c in enumerate(w.candidates) if any(within(f, r) for f, _ in c.packs)]
+    use = min((b for ci in inside for b in w.candidates[ci].bwd_uses if b in owned), default=n)
+    last_pack = max(op for ci in inside for f, op in w.candidates[ci].packs if within(f, r))
+    rerun = list(range(frame.first_op, max(frame.first_op, min(last_pack, frame.last_op)) + 1))
+    regenerated = []
+    for ci in inside:
+        c = w.candidates[ci]
+        if not frame.first_op <= c.producer <= frame.last_op:
+            continue
+        if ci in mine:
+            regenerated.append((ci, -1))
+        else:
+            own = [b for b in c.bwd_uses if b in owned]
+            regenerated.append((ci, max(own) if own else use))
+    regen = {w.candidates[ci].tensor for ci, _ in regenerated}
+    cand_tensors = {c.tensor for c in w.candidates}
+    made = 0
+    temps: dict[int, int] = {}  # tensor -> bytes, live during the re-run
+    peak = 0
+    for j in rerun:
+        for tid in w.ops[j].outputs:
+            t = w.tensors[tid]
+            if t.alloc_op != j:
+                continue
+            if tid in regen:
+                made += size[tid]
+            elif tid not in cand_tensors and (t.free_op is None or t.free_op >= j):
+                temps[tid] = size[tid]
+        peak = max(peak, made + sum(temps.values()))
+        for tid in [tid for tid in temps if w.tensors[tid].free_op == j]:
+            del temps[tid]
+    total = sum(size[w.candidates[ci].tensor] for ci, _ in regenerated)
+    last_bwd = max(owned, default=-1)
+    held = [
+        (tid, last_bwd)
+        for tid in sorted(set(frame.args) - {-1} - cand_tensors)
+        if w.tensors[tid].free_op is not None and w.tensors[tid].free_op < last_bwd
+    ]
+    packs = sum(f.packs for f in w.frames if within(f.index, r))
+    own_s = hc.region_s + hc.region_pack_s * packs
+    return {
+        "use": use,
+        "rerun_s": sum(op_s[j] for j in rerun),
+        "rerun_host_s": sum(host_op[j] for j in rerun),
+        "own_s": own_s,
+        "transient": max(0, peak - total),
+        "regenerated": regenerated,
+        "held": held,
+    }

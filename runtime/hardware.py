@@ -66,6 +66,30 @@ _EAGER_LAUNCH_S = 6e-6
 
 
 @dataclass(frozen=True)
+class HostCosts:
+    """Seconds of host (CPU, Python) time: eager PyTorch issuing an op, and the runtime's own work (NOTE
+    [ Host clock ] in envs/simulator.py, Rule 12). ``source`` says where the numbers come from."""
+
+    op_s: float = 0.0  # issuing one aten op: dispatch, the kernel launch, the Python around it
+    frame_s: float = 0.0  # one call of a module the runtime hooks (R11): its pre- and post-hook
+    pack_s: float = 0.0  # one pack the runtime's saved-tensor hooks observe (runtime R11)
+    unpack_s: float = 0.0  # ... and its unpack in backward
+    swap_s: float = 0.0  # issuing one copy out or back: the stream waits, the event, the pinned buffer (R3, R4)
+    region_s: float = 0.0  # one module call under torch.utils.checkpoint, once in forward and once recomputing (R10)
+    region_pack_s: float = 0.0  # each pack inside a region: checkpoint's own hooks, forward and recompute together
+    record_op_s: float = 0.0  # one forward op under the recorder (R6)
+    replay_op_s: float = 0.0  # replaying one recorded op, beyond issuing it (R6)
+    source: str = "none: host time not modelled"
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.name != "source":
+                object.__setattr__(self, f.name, _positive_float(getattr(self, f.name), f"host.{f.name}", 0.0))
+        if not isinstance(self.source, str):
+            raise AutotuneError(f"host.source={self.source!r}: expected a string saying where the numbers come from")
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     """One device as the simulator sees it. Rates are peaks in SI units (decimal GB/s, not GiB/s).
 
@@ -89,6 +113,7 @@ class HardwareProfile:
     # to multiples of 512 B (kMinBlockSize in c10/cuda/CUDACachingAllocator.cpp), and
     # max_memory_allocated counts the rounded blocks. The CPU tracker counts storage bytes as they are.
     alloc_granularity_bytes: int = 512
+    host: HostCosts = dataclasses.field(default_factory=HostCosts)  # the host clock's costs (Rule 12)
 
     def __post_init__(self) -> None:
         # Profiles can come from a user's JSON file, so bad values are user errors, not assertions.
@@ -122,6 +147,13 @@ class HardwareProfile:
         object.__setattr__(self, "flops_per_s", types.MappingProxyType(rates))
         if not isinstance(self.is_gpu, bool):
             raise AutotuneError(f"{where}: is_gpu={self.is_gpu!r}, expected true or false")
+        if isinstance(self.host, Mapping):  # from a JSON file
+            try:
+                object.__setattr__(self, "host", HostCosts(**self.host))
+            except TypeError as e:
+                raise AutotuneError(f"{where}: host: {e}; expected the fields of HostCosts") from None
+        if not isinstance(self.host, HostCosts):
+            raise AutotuneError(f"{where}: host={self.host!r}, expected host costs (HostCosts or a JSON object)")
         if type(self.alloc_granularity_bytes) is not int or self.alloc_granularity_bytes <= 0:
             raise AutotuneError(
                 f"{where}: alloc_granularity_bytes={self.alloc_granularity_bytes!r}, expected a positive "
@@ -146,6 +178,7 @@ class HardwareProfile:
         """A JSON-ready dict; :meth:`from_dict` reads it back."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["flops_per_s"] = dict(self.flops_per_s)
+        data["host"] = dataclasses.asdict(self.host)
         return data
 
     @classmethod
@@ -154,7 +187,7 @@ class HardwareProfile:
         expected = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(data, Mapping):
             raise AutotuneError(f"hardware profile: expected a JSON object, got {type(data).__name__}")
-        missing, unknown = expected - data.keys(), data.keys() - expected
+        missing, unknown = expected - data.keys() - {"host"}, data.keys() - expected  # host: optional (older files)
         if missing or unknown:
             raise AutotuneError(
                 f"hardware profile {data.get('name', '?')!r}: missing keys {sorted(missing)}, unknown keys "
@@ -172,6 +205,26 @@ def _positive_float(value: object, what: str, minimum: float = math.ulp(0.0)) ->
             return number
     bound = "a positive number" if minimum > 0 else "a number >= 0"
     raise AutotuneError(f"{what}={value!r}, expected {bound}")
+
+
+# The host clock of the built-in GPU profiles, estimates until a GPU run measures them: issuing an op costs
+# the eager launch estimate above, and the runtime's own work what runtime/host_costs.py measured on this
+# project's 2-core cloud CPU (torch 2.14.1; three runs: frame 13.5-14.3 us, pack + unpack 2.5-3.1, swap
+# 12-14 (a clone there, stream waits and events on a GPU), region 59-76, region pack 4-7, record 18-24,
+# replay 36-49). A server's host CPU is faster, so they over-state it; experiments/gpu_check.py measures
+# them on a GPU machine.
+_GPU_HOST = HostCosts(
+    op_s=_EAGER_LAUNCH_S,
+    frame_s=14e-6,
+    pack_s=1.4e-6,
+    unpack_s=1.4e-6,
+    swap_s=15e-6,
+    region_s=65e-6,
+    region_pack_s=5e-6,
+    record_op_s=20e-6,
+    replay_op_s=45e-6,
+    source="estimate: eager launch 6 us per op; the runtime's costs as measured on a 2-core CPU, not a GPU host",
+)
 
 
 def _gpu(
@@ -193,6 +246,7 @@ def _gpu(
         d2h_bytes_per_s=host_link_bytes_per_s,
         launch_overhead_s=_EAGER_LAUNCH_S,
         is_gpu=True,
+        host=_GPU_HOST,
     )
 
 
@@ -542,10 +596,38 @@ def _calibrate_cpu(seconds: float) -> HardwareProfile:
         launch_overhead_s=launch_s,
         is_gpu=False,
         alloc_granularity_bytes=1,  # the CPU tracker (runtime.measure) counts storage bytes exactly
+        host=_cpu_host_costs(seconds),
     )
 
 
+def _cpu_host_costs(seconds: float) -> HostCosts:
+    """The runtime's host costs on this CPU (runtime/host_costs.py), in about twice ``seconds``."""
+    from runtime.host_costs import calibrate  # the runtime itself: imported here, not at the top
+
+    return calibrate("cpu", 2 * seconds)
+
+
 # --- op times for a workload ---------------------------------------------------------------------------
+
+
+def host_times_s(w: Workload, profile: HardwareProfile) -> list[float]:
+    """Host seconds of issuing each op of ``w`` on ``profile`` (h_i of Rule 12 in envs/simulator.py).
+
+    0 on a profile without copy engines: there the host is the device, and op times are the wall time an
+    op takes (measured and scaled to a plain iteration, or estimated with the launch overhead). On a GPU, the
+    host times measured by a real-mode trace on that very device, scaled so that they add up to the plain
+    iteration's host time (NOTE [ Op time calibration ]); otherwise the profile's ``host.op_s`` per op."""
+    n = len(w.ops)
+    if not profile.is_gpu:
+        return [0.0] * n
+    if w.mode == "real" and w.meta.get("device_profile") == profile.name:
+        measured = [op.host_s for op in w.ops]
+        plain = w.meta.get("plain_host_s")
+        if plain and all(t is not None for t in measured):
+            times = [float(t) for t in measured if t is not None]
+            total = sum(times)
+            return [t * plain / total for t in times] if total > 0 else times
+    return [profile.host.op_s] * n
 
 
 def op_times_s(w: Workload, profile: HardwareProfile) -> list[float]:

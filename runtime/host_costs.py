@@ -1,0 +1,170 @@
+"""Measure the host clock's costs (``HostCosts``, Rule 12 in envs/simulator.py) on the device at hand.
+
+The runtime applies policies to a chain of modules of a few ``relu`` each on tensors of 16 floats: kernels of
+microseconds, so that what a policy adds to a step is host time. Each cost comes from two configurations
+that differ in what the runtime reports doing (``RuntimeStats``: packs seen, hooked module calls, regions,
+ops recorded and replayed, swaps), as in a two-point fit; the times are steady-state steps (the first,
+learning step excluded), the fastest of several against a plain step run alongside, since noise only
+ever adds time. ``calibrate`` takes about a second; ``runtime.hardware.calibrate_cpu`` puts its result
+into the ``cpu`` profile, and experiments/gpu_check.py prints it for a GPU.
+
+    hooks, m relus per module        d(m) = P(m) (pack + unpack) + C frame        -> pack + unpack, frame
+    regions, m relus per module      d(m) = 2 N (region + m region_pack) + kernels -> region, region_pack
+    the recorder alone               a forward under it, less a plain forward      -> record_op
+    replays (2 of 3 relus)           d = hooks + record + R (replay_op + kernel)    -> replay_op
+    swaps (every relu)               d = hooks + S swap                              -> swap
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from runtime.apply import PolicyRuntime, RuntimeStats
+from runtime.hardware import HostCosts
+from runtime.policy import Policy
+from runtime.replay import Recorder
+from runtime.trace import capture
+
+_MODULES = 24  # N
+_WIDTH = 16
+
+
+class _Relus(torch.nn.Module):
+    """m relus, then an add: the add's output (the next module's input) is saved by nothing, so every
+    module call of ``_network`` can be a region (runtime/plan.py)."""
+
+    def __init__(self, m: int) -> None:
+        super().__init__()
+        self.m = m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.m):
+            x = torch.relu(x)
+        return x + 1.0
+
+
+def _network(m: int, device: torch.device) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(_WIDTH, _WIDTH, device=device), *[_Relus(m) for _ in range(_MODULES)])
+    return model, (torch.randn(1, _WIDTH, device=device),)
+
+
+def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return model(batch[0]).sum()
+
+
+class _Bench:
+    """One network, plain and under one policy, timed in alternation."""
+
+    def __init__(self, m: int, device: torch.device, codes: Callable[[int, int], int] | None, force: bool) -> None:
+        self.device = device
+        self.model, self.batch = _network(m, device)
+        self.force = force
+        self.rt: PolicyRuntime | None = None
+        if codes is not None:
+            w = capture(lambda: (*_network(m, torch.device("cpu")), _loss), name="host-costs", batch_size=1)
+            position = {c.key: i for i, c in enumerate(w.candidates)}
+            vec = np.array([codes(i % m, m) for i in position.values()], dtype=np.int8)  # the relus, in order
+            self.rt = PolicyRuntime(Policy.from_vector(w, vec, hardware=device.type), self.model)
+        self.stats = RuntimeStats()
+
+    def step(self, policy: bool) -> float:
+        ctx = self.rt.step(force_hooks=self.force) if policy and self.rt is not None else contextlib.nullcontext()
+        _sync(self.device)
+        start = time.perf_counter()
+        with ctx as stats:
+            _loss(self.model, self.batch).backward()
+        _sync(self.device)
+        if policy and stats is not None:
+            self.stats = stats
+        self.model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    def extra_s(self, budget_s: float) -> float:
+        """Seconds a step under the policy takes more than a plain one (their fastest runs)."""
+        self.step(True)  # the first step learns (R11)
+        plain: list[float] = []
+        policy: list[float] = []
+        start = time.perf_counter()
+        while time.perf_counter() - start < budget_s or len(plain) < 5:
+            plain.append(self.step(False))
+            policy.append(self.step(True))
+        return min(policy) - min(plain)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _forward_op_s(m: int, device: torch.device, budget_s: float) -> tuple[float, float]:
+    """(seconds per forward op, plain; more seconds per op under the recorder)."""
+    model, batch = _network(m, device)
+    ops = [0]
+
+    def forward(record: bool) -> float:
+        rec = Recorder(device) if record else None
+        _sync(device)
+        start = time.perf_counter()
+        with rec if rec is not None else contextlib.nullcontext():
+            _loss(model, batch)
+        _sync(device)
+        if rec is not None:
+            ops[0] = len(rec.ops)
+        return time.perf_counter() - start
+
+    plain: list[float] = []
+    recorded: list[float] = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < budget_s or len(plain) < 5:
+        plain.append(forward(False))
+        recorded.append(forward(True))
+    return min(plain) / ops[0], (min(recorded) - min(plain)) / ops[0]
+
+
+def calibrate(device: str = "cpu", seconds: float = 1.0) -> HostCosts:
+    """The runtime's host costs on ``device``, measured in about ``seconds`` (see the module docs)."""
+    dev = torch.device(device)
+    share = seconds / 8
+    keep = lambda i, m: 0  # noqa: E731
+    rec_all = lambda i, m: 2  # noqa: E731
+    hooks = {m: _Bench(m, dev, keep, force=True) for m in (1, 2)}
+    d_hooks = {m: b.extra_s(share) for m, b in hooks.items()}
+    p1, p2 = hooks[1].stats.packs, hooks[2].stats.packs
+    per_pack = max(0.0, (d_hooks[2] - d_hooks[1]) / max(1, p2 - p1))
+    frame_s = max(0.0, (d_hooks[1] - p1 * per_pack) / max(1, hooks[1].stats.hooked_calls))
+
+    op_s, record_op_s = _forward_op_s(3, dev, share)
+    regions = {m: _Bench(m, dev, rec_all, force=False) for m in (1, 3)}
+    d_regions = {m: b.extra_s(share) - m * _MODULES * op_s for m, b in regions.items()}
+    n = max(1, regions[1].stats.regions)
+    region_pack_s = max(0.0, (d_regions[3] - d_regions[1]) / (2 * n * 2))
+    region_s = max(0.0, d_regions[1] / (2 * n) - region_pack_s)
+
+    replay = _Bench(3, dev, lambda i, m: 2 if i < m - 1 else 0, force=False)  # the last relu of each kept
+    d_replay = replay.extra_s(share)
+    st = replay.stats
+    known = st.packs * per_pack + st.hooked_calls * frame_s + st.recorded_ops * record_op_s
+    replay_op_s = max(0.0, (d_replay - known) / max(1, st.recomputed_ops) - op_s)
+
+    swap = _Bench(1, dev, lambda i, m: 1, force=False)
+    d_swap = swap.extra_s(share)
+    st = swap.stats
+    swap_s = max(0.0, (d_swap - st.packs * per_pack - st.hooked_calls * frame_s) / max(1, st.swaps))
+    return HostCosts(
+        op_s=0.0 if dev.type == "cpu" else op_s,  # on the CPU op times are wall times already (Rule 12)
+        frame_s=frame_s,
+        pack_s=per_pack / 2,  # the pack and the unpack are not told apart: half each
+        unpack_s=per_pack / 2,
+        swap_s=swap_s,
+        region_s=region_s,
+        region_pack_s=region_pack_s,
+        record_op_s=max(0.0, record_op_s),
+        replay_op_s=replay_op_s,
+        source=f"measured on {device} with the runtime (runtime/host_costs.py, torch {torch.__version__})",
+    )
