@@ -19,11 +19,16 @@ Contract (checked for every registered searcher by tests/test_searchers_contract
    memory the budget does not need): see :func:`apply_until_fits`.
 
 Subclasses implement :meth:`Searcher._search`; the public :meth:`Searcher.search` does the bookkeeping.
+When the proposal swaps, that includes when the runtime lets swapped bytes go (``PolicyOptions.
+release_after``, the simulator's Rule 4): the published methods do not say, so every answer is tried at
+each of ``RELEASES`` and the best kept, alike for every searcher but the exact solvers (which answer for the
+options as given).
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import difflib
 import enum
 import importlib
@@ -34,7 +39,7 @@ from typing import ClassVar, TypeVar
 
 import numpy as np
 
-from envs.simulator import COMPRESS, KEEP, SimResult, Simulator
+from envs.simulator import COMPRESS, KEEP, SWAP, SimResult, Simulator
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
 from runtime.policy import Policy, PolicyOptions, Prediction
@@ -144,6 +149,8 @@ class Searcher(abc.ABC):
             raise AssertionError(f"{self.name} proposed compression without allow_compress")
         options = proposal.options or problem.options
         result = problem.evaluate(actions, options)
+        if np.any(actions == SWAP) and not self.exact:  # exact solvers answer for the options as given
+            options, result = best_release(problem, actions, options, result)
         status = proposal.status or (Status.FEASIBLE if result.feasible else Status.INFEASIBLE)
         if status in (Status.FEASIBLE, Status.OPTIMAL) and not result.feasible:
             status = Status.INFEASIBLE  # a solver's own model can disagree with the simulator: trust the latter
@@ -219,6 +226,24 @@ def get_searcher(name: str) -> Searcher:
 
 
 # -- helpers shared by heuristics --------------------------------------------------------------------------
+RELEASES = (1, 2, 4, 8, 16)  # PolicyOptions.release_after values tried (Rule 4)
+
+
+def best_release(
+    problem: Problem, actions: np.ndarray, options: PolicyOptions, result: SimResult
+) -> tuple[PolicyOptions, SimResult]:
+    """The ``release_after`` of ``RELEASES`` under which ``actions`` do best (:func:`better`), starting from
+    ``options`` and their ``result`` (returned as they are when none beats them)."""
+    for release in RELEASES:
+        if release == options.release_after:
+            continue
+        trial = dataclasses.replace(options, release_after=release)
+        r = problem.evaluate(actions, trial)
+        if better(r, result):
+            options, result = trial, r
+    return options, result
+
+
 def apply_until_fits(
     problem: Problem,
     ranked: Iterable[tuple[int, int]],
@@ -271,6 +296,7 @@ def first_fit_status(result: SimResult) -> Status:
 
 __all__ = [
     "KEEP",
+    "RELEASES",
     "Problem",
     "Proposal",
     "SearchResult",
@@ -279,6 +305,7 @@ __all__ = [
     "apply_until_fits",
     "baseline_names",
     "best_of",
+    "best_release",
     "better",
     "get_searcher",
     "list_searchers",

@@ -4,7 +4,8 @@ Moves, tried on the non-keep candidates from the largest down: back to keep (it 
 stays if the policy still fits), or to the other of swap / recompute. Then exchanges: one costly decision
 given back, one cheap one taken (see :func:`_exchange`); when those find nothing, pairs of changes
 among the largest candidates (:func:`_pairs`). A move is accepted when the policy still fits the
-budget and runs faster. Then the prefetch look-ahead is tried at each of agents.rule.LOOKAHEADS. Passes
+budget and runs faster. Then the prefetch look-ahead is tried at each of agents.rule.LOOKAHEADS, and the
+release point of swapped bytes at each of agents.base.RELEASES. Passes
 repeat until one changes nothing or the deadline passes. Every accepted step
 is a simulated improvement, so the result is never worse than the start.
 """
@@ -17,7 +18,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, register
+from agents.base import RELEASES, Problem, Proposal, Searcher, register
 from agents.rule import LOOKAHEADS, RuleParams, ranked_moves
 from envs.simulator import KEEP, RECOMPUTE, SWAP, SimResult
 from runtime.policy import PolicyOptions
@@ -81,13 +82,16 @@ def fastest_lookahead(
     result: SimResult,
     late: Callable[[], bool] | None = None,
 ) -> tuple[PolicyOptions, SimResult]:
-    """The prefetch look-ahead (of agents.rule's ``LOOKAHEADS``) under which ``actions`` fit and run fastest,
-    starting from ``options`` and their ``result`` (returned as they are when none is faster); stops when
-    ``late()``."""
-    for lookahead in LOOKAHEADS:
+    """The prefetch look-ahead (of agents.rule's ``LOOKAHEADS``), then the release point (``RELEASES``),
+    under which ``actions`` fit and run fastest, starting from ``options`` and their ``result`` (returned as
+    they are when none is faster); stops when ``late()``."""
+    trials = [("prefetch_lookahead", x) for x in LOOKAHEADS]
+    if np.any(actions == SWAP):
+        trials += [("release_after", x) for x in RELEASES]
+    for name, value in trials:
         if late is not None and late():
             break
-        trial = replace(options, prefetch_lookahead=lookahead)
+        trial = replace(options, **{name: value})  # type: ignore[arg-type]
         r = problem.evaluate(actions, trial)
         if r.feasible and r.samples_per_s > result.samples_per_s:
             options, result = trial, r
@@ -113,8 +117,8 @@ def _repair(
                 r = problem.evaluate(trial, options)
                 if r.peak_bytes < best_result.peak_bytes:
                     best, best_result, improved = trial, r, True
-        for lookahead in LOOKAHEADS:
-            other = replace(options, prefetch_lookahead=lookahead)
+        for name, value in [("prefetch_lookahead", x) for x in LOOKAHEADS] + [("release_after", x) for x in RELEASES]:
+            other = replace(options, **{name: value})  # type: ignore[arg-type]
             r = problem.evaluate(best, other)
             if r.peak_bytes < best_result.peak_bytes:
                 options, best_result, improved = other, r, True

@@ -56,7 +56,8 @@ class VDNN(Searcher):
     summary = "Rhu et al. MICRO 2016 (vDNN): offload conv-layer inputs in forward, prefetch one layer ahead"
 
     def _search(self, problem: Problem) -> Proposal:
-        options = dataclasses.replace(problem.options, prefetch_lookahead=VDNN_LOOKAHEAD)
+        # vDNN waits for each layer's offload before the next layer runs: release at the next pack point.
+        options = dataclasses.replace(problem.options, prefetch_lookahead=VDNN_LOOKAHEAD, release_after=1)
         conv, rest = layer_inputs(problem)
         actions, result = apply_until_fits(problem, [(ci, SWAP) for ci in conv], options=options)
         stage = "vDNN_conv"

@@ -24,12 +24,11 @@ NOTE [ MILP model ] -- every variable and row, by its name in the model (``name[
       stall[i]         compute-stream time spent waiting for copies up to need position i (Rule 6); need
                        positions are the decided candidates in backward order of first use.
       d2h_end[c], h2d_end[c]   when candidate c's device-to-host / host-to-device copy ends (Rules 4, 5).
-      clock[o]         start of op o after everything inserted before it, stalls included.
-      held[c,o]        exact hold (small models, and the ops of Repairs): binary, swapped c still holds its
-                       device memory at op o, after the program dropped it, because its D2H copy has not
-                       ended when o starts (Rule 4).
-      done[o], held_bytes[o]   fluid hold mode (too many (c, o) pairs): bytes the D2H link has copied by
-                       op o, and the dropped bytes not yet copied.
+      fwd_wait[r]      compute-stream time spent in forward waiting for copies out, up to the r-th release
+                       point (Rule 4: the release points after a swapped candidate's own pack).
+      handled_by[o]    1 when some decided candidate used in backward by op o is not kept: a swapped
+                       candidate without a release point in forward holds its bytes until then (Rule 4).
+      late_hold[c,o]   the bytes swapped c still holds at op o for lack of a forward release point.
       peak             only when minimising the peak (no policy fits the budget).
     Rows:
       one_action[u]                      exactly one action per unit.
@@ -46,14 +45,17 @@ NOTE [ MILP model ] -- every variable and row, by its name in the model (``name[
                                          H2D copies run one at a time in order of need, each from its
                                          Rule 5 trigger op (or the start point that pulls it, if earlier),
                                          never before its D2H copy ended.
-      clock[o], hold[c,o]                held[c,o] is 1 when d2h_end[c] > clock[o].
-      link_rate[o], copied_le_issued[o], held_ge_dropped_minus_copied[o]
-                                         fluid hold: done grows at most at the link rate and never beyond
-                                         what was issued; what was dropped and not done is held.
+      fwd_wait_monotone[r], release[c]   forward waiting accumulates; the compute stream passes c's release
+                                         point no earlier than its copy out ends.
+      late_release[c,i]                  ... and, without one in forward, the first backward use of a
+                                         candidate that is not kept (need position i) no earlier either.
+      handled_by_ub[o], late_hold[c,o]   handled_by is at most the count of non-kept candidates used by o
+                                         (and 1); late_hold is at least x[c,swap] - handled_by.
       memory[o]                          live bytes during op o (Rule 2, intervals of Rules 3-8, pulls and
                                          holds) within the budget (at most peak when minimising it).
     Objective (Rule 9): compute + the recompute of every candidate materialized + pack and unpack kernels +
-    the total stall.
+    the total forward and backward wait. The host clock (Rules 1, 12) is not modelled: on profiles with
+    host costs the model is optimistic, and the simulator has the last word.
 
     Exactness. When every unit is one candidate and no two decided candidates are first used in backward
     by the same op, the model is a relaxation of the simulator: every policy's simulated run satisfies all
@@ -61,15 +63,17 @@ NOTE [ MILP model ] -- every variable and row, by its name in the model (``name[
     stall is bounded below, not pinned: the solver may "wait" for a copy to end so that it frees memory,
     which the simulator never does. So an optimum the simulator accepts at the same time is the
     simulator's best policy; tests/test_solvers.py checks this against brute force over every policy of
-    small chains. Elsewhere the model approximates: a unit's candidates are pulled together, as early as
-    the dependent unit starts (conservative); transients of pulled recomputes are not counted; the fluid
-    hold frees a copy's bytes progressively (optimistic by at most the tensor in flight).
+    small chains (whose every pack the runtime observes, Rule 13, and which have no regions, Rule 11).
+    Elsewhere the model approximates: a unit's candidates are pulled together, as early as the dependent
+    unit starts (conservative); transients of pulled recomputes are not counted; release points are every
+    candidate's first pack (the simulator observes a subset: later, so the hold is optimistic); regions
+    are not modelled (their candidates are costed as replays).
 
-    Repairs. When the simulator finds the answer over budget, HiGHS solves again, with: the exact hold at
-    the ops that went over, if the fluid hold was used there; otherwise a no-good row that cuts that
-    assignment off (on exact models both keep the relaxation, so the final optimum is still proved), and
-    after ``_CUTS_BEFORE_TIGHTENING`` cuts the budget lowered by the excess (then it is no longer a proof:
-    the status comes from the simulator). With no accepted answer, the warm start is returned.
+    Repairs. When the simulator finds the answer over budget, HiGHS solves again with a no-good row that
+    cuts that assignment off (on exact models this keeps the relaxation, so the final optimum is still
+    proved), and after ``_CUTS_BEFORE_TIGHTENING`` cuts the budget lowered by the excess (then it is no
+    longer a proof: the status comes from the simulator). With no accepted answer, the warm start is
+    returned.
 """
 
 from __future__ import annotations
@@ -89,7 +93,6 @@ from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, SimResult
 _NAMES = {KEEP: "keep", SWAP: "swap", RECOMPUTE: "recompute", COMPRESS: "compress"}
 _TINY_FRACTION = 1e-3  # candidates under this fraction of all activation bytes are kept, not decided
 _MAX_UNITS = 40  # decision units: ResNet-50 (120 binaries) is solved to optimality in 10-40 s
-_EXACT_HOLD_PAIRS = 3000  # above this many (candidate, op) hold pairs, the fluid hold model is used
 _DEFAULT_TIME_LIMIT_S = 30.0
 _REPAIRS = 8  # re-solves when the simulator finds the answer over budget (NOTE [ MILP model ], Repairs)
 _CUTS_BEFORE_TIGHTENING = 3  # no-good cuts alone for this many re-solves, then also a tighter budget
@@ -315,18 +318,12 @@ class _Built:
     milp: _Milp
     x: dict[tuple[int, int], int]
     memory_rows: list[int]
-    hold_mode: str
 
 
-def _build(
-    data: _Data,
-    budget_bytes: int | None,
-    no_goods: Sequence[Sequence[int]] = (),
-    exact_rows: frozenset[int] = frozenset(),
-) -> _Built:
+def _build(data: _Data, budget_bytes: int | None, no_goods: Sequence[Sequence[int]] = ()) -> _Built:
     """The MILP of NOTE [ MILP model ] (minimum peak when ``budget_bytes`` is None), without the unit actions
-    of ``no_goods`` and with the exact hold at ``exact_rows`` (see Repairs)."""
-    return _Builder(data, budget_bytes).build(no_goods, exact_rows)
+    of ``no_goods`` (see Repairs)."""
+    return _Builder(data, budget_bytes).build(no_goods)
 
 
 Key = tuple[int, int]  # a moment of backward: (op, candidate), in the simulator's order of need
@@ -364,23 +361,31 @@ class _Builder:
         self.pulled: dict[tuple[int, int, int], int] = {}
         self.stall: list[int] = []
         self.d2h_end: dict[int, int] = {}
-        self.clock_col: dict[int, int] = {}
         # Backward moments in the simulator's order of need: decided candidates by (first use, index).
         use = sim.first_use
         self.need = sorted((c for c in self.decided if use[c] < self.n), key=lambda c: (int(use[c]), c))
         self.need_key: list[Key] = [(int(use[c]), c) for c in self.need]
+        # Rule 4 with every candidate's first pack a release point: swapped c lets go after op release_op[c],
+        # the compute stream waiting for its copy before op release_op[c] + 1; -1: not in forward.
+        release_after = max(1, int(opts.release_after))
+        points = sim._pack_ops
+        self.release_op = {
+            c: int(points[c + release_after]) if c + release_after < self.k else -1 for c in self.decided
+        }
+        self.release_at = sorted({op + 1 for op in self.release_op.values() if op >= 0})  # fwd_wait positions
+        self.fwd_wait: list[int] = []
         # Start points: where a recomputed unit's own regeneration begins (the first use that pulls it).
         self.starts = sorted({s for s in data.unit_start if s < self.n}) if RECOMPUTE in self.acts else []
         self.start_key: list[Key] = [(s, min(c for c in self.decided if use[c] == s)) for s in self.starts]
 
-    def build(self, no_goods: Sequence[Sequence[int]], exact_rows: frozenset[int]) -> _Built:
+    def build(self, no_goods: Sequence[Sequence[int]]) -> _Built:
         self.add_actions(no_goods)
         self.add_pulls()
         self.add_stalls_and_objective()
         self.add_copies()
-        hold_mode, hold_terms = self.add_hold(exact_rows)
+        hold_terms = self.add_hold()
         memory_rows = self.add_memory(hold_terms)
-        return _Built(self.m, self.x, memory_rows, hold_mode)
+        return _Built(self.m, self.x, memory_rows)
 
     # -- x[u,a], one_action, no_good ----------------------------------------------------------------------------
     def add_actions(self, no_goods: Sequence[Sequence[int]]) -> None:
@@ -445,6 +450,8 @@ class _Builder:
         data, x, acts = self.data, self.x, self.acts
         use, regen = self.sim.first_use, data.regen_op
         e, j = _Lin(), self.before(key)
+        if self.fwd_wait:  # every forward wait comes before any backward moment
+            e.add(self.fwd_wait[-1], 1.0)
         for c in self.decided:
             u = self.uo[c]
             if COMPRESS in acts:
@@ -467,28 +474,28 @@ class _Builder:
         """Start of op o after every insertion before it, stalls included: what Rule 4's release compares
         with (stall is only bounded below, so this is the relaxed side: see the NOTE)."""
         e = _Lin(const=float(self.start_ms[o]))
-        if o <= self.last_fwd:  # forward: only the pack kernels inserted after each save_op (Rule 8)
+        if o <= self.last_fwd:  # forward: the pack kernels after each save_op (Rule 8) and the waits (Rule 4)
             for c in self.decided if COMPRESS in self.acts else ():
                 if self.sim.save_op[c] + 1 <= o:
                     e.add(self.x[self.uo[c], COMPRESS], self.pack_ms[c])
+            r = bisect.bisect_right(self.release_at, o) - 1
+            if r >= 0 and self.fwd_wait:
+                e.add(self.fwd_wait[r], 1.0)
             return e
         return e.add_lin(self.inserted((o, self.k), with_stall=True))
-
-    def clock_var(self, o: int) -> _Lin:
-        """clock(o) as one column (defined by its row), so that many rows can read it sparsely."""
-        if o not in self.clock_col:
-            e = self.clock(o)
-            if not e.terms:
-                return e
-            col = self.clock_col[o] = self.m.var(f"clock[{o}]")
-            self.m.row(f"clock[{o}]", _Lin({col: 1.0}).add_lin(e, -1.0), 0.0, 0.0)
-        return _Lin({self.clock_col[o]: 1.0})
 
     def add_stalls_and_objective(self) -> None:
         m, x, data = self.m, self.x, self.data
         self.stall = [m.var(f"stall[{i}]") for i in range(len(self.need))]
         for i in range(1, len(self.need)):
             m.row(f"stall_monotone[{i}]", _Lin({self.stall[i]: 1.0, self.stall[i - 1]: -1.0}), lo=0.0)
+        if SWAP in self.acts:
+            self.fwd_wait = [m.var(f"fwd_wait[{r}]") for r in range(len(self.release_at))]
+            for r in range(1, len(self.fwd_wait)):
+                row = _Lin({self.fwd_wait[r]: 1.0, self.fwd_wait[r - 1]: -1.0})
+                m.row(f"fwd_wait_monotone[{r}]", row, lo=0.0)
+            if self.fwd_wait:
+                m.cost[self.fwd_wait[-1]] += 1.0
 
         def charge(e: _Lin, cost_ms: float) -> None:
             for col, coef in e.terms.items():
@@ -523,6 +530,16 @@ class _Builder:
             issue = self.clock(int(sv[c])).add_lin(_Lin(const=float(self.op_ms[sv[c]])))
             m.row(f"d2h_issue[{c}]", _Lin({col: 1.0, xs: -self.d2h_ms[c]}).add_lin(issue, -1.0), lo=0.0)
             prev = col
+        for c, col in self.d2h_end.items():  # Rule 4: the wait at the release point
+            xs = x[self.uo[c], SWAP]
+            if self.release_op[c] >= 0:
+                o = self.release_op[c] + 1
+                m.row(f"release[{c}]", self.clock(o).add(col, -1.0).add(xs, -big_m), lo=-big_m)
+                continue
+            for i, d in enumerate(self.need):  # the first non-kept use; the clock only moves on
+                at = self.inserted(self.need_key[i], with_stall=False).add(self.stall[i], 1.0).add(col, -1.0)
+                at.add(xs, -big_m).add(x[self.uo[d], KEEP], big_m).const += float(self.start_ms[use[d]])
+                m.row(f"late_release[{c},{i}]", at, lo=-big_m)
         prev = -1
         for i, c in enumerate(self.need):
             if c not in self.d2h_end:
@@ -554,57 +571,33 @@ class _Builder:
                 m.row(f"stall_pulled[{c},{j}]", wait, lo=-big_m)
             prev = col
 
-    # -- held / done / held_bytes (Rule 4's release) -----------------------------------------------------------
-    def add_hold(self, exact_rows: frozenset[int]) -> tuple[str, dict[int, _Lin]]:
-        """Exact binaries when there are few (candidate, op) pairs; the fluid model otherwise, except at
-        ``exact_rows`` (ops where the simulator found a fluid answer over budget). Returns the mode and the
-        hold bytes to add to each memory row."""
-        m, x, sim = self.m, self.x, self.sim
-        sv, drop = sim.save_op, sim.drop
-        last_row = self.last_row
-        swappable = sorted(self.d2h_end, key=lambda c: (int(sv[c]), c))
-        # An upper bound on each copy's end: everything swapped, every pack kernel before it.
-        end_ub: dict[int, float] = {}
-        link_free = 0.0
-        packs = float(self.pack_ms[self.decided].sum()) if COMPRESS in self.acts else 0.0
-        for c in swappable:
-            link_free = max(link_free, self.start_ms[sv[c]] + self.op_ms[sv[c]] + packs) + self.d2h_ms[c]
-            end_ub[c] = link_free
-        pairs = [
-            (c, o) for c in swappable for o in range(int(drop[c]) + 1, last_row + 1) if self.start_ms[o] < end_ub[c]
-        ]
+    # -- the bytes a swapped candidate holds after the program dropped it (Rule 4's release) ---------------
+    def add_hold(self) -> dict[int, _Lin]:
+        """The hold bytes to add to each memory row: to the release point in forward; without one, until a
+        candidate that is not kept is first used in backward (handled_by, late_hold)."""
+        m, x, sim, mu = self.m, self.x, self.sim, self.data.mem_unit
+        last_row, use = self.last_row, sim.first_use
         terms: dict[int, _Lin] = {o: _Lin() for o in range(last_row + 1)}
-        mu = self.data.mem_unit
-        exact = len(pairs) <= _EXACT_HOLD_PAIRS
-        for c, o in pairs if exact else [(c, o) for c, o in pairs if o in exact_rows]:
-            held = m.var(f"held[{c},{o}]", binary=True)
-            e = _Lin({self.d2h_end[c]: 1.0, held: -self.big_m, x[self.uo[c], SWAP]: self.big_m})
-            m.row(f"hold[{c},{o}]", e.add_lin(self.clock_var(o), -1.0), hi=self.big_m)
-            terms[o].add(held, self.size_bytes[c] / mu)
-        if exact:
-            return "exact", terms
-        rate = self.data.problem.hardware.d2h_bytes_per_s / 1e3 / mu  # memory units per millisecond
-        first = min(int(sv[c]) for c in swappable) + 1
-        prev_done, prev_clock = -1, _Lin(const=float(self.start_ms[first - 1] + self.op_ms[first - 1]))
-        for o in range(first, last_row + 1):
-            done, held_bytes = m.var(f"done[{o}]"), m.var(f"held_bytes[{o}]")
-            now = self.clock_var(o)
-            grow = _Lin({done: 1.0}).add_lin(now, -rate).add_lin(prev_clock, rate)
-            if prev_done >= 0:
-                grow.add(prev_done, -1.0)
-            m.row(f"link_rate[{o}]", grow, hi=0.0)
-            issued, dropped = _Lin({done: 1.0}), _Lin({held_bytes: 1.0, done: 1.0})
-            for c in swappable:
-                if sv[c] < o:
-                    issued.add(x[self.uo[c], SWAP], -self.size_bytes[c] / mu)
-                if drop[c] < o:
-                    dropped.add(x[self.uo[c], SWAP], -self.size_bytes[c] / mu)
-            m.row(f"copied_le_issued[{o}]", issued, hi=0.0)
-            m.row(f"held_ge_dropped_minus_copied[{o}]", dropped, lo=0.0)
-            if o not in exact_rows:
-                terms[o].add(held_bytes, 1.0)
-            prev_done, prev_clock = done, now
-        return f"fluid (exact at {len(exact_rows)} ops)" if exact_rows else "fluid", terms
+        handled_by: dict[int, int] = {}
+        for c in self.d2h_end:
+            xs, size = x[self.uo[c], SWAP], self.size_bytes[c] / mu
+            drop = int(sim.drop[c])
+            if self.release_op[c] >= 0:
+                for o in range(drop + 1, min(self.release_op[c], last_row) + 1):
+                    terms[o].add(xs, size)
+                continue
+            for o in range(drop + 1, min(int(use[c]) - 1, last_row) + 1):
+                if o not in handled_by:
+                    col = handled_by[o] = m.var(f"handled_by[{o}]", 0.0, 1.0)
+                    count = _Lin({col: 1.0})
+                    for d in self.decided:
+                        if use[d] <= o:
+                            count.add(x[self.uo[d], KEEP], 1.0).const -= 1.0
+                    m.row(f"handled_by_ub[{o}]", count, hi=0.0)
+                hold = m.var(f"late_hold[{c},{o}]", 0.0, 1.0)
+                m.row(f"late_hold[{c},{o}]", _Lin({hold: 1.0, xs: -1.0, handled_by[o]: 1.0}), lo=0.0)
+                terms[o].add(hold, size)
+        return terms
 
     # -- memory[o] (Rule 2) --------------------------------------------------------------------------------------
     @property
@@ -765,9 +758,8 @@ class MilpSearcher(Searcher):
         budget = problem.budget_bytes
         notes: list[str] = []
         no_goods: list[list[int]] = []
-        exact_rows: frozenset[int] = frozenset()
         for attempt in range(_REPAIRS + 1):
-            built = _build(data, budget, no_goods, exact_rows)
+            built = _build(data, budget, no_goods)
             size = f"{len(data.units)} units, {len(built.milp.col_names)} columns, {len(built.milp.row_names)} rows"
             left_s = limit_s - (time.perf_counter() - started)
             sol = built.milp.solve(left_s, problem.seed, start.columns(built) if start else None, self.log)
@@ -784,7 +776,7 @@ class MilpSearcher(Searcher):
             model_iter_s = sol.objective / 1e3
             gap = sol.gap if math.isfinite(sol.gap) else None
             notes.append(
-                f"HiGHS {sol.status} (gap {sol.gap:.2e}, {built.hold_mode} hold, {size}): model {model_iter_s:.6f} s,"
+                f"HiGHS {sol.status} (gap {sol.gap:.2e}, {size}): model {model_iter_s:.6f} s,"
                 f" simulated {result.iter_s:.6f} s, peak {result.peak_bytes} B for budget {problem.budget_bytes} B"
             )
             if result.feasible:
@@ -797,16 +789,7 @@ class MilpSearcher(Searcher):
                 return Proposal(actions, note="; ".join(notes))
             if time.perf_counter() - started >= limit_s:
                 return self._fallback(data, start, Status.TIMEOUT, notes)
-            # Over budget. Where the fluid hold was used, make it exact at the ops that went over; else cut
-            # the assignment off, and after a few cuts also lower the budget by the excess.
-            timeline = problem.simulator.run(actions, options=problem.options, timeline=True).timeline
-            live = timeline["live_bytes"] if timeline else []
-            last_row = int(problem.simulator.free_keep[[c for m in data.units for c in m]].max())
-            over = {o for o in range(min(last_row + 1, len(live))) if live[o] > problem.budget_bytes}
-            if built.hold_mode != "exact" and not over <= exact_rows:
-                exact_rows = frozenset(exact_rows | over)
-                notes.append(f"over budget in the simulator at {len(over)} ops: exact hold there, re-solving")
-                continue
+            # Over budget: cut the assignment off, and after a few cuts also lower the budget by the excess.
             no_goods.append(unit_action)
             if len(no_goods) > _CUTS_BEFORE_TIGHTENING:
                 budget -= result.peak_bytes - problem.budget_bytes  # the model was optimistic by this much
