@@ -6,12 +6,17 @@ that profile), so every op takes exactly what the test says; copies run at the p
 
 from __future__ import annotations
 
-from runtime.hardware import HardwareProfile
-from runtime.workload import Candidate, OpInfo, Phase, TensorInfo, TensorKind, Workload
+import dataclasses
+
+from runtime.hardware import HardwareProfile, HostCosts
+from runtime.workload import Candidate, Frame, OpInfo, Phase, TensorInfo, TensorKind, Workload
 
 
-def fixed_profile(h2d_bytes_per_s: float = 1e9, d2h_bytes_per_s: float = 1e9, is_gpu: bool = True) -> HardwareProfile:
-    """``is_gpu``: copies on copy engines (Rule 1); False puts them on the compute stream, as on the CPU."""
+def fixed_profile(
+    h2d_bytes_per_s: float = 1e9, d2h_bytes_per_s: float = 1e9, is_gpu: bool = True, **host_s: float
+) -> HardwareProfile:
+    """``is_gpu``: copies on copy engines (Rule 1); False puts them on the compute stream, as on the CPU.
+    ``host_s``: host costs (``HostCosts`` fields, seconds); none by default: the host is never behind."""
     return HardwareProfile(
         name="fixed",
         description="test profile: op times are the workload's own",
@@ -23,6 +28,7 @@ def fixed_profile(h2d_bytes_per_s: float = 1e9, d2h_bytes_per_s: float = 1e9, is
         launch_overhead_s=0.0,
         is_gpu=is_gpu,
         alloc_granularity_bytes=1,
+        host=dataclasses.replace(HostCosts(), **host_s, source="test") if host_s else HostCosts(),
     )
 
 
@@ -108,3 +114,30 @@ def diamond_workload(size: int, op_s: float) -> Workload:
                   free_if_dropped_op=2, recompute_inputs=(1,), block="g", block_input=True),
     ]  # fmt: skip
     return _workload(ops, tensors, cands, "diamond")
+
+
+def framed_chain_workload(n: int, size: int, op_s: float, block: int) -> Workload:
+    """:func:`chain_workload` with module calls (NOTE [ Frames ]): layer i is the module ``b<j>.l<i>``, a
+    child of block ``b<j>`` (j = i // ``block``), the blocks children of the model. Each layer packs its
+    own output (``c_i``, read by its backward) and one parameter, so a block of layers is a region candidate
+    (runtime/plan.py) once its outputs but the last... are recomputed."""
+    w = chain_workload(n, size, op_s)
+    frames = [Frame(0, "<loss>", 0, -1, 0, n - 1), Frame(1, "<root>", 0, -1, 0, n - 1, args=(0,), outputs=(n,))]
+    blocks = (n + block - 1) // block
+    for j in range(blocks):
+        first, last = j * block, min(n, (j + 1) * block) - 1
+        bf = len(frames)
+        frames.append(Frame(bf, f"b{j}", 0, 1, first, last, args=(first,), outputs=(last + 1,)))
+        for i in range(first, last + 1):
+            frames.append(Frame(len(frames), f"b{j}.l{i}", 0, bf, i, i, packs=2, args=(i,), outputs=(i + 1,)))
+    for i, c in enumerate(w.candidates):
+        layer = next(f for f in frames if f.path.endswith(f".l{i}"))
+        w.ops[i].frame = layer.index
+        c.packs = ((layer.index, i),)
+        c.key = f"{layer.path}#0.0:Layer"
+    for op in w.ops[n:]:
+        layer = n - 1 - (op.index - n)
+        op.module = next(f.path for f in frames if f.path.endswith(f".l{layer}"))
+    w.frames = frames
+    w.compute_fingerprints()
+    return w

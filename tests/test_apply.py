@@ -136,8 +136,9 @@ PEAK_CASES = [
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize(("name", "kwargs"), PEAK_CASES, ids=[c[0] for c in PEAK_CASES])
 def test_measured_peak_matches_simulated(name: str, kwargs: dict, precision: str) -> None:  # type: ignore[type-arg]
-    """Five policies, each measured on the CPU (the storage tracker, swapped bytes in the host store) and
-    simulated on the calibrated cpu profile: within 3%; in fp32 and under bf16 autocast."""
+    """Five policies, each measured on the CPU (the storage tracker, the host store of swapped bytes
+    counted: on the CPU it is the same memory) and simulated on the calibrated cpu profile: within 3%; in
+    fp32 and under bf16 autocast. Block recompute runs through checkpointed regions (runtime R10)."""
     build = _build(name, kwargs)
     # A real-mode trace: transformers builds GPT-2's attention mask only when it cannot look at the data
     # (fake tensors), so a fake trace of it follows another code path than real training.
@@ -165,15 +166,115 @@ def test_measured_peak_matches_simulated(name: str, kwargs: dict, precision: str
         peaks[label] = (predicted, measured)
     errors = {label: (p - m) / m for label, (p, m) in peaks.items()}
     print(name, precision, {label: f"{e:+.2%}" for label, e in errors.items()})
-    if name == "gpt2":
-        # Known gap, measured +5.6% in fp32 and +3.1% under bf16: when GPT-2's MLP blocks are recomputed,
-        # the simulator holds more replayed intermediates at once than the runtime does. It over-predicts
-        # (safe side); when it is fixed this assertion fails and the case joins the 3% check.
-        assert 0.03 < errors.pop("recompute") <= 0.06
     assert all(abs(e) <= 0.03 for e in errors.values()), errors
     peaks = {label: m for label, (_, m) in peaks.items()}
-    assert peaks["recompute"] < peaks["keep"] and peaks["swap"] < peaks["keep"]  # the measured peak drops
+    assert peaks["recompute"] < peaks["keep"]  # the measured peak drops...
+    assert peaks["swap"] >= peaks["keep"]  # ... but not by swapping on the CPU: its host store is counted
 
 
 def test_action_codes_match_the_policy_enum() -> None:
     assert [a.code for a in Action] == [KEEP, SWAP, RECOMPUTE, COMPRESS]
+
+
+# -- later steps (R11): what the first step learned, applied --------------------------------------------------
+def _steps(name: str, kwargs: dict, policy: Policy | None, steps: int = 3, device: str = "cpu"):  # type: ignore[no-untyped-def,type-arg]
+    """``steps`` SGD steps on one model under one runtime: per step the loss, gradients, buffers and stats."""
+    model, batch, loss_fn = _build(name, kwargs, device)()
+    opt = make_optimizer("sgd", model.parameters())
+    rt = PolicyRuntime(policy, model) if policy is not None else None
+    out = []
+    for i in range(steps):
+        torch.manual_seed(100 + i)
+        opt.zero_grad(set_to_none=True)
+        with rt.step() if rt is not None else contextlib.nullcontext() as stats:
+            loss = loss_fn(model, batch)
+            loss.backward()
+        out.append((loss.detach(), [p.grad.clone() for p in model.parameters()], [b.clone() for b in model.buffers()]))
+        out[-1] += (stats,)  # type: ignore[assignment]
+        opt.step()
+    return out
+
+
+@pytest.mark.parametrize(("name", "kwargs"), [RESNET, GPT2], ids=["resnet18", "gpt2-2layer-dropout"])
+def test_later_steps_are_bit_identical_too(name: str, kwargs: dict) -> None:  # type: ignore[type-arg]
+    """Three SGD steps under one runtime: the first learns (R11), the others look packs up in its tables,
+    enter hooks only where needed and recompute blocks through checkpoint (R10); every step's loss,
+    gradients and BatchNorm statistics equal plain training's, and each step does the same work."""
+    w = capture(_build(name, kwargs), name=name, batch_size=kwargs["batch_size"])
+    ref = _steps(name, kwargs, None)
+    for label, vec in _policies(w).items():
+        policy = Policy.from_vector(w, vec, hardware="cpu", options=PolicyOptions(prefetch_lookahead=2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no unknown key, no mismatch
+            got = _steps(name, kwargs, policy)
+        for step, (a, b) in enumerate(zip(got, ref, strict=True)):
+            assert torch.equal(a[0], b[0]), (label, step)
+            assert all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True)), (label, step)
+            assert all(torch.equal(x, y) for x, y in zip(a[2], b[2], strict=True)), (label, step)
+        first, later = got[0][3], got[-1][3]
+        for field in ("swapped_bytes", "compressed_bytes", "recomputed_ops", "regions"):
+            assert getattr(first, field) == getattr(later, field), (label, field)
+        assert later.packs <= first.packs  # later steps observe only what they must
+
+
+def test_block_recompute_runs_through_checkpoint_and_all_keep_installs_nothing() -> None:
+    """The uniform recompute policy on resnet18: every block is a region (runtime/plan.py); from the
+    second step on the only saved-tensor hooks are the loss's (its log-softmax output is replayed, from the
+    classifier's output: the recorder runs in the classifier's call), and an all-keep policy sees no pack
+    and hooks no module call at all."""
+    name, kwargs = RESNET
+    w = capture(_build(name, kwargs), name=name, batch_size=2)
+    policy = Policy.from_vector(w, uniform_actions(w, Action.RECOMPUTE), hardware="cpu")
+    blocks = [r.module for r in policy.schedule.regions]  # type: ignore[union-attr]
+    assert {f"layer{i}.{j}" for i in range(1, 5) for j in range(2)} <= set(blocks)
+    later = _steps(name, kwargs, policy, steps=2)[-1][3]
+    assert later.regions == len(blocks)
+    assert later.recomputed_ops == 3  # the loss's chain, back to the classifier's kept input
+    assert later.packs == 4 and later.hooked_calls == 2  # <loss>, and fc's call for the recorder
+    assert later.recorded_ops == 6  # fc's ops and the loss's: not the whole forward
+    keep = _steps(name, kwargs, Policy.uniform(w, Action.KEEP, hardware="cpu"), steps=2)[-1][3]
+    assert (keep.packs, keep.hooked_calls, keep.regions) == (0, 0, 0)
+
+
+def test_a_step_that_differs_from_the_first_keeps_its_tensors_and_learns_again() -> None:
+    """The last, smaller batch of an epoch: the tables of the first step do not match its shapes; its
+    tensors are kept (gradients still right), one warning says so, and the next step learns again."""
+    name, kwargs = RESNET
+    w = capture(_build(name, kwargs), name=name, batch_size=2)
+    policy = Policy.uniform(w, Action.SWAP, hardware="cpu")
+    model, batch, loss_fn = _build(name, kwargs)()
+    rt = PolicyRuntime(policy, model)
+    small = tuple(t[:1] for t in batch)
+    plain, _, _ = _build(name, kwargs)()
+    for b in (batch, batch):
+        with rt.step():
+            loss_fn(model, b).backward()
+        model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match="differ from the first step"), rt.step() as stats:
+        loss_fn(model, small).backward()
+    loss_fn(plain, small).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+    assert stats.swapped_bytes < sum(c.nbytes for c in w.candidates)
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with rt.step() as again:  # a first step again, for the small batch
+            loss_fn(model, small).backward()
+    assert again.packs > stats.packs
+
+
+def test_regions_that_no_longer_match_the_actions_are_replayed_instead() -> None:
+    """A hand-edited policy keeps a tensor its schedule's region recomputes: the region is dropped with a
+    warning, its other tensors are replayed (R6), and the gradients are still plain training's."""
+    name, kwargs = RESNET
+    w = capture(_build(name, kwargs), name=name, batch_size=2)
+    policy = Policy.from_vector(w, uniform_actions(w, Action.RECOMPUTE), hardware="cpu")
+    region = policy.schedule.regions[3]  # type: ignore[union-attr]
+    policy.actions[region.keys[0]] = Action.KEEP
+    _, ref, _ = _step(name, kwargs, None)
+    with pytest.warns(UserWarning, match=f"region {region.module}#0"):
+        rt = PolicyRuntime(policy, _build(name, kwargs)()[0])
+    assert (region.module, 0) not in rt.regions and len(rt.regions) == len(policy.schedule.regions) - 1  # type: ignore[union-attr]
+    with pytest.warns(UserWarning, match=f"region {region.module}#0"):
+        _, got, _ = _step(name, kwargs, policy)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))

@@ -48,8 +48,11 @@ def test_contract(name: str) -> None:
 @pytest.mark.parametrize("name", list_searchers(exact=False))
 def test_heuristics_stop_once_the_budget_holds(name: str) -> None:
     """With a budget above the no-policy peak, a budget-aware heuristic changes nothing."""
-    r = get_searcher(name).search(problem(1.05))
-    assert r.feasible and r.result.samples_per_s == pytest.approx(_W.batch_size / r.result.compute_s)
+    p = problem(1.05)
+    r = get_searcher(name).search(p)
+    keep_all = p.evaluate(np.zeros(len(_W.candidates), dtype=np.int8), p.options)
+    assert r.feasible and r.result.samples_per_s == pytest.approx(keep_all.samples_per_s)
+    assert keep_all.iter_s == pytest.approx(keep_all.compute_s + _HW.host.op_s)  # the first op waits for its issue
 
 
 def test_unknown_searcher_did_you_mean() -> None:

@@ -9,10 +9,11 @@ import pytest
 from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, Simulator, simulate, uniform_actions
 from envs.simulator_reference import simulate_reference
 from runtime.hardware import get_profile
+from runtime.plan import regions_for
 from runtime.policy import Action, Policy, PolicyOptions
 from runtime.trace import capture
 from runtime.workload import OpInfo, Phase, Workload, peak_report
-from tests.synthetic import chain_workload, diamond_workload, fixed_profile
+from tests.synthetic import chain_workload, diamond_workload, fixed_profile, framed_chain_workload
 from tests.test_trace import mlp_build, tiny_cnn_build
 
 S = 1000  # bytes per tensor
@@ -42,37 +43,132 @@ def test_chain_sqrt_checkpointing() -> None:
     assert r.iter_s == pytest.approx(44 * TAU)
 
 
-def _swap_first(n: int, transfer_s: float, lookahead: int) -> tuple[Simulator, np.ndarray, PolicyOptions]:
+def _swap_first(n: int, transfer_s: float) -> tuple[Simulator, np.ndarray]:
     w = chain_workload(n, S, TAU)
     acts = np.zeros(n, dtype=np.int8)
     acts[0] = SWAP
     bps = S / transfer_s
-    return Simulator(w, fixed_profile(bps, bps)), acts, PolicyOptions(prefetch_lookahead=lookahead)
+    return Simulator(w, fixed_profile(bps, bps)), acts
 
 
 def test_swap_hidden_under_compute() -> None:
     """c_0 of a 4-layer chain, transfers of one op time, look-ahead 2: unpack points are ops 4..7, so
     the copy back is issued before op 5 (5 ms), arrives at 6 ms, before its use at op 7 (7 ms)."""
-    sim, acts, opts = _swap_first(4, TAU, 2)
-    r = sim.run(acts, options=opts, timeline=True)
+    sim, acts = _swap_first(4, TAU)
+    r = sim.run(acts, options=PolicyOptions(prefetch_lookahead=2, release_after=1), timeline=True)
     assert r.stall_s == 0.0
     assert r.iter_s == pytest.approx(8 * TAU)
     assert r.d2h_bytes == r.h2d_bytes == S
-    # Rule 4: the copy out ends at 2 ms = op 2's start, so c_0 leaves the device after op 1 as if dropped;
-    # Rule 5: the copy back is allocated at op 5. Op 2 holds x, c_1, c_2 only.
+    # Rule 4: the copy out runs 1-2 ms; the next pack point, c_1's pack after op 1 (2 ms), is its release
+    # point and finds it done: c_0 leaves the device after op 1, as if dropped. Rule 5: the copy back is
+    # allocated at op 5. Op 2 holds x, c_1, c_2 only.
     assert r.timeline is not None and r.timeline["live_bytes"][2] == 3 * S
 
 
 def test_swap_that_cannot_hide() -> None:
     """Same with transfers of three op times: the copy back runs 5-8 ms, the use is at 7 ms: 1 ms of stall,
-    the transfer time not covered by compute. The copy out (1-4 ms) keeps c_0 on the device to op 3."""
-    sim, acts, opts = _swap_first(4, 3 * TAU, 2)
-    r = sim.run(acts, options=opts, timeline=True)
+    the transfer time not covered by compute. Released three pack points later (c_3's, after op 3 at 4 ms,
+    when the copy out of 1-4 ms has just ended), c_0 stays on the device to op 3 without a wait."""
+    sim, acts = _swap_first(4, 3 * TAU)
+    r = sim.run(acts, options=PolicyOptions(prefetch_lookahead=2, release_after=3), timeline=True)
     assert r.stall_s == pytest.approx(TAU)
     assert r.iter_s == pytest.approx(9 * TAU)
     assert r.timeline is not None and r.timeline["live_bytes"][3] == 5 * S  # x, c_0..c_3
-    on_demand = sim.run(acts, options=PolicyOptions(prefetch_lookahead=0))
+    on_demand = sim.run(acts, options=PolicyOptions(prefetch_lookahead=0, release_after=3))
     assert on_demand.stall_s == pytest.approx(3 * TAU)  # issued at its use: the whole transfer
+
+
+def test_an_early_release_point_waits_for_the_copy() -> None:
+    """Rule 4 with release_after 1 and the copy out of 1-4 ms: at c_1's pack (after op 1, 2 ms) the compute
+    stream waits 2 ms for it, then c_0 is gone from op 2 on (x, c_1, c_2 there). Everything after moves by
+    2 ms: the copy back, issued before op 5 (7 ms), arrives at 10 ms, 1 ms after op 7 could start (9 ms)."""
+    sim, acts = _swap_first(4, 3 * TAU)
+    opts = PolicyOptions(prefetch_lookahead=2, release_after=1)
+    r = sim.run(acts, options=opts, timeline=True)
+    assert r.stall_s == pytest.approx(3 * TAU)
+    assert r.iter_s == pytest.approx(11 * TAU)
+    assert r.timeline is not None and r.timeline["live_bytes"][2] == 3 * S
+    assert r.timeline["op_start_s"][2] == pytest.approx(4 * TAU)
+    _assert_same(r, simulate_reference(sim.w, sim.hw, acts, options=opts))
+
+
+def test_without_enough_pack_points_the_bytes_go_at_the_first_handled_use() -> None:
+    """Rule 4 with release_after 4 and only three pack points after c_0's: it is let go just before its own
+    first backward use (op 7), where the copy out has long ended: no wait, and c_0 is on the device to op 6."""
+    sim, acts = _swap_first(4, 3 * TAU)
+    opts = PolicyOptions(prefetch_lookahead=2, release_after=4)
+    r = sim.run(acts, options=opts, timeline=True)
+    assert r.stall_s == pytest.approx(TAU)  # the copy back only, as above
+    assert r.timeline is not None and r.timeline["live_bytes"][2] == 4 * S  # x, c_0, c_1, c_2
+    _assert_same(r, simulate_reference(sim.w, sim.hw, acts, options=opts))
+
+
+def test_a_host_bound_chain_runs_at_the_hosts_pace() -> None:
+    """Rule 1 with the host slower than the device: each op costs the host 2 ms to issue and the device 1 ms,
+    so the 32 ops of the 16-layer chain start as the host issues them: the last at 64 ms, done at 65 ms."""
+    w = chain_workload(16, S, TAU)
+    keep = np.zeros(16, dtype=np.int8)
+    hw = fixed_profile(op_s=2 * TAU)
+    r = simulate(w, hw, keep, timeline=True)
+    assert r.iter_s == pytest.approx(65 * TAU)
+    assert r.host_s == pytest.approx(64 * TAU) and r.overhead_s == 0.0
+    assert r.timeline is not None and r.timeline["op_start_s"][:3] == pytest.approx([2 * TAU, 4 * TAU, 6 * TAU])
+    _assert_same(r, simulate_reference(w, hw, keep))
+    # Device-bound (issuing takes half an op): only the first op waits for its issue.
+    fast_host = simulate(w, fixed_profile(op_s=TAU / 2), keep)
+    assert fast_host.iter_s == pytest.approx(TAU / 2 + 32 * TAU)
+
+
+def test_the_runtimes_host_costs_show_where_the_host_is_behind() -> None:
+    """Rule 12 on sqrt(n) checkpointing of the 16-layer chain (12 replayed ops, in chains of 3 at ops 17, 21,
+    25, 29): hooks cost 0.25 ms per pack and per unpack (16 packs), the recorder 0.5 ms per forward op, a
+    replayed op 1 ms beyond its issue (free). Host time: 8 + 4 + 4 + 12 = 28 ms, all of it overhead.
+    Forward: op i is issued at 0.5 + 0.75 i ms, so op 0 waits 0.5 ms and the rest is device-bound (done at
+    16.5 ms). Backward: at op 17 the host (12.25 ms) issues the 3 replays by 15.25 ms while the device, at
+    17.5, runs them to 20.5: the device stays ahead of the host, and the iteration is 44 ms + 0.5 ms."""
+    w = chain_workload(16, S, TAU)
+    acts = np.full(16, RECOMPUTE, dtype=np.int8)
+    acts[[3, 7, 11, 15]] = KEEP
+    hw = fixed_profile(pack_s=TAU / 4, unpack_s=TAU / 4, record_op_s=TAU / 2, replay_op_s=TAU)
+    r = simulate(w, hw, acts)
+    assert r.overhead_s == pytest.approx(8 * TAU + 4 * TAU + 4 * TAU + 12 * TAU)
+    assert r.host_s == pytest.approx(r.overhead_s)  # issuing costs nothing here
+    assert r.recompute_s == pytest.approx(12 * TAU)
+    assert r.iter_s == pytest.approx(44.5 * TAU)
+    _assert_same(r, simulate_reference(w, hw, acts))
+    # At 4 ms per replayed op the host falls behind: at op 17 it issues the replays at 16.25, 20.25 and
+    # 24.25 ms, the device runs each when issued... and so on at ops 21, 25, 29: done at 67.25 ms.
+    slow = fixed_profile(pack_s=TAU / 4, unpack_s=TAU / 4, record_op_s=TAU / 2, replay_op_s=4 * TAU)
+    behind = simulate(w, slow, acts)
+    assert behind.iter_s == pytest.approx(67.25 * TAU)
+    _assert_same(behind, simulate_reference(w, slow, acts))
+
+
+def test_a_region_recomputes_its_block_at_its_first_backward_op() -> None:
+    """Rule 11 on a 4-layer chain in two blocks of two (tests/synthetic.py): recomputing c_0 and c_1 makes
+    block b0 a region (runtime/plan.py: both packed inside it only, and c_2 kept). Backward reaches b0 at op
+    6 (layer 1's backward): the device re-runs ops 0-1 there (2 ms) and c_0, c_1 are back from op 6 on. With
+    a region costing the host 10 ms in forward and again in backward, the host is behind at op 0 (issued at
+    10 ms) and at op 6 (issued at 20 ms, the device free at 16 ms): 2 ms of recompute, done at 24 ms."""
+    w = framed_chain_workload(4, S, TAU, block=2)
+    acts = np.array([RECOMPUTE, RECOMPUTE, KEEP, KEEP], dtype=np.int8)
+    hw = fixed_profile(region_s=10 * TAU)
+    r = simulate(w, hw, acts, timeline=True)
+    assert r.regions == 1 and r.recompute_s == pytest.approx(2 * TAU)
+    assert r.iter_s == pytest.approx(24 * TAU)
+    assert r.overhead_s == pytest.approx(20 * TAU) and r.host_s == pytest.approx(20 * TAU)
+    # Memory: c_0 and c_1 dropped after their forward use; op 6 holds x, c_0, c_1 (regenerated), c_2
+    # (released after op 5 as traced), g_1 and g_2 (its input gradient)... as replaying them would.
+    replay = simulate(w, fixed_profile(), acts, timeline=True)
+    assert r.timeline is not None and replay.timeline is not None
+    assert r.timeline["live_bytes"] == replay.timeline["live_bytes"]
+    assert r.peak_bytes == replay.peak_bytes
+    _assert_same(r, simulate_reference(w, hw, acts))
+    # Keeping c_1 disqualifies b0 (P2), but not layer 0's own call, which makes c_0 and packs it alone.
+    mixed = [RECOMPUTE, KEEP, KEEP, KEEP]
+    assert [r.module for r in regions_for(w, np.array(mixed))] == ["b0.l0"]
+    one = simulate(w, hw, np.array(mixed, dtype=np.int8))
+    assert one.regions == 1 and one.recompute_s == pytest.approx(TAU)
 
 
 def test_diamond_skip_connection() -> None:
@@ -113,7 +209,8 @@ def test_keep_all_equals_trace_peak(profile: str) -> None:
         w = capture(build, name="w", batch_size=2)
         r = simulate(w, hw, np.zeros(len(w.candidates), dtype=np.int8))
         assert r.peak_bytes == peak_report(w, hw.alloc_granularity_bytes).peak_bytes
-        assert r.iter_s == pytest.approx(r.compute_s)
+        # Issuing costs the host no more than an op's launch: only the first op waits for it (Rule 1).
+        assert r.iter_s == pytest.approx(r.compute_s + hw.host.op_s)
 
 
 def test_policy_object_and_vector_agree() -> None:
@@ -145,11 +242,13 @@ def _random_policies(k: int, count: int, seed: int) -> list[tuple[np.ndarray, Po
 
 
 def _assert_same(fast, ref) -> None:  # type: ignore[no-untyped-def]
-    for name in ("peak_bytes", "peak_op", "d2h_bytes", "h2d_bytes"):
+    for name in ("peak_bytes", "peak_op", "d2h_bytes", "h2d_bytes", "regions"):
         assert getattr(fast, name) == getattr(ref, name), name
-    for name in ("iter_s", "recompute_s", "compress_s", "stall_s"):
+    for name in ("iter_s", "recompute_s", "compress_s", "stall_s", "host_s", "overhead_s"):
         assert getattr(fast, name) == pytest.approx(getattr(ref, name), rel=1e-9, abs=1e-15), name
-    assert fast.timeline["live_bytes"] == ref.timeline["live_bytes"]
+    if fast.timeline is not None:  # the reference always has one
+        assert fast.timeline["live_bytes"] == ref.timeline["live_bytes"]
+        assert fast.timeline["op_start_s"] == pytest.approx(ref.timeline["op_start_s"], rel=1e-9, abs=1e-15)
 
 
 @pytest.mark.parametrize("profile", ["a100-40gb", "t4", "cpu"])
