@@ -74,7 +74,8 @@ Rule 12 (host costs). h_i is 0 on a profile without copy engines (op times are w
     and ``host.op_s`` otherwise. The runtime's own work costs the host (``HardwareProfile.host``): each
     observed pack (Rule 13) ``pack_s`` after its op and ``unpack_s`` at its tensor's first backward use (for
     packs of non-candidates: the first backward op of their module); each call of a module with a hooked
-    or recorded call ``frame_s`` at its first op (``<loss>``: one); each copy out or back ``swap_s``; each
+    or recorded call ``frame_s`` at its first op (``<loss>``: one); each copy out (on every profile) or
+    back ``swap_s``; each
     region ``region_s`` plus ``region_pack_s`` per pack inside it, at its first op and again with its
     recompute, whose ops also cost their h_i; each op the recorder runs under ``record_op_s`` (the forward
     ops of the module calls whose ops a replay re-runs, the calls they ran in included; outside the model:
@@ -542,10 +543,8 @@ class Simulator:
         swp = swp[np.lexsort((swp, self.save_op[swp]))]
         if sync:  # Rule 1: the copy on the one clock, done when it resumes
             dxa.add(self.save_op[swp] + 1, self.d2h_s[swp])
-        else:
-            hxa.add(self.save_op[swp] + 1, hc.swap_s)
-        if not sync:
-            overhead_s += len(swp) * hc.swap_s
+        hxa.add(self.save_op[swp] + 1, hc.swap_s)  # Rule 12: the copy out's own host work, everywhere
+        overhead_s += len(swp) * hc.swap_s
         release_op = np.full(k, -1, dtype=np.int64)  # the op after which the device bytes go
         release_event = np.full(k, n, dtype=np.int64)  # the event position (op before which it happens)
         if not sync and len(swp):

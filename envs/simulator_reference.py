@@ -187,10 +187,9 @@ def simulate_reference(
             device_at[c.save_op + 1] += pack_s[ci]
             host_at[c.save_op + 1] += h_kernel
         if act[ci] == SWAP:
-            if gpu:
-                host_at[c.save_op + 1] += hc.swap_s
-                overhead += hc.swap_s
-            else:
+            host_at[c.save_op + 1] += hc.swap_s
+            overhead += hc.swap_s
+            if not gpu:
                 device_at[c.save_op + 1] += c.nbytes / hw.d2h_bytes_per_s
     stats = {"recompute": 0.0, "compress": sum(pack_s[ci] for ci in range(len(cands)) if act[ci] == COMPRESS)}
     stats["stall"] = 0.0 if gpu else sum(c.nbytes / hw.d2h_bytes_per_s for ci, c in enumerate(cands) if act[ci] == SWAP)

@@ -1,95 +1,118 @@
 """The CUDA checks, as one prepared script for a GPU machine (nothing here runs without CUDA).
 
-    python experiments/gpu_check.py [--quick]
+    python experiments/gpu_check.py [--out DIR] [--quick] [--budget-s 450]
 
-For resnet50 at batch 64 and GPT-2 small at batch 8 x 1024 tokens, on the local GPU: the runtime's overhead
-(all-keep with hooks against plain PyTorch), the recompute policy against torch.utils.checkpoint per block,
-and predicted against measured peak (CUDA allocator) and time for keep, swap-all (pinned host buffers,
-side streams, prefetch), recompute and two mixed policies, each printed as one table by
-experiments/bench_runtime.py. Also prints the fake-mode trace's no-policy peak against the allocator's,
-the number the README asks to calibrate. --quick: resnet18 at batch 8 only.
+In order, each step bounded in time, the whole run meant to fit in 8 minutes on an H200:
+
+1. tests/test_cuda.py: bit-identical gradients for every policy kind, later steps included; pinned
+   buffers; the allocator's peak against the simulator. A failure makes the script exit non-zero.
+2. The runtime's host costs on this GPU's host (runtime/host_costs.py), for the built-in GPU profiles.
+3. experiments/bench_runtime.py --device cuda for ResNet-50 at batch 64 and GPT-2 small at 8 x 1024:
+   hooks against plain PyTorch, per-block recompute against torch.utils.checkpoint, predicted against
+   measured peak and time for six policies on the detected profile (a real-mode CUDA trace).
+4. End to end, as a user runs it: ``autotune search --gpu <detected>`` (a fake trace on this machine's CPU,
+   30 s of search) then ``autotune train --device cuda`` under that policy: predicted against measured
+   samples/s and peak, and the measured peak against the budget.
+5. The fake-mode trace's no-policy peak against the allocator's (what GPU-faithful traces must close).
+
+Figures go to stdout and, as JSON fixtures, to ``--out`` (default ``$OUT``, else ``gpu-check/``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import json
+import os
 import subprocess
 import sys
+import time
 import traceback
+from pathlib import Path
+from typing import Any
 
 import torch
 
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--models", default="resnet50,gpt2", help="which of resnet50 and gpt2 to run")
-    ap.add_argument("--case-timeout", type=float, default=200.0, help="seconds per model before moving on")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("gpu_check: no CUDA device here; run it on a GPU machine")
-    print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
-    print(f"pinned host memory works: {torch.empty(8, pin_memory=True).is_pinned()}", flush=True)
-    _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"], args.case_timeout)
-    cases = [("resnet18", "8", None)] if args.quick else [("resnet50", "64", None), ("gpt2", "8", "1024")]
-    cases = [c for c in cases if args.quick or c[0] in args.models.split(",")]
-    for model, batch, seq in cases:
-        cmd = [sys.executable, "experiments/bench_runtime.py", "--device", "cuda", "--model", model]
-        cmd += ["--batch-size", batch, "--rounds", "5"] + (["--seq-len", seq] if seq else [])
-        _run(cmd, args.case_timeout)
-        for extra in (_fake_vs_allocator, _profile_steps):
-            try:
-                extra(model, int(batch), int(seq) if seq else None)
-            except Exception:  # report and go on
-                print(traceback.format_exc(), flush=True)
+ROOT = Path(__file__).resolve().parents[1]
+E2E = [  # model, batch, seq_len, budget
+    ("resnet50", 64, None, "3GB"),
+    ("gpt2", 8, 1024, "8GB"),
+]
 
 
-def _profile_steps(model: str, batch: int, seq: int | None) -> None:
-    """Where the host's time goes in one step of plain PyTorch, the runtime's hooks and the recompute
-    policy (cProfile, top functions by own time): a GPU step whose kernels are fast is bound by this."""
-    import cProfile
-    import pstats
+class Clock:
+    def __init__(self, budget_s: float) -> None:
+        self.start, self.budget_s = time.perf_counter(), budget_s
 
-    from autotune.models import build_model
-    from autotune.workloads import TraceRequest, trace_model
-    from envs.simulator import uniform_actions
-    from runtime.apply import PolicyRuntime
-    from runtime.policy import Action, Policy
-
-    w, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq))
-    for label, action in (("plain", None), ("hooks (all kept)", Action.KEEP), ("recompute", Action.RECOMPUTE)):
-        entry = build_model(model, batch_size=batch, seq_len=seq, device="cuda")
-        rt = (
-            None
-            if action is None
-            else PolicyRuntime(Policy.from_vector(w, uniform_actions(w, action), hardware="h200"), entry.module)
-        )
-
-        def step(entry=entry, rt=rt) -> None:  # type: ignore[no-untyped-def]
-            ctx = contextlib.nullcontext() if rt is None else rt.step(force_hooks=True)
-            with ctx:
-                entry.loss_fn(entry.module, entry.batch).backward()
-            torch.cuda.synchronize()
-
-        step()
-        prof = cProfile.Profile()
-        prof.enable()
-        step()
-        prof.disable()
-        print(f"\n--- {model}: {label}, one step under cProfile", flush=True)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.start)
 
 
-def _run(cmd: list[str], timeout: float) -> None:
-    print(f"\n$ {' '.join(cmd[1:])}", flush=True)
+def run(cmd: list[str], timeout: float, out: Path | None = None) -> subprocess.CompletedProcess[str] | None:
+    print(f"\n$ {' '.join(cmd)}", flush=True)
     try:
-        subprocess.run(cmd, check=False, timeout=timeout)
-    except subprocess.TimeoutExpired:
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=max(5.0, timeout), capture_output=True, text=True)
+    except subprocess.TimeoutExpired as e:
+        print((e.stdout or b"").decode() if isinstance(e.stdout, bytes) else e.stdout or "", flush=True)
         print(f"(stopped after {timeout:.0f} s)", flush=True)
+        return None
+    print(proc.stdout[-6000:], flush=True)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], flush=True)
+    if out is not None:
+        out.write_text(proc.stdout)
+    return proc
 
 
-def _fake_vs_allocator(model: str, batch: int, seq: int | None) -> None:
+def host_costs(out: Path) -> None:
+    from runtime.host_costs import calibrate
+
+    costs = calibrate("cuda", 4.0)
+    print("\nhost costs on this GPU's host:", costs, flush=True)
+    (out / "host_costs.json").write_text(json.dumps(costs.__dict__, indent=2))
+
+
+def end_to_end(model: str, batch: int, seq: int | None, budget: str, out: Path, clock: Clock) -> dict[str, Any]:
+    from runtime.hardware import detect
+
+    profile = detect().profile
+    if profile is None:
+        return {"error": "no built-in profile for this GPU"}
+    policy = out / f"{model}-b{batch}.{profile.name}.policy.json"
+    search = [sys.executable, "-m", "autotune.cli", "search", "--model", model, "--batch-size", str(batch),
+              "--budget", budget, "--gpu", profile.name, "--timeout", "30", "--out", str(policy), "--json",
+              "--storage", f"sqlite:///{Path(os.environ.get('TMPDIR', '/tmp')) / 'gpu-check-e2e.db'}"]  # fmt: skip
+    if seq:
+        search += ["--seq-len", str(seq)]
+    found = run(search, min(120.0, clock.left()))
+    if found is None or found.returncode != 0 or not policy.exists():
+        return {"error": "search failed"}
+    plan = json.loads(found.stdout)
+    train = [sys.executable, "-m", "autotune.cli", "train", "--policy", str(policy), "--device", "cuda",
+             "--steps", "6", "--json"]  # fmt: skip
+    trained = run(train, min(180.0, clock.left()))
+    if trained is None or trained.returncode != 0:
+        return {"error": "train failed", "planned": plan}
+    got = json.loads(trained.stdout)
+    row = {
+        "model": model, "batch": batch, "seq_len": seq, "budget_bytes": plan.get("budget_bytes"),
+        "planned_peak_bytes": plan.get("peak_bytes"), "planned_samples_per_s": plan.get("samples_per_s"),
+        "measured": got.get("measured"), "predicted": got.get("predicted"), "error": got.get("error"),
+        "out_of_memory": got.get("out_of_memory"),
+    }  # fmt: skip
+    measured = got.get("measured") or {}
+    if measured and plan.get("samples_per_s"):
+        ratio = measured["samples_per_s"] / plan["samples_per_s"]
+        fits = measured["peak_bytes"] <= (plan.get("budget_bytes") or float("inf"))
+        print(
+            f"   {model}: planned {plan['samples_per_s']:.1f} samples/s at {plan['peak_bytes'] / 2**30:.3f} GiB; "
+            f"trained {measured['samples_per_s']:.1f} ({ratio:.2f}x, target >= 0.90) at "
+            f"{measured['peak_bytes'] / 2**30:.3f} GiB ({'within' if fits else 'over'} the budget)",
+            flush=True,
+        )
+    return row
+
+
+def fake_vs_allocator(model: str, batch: int, seq: int | None) -> dict[str, Any]:
     from autotune.models import build_model
     from autotune.workloads import TraceRequest, trace_model
     from runtime.hardware import detect
@@ -104,12 +127,73 @@ def _fake_vs_allocator(model: str, batch: int, seq: int | None) -> None:
     entry = build_model(model, batch_size=batch, seq_len=seq, device="cuda")
     opt = make_optimizer("sgd", entry.module.parameters())
     measured = run_iterations(entry.module, entry.batch, entry.loss_fn, opt, steps=2, batch_size=batch)[-1]
-    for name, w in (("fake (CPU kernels)", fake), ("real (CUDA)", real)):
+    row: dict[str, Any] = {"model": model, "batch": batch, "seq_len": seq, "allocator_peak_bytes": measured.peak_bytes}
+    for name, w in (("fake", fake), ("real", real)):
         p = peak_report(w, g).peak_bytes
+        row[f"{name}_peak_bytes"] = p
+        row[f"{name}_saved_keys"] = sorted(c.key for c in w.candidates)
         print(
             f"   no-policy peak, {name} trace: {p / 2**30:.3f} GiB; allocator {measured.peak_bytes / 2**30:.3f} GiB "
-            f"({(p - measured.peak_bytes) / measured.peak_bytes:+.1%})"
+            f"({(p - measured.peak_bytes) / measured.peak_bytes:+.1%})",
+            flush=True,
         )
+    row["real_plain_host_s"] = real.meta.get("plain_host_s")
+    row["real_plain_iter_s"] = real.meta.get("plain_iter_s")
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-check")
+    ap.add_argument("--quick", action="store_true", help="the CUDA tests and the host costs only")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="stop starting new steps after this")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("gpu_check: no CUDA device here; run it on a GPU machine")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    clock = Clock(args.budget_s)
+    print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    failures: list[str] = []
+
+    tests = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"], 150.0)
+    if tests is None or tests.returncode != 0:
+        failures.append("tests/test_cuda.py")
+    for step in (lambda: host_costs(out),):
+        try:
+            step()
+        except Exception:
+            print(traceback.format_exc(), flush=True)
+            failures.append("host costs")
+    if not args.quick:
+        for model in ("resnet50", "gpt2"):
+            if clock.left() < 60:
+                print(f"(no time left for bench_runtime {model})", flush=True)
+                continue
+            cmd = [sys.executable, "experiments/bench_runtime.py", "--device", "cuda", "--models", model,
+                   "--rounds", "5", "--json", str(out / f"bench_runtime_{model}.json")]  # fmt: skip
+            run(cmd, min(120.0, clock.left()))
+        rows = []
+        for model, batch, seq, budget in E2E:
+            if clock.left() < 90:
+                print(f"(no time left for the end-to-end run of {model})", flush=True)
+                continue
+            try:
+                rows.append(end_to_end(model, batch, seq, budget, out, clock))
+            except Exception:
+                print(traceback.format_exc(), flush=True)
+        (out / "end_to_end.json").write_text(json.dumps(rows, indent=2))
+        traces = []
+        for model, batch, seq, _ in E2E:
+            if clock.left() < 45:
+                break
+            try:
+                traces.append(fake_vs_allocator(model, batch, seq))
+            except Exception:
+                print(traceback.format_exc(), flush=True)
+        (out / "traces.json").write_text(json.dumps(traces, indent=2))
+    print(f"\ngpu_check: {time.perf_counter() - clock.start:.0f} s; failures: {failures or 'none'}", flush=True)
+    sys.exit(1 if failures else 0)
 
 
 if __name__ == "__main__":

@@ -54,9 +54,10 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         policy's schedule lists as a region runs under ``torch.utils.checkpoint`` (non-reentrant, the RNG
         state preserved only where the call draws random numbers, no determinism check): no Python per op.
         The runtime's own hooks are suspended during the call, so the checkpoint's saved inputs are kept
-        (they are, by P4). BatchNorm's running statistics inside it are copied when the recompute starts
-        and put back when it ends, so they are updated once, as in plain training. In a first step the
-        keyer names the call's inputs and outputs that the trace first saw packed inside it.
+        (they are, by P4). During the recompute BatchNorm runs with momentum 0, which rewrites its running
+        statistics with their own values, exactly, and its step count is taken back in place: they are
+        updated once, as in plain training, and nothing is allocated. In a first step the keyer names the
+        call's inputs and outputs that the trace first saw packed inside it.
     R11. Scope. The first step runs as R1 says, with hooks on every pack, the keyer's module hooks and,
         when anything is replayed, the recorder over the whole forward; it learns each pack's module call
         (frame) and key. From the second step on, saved-tensor hooks are entered only in the module calls
@@ -237,6 +238,9 @@ class PolicyRuntime:
         self._recorder: Recorder | None = None
         self._suspended = 0
         self._keying = False  # a first step is running (R11)
+        self._wrappers: list[tuple[torch.nn.Module, Callable[..., Any]]] | None = None  # R10, made at first use
+        self._on_backward: Callable[[], None] | None = None  # later steps: at the first unpack (R11)
+        self._region_calls: dict[str, int] = {}
         self.stats = RuntimeStats()
 
     def _usable_regions(self, regions: list[Region]) -> dict[Frame, Region]:
@@ -322,39 +326,52 @@ class PolicyRuntime:
 
     @contextlib.contextmanager
     def _regions_installed(self) -> Iterator[None]:
-        """For this step, the forward of each region's module goes through :meth:`_region_forward`."""
-        calls: dict[str, int] = {}
+        """For this step, the forward of each region's module goes through :meth:`_region_forward` (the
+        wrappers are made once; installing one is a dict entry, not ``nn.Module.__setattr__``)."""
+        if self._wrappers is None:
+            self._wrappers = []
+            for path in sorted({path for path, _ in self.regions}):
+                mod = self._module(path)
+                self._wrappers.append((mod, self._region_forward(mod, path, mod.forward)))
+        self._region_calls.clear()
         installed: list[tuple[torch.nn.Module, Any]] = []
-        for path in sorted({path for path, _ in self.regions}):
-            mod = self._module(path)
-            own = mod.__dict__.get("forward")  # an instance attribute already there is put back after
-            mod.forward = self._region_forward(mod, path, mod.forward, calls)  # type: ignore[method-assign]
-            installed.append((mod, own))
+        for mod, wrapper in self._wrappers:
+            installed.append((mod, mod.__dict__.get("forward")))  # an instance attribute already there stays
+            mod.__dict__["forward"] = wrapper
         try:
             yield
         finally:
             for mod, own in installed:
                 if own is None:
-                    del mod.forward
+                    del mod.__dict__["forward"]
                 else:
-                    mod.forward = own  # type: ignore[method-assign]
+                    mod.__dict__["forward"] = own
 
-    def _region_forward(
-        self, mod: torch.nn.Module, path: str, forward: Callable[..., Any], calls: dict[str, int]
-    ) -> Callable[..., Any]:
-        norm = [m for m in mod.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-        buffers = [b for m in norm for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+    def _region_forward(self, mod: torch.nn.Module, path: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        norm = [
+            m.__dict__
+            for m in mod.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.training
+        ]
+        calls = self._region_calls
 
         def recomputable(*args: Any, **kwargs: Any) -> Any:
-            if not buffers or torch._C._current_graph_task_id() == -1:
+            if not norm or torch._C._current_graph_task_id() == -1:
                 return forward(*args, **kwargs)  # the forward itself
-            saved = [b.clone() for b in buffers]  # the recompute, in backward: BatchNorm's statistics stay
+            # The recompute, in backward: with momentum 0 BatchNorm rewrites its running statistics with
+            # their own values (x (1 - 0) + 0 m = x, exactly), and its step count is taken back in place.
+            # Nothing is allocated, so the recompute holds no more memory than checkpoint's own.
+            momenta = [m["momentum"] for m in norm]
+            for m in norm:
+                m["momentum"] = 0.0
             try:
                 return forward(*args, **kwargs)
             finally:
-                with torch.no_grad():
-                    for b, s in zip(buffers, saved, strict=True):
-                        b.copy_(s)
+                for m, momentum in zip(norm, momenta, strict=True):
+                    m["momentum"] = momentum
+                    count = m["_buffers"].get("num_batches_tracked")
+                    if count is not None:
+                        count.sub_(1)  # a buffer: no autograd
 
         def region_forward(*args: Any, **kwargs: Any) -> Any:
             call = calls.get(path, 0)
@@ -542,6 +559,17 @@ class PolicyRuntime:
             if not outside:
                 outside.append(enter(_LOSS))
 
+        def backward_started() -> None:
+            """Off the dispatch-mode stack with the recorder ``<loss>`` entered, so that backward's ops and
+            the regions' recomputes do not pass through it (when nothing was entered above it since)."""
+            for i, token in enumerate(outside):
+                if token & 2 and rec is not None and rec.depth == 1 and _get_current_dispatch_mode() is rec:
+                    rec.depth = 0
+                    rec.__exit__(None, None, None)
+                    outside[i] = token & ~2
+
+        self._on_backward = backward_started
+
         handles: list[torch.utils.hooks.RemovableHandle] = []
         try:
             for path in learned.modules:
@@ -562,6 +590,7 @@ class PolicyRuntime:
                 leave(tokens.pop())
             while outside:
                 leave(outside.pop())
+            self._on_backward = None
             self._end_step()
             if self._mismatch is not None:
                 self._learned = None  # learn again next step
@@ -676,7 +705,10 @@ class PolicyRuntime:
         rec = self._recorder
         if rec is None:
             return self._unpack_now(p)
-        rec.recording = False  # backward has started (R6)
+        if rec.recording:  # backward has started (R6): the recorder records nothing more
+            rec.recording = False
+            if self._on_backward is not None:
+                self._on_backward()
         with self._without_recorder():  # as in pack; replays record nothing either
             return self._unpack_now(p)
 

@@ -601,10 +601,10 @@ def _calibrate_cpu(seconds: float) -> HardwareProfile:
 
 
 def _cpu_host_costs(seconds: float) -> HostCosts:
-    """The runtime's host costs on this CPU (runtime/host_costs.py), in about twice ``seconds``."""
+    """The runtime's host costs on this CPU (runtime/host_costs.py), in about four times ``seconds``."""
     from runtime.host_costs import calibrate  # the runtime itself: imported here, not at the top
 
-    return calibrate("cpu", 2 * seconds)
+    return calibrate("cpu", 4 * seconds)
 
 
 # --- op times for a workload ---------------------------------------------------------------------------
@@ -641,8 +641,8 @@ def op_times_s(w: Workload, profile: HardwareProfile) -> list[float]:
         Ops timed one by one under the tracer's dispatch mode add up to more than an iteration really takes
         (on resnet18 at batch 8 on the CPU, 776 ms against 581 ms: the recorder's work between ops costs
         caches, and each op is timed in isolation). The real-mode trace also times one plain iteration
-        (``meta["plain_iter_s"]``), and the measured op times are scaled so that they add up to it: the
-        split between ops is measured, the total is what training sees.
+        (``meta["plain_iter_s"]``, the fastest of three), and the measured op times are scaled so that they
+        add up to it: the split between ops is measured, the total is what training sees.
     """
     if w.mode == "real" and w.meta.get("device_profile") == profile.name:
         measured = [op.time_s for op in w.ops]

@@ -10,14 +10,18 @@ into the ``cpu`` profile, and experiments/gpu_check.py prints it for a GPU.
 
     hooks, m relus per module        d(m) = P(m) (pack + unpack) + C frame        -> pack + unpack, frame
     regions, m relus per module      d(m) = 2 N (region + m region_pack) + kernels -> region, region_pack
-    the recorder alone               a forward under it, less a plain forward      -> record_op
-    replays (2 of 3 relus)           d = hooks + record + R (replay_op + kernel)    -> replay_op
+    the recorder alone, CNN blocks   a forward under it, less a plain forward      -> record_op
+    replays of CNN blocks' ReLUs     d = hooks + record + R (replay_op + kernel)    -> replay_op
     swaps (every relu)               d = hooks + S swap                              -> swap
+
+The recorder's and a replay's cost per op depends on the op (its tensors, its schema): they are measured on
+tiny residual blocks (convolution, BatchNorm, ReLU, add), what a CNN records; a transformer's ops differ.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 
@@ -29,6 +33,7 @@ from runtime.hardware import HostCosts
 from runtime.policy import Policy
 from runtime.replay import Recorder
 from runtime.trace import capture
+from runtime.workload import Workload
 
 _MODULES = 24  # N
 _WIDTH = 16
@@ -48,10 +53,33 @@ class _Relus(torch.nn.Module):
         return x + 1.0
 
 
+class _Block(torch.nn.Module):
+    """A residual block of tiny size: what a CNN's recorded and replayed ops look like."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(c)
+        self.relu = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.bn(self.conv(x))) + x
+
+
+Net = Callable[[torch.device], tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]
+
+
 def _network(m: int, device: torch.device) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(_WIDTH, _WIDTH, device=device), *[_Relus(m) for _ in range(_MODULES)])
     return model, (torch.randn(1, _WIDTH, device=device),)
+
+
+def _blocks(device: torch.device) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = torch.nn.Sequential(*[_Block(4) for _ in range(_MODULES // 2)])
+        return model, (torch.randn(2, 4, 4, 4),)
 
 
 def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -61,16 +89,15 @@ def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tens
 class _Bench:
     """One network, plain and under one policy, timed in alternation."""
 
-    def __init__(self, m: int, device: torch.device, codes: Callable[[int, int], int] | None, force: bool) -> None:
+    def __init__(self, net: Net, device: torch.device, codes: Callable[[Workload], np.ndarray] | None,
+                 force: bool) -> None:  # fmt: skip
         self.device = device
-        self.model, self.batch = _network(m, device)
+        self.model, self.batch = net(device)
         self.force = force
         self.rt: PolicyRuntime | None = None
         if codes is not None:
-            w = capture(lambda: (*_network(m, torch.device("cpu")), _loss), name="host-costs", batch_size=1)
-            position = {c.key: i for i, c in enumerate(w.candidates)}
-            vec = np.array([codes(i % m, m) for i in position.values()], dtype=np.int8)  # the relus, in order
-            self.rt = PolicyRuntime(Policy.from_vector(w, vec, hardware=device.type), self.model)
+            w = capture(lambda: (*net(torch.device("cpu")), _loss), name="host-costs", batch_size=1)
+            self.rt = PolicyRuntime(Policy.from_vector(w, codes(w), hardware=device.type), self.model)
         self.stats = RuntimeStats()
 
     def step(self, policy: bool) -> float:
@@ -102,9 +129,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _forward_op_s(m: int, device: torch.device, budget_s: float) -> tuple[float, float]:
+def _forward_op_s(net: Net, device: torch.device, budget_s: float) -> tuple[float, float]:
     """(seconds per forward op, plain; more seconds per op under the recorder)."""
-    model, batch = _network(m, device)
+    model, batch = net(device)
     ops = [0]
 
     def forward(record: bool) -> float:
@@ -127,37 +154,48 @@ def _forward_op_s(m: int, device: torch.device, budget_s: float) -> tuple[float,
     return min(plain) / ops[0], (min(recorded) - min(plain)) / ops[0]
 
 
+def _by_position(choose: Callable[[int, int], int], m: int) -> Callable[[Workload], np.ndarray]:
+    """Action codes for ``_network(m)``: its candidates are the relus' outputs, m per module, in order."""
+    return lambda w: np.array([choose(i % m, m) for i in range(len(w.candidates))], dtype=np.int8)
+
+
+def _relu_outputs_recomputed(w: Workload) -> np.ndarray:
+    """For ``_blocks``: replay each block's ReLU output (its BatchNorm and the in-place ReLU), keep the rest:
+    no call can be a region (the convolution's output is kept, P2)."""
+    return np.array([2 if c.key.endswith(":Relu") else 0 for c in w.candidates], dtype=np.int8)
+
+
 def calibrate(device: str = "cpu", seconds: float = 1.0) -> HostCosts:
     """The runtime's host costs on ``device``, measured in about ``seconds`` (see the module docs)."""
     dev = torch.device(device)
     share = seconds / 8
-    keep = lambda i, m: 0  # noqa: E731
-    rec_all = lambda i, m: 2  # noqa: E731
-    hooks = {m: _Bench(m, dev, keep, force=True) for m in (1, 2)}
+    relus = {m: functools.partial(_network, m) for m in (1, 2, 3)}
+    hooks = {m: _Bench(relus[m], dev, _by_position(lambda i, m: 0, m), force=True) for m in (1, 2)}
     d_hooks = {m: b.extra_s(share) for m, b in hooks.items()}
     p1, p2 = hooks[1].stats.packs, hooks[2].stats.packs
     per_pack = max(0.0, (d_hooks[2] - d_hooks[1]) / max(1, p2 - p1))
     frame_s = max(0.0, (d_hooks[1] - p1 * per_pack) / max(1, hooks[1].stats.hooked_calls))
 
-    op_s, record_op_s = _forward_op_s(3, dev, share)
-    regions = {m: _Bench(m, dev, rec_all, force=False) for m in (1, 3)}
-    d_regions = {m: b.extra_s(share) - m * _MODULES * op_s for m, b in regions.items()}
+    relu_op_s, _ = _forward_op_s(relus[3], dev, share / 2)
+    regions = {m: _Bench(relus[m], dev, _by_position(lambda i, m: 2, m), force=False) for m in (1, 3)}
+    d_regions = {m: b.extra_s(share) - m * _MODULES * relu_op_s for m, b in regions.items()}
     n = max(1, regions[1].stats.regions)
     region_pack_s = max(0.0, (d_regions[3] - d_regions[1]) / (2 * n * 2))
     region_s = max(0.0, d_regions[1] / (2 * n) - region_pack_s)
 
-    replay = _Bench(3, dev, lambda i, m: 2 if i < m - 1 else 0, force=False)  # the last relu of each kept
+    op_s, record_op_s = _forward_op_s(_blocks, dev, share)  # ops of a CNN: convolution, BatchNorm, ReLU, add
+    replay = _Bench(_blocks, dev, _relu_outputs_recomputed, force=False)
     d_replay = replay.extra_s(share)
     st = replay.stats
     known = st.packs * per_pack + st.hooked_calls * frame_s + st.recorded_ops * record_op_s
     replay_op_s = max(0.0, (d_replay - known) / max(1, st.recomputed_ops) - op_s)
 
-    swap = _Bench(1, dev, lambda i, m: 1, force=False)
+    swap = _Bench(relus[1], dev, _by_position(lambda i, m: 1, 1), force=False)
     d_swap = swap.extra_s(share)
     st = swap.stats
     swap_s = max(0.0, (d_swap - st.packs * per_pack - st.hooked_calls * frame_s) / max(1, st.swaps))
     return HostCosts(
-        op_s=0.0 if dev.type == "cpu" else op_s,  # on the CPU op times are wall times already (Rule 12)
+        op_s=0.0 if dev.type == "cpu" else relu_op_s,  # on the CPU op times are wall times already (Rule 12)
         frame_s=frame_s,
         pack_s=per_pack / 2,  # the pack and the unpack are not told apart: half each
         unpack_s=per_pack / 2,

@@ -19,8 +19,8 @@ NOTE [ Recompute mechanisms ]
     P4. every candidate made before R and packed inside R is kept and is one of R's tensor arguments (the
         checkpoint's saved inputs hold it and the recompute reads it); so is every candidate among R's
         tensor arguments (checkpoint holds them until R's backward is done, whatever the policy says);
-    P5. R's forward writes no module state except BatchNorm's running statistics (which the runtime puts
-        back after the recompute); random ops are fine (checkpoint replays the RNG state);
+    P5. R's forward writes no module state except BatchNorm's running statistics (which the runtime keeps
+        from changing again in the recompute, R10); random ops are fine (checkpoint replays the RNG state);
     P6. no candidate made outside R is replayed whose producer chain reads (Rule 7 of the simulator: its
         closure's candidate inputs) one that R serves (one that another region serves is regenerated from
         that region's own inputs, which its checkpoint holds);

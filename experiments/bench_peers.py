@@ -1,0 +1,147 @@
+"""autotune against what PyTorch ships, on this device, every variant measured the same way.
+
+    python experiments/bench_peers.py [--models resnet18,gpt2] [--budgets 0.5] [--search-s 20] [--json FILE]
+
+Peers: plain eager; ``torch.utils.checkpoint`` (non-reentrant) on every block; ``torch.compile`` (backend
+``aot_eager``, ``inductor`` with --inductor) with ``torch._functorch.config.activation_memory_budget`` at
+each of ``--budgets``. For each peer's measured peak, autotune searches a policy (the default portfolio for
+``--search-s`` seconds, on this device's profile with a real-mode trace) with that peak as its budget, and
+trains under it. Every peak is the CPU allocator's own high-water mark above the step's start, from the
+profiler's memory events (runtime.measure.profiler_peak_bytes: kernel scratch included, the same for every
+variant), plus what lives across steps (parameters, optimizer state, the batch); every time the median of
+``--steps`` steps. The simulator plans storage bytes (runtime.measure.StorageTracker), which miss scratch:
+autotune's budget is each peer's peak scaled by plain training's tracker-to-profiler ratio.
+
+Target (issue "GPU truth"): autotune at each peer's peak <= 0.95x that peer's step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from bench_runtime import checkpoint_blocks  # experiments/ is on the path when run as a script
+
+from agents.base import Problem, get_searcher
+from autotune.models import build_model
+from autotune.train import _profile_for
+from runtime.apply import PolicyRuntime
+from runtime.measure import profiler_peak_bytes, run_iterations, training_state
+from runtime.policy import Policy
+from runtime.trace import capture, make_optimizer
+
+CASES = {"resnet18": {"batch_size": 16}, "gpt2": {"batch_size": 2, "seq_len": 256}}
+
+
+class Variant:
+    """One way of training one model: a step function, its time and its peak."""
+
+    def __init__(self, name: str, kwargs: dict[str, Any], wrap: Callable[[torch.nn.Module], torch.nn.Module] | None,
+                 policy: Policy | None = None) -> None:  # fmt: skip
+        self.entry = build_model(name, **kwargs)
+        module = self.entry.module
+        self.model = wrap(module) if wrap is not None else module
+        self.opt = make_optimizer("sgd", module.parameters())
+        self.rt = PolicyRuntime(policy, module) if policy is not None else None
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        with self.rt.step() if self.rt is not None else contextlib.nullcontext():
+            self.entry.loss_fn(self.model, self.entry.batch).backward()  # type: ignore[arg-type]
+        self.opt.step()
+
+    def measure(self, steps: int) -> tuple[float, int]:
+        for _ in range(2):  # warm-up: compilation, the runtime's first step, optimizer state
+            self.step()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            self.step()
+            times.append(time.perf_counter() - start)
+        self.opt.zero_grad(set_to_none=True)
+        state = training_state(self.entry.module, self.entry.batch, self.opt)
+        baseline = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state}.values())
+        return float(statistics.median(times)), profiler_peak_bytes(self.step, baseline)
+
+
+def compiled(budget: float, backend: str) -> Callable[[torch.nn.Module], torch.nn.Module]:
+    def wrap(module: torch.nn.Module) -> torch.nn.Module:
+        torch._dynamo.reset()
+        torch._functorch.config.activation_memory_budget = budget
+        return torch.compile(module, backend=backend)  # type: ignore[return-value]
+
+    return wrap
+
+
+def tracker_ratio(name: str, kwargs: dict[str, Any]) -> float:
+    """Plain training's storage-tracker peak over its profiler peak (scratch is what the first lacks)."""
+    v = Variant(name, kwargs, None)
+    runs = run_iterations(v.entry.module, v.entry.batch, v.entry.loss_fn, v.opt, steps=1, batch_size=1)
+    _, profiler = v.measure(1)
+    return runs[0].peak_bytes / profiler
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="resnet18,gpt2")
+    ap.add_argument("--budgets", default="0.5", help="activation_memory_budget values for torch.compile")
+    ap.add_argument("--search-s", type=float, default=20.0)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--inductor", action="store_true", help="compile with inductor (needs a C++ compiler)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    hw = _profile_for("cpu")
+    results: dict[str, Any] = {}
+    for name in args.models.split(","):
+        kwargs = CASES[name]
+        print(f"\n== {name} {kwargs} on the CPU (torch {torch.__version__}, {torch.get_num_threads()} threads)")
+
+        def build(name: str = name, kwargs: dict[str, Any] = kwargs):  # type: ignore[no-untyped-def]
+            e = build_model(name, **kwargs)
+            return e.module, e.batch, e.loss_fn
+
+        w = capture(build, name=name, batch_size=kwargs["batch_size"], seq_len=kwargs.get("seq_len"), fake=False)
+        w.meta["device_profile"] = hw.name
+        scale = tracker_ratio(name, kwargs)
+        peers: dict[str, Callable[[torch.nn.Module], torch.nn.Module] | None] = {
+            "plain": None, "checkpoint per block": checkpoint_blocks
+        }  # fmt: skip
+        for b in args.budgets.split(","):
+            peers[f"compile {b}"] = compiled(float(b), "inductor" if args.inductor else "aot_eager")
+        rows = []
+        for label, wrap in peers.items():
+            try:
+                t, peak = Variant(name, kwargs, wrap).measure(args.steps)
+            except Exception as e:  # a peer that does not run here is reported, not fatal
+                print(f"   {label}: failed ({type(e).__name__}: {e})")
+                continue
+            torch._functorch.config.activation_memory_budget = 1.0
+            budget = int(peak * scale)
+            found = get_searcher("portfolio").search(Problem(w, hw, budget_bytes=budget, time_limit_s=args.search_s))
+            ours_t, ours_peak = Variant(name, kwargs, None, found.policy).measure(args.steps)
+            row = {"peer": label, "peer_s": t, "peer_peak": peak, "status": found.status.value, "ours_s": ours_t,
+                   "ours_peak": ours_peak, "ratio": ours_t / t, "predicted_s": found.result.iter_s,
+                   "predicted_peak": found.result.peak_bytes}  # fmt: skip
+            rows.append(row)
+            fits = ours_peak <= peak
+            print(
+                f"   {label:22s} {t * 1e3:8.1f} ms {peak / 2**20:8.1f} MiB | autotune ({found.status.value}) "
+                f"{ours_t * 1e3:8.1f} ms {ours_peak / 2**20:8.1f} MiB: x{ours_t / t:.3f}"
+                f"{'' if fits else ' (over its peak)'}; target <= 0.95 at <= its peak: "
+                f"{'met' if fits and ours_t / t <= 0.95 else 'missed'}",
+                flush=True,
+            )
+        results[name] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
