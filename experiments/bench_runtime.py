@@ -1,6 +1,6 @@
 """The runtime's host cost and the simulator's fidelity, measured side by side in one process.
 
-    python experiments/bench_runtime.py [--device cpu] [--models resnet50,gpt2] [--rounds 9] [--json FILE]
+    python experiments/bench_runtime.py [--device cpu] [--models resnet50,gpt2] [--rounds 9] [--pairs] [--json FILE]
 
 On the CPU the default models are host-bound proxies of a fast GPU (kernels of microseconds, so what the
 runtime adds on the host shows): ResNet-50 at batch 2 and 64 px, and a 2-layer GPT-2 (vocabulary 512) at
@@ -16,13 +16,16 @@ shared and noisy):
 3. Fidelity: predicted against measured peak and time for keep, swap, recompute (every block's inside,
    stem and loss included), per-block recompute and two random mixed policies, on the device's profile
    (the calibrated ``cpu`` profile, host costs included; the detected GPU's) with a real-mode trace.
-   Targets: time within 10% for every policy; peaks within 3% on a GPU.
+   Targets: time within 10% for every policy; peaks within 3% on a GPU. By default every policy and plain
+   training are interleaved in one round; ``--pairs`` measures each policy against plain training alone
+   (two models resident, as close to one training process as an interleaved measurement gets).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -226,7 +229,7 @@ def recompute_vs_checkpoint(case: Case, device: str, w: Workload, rounds: int, o
     )
 
 
-def fidelity(case: Case, device: str, w: Workload, rounds: int, out: dict[str, Any]) -> None:
+def fidelity(case: Case, device: str, w: Workload, rounds: int, out: dict[str, Any], pairs: bool = False) -> None:
     hw = _profile_for(device)
     sim = Simulator(w, hw)
     rng = np.random.default_rng(0)
@@ -244,19 +247,31 @@ def fidelity(case: Case, device: str, w: Workload, rounds: int, out: dict[str, A
         label: Policy.from_vector(w, vec, hardware=hw.name, options=PolicyOptions(prefetch_lookahead=2))
         for label, vec in vectors.items()
     }
-    runners = {"plain": Runner(case, device), **{label: Runner(case, device, p) for label, p in policies.items()}}
-    times = interleaved(runners, rounds)  # round by round: the machine's drift hits every policy alike
+    peaks: dict[str, int] = {}
+    if pairs:  # each policy against plain training alone, one pair resident at a time
+        times: dict[str, list[float]] = {}
+        for label, p in policies.items():
+            pair = {"plain": Runner(case, device), label: Runner(case, device, p)}
+            t = interleaved(pair, rounds)
+            times[label], times[f"plain/{label}"] = t[label], t["plain"]
+            peaks[label] = pair[label].step(True)[1]
+            del pair
+    else:
+        runners = {"plain": Runner(case, device), **{label: Runner(case, device, p) for label, p in policies.items()}}
+        times = interleaved(runners, rounds)  # round by round: the machine's drift hits every policy alike
+        peaks = {label: runners[label].step(True)[1] for label in policies}
     base = sim.run(policies["keep"]).iter_s
     print(f"3. fidelity on the {hw.name} profile (host costs: {hw.host.source}); time also relative to plain training "
-          "measured in the same rounds, which the machine's drift does not move", flush=True)  # fmt: skip
+          f"measured in the same rounds, which the machine's drift does not move"
+          f"{' (each policy paired with plain training alone)' if pairs else ''}", flush=True)  # fmt: skip
     print(f"   {'policy':16s} {'peak pred':>10s} {'measured':>10s} {'err':>7s}   {'time pred':>10s} {'measured':>10s} "
           f"{'err':>7s}   {'x plain':>7s} {'measured':>8s} {'err':>7s}  regions overhead", flush=True)  # fmt: skip
     rows = []
     for label, policy in policies.items():
         pred = sim.run(policy)
-        _, peak = runners[label].step(True)
+        peak = peaks[label]
         mt = statistics.median(times[label])
-        rel_pred, rel = pred.iter_s / base, ratio(times, label, "plain")
+        rel_pred, rel = pred.iter_s / base, ratio(times, label, f"plain/{label}" if pairs else "plain")
         row = {"policy": label, "peak_pred": pred.peak_bytes, "peak": peak, "time_pred": pred.iter_s, "time": mt,
                "relative_pred": rel_pred, "relative": rel, "regions": pred.regions,
                "overhead_s": pred.overhead_s}  # fmt: skip
@@ -270,7 +285,7 @@ def fidelity(case: Case, device: str, w: Workload, rounds: int, out: dict[str, A
         )
     worst = max(abs(r["time_pred"] - r["time"]) / r["time"] for r in rows)
     worst_rel = max(abs(r["relative_pred"] - r["relative"]) / r["relative"] for r in rows)
-    out["fidelity"] = rows
+    out["fidelity"] = {"pairs": pairs, "rows": rows}
     print(
         f"   largest time error {worst:.1%}, relative to plain {worst_rel:.1%} (target <= 10%: "
         f"{'met' if worst <= 0.10 else 'missed'}; relative {'met' if worst_rel <= 0.10 else 'missed'})",
@@ -285,11 +300,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--sections", default="hooks,recompute_vs_checkpoint,fidelity")
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--pairs", action="store_true", help="fidelity: each policy against plain training alone")
     args = ap.parse_args()
     cases = CUDA_CASES if args.device.startswith("cuda") else CPU_CASES
     results: dict[str, Any] = {"device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads()}
     sections: dict[str, Callable[..., None]] = {
-        "hooks": hooks, "recompute_vs_checkpoint": recompute_vs_checkpoint, "fidelity": fidelity
+        "hooks": hooks, "recompute_vs_checkpoint": recompute_vs_checkpoint,
+        "fidelity": functools.partial(fidelity, pairs=args.pairs),
     }  # fmt: skip
     for name in args.models.split(","):
         case = cases[name]
