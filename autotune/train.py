@@ -92,12 +92,32 @@ def train(
         precision=precision or policy.precision,
         grad_accum=grad_accum or policy.grad_accum,
     )
+    req.validate()
+    check_structure(policy, req, source=str(policy_path))
     # A real-mode trace on this device: it checks the policy against the model before any training, and
     # its measured op times make the prediction for this very device.
     w, _ = trace_model(req)
     policy.check_against(w, source=str(policy_path))
     hw = _profile_for(device)
     return run_policy(policy, w, hw, name=name, batch=batch, steps=steps, device=device)
+
+
+def check_structure(policy: Policy, req: TraceRequest, *, source: str) -> None:
+    """Refuse a policy made for another model before tracing it for real (runtime R12): the model is built
+    under FakeTensorMode (parameters of the right shapes, no memory, no time) and its parameters compared
+    with those the policy recorded. Policies from before they were recorded are checked by the trace."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from runtime.apply import check_model
+
+    if policy.parameter_fingerprint is None:
+        return
+    with FakeTensorMode():
+        entry = build_model(req.model, batch_size=req.batch_size, seq_len=req.seq_len)
+    try:
+        check_model(policy, entry.module)
+    except AutotuneError as e:
+        raise AutotuneError(f"{source}: {e}") from None
 
 
 def run_policy(

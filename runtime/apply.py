@@ -68,6 +68,10 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         once, and the next step learns again. The recorder is entered only in the calls whose ops a replay
         re-ran. An all-keep policy, or one that only recomputes through regions, installs no saved-tensor
         hooks at all.
+    R12. The model. A policy records its model's parameters by name and shape
+        (runtime.keys.parameter_fingerprint); a model with other ones is refused when the runtime is made,
+        before anything runs, unless ``strict=False`` (the keys that still match are then applied, the
+        others kept and reported, R1).
 """
 
 from __future__ import annotations
@@ -86,7 +90,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
-from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer
+from runtime.errors import AutotuneError
+from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, parameter_fingerprint
 from runtime.plan import Region
 from runtime.policy import Action, Policy
 from runtime.precision import check_active
@@ -203,7 +208,9 @@ class _Table:
 class PolicyRuntime:
     """Applies one policy to one model, step after step (NOTE [ Runtime mechanics ])."""
 
-    def __init__(self, policy: Policy, model: torch.nn.Module) -> None:
+    def __init__(self, policy: Policy, model: torch.nn.Module, *, strict: bool = True) -> None:
+        if strict:
+            check_model(policy, model)
         self.policy = policy
         self.model = model
         self.device = next(iter(model.parameters())).device
@@ -799,12 +806,26 @@ def _compressible(dtype: torch.dtype, target: torch.dtype) -> bool:
 _RUNTIMES_ATTR = "_autotune_runtimes"
 
 
+def check_model(policy: Policy, model: torch.nn.Module) -> None:
+    """R12: refuse a model whose parameters are not those of the model the policy was made for."""
+    want = policy.parameter_fingerprint
+    if want is None:
+        return
+    got = parameter_fingerprint(model)
+    if got != want:
+        raise AutotuneError(
+            f"policy for {policy.model} (parameters {want}) applied to a model with other parameters ({got}): its "
+            f"keys would name other tensors; search a policy for this model (`autotune search --model ...`), or "
+            f"pass strict=False to apply what still matches (the rest is kept)"
+        )
+
+
 @contextlib.contextmanager
-def applied(policy: Policy, model: torch.nn.Module) -> Iterator[RuntimeStats]:
+def applied(policy: Policy, model: torch.nn.Module, *, strict: bool = True) -> Iterator[RuntimeStats]:
     """``with applied(policy, model):`` one forward and backward under the policy (see the module docs)."""
     per_model: dict[int, PolicyRuntime] = model.__dict__.setdefault(_RUNTIMES_ATTR, {})
     rt = per_model.get(id(policy))
     if rt is None or rt.policy is not policy:
-        rt = per_model[id(policy)] = PolicyRuntime(policy, model)
+        rt = per_model[id(policy)] = PolicyRuntime(policy, model, strict=strict)
     with rt.step() as stats:
         yield stats

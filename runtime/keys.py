@@ -27,6 +27,7 @@ NOTE [ Key format ]
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -210,3 +211,13 @@ def block_paths(model: torch.nn.Module) -> dict[str, str]:
                 break
         out[path] = block
     return out
+
+
+def parameter_fingerprint(model: torch.nn.Module) -> str:
+    """A hash of the model's parameters, by name and shape: its structure as read without running it. A
+    policy records its model's (``Policy.parameter_fingerprint``) and the runtime checks it before anything
+    runs (R12 in runtime/apply.py)."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)};".encode())
+    return h.hexdigest()[:16]

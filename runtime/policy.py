@@ -177,6 +177,9 @@ class Policy:
     seq_len: int | None = None
     fingerprint: str
     shape_fingerprint: str
+    # The model's parameters by name and shape (runtime.keys.parameter_fingerprint): checked when the policy
+    # is applied, before anything runs (runtime R12); None in files from before it was recorded.
+    parameter_fingerprint: str | None = None
     budget_bytes: int | None = None
     hardware: str  # hardware profile name, e.g. "a100-40gb"
     precision: str = "fp32"
@@ -197,11 +200,12 @@ class Policy:
                 '"lossy": true in the file\'s options (PolicyOptions(lossy=True) in code)'
             )
 
-    def applied(self, model: Any) -> Any:
-        """``with policy.applied(model):`` one forward and backward under this policy (runtime.apply)."""
+    def applied(self, model: Any, *, strict: bool = True) -> Any:
+        """``with policy.applied(model):`` one forward and backward under this policy (runtime.apply). A model
+        whose parameters are not those the policy was made for is refused unless ``strict=False`` (R12)."""
         from runtime.apply import applied
 
-        return applied(self, model)
+        return applied(self, model, strict=strict)
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod
@@ -236,6 +240,7 @@ class Policy:
             seq_len=workload.seq_len,
             fingerprint=workload.fingerprint,
             shape_fingerprint=workload.shape_fingerprint,
+            parameter_fingerprint=workload.meta.get("parameter_fingerprint"),
             budget_bytes=budget_bytes,
             hardware=hardware,
             precision=precision or workload.precision,
@@ -394,6 +399,7 @@ class Policy:
                 seq_len=d.get("seq_len"),
                 fingerprint=d["fingerprint"],
                 shape_fingerprint=d["shape_fingerprint"],
+                parameter_fingerprint=d.get("parameter_fingerprint"),
                 budget_bytes=d.get("budget_bytes"),
                 hardware=d["hardware"],
                 precision=d.get("precision", "fp32"),

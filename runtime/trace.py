@@ -65,7 +65,7 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 from runtime.errors import AutotuneError
-from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, block_paths
+from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, block_paths, parameter_fingerprint
 from runtime.precision import TrainStep
 from runtime.workload import Candidate, Frame, OpInfo, Phase, TensorInfo, TensorKind, Workload
 
@@ -436,6 +436,7 @@ def capture(
         opt.zero_grad(set_to_none=True)
     w.meta["plain_iter_s"] = None if plain is None else plain[0]
     w.meta["plain_host_s"] = None if plain is None else plain[1]
+    w.meta["parameter_fingerprint"] = parameter_fingerprint(model)
     return w
 
 
