@@ -39,6 +39,7 @@ from typing import ClassVar, TypeVar
 
 import numpy as np
 
+from agents.finalists import Finalists
 from envs.simulator import COMPRESS, KEEP, SWAP, SimResult, Simulator
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
@@ -72,6 +73,8 @@ class Problem:
     seeds: list[SearchResult] = field(default_factory=list)  # warm start: other searchers' results
     progress: Callable[[str, SimResult | None], None] | None = field(default=None, repr=False)  # (phase, best)
     interrupted: bool = field(default=False, repr=False)  # set when Ctrl-C stopped a search early
+    # autotune search --measure: the best distinct fitting policies simulated (NOTE [ Finalists ])
+    finalists: Finalists | None = field(default=None, repr=False)
     _sim: Simulator | None = field(default=None, repr=False)
     evaluations: int = field(default=0, repr=False)
 
@@ -89,7 +92,11 @@ class Problem:
     def evaluate(self, actions: Sequence[int] | np.ndarray, options: PolicyOptions | None = None) -> SimResult:
         """Simulate one policy under the problem's budget (counts toward ``evaluations``)."""
         self.evaluations += 1
-        return self.simulator.run(actions, budget_bytes=self.budget_bytes, options=options or self.options)
+        options = options or self.options
+        result = self.simulator.run(actions, budget_bytes=self.budget_bytes, options=options)
+        if self.finalists is not None:
+            self.finalists.offer(actions, options, result)
+        return result
 
     def keep_all(self) -> np.ndarray:
         return np.zeros(self.n, dtype=np.int8)

@@ -41,6 +41,7 @@ NOTE [ Distributed search ]
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import warnings
 from collections.abc import Iterator
@@ -51,6 +52,7 @@ import numpy as np
 from agents.base import Problem, Proposal, Searcher, better, register
 from agents.rule import CLASS_MODES, LOOKAHEADS, params_from_dict, present_classes, rule_actions
 from envs.simulator import SimResult
+from runtime.errors import AutotuneError
 from runtime.policy import PolicyOptions
 
 DEFAULT_TRIALS = 150
@@ -65,6 +67,57 @@ def _quiet_experimental() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", category=optuna.exceptions.ExperimentalWarning)
         yield
+
+
+class _NoInterruptTraceback(logging.Filter):
+    """Drop Optuna's report of a trial stopped by Ctrl-C (a traceback of some forty lines, then "failed with
+    value None"): the search handles the interrupt itself and says so in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[0] is not None and issubclass(record.exc_info[0], KeyboardInterrupt):
+            return False
+        return not record.getMessage().endswith("failed with value None.")
+
+
+_NO_INTERRUPT_TRACEBACK = _NoInterruptTraceback()
+
+
+def _quiet_interrupts() -> None:
+    """Install :class:`_NoInterruptTraceback` on Optuna's handlers (records of its modules reach those)."""
+    import optuna
+
+    optuna.logging.get_logger("optuna")  # makes Optuna's default handler, if it has none yet
+    for handler in logging.getLogger("optuna").handlers:
+        if _NO_INTERRUPT_TRACEBACK not in handler.filters:
+            handler.addFilter(_NO_INTERRUPT_TRACEBACK)
+
+
+def check_storage(url: str) -> None:
+    """Open the Optuna storage at ``url`` once, before any tracing: a URL that does not parse, a SQLite file
+    that cannot be written or a server that does not answer is the user's to fix, said in one line."""
+    import optuna
+
+    try:
+        optuna.storages.get_storage(url)  # RDB URLs: parse, connect, create the schema
+    except Exception as e:  # SQLAlchemy's and the drivers' errors have no common base worth naming
+        text = " ".join(str(e).split())
+        cause = text.split("(Background on this error")[0].strip()[:240] or type(e).__name__
+        raise AutotuneError(
+            f"--storage {url}: cannot open it ({cause}); expected a writable SQLite file such as "
+            "sqlite:///autotune.db or a reachable database such as postgresql://user:password@host/db"
+        ) from None
+
+
+def existing_trials(url: str, name: str) -> int:
+    """Completed trials already in study ``name`` at ``url`` (0: no such study)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        study = optuna.load_study(study_name=name, storage=url)
+    except Exception:  # no such study (KeyError), or a storage check_storage has vouched for: nothing to say
+        return 0
+    return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
 
 
 def storage_for(url: str | None, heartbeat_s: float | None) -> Any:
@@ -136,6 +189,7 @@ class OptunaSearcher(Searcher):
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        _quiet_interrupts()
         w = problem.workload
         classes = present_classes(problem)
         seeds = {r.searcher: r.policy.to_vector(w) for r in problem.seeds if r.feasible}
