@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -50,7 +51,7 @@ ModelOpt = Annotated[
 ]
 BatchOpt = Annotated[
     int | None,
-    typer.Option("--batch-size", "-b", help="Batch size [default: the model's, 64 for CNNs, 8 for LMs]."),
+    typer.Option("--batch-size", "-b", help="Batch size \\[default: the model's, 64 for CNNs, 8 for LMs]."),
 ]
 SeqOpt = Annotated[int | None, typer.Option("--seq-len", help="Tokens per sample (language models).")]
 GpuOpt = Annotated[
@@ -140,7 +141,7 @@ def _trace(req: Any) -> tuple[Any, float]:
 def simulate(
     model: Annotated[
         str | None,
-        typer.Option("--model", "-m", help="Model name or package.module:factory [default: the policy file's]."),
+        typer.Option("--model", "-m", help="Model name or package.module:factory \\[default: the policy file's]."),
     ] = None,
     batch_size: BatchOpt = None,
     seq_len: SeqOpt = None,
@@ -167,11 +168,11 @@ def simulate(
     save_policy: Annotated[Path | None, typer.Option(help="Write the simulated policy as a policy file.")] = None,
     precision: Annotated[
         str | None,
-        typer.Option("--precision", help="fp32, bf16 or fp16 (autocast) [default: the policy file's, or fp32]."),
+        typer.Option("--precision", help="fp32, bf16 or fp16 (autocast) \\[default: the policy file's, or fp32]."),
     ] = None,
     grad_accum: Annotated[
         int | None,
-        typer.Option("--grad-accum", help="Micro-batches per optimizer step [default: the policy file's, or 1]."),
+        typer.Option("--grad-accum", help="Micro-batches per optimizer step \\[default: the policy file's, or 1]."),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -207,7 +208,7 @@ def baselines(
     batch_size: BatchOpt = None,
     seq_len: SeqOpt = None,
     gpu: GpuOpt = None,
-    only: Annotated[str | None, typer.Option(help="Comma-separated methods [default: all].")] = None,
+    only: Annotated[str | None, typer.Option(help="Comma-separated methods \\[default: all].")] = None,
     save: Annotated[Path | None, typer.Option(help="Write each method's policy file into this folder.")] = None,
     allow_compress: Annotated[bool, typer.Option(help="Let methods propose compression (lossy).")] = False,
     time_limit: Annotated[float, typer.Option(help="Seconds each exact solver may take.")] = 30.0,
@@ -277,22 +278,22 @@ def search(
         ),
     ] = "portfolio",
     trials: Annotated[
-        int | None, typer.Option(help="Optuna trials (reproducible under --seed) [default: until --timeout].")
+        int | None, typer.Option(help="Optuna trials (reproducible under --seed) \\[default: until --timeout].")
     ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds for the whole search.")] = 60.0,
     storage: Annotated[
         str, typer.Option(help="Optuna storage URL: resume or inspect the study there (optuna-dashboard).")
     ] = "sqlite:///autotune.db",
-    study: Annotated[str | None, typer.Option(help="Study name [default: model, batch, profile, budget].")] = None,
+    study: Annotated[str | None, typer.Option(help="Study name \\[default: model, batch, profile, budget].")] = None,
     out_path: Annotated[
-        Path | None, typer.Option("--out", help="Policy file to write [default: <model>.policy.json].")
+        Path | None, typer.Option("--out", help="Policy file to write \\[default: <model>.policy.json].")
     ] = None,
     milp: Annotated[bool, typer.Option(help="Also run the MILP solver (exact on a coarsened model).")] = False,
     reserve: Annotated[
         str | None,
         typer.Option(
             help="Memory kept back from the budget for what a trace cannot see (cuDNN/cuBLAS workspaces and "
-            "handles) [default: 128MiB on GPU profiles, 0 on cpu]."
+            "handles) \\[default: 128MiB on GPU profiles, 0 on cpu]."
         ),
     ] = None,
     allow_compress: Annotated[bool, typer.Option(help="Let searchers propose compression (lossy).")] = False,
@@ -307,11 +308,22 @@ def search(
             "failed and retried."
         ),
     ] = None,
+    measure: Annotated[
+        int | None,
+        typer.Option(
+            help="Train the K best distinct policies for real on the planned device and answer with the fastest "
+            "whose measured peak fits \\[default: 5 where the plan is for this machine's GPU, else 0]."
+        ),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="Where to trace and measure: cpu, cuda or cuda:N \\[default: the planned one].")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Find the fastest policy within the budget and write it as a policy file (the main job)."""
     from agents.base import Problem
-    from agents.optuna_search import study_name
+    from agents.finalists import Finalists
+    from agents.optuna_search import check_storage, existing_trials, study_name
     from autotune import search as sr
     from autotune.units import format_size_echo, parse_size
     from autotune.workloads import TraceRequest
@@ -327,26 +339,48 @@ def search(
 
     get_searcher(searcher)  # unknown names fail before tracing
     hw, note = resolve_profile(gpu)
+    here = sr.plan_device(hw, device)
+    k = sr.measure_count(measure, here, hw)
     reserve_bytes = sr.reserve_bytes(reserve, budget, budget_bytes, hw)
+    req = TraceRequest(
+        model=model,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        optimizer=optimizer,
+        precision=precision,
+        grad_accum=grad_accum,
+        mode="real" if here is not None else "fake",
+        device=here or "cpu",
+    )
+    req.validate()
+    check_storage(storage)
     err.print(f"budget: {format_size_echo(budget, budget_bytes)}")
-    if reserve_bytes:
+    if budget_bytes > hw.memory_bytes:
+        err.print(
+            f"[yellow]warning:[/] the budget is more than the {sr.format_bytes(hw.memory_bytes)} of memory the "
+            f"{hw.name} has: a policy planned for it will not fit there",
+            highlight=False,
+        )
+    if reserve_bytes and reserve_bytes < budget_bytes:
         planned, kept = sr.format_bytes(budget_bytes - reserve_bytes), sr.format_bytes(reserve_bytes)
         err.print(f"planning for {planned}: the budget less a {kept} reserve for workspaces (--reserve)")
     err.print(note)
-    w, _ = _trace(
-        TraceRequest(
-            model=model,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            optimizer=optimizer,
-            precision=precision,
-            grad_accum=grad_accum,
-        )
-    )
+    backend = None
+    if k:  # the environment's real backend traces the model it will train (NOTE [ Measured search ])
+        from envs.memory_env import real_backend
+
+        with err.status(f"Tracing {model} on {here} (real mode: measured op times)…", spinner="dots"):
+            backend = real_backend(
+                model, batch_size, here or "cpu", steps=3, seq_len=seq_len, optimizer=req.optimizer,
+                precision=req.precision, grad_accum=grad_accum,
+            )  # fmt: skip
+        w = backend.workload
+    else:
+        w, _ = _trace(req)
     problem = Problem(
         w,
         hw,
-        budget_bytes - reserve_bytes,
+        max(0, budget_bytes - reserve_bytes),
         options=PolicyOptions(lossy=allow_compress),
         allow_compress=allow_compress,
         time_limit_s=timeout,
@@ -355,10 +389,16 @@ def search(
         storage=storage,
         heartbeat_s=heartbeat,
     )
+    if k:
+        problem.finalists = Finalists(problem.budget_bytes, capacity=4 * k)
     # The portfolio keeps the name its studies always had; another searcher gets its own, so that two
     # searchers on one problem never share a study (their trials' parameters can differ).
     problem.study_name = study or study_name(problem, "optuna-tpe" if searcher == "portfolio" else searcher)
-    sr.check_budget(problem)
+    sr.check_budget(problem, reserve_bytes, budget_bytes)
+    resumed = existing_trials(storage, problem.study_name)
+    if resumed:
+        more = f"up to {max(0, trials - resumed)} more (--trials is the study's total)" if trials else "more"
+        err.print(f"resuming study {problem.study_name} in {storage}: {resumed} trials found, running {more}")
     path = out_path or Path(f"{w.model.replace(':', '_').replace('/', '_')}.policy.json")
     outcome = sr.run_search(
         problem,
@@ -370,16 +410,27 @@ def search(
         quiet=False,
         user_budget_bytes=budget_bytes,
     )
+    if backend is not None and outcome.found.feasible and not outcome.interrupted:
+        from autotune.measured import measure as measure_finalists
+
+        with err.status("measuring", spinner="dots") as status:
+            measured = measure_finalists(
+                problem, backend, k, budget_bytes=budget_bytes, found=outcome.found, baselines=outcome.baselines,
+                progress=lambda msg: status.update(msg),
+            )  # fmt: skip
+        sr.take_measured(outcome, measured)
+    sr.write_answer(outcome)
     if as_json:
         print(sr.dumps(outcome))
     else:
         sr.render(out, outcome)
     if outcome.interrupted:
-        err.print(
-            f"interrupted: the best policy so far is in {path}; resume with --storage {storage} --study "
-            f"{problem.study_name}"
-        )
+        where = f"the best policy so far is in {path}" if outcome.written else "no policy fits yet"
+        err.print(f"interrupted: {where}; resume with --storage {storage} --study {problem.study_name}")
         raise SystemExit(130)
+    if not outcome.written:
+        err.print(f"[bold red]error:[/] {sr.no_answer(outcome)}", highlight=False)
+        raise SystemExit(1)
 
 
 @app.command()
@@ -397,7 +448,7 @@ def maxbatch(
         str | None, typer.Option(help="Kept back from the budget (see `autotune search --help`).")
     ] = None,
     out_path: Annotated[
-        Path | None, typer.Option("--out", help="Policy file [default: <model>.b<batch>.policy.json].")
+        Path | None, typer.Option("--out", help="Policy file \\[default: <model>.b<batch>.policy.json].")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
@@ -420,6 +471,11 @@ def maxbatch(
         raise AutotuneError(f"invalid --per-size {per_size}: expected a positive number of seconds, e.g. 10")
     hw, note = resolve_profile(gpu)
     reserve_bytes = sr.reserve_bytes(reserve, budget, budget_bytes, hw)
+    if reserve_bytes >= budget_bytes:
+        raise AutotuneError(
+            f"budget {budget} leaves nothing after the {sr.format_bytes(reserve_bytes)} kept back on GPU profiles "
+            "for workspaces (--reserve): raise --budget well above it"
+        )
     err.print(f"budget: {format_size_echo(budget, budget_bytes)}")
     err.print(note)
     req = TraceRequest(
@@ -492,19 +548,19 @@ def _heuristic_cell(size: dict[str, Any]) -> str:
 @app.command()
 def train(
     policy_file: Annotated[Path, typer.Option("--policy", help="The policy file to apply.")],
-    model: Annotated[str | None, typer.Option("--model", "-m", help="[default: the policy's model]")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="\\[default: the policy's model]")] = None,
     batch_size: BatchOpt = None,
     steps: Annotated[int, typer.Option(help="Measured iterations (after one warm-up).")] = 3,
     device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
     precision: Annotated[
         str | None,
         typer.Option(
-            "--precision", help="fp32, bf16 or fp16 (autocast) [default: the policy's; another one is refused]."
+            "--precision", help="fp32, bf16 or fp16 (autocast) \\[default: the policy's; another one is refused]."
         ),
     ] = None,
     grad_accum: Annotated[
         int | None,
-        typer.Option("--grad-accum", help="Micro-batches per optimizer step [default: the policy's]."),
+        typer.Option("--grad-accum", help="Micro-batches per optimizer step \\[default: the policy's]."),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -559,7 +615,7 @@ def sweep(
     models: Annotated[str, typer.Option(help="Comma-separated model names, e.g. resnet50,resnet101,gpt2.")],
     budgets: Annotated[str, typer.Option(help="Comma-separated budgets, e.g. 4GB,6GB,8GB.")],
     gpu: Annotated[
-        str | None, typer.Option("--gpu", help="Comma-separated hardware profiles [default: the detected GPU].")
+        str | None, typer.Option("--gpu", help="Comma-separated hardware profiles \\[default: the detected GPU].")
     ] = None,
     methods: Annotated[str, typer.Option(help="Comma-separated: baselines, optuna, ppo.")] = "baselines,optuna",
     batch_size: BatchOpt = None,
@@ -622,6 +678,9 @@ def sweep(
     ]
     for req in reqs:
         req.validate()
+    from agents.optuna_search import check_storage
+
+    check_storage(storage)
     workloads = [_trace(req)[0] for req in reqs]
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=as_json) as bar:
@@ -809,6 +868,15 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         raise SystemExit(130) from None
+    except SystemExit as e:
+        # The reader went away (`autotune models | head`): not an error. click answers a broken pipe with exit 1.
+        if e.code == 1 and isinstance(e.__context__, BrokenPipeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit must not fail
+            raise SystemExit(0) from None
+        raise
+    except BrokenPipeError:  # the same, where click did not see it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0) from None
     except Exception as e:  # click's own usage errors carry their exit code (2)
         if _is_click(e, "ClickException"):
             e.show()  # type: ignore[attr-defined]

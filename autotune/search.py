@@ -3,6 +3,7 @@ file, and a table of the found policy against the best baseline and no policy.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -14,7 +15,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from agents.base import Problem, SearchResult, baseline_names, best_of, better, get_searcher
+from agents.base import Problem, SearchResult, Status, baseline_names, best_of, better, get_searcher
+from autotune.measured import MeasuredSearch, answer_policy
 from autotune.units import format_bytes, parse_size
 from envs.simulator import RECOMPUTE, SimResult, uniform_actions
 from runtime.errors import AutotuneError
@@ -38,22 +40,69 @@ class SearchOutcome:
     wall_s: float
     interrupted: bool = False  # the study's name is problem.study_name
     notes: list[str] = field(default_factory=list)
+    measured: MeasuredSearch | None = None  # --measure: the finalists as trained (NOTE [ Measured search ])
+    written: bool = False  # the answer is in policy_path (write_answer)
 
 
 def reserve_bytes(reserve: str | None, budget: str, budget_bytes: int, hw: HardwareProfile) -> int:
     """The ``--reserve`` in bytes: as given ("0" allowed), or DEFAULT_GPU_RESERVE on GPU profiles and 0 on
-    the CPU; an error when it leaves nothing of the budget."""
+    the CPU; an error when one given leaves nothing of the budget (the default one is left to
+    :func:`check_budget`, which names the smallest budget that works)."""
     if reserve is None:
         n = DEFAULT_GPU_RESERVE if hw.is_gpu else 0
     else:
         n = 0 if reserve.strip().upper() in ("0", "0B") else parse_size(reserve)
-    if n >= budget_bytes:
-        what = f"--reserve {reserve}" if reserve is not None else f"the default reserve ({format_bytes(n)})"
+    if n >= budget_bytes and reserve is not None:  # the default one: check_budget says what budget works
         raise AutotuneError(
-            f"{what} is not below the budget ({budget}): nothing would be left to plan for; pass a smaller "
-            "one, e.g. --reserve 0"
+            f"--reserve {reserve} is not below the budget ({budget}): nothing would be left to plan for; pass "
+            "a smaller one, e.g. --reserve 0"
         )
     return n
+
+
+# -- the device the plan is for ------------------------------------------------------------------------------
+DEFAULT_GPU_MEASURE = 5  # finalists measured by default where the planned profile is this machine's GPU
+
+
+def plan_device(hw: HardwareProfile, device: str | None) -> str | None:
+    """The device here that a plan for ``hw`` runs on: ``cpu`` for the cpu profile, ``cuda`` (or the
+    ``device`` given, cuda:N) where the detected GPU is ``hw``; None where the plan is for another machine.
+    A ``device`` that is not the planned one is an error."""
+    if hw.name == "cpu":
+        here: str | None = "cpu"
+    else:
+        from runtime.hardware import detect
+
+        found = detect()
+        here = "cuda" if found.profile is not None and found.profile.name == hw.name else None
+    if device is None:
+        return here
+    wanted = device if device == "cpu" or device.startswith("cuda") else None
+    if wanted is None:
+        raise AutotuneError(f"unknown device '{device}': expected cpu, cuda or cuda:N")
+    if here is None or (wanted == "cpu") != (here == "cpu"):
+        where = f"this machine's {here}" if here else "no device of this machine"
+        raise AutotuneError(
+            f"--device {device}: the plan is for the {hw.name} profile, which is {where}; measure where the plan "
+            f"runs: --gpu cpu for this CPU, or the detected GPU's profile (see `autotune hardware`)"
+        )
+    return device
+
+
+def measure_count(measure: int | None, device: str | None, hw: HardwareProfile) -> int:
+    """``--measure``: as given, else DEFAULT_GPU_MEASURE where the plan is for this machine's GPU, else 0;
+    an error when asked for where the planned device is not here."""
+    if measure is not None and measure < 0:
+        raise AutotuneError(f"invalid --measure {measure}: expected 0 or a number of policies to train, e.g. 3")
+    if measure and device is None:
+        raise AutotuneError(
+            f"--measure {measure}: the plan is for {hw.name}, which is not on this machine, so its policies cannot "
+            "be trained here; plan for this machine (--gpu cpu, or the detected GPU: see `autotune hardware`), or "
+            "pass --measure 0"
+        )
+    if measure is not None:
+        return measure
+    return DEFAULT_GPU_MEASURE if device is not None and device.startswith("cuda") else 0
 
 
 # -- impossible budgets ----------------------------------------------------------------------------------------
@@ -84,20 +133,27 @@ def smallest_known_budget(problem: Problem) -> tuple[int, str]:
     return min((problem.simulator.run(a, options=opts).peak_bytes, k) for k, a in tries.items())
 
 
-def check_budget(problem: Problem) -> None:
-    """Fail at once, with the smallest budget that works, when no policy can meet the budget."""
+def check_budget(problem: Problem, reserve_bytes: int = 0, budget_bytes: int | None = None) -> None:
+    """Fail at once, with the smallest budget that works, when no policy can meet the budget.
+    ``problem.budget_bytes`` is what is planned for: the user's ``budget_bytes`` less ``reserve_bytes``
+    (at least 0), which the message adds back."""
     floor = budget_floor(problem)
-    if problem.budget_bytes < floor:
+    if problem.budget_bytes < floor or (budget_bytes is not None and budget_bytes <= reserve_bytes):
         smallest, how = smallest_known_budget(problem)
+        given = problem.budget_bytes + reserve_bytes if budget_bytes is None else budget_bytes
+        kept = f", the {format_bytes(reserve_bytes)} reserve for workspaces (--reserve) included" * (reserve_bytes > 0)
         raise AutotuneError(
-            f"budget {format_bytes(problem.budget_bytes)} is below the {format_bytes(floor)} that any policy "
-            f"needs (parameters, optimizer state and the batch, plus the largest op's own tensors): no policy "
-            f"can meet it; autotune can meet {format_bytes(smallest)} ({how}): raise --budget to at least "
-            f"that, or lower --batch-size"
+            f"budget {format_bytes(given)} is below the {format_bytes(floor + reserve_bytes)} that any policy "
+            f"needs (parameters, optimizer state and the batch, plus the largest op's own tensors{kept}): no "
+            f"policy can meet it; autotune can meet {format_bytes(smallest + reserve_bytes)} ({how}): raise "
+            "--budget to at least that, or lower --batch-size"
         )
 
 
 # -- the search ------------------------------------------------------------------------------------------------
+PLAIN_EVERY_S = 10.0  # seconds between progress lines where stderr is not a terminal
+
+
 def run_search(
     problem: Problem,
     searcher: str,
@@ -109,9 +165,10 @@ def run_search(
     quiet: bool,
     user_budget_bytes: int | None = None,
 ) -> SearchOutcome:
-    """Baselines, then ``searcher``; the best policy is written to ``out``. ``problem.budget_bytes`` is what
-    the search plans for; ``user_budget_bytes`` (the budget before the reserve) is what the policy file
-    records, and what `autotune train` caps the device at."""
+    """Baselines, then ``searcher``; ``out`` is where the answer goes (:func:`write_answer`, once the caller
+    has it: nothing is written for a policy that does not fit). ``problem.budget_bytes`` is what the search
+    plans for; ``user_budget_bytes`` (the budget before the reserve) is what the policy file records, and
+    what `autotune train` caps the device at."""
     started = time.perf_counter()
     get_searcher(searcher)  # an unknown name fails before any work
     no_policy = problem.simulator.run(problem.keep_all(), budget_bytes=problem.budget_bytes)
@@ -127,6 +184,9 @@ def run_search(
     ) as progress:
         task = progress.add_task("baselines", total=limit or 1.0, best="")
         trials = [0]
+        # Where stderr is no terminal (a pipe, a log file) the bar does not draw: a line every PLAIN_EVERY_S.
+        plain = not quiet and not err.is_terminal
+        last_line = [started]
 
         def report(phase: str, best: SimResult | None) -> None:
             if not phase.startswith("baseline"):
@@ -136,7 +196,11 @@ def run_search(
             if best is not None:
                 fits = "fits" if best.feasible else "over budget"
                 shown = f"best {best.samples_per_s:,.1f} samples/s, peak {format_bytes(best.peak_bytes)} ({fits})"
-            progress.update(task, description=phase, completed=time.perf_counter() - started, best=shown)
+            now = time.perf_counter()
+            progress.update(task, description=phase, completed=now - started, best=shown)
+            if plain and now - last_line[0] >= PLAIN_EVERY_S:
+                last_line[0] = now
+                err.print(f"{now - started:.0f} s: {phase}" + (f"; {shown}" if shown else ""), highlight=False)
 
         problem.progress = report
         baselines: list[SearchResult] = []
@@ -174,7 +238,6 @@ def run_search(
             found = top
     if user_budget_bytes is not None:
         found.policy.budget_bytes = user_budget_bytes
-    found.policy.save(out)
     return SearchOutcome(
         problem,
         found,
@@ -185,6 +248,29 @@ def run_search(
         time.perf_counter() - started,
         problem.interrupted,
     )
+
+
+def write_answer(outcome: SearchOutcome) -> bool:
+    """Write the answer's policy file, atomically; a policy that does not fit is not an answer: nothing is
+    written (False)."""
+    if not outcome.found.feasible:
+        return False
+    outcome.found.policy.save(outcome.policy_path)
+    outcome.written = True
+    return True
+
+
+def take_measured(outcome: SearchOutcome, measured: MeasuredSearch) -> None:
+    """Make the measured answer the outcome's (NOTE [ Measured search ]); with no measured answer, the
+    outcome's result is marked infeasible: nothing fits when measured."""
+    outcome.measured = measured
+    f, chosen = outcome.found, measured.chosen
+    if chosen is None:
+        outcome.found = dataclasses.replace(f, status=Status.INFEASIBLE, note="nothing fits when measured")
+        return
+    policy = answer_policy(outcome.problem, chosen, f, f.policy.budget_bytes or outcome.problem.budget_bytes)
+    note = f.note if chosen.label == "the search's answer" else f"measured: {chosen.label}"
+    outcome.found = dataclasses.replace(f, policy=policy, result=chosen.finalist.result, note=note)
 
 
 def best_heuristic(outcome: SearchOutcome) -> SearchResult | None:
@@ -234,7 +320,17 @@ def to_json(outcome: SearchOutcome) -> dict[str, Any]:
         "evaluations": p.evaluations,
         "wall_s": outcome.wall_s,
         "interrupted": outcome.interrupted,
+        "written": outcome.written,
+        "measured": _measured_json(outcome),
+        "finalists": outcome.measured.to_dict() if outcome.measured is not None else None,
     }
+
+
+def _measured_json(outcome: SearchOutcome) -> dict[str, Any] | None:
+    m = outcome.measured.chosen if outcome.measured is not None else None
+    if m is None:
+        return None
+    return {"peak_bytes": m.peak_bytes, "iter_s": m.iter_s, "samples_per_s": m.samples_per_s}
 
 
 def render(out: Console, outcome: SearchOutcome) -> None:
@@ -280,11 +376,65 @@ def render(out: Console, outcome: SearchOutcome) -> None:
         f"time: compute {r.compute_s * 1e3:.1f} ms, recompute {r.recompute_s * 1e3:.1f} ms, "
         f"stalls {r.stall_s * 1e3:.1f} ms, compress {r.compress_s * 1e3:.1f} ms"
     )
-    if not f.feasible:
-        out.print(f"[red]no policy found within the budget; the written one peaks at {format_bytes(r.peak_bytes)}[/]")
-    out.print(
-        f"policy written to {outcome.policy_path} ({p.evaluations:,} simulations, {outcome.wall_s:.1f} s); "
-        f"check it with `autotune simulate --policy {outcome.policy_path}`"
+    if outcome.measured is not None:
+        render_measured(out, outcome.measured)
+    if outcome.written:
+        out.print(
+            f"policy written to {outcome.policy_path} ({p.evaluations:,} simulations, {outcome.wall_s:.1f} s); "
+            f"check it with `autotune simulate --policy {outcome.policy_path}`"
+        )
+
+
+def render_measured(out: Console, m: MeasuredSearch) -> None:
+    """The finalists, planned against measured, the answer marked."""
+    t = Table(title=f"finalists trained for real (budget {format_bytes(m.budget_bytes)})")
+    for col in ("#", "policy", "peak planned", "peak measured", "fits", "samples/s planned", "samples/s measured"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for i, row in enumerate(m.rows, 1):
+        r = row.finalist.result
+        t.add_row(
+            str(i),
+            row.label,
+            format_bytes(r.peak_bytes),
+            format_bytes(row.peak_bytes),
+            "yes" if row.fits(m.budget_bytes) else "no",
+            f"{r.samples_per_s:,.1f}",
+            f"{row.samples_per_s:,.1f}" if row.samples_per_s else "out of memory",
+            style="bold green" if row is m.chosen else "",
+        )
+    out.print(t)
+    if m.note:
+        out.print(m.note)
+    errors = m.errors()
+    if errors is not None and m.time_scale is not None:
+        scaled = (
+            f"; scaled by the other finalists' ratio, each prediction is off by up to {errors[1]:.1%}"
+            if errors[1] is not None
+            else ""
+        )
+        out.print(
+            f"plan vs measurement: time off by up to {errors[0]:.1%}; this device runs {m.time_scale:.3f}x the "
+            f"planned time (median){scaled}"
+        )
+
+
+def no_answer(outcome: SearchOutcome) -> str:
+    """One line for a search without an answer: the lowest peak reached, what to do."""
+    p, f = outcome.problem, outcome.found
+    budget = f.policy.budget_bytes or p.budget_bytes
+    m = outcome.measured
+    if m is not None and m.rows:
+        low = m.lowest_peak() or 0
+        return (
+            f"no policy fits {format_bytes(budget)} when trained: the lowest measured peak of {len(m.rows)} "
+            f"finalists is {format_bytes(low)}; nothing written to {outcome.policy_path}; raise --budget to at "
+            f"least {format_bytes(low)} or lower --batch-size"
+        )
+    return (
+        f"no policy found within {format_bytes(p.budget_bytes)}: the lowest peak reached is "
+        f"{format_bytes(f.result.peak_bytes)} ({f.searcher}); nothing written to {outcome.policy_path}; raise "
+        f"--budget to at least {format_bytes(f.result.peak_bytes + budget - p.budget_bytes)}, search longer "
+        "(--timeout), or lower --batch-size"
     )
 
 

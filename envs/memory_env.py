@@ -631,7 +631,8 @@ class RealBackend:
     _entry: Any = field(repr=False)
     _optimizer: Any = field(repr=False)
 
-    def __call__(self, actions: np.ndarray) -> tuple[int, float]:
+    def __call__(self, actions: np.ndarray, options: PolicyOptions | None = None) -> tuple[int, float]:
+        """Measure ``actions`` applied with ``options`` (None: the backend's)."""
         import torch
 
         from runtime.apply import PolicyRuntime
@@ -639,7 +640,7 @@ class RealBackend:
         from runtime.policy import Policy
 
         actions = np.asarray(actions, dtype=np.int8)
-        options = self.options
+        options = options or self.options
         if np.any(actions == COMPRESS) and not options.lossy:
             # The environment proposes compress only when its problem allows it: that is the user's consent.
             options = dataclasses.replace(options, lossy=True)
@@ -655,6 +656,8 @@ class RealBackend:
                 steps=self.steps,
                 batch_size=entry.batch_size,
                 around_step=rt.step,
+                precision=self.workload.precision,
+                grad_accum=self.workload.grad_accum,
             )
         except torch.OutOfMemoryError:
             self._optimizer.zero_grad(set_to_none=True)
@@ -665,7 +668,7 @@ class RealBackend:
 
 def real_backend(
     model_name: str,
-    batch_size: int,
+    batch_size: int | None,
     device: str = "cpu",
     steps: int = 2,
     *,
@@ -673,10 +676,15 @@ def real_backend(
     seq_len: int | None = None,
     config_overrides: dict[str, Any] | None = None,
     options: PolicyOptions | None = None,
+    optimizer: str = "sgd",
+    precision: str = "fp32",
+    grad_accum: int = 1,
 ) -> RealBackend:
     """A ``real`` callable for :class:`MemoryPolicyEnv` that trains ``model_name`` (any name
     :func:`autotune.models.build_model` accepts, with its ``image_size``, ``seq_len`` and
-    ``config_overrides``) at ``batch_size`` on ``device``, ``steps`` timed iterations per policy.
+    ``config_overrides``) at ``batch_size`` (None: the model's default) on ``device``, ``steps`` timed
+    iterations per policy, with
+    ``optimizer``, ``precision`` and ``grad_accum`` as ``autotune train`` takes them.
 
     The model is traced here in real mode on ``device`` (as ``autotune train`` does: some models, GPT-2's
     attention mask for one, take another path under fake tensors); pass ``backend.workload`` to the
@@ -706,11 +714,12 @@ def real_backend(
         return entry.module, entry.batch, entry.loss_fn
 
     w = capture(build_for_trace, name=model_name, batch_size=entry.batch_size, seq_len=entry.seq_len, fake=False,
-                device=device)  # fmt: skip
+                device=device, optimizer=optimizer, precision=precision, grad_accum=grad_accum)  # fmt: skip
     w.seq_len = entry.seq_len
+    w.compute_fingerprints()  # as autotune.workloads.trace_model: after the sequence length is known
     w.meta["device_profile"] = _device_profile(device)
-    optimizer = make_optimizer(w.optimizer, entry.module.parameters())
-    return RealBackend(w, device, steps, options or PolicyOptions(), entry, optimizer)
+    opt = make_optimizer(w.optimizer, entry.module.parameters())
+    return RealBackend(w, device, steps, options or PolicyOptions(), entry, opt)
 
 
 def _device_profile(device: str) -> str | None:

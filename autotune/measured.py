@@ -1,0 +1,190 @@
+"""`autotune search --measure K`: the search's best distinct policies trained for real, the answer measured.
+
+NOTE [ Measured search ]
+    The simulator ranks policies; real iterations decide. After the simulated search, the ``K`` fastest
+    distinct policies that fit (NOTE [ Finalists ] in agents/finalists.py) run a few steady-state training
+    iterations each on the device the plan is for, through the environment's real backend
+    (envs.memory_env.RealBackend: the CUDA allocator's peak, or the CPU storage tracker's). The answer is
+    the fastest whose *measured* peak is within the user's budget. When none is, the largest ratio of
+    measured to planned peak says how much room the plan lacked: up to ``K`` more policies are drawn from
+    the finalists planned with at least that much of the budget free, and measured. When none of those fits
+    either, there is no answer, and the command says so. The measured times also recalibrate the plan: the
+    median ratio of measured to predicted time is the simulator's time scale on this device, and the
+    errors before and after it is applied say how far the plan was off and how much of that a single
+    scale explains (what it does not is the simulator ranking policies wrongly).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from agents.base import Problem, SearchResult
+from agents.finalists import MARGINS, Finalist
+from envs.memory_env import RealBackend
+from runtime.policy import Policy, Prediction
+
+
+@dataclass(eq=False)
+class Measured:
+    """One finalist, planned and measured (``peak_bytes`` and ``iter_s`` of real iterations; an
+    out-of-memory run has an infinite time)."""
+
+    finalist: Finalist
+    label: str
+    peak_bytes: int
+    iter_s: float
+    samples: int  # samples per iteration (batch size x accumulation)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.iter_s if self.iter_s > 0 else 0.0
+
+    def fits(self, budget_bytes: int) -> bool:
+        return math.isfinite(self.iter_s) and self.peak_bytes <= budget_bytes
+
+    def to_dict(self, budget_bytes: int) -> dict[str, Any]:
+        r = self.finalist.result
+        return {
+            "label": self.label,
+            "predicted": {"peak_bytes": r.peak_bytes, "iter_s": r.iter_s, "samples_per_s": r.samples_per_s},
+            "measured": {
+                "peak_bytes": self.peak_bytes,
+                "iter_s": self.iter_s if math.isfinite(self.iter_s) else None,
+                "samples_per_s": self.samples_per_s,
+            },
+            "fits": self.fits(budget_bytes),
+            "options": {
+                "prefetch_lookahead": self.finalist.options.prefetch_lookahead,
+                "release_after": self.finalist.options.release_after,
+            },
+        }
+
+
+@dataclass
+class MeasuredSearch:
+    """The finalists as measured, the answer (None: nothing fits when measured) and the plan's time scale."""
+
+    budget_bytes: int  # the user's budget: what a measured peak must stay within
+    rows: list[Measured] = field(default_factory=list)
+    chosen: Measured | None = None
+    note: str = ""
+
+    @property
+    def time_scale(self) -> float | None:
+        """Median measured / predicted iteration time over the finalists that ran (None: none did)."""
+        ratios = [m.iter_s / m.finalist.result.iter_s for m in self.rows if math.isfinite(m.iter_s)]
+        return statistics.median(ratios) if ratios else None
+
+    def errors(self) -> tuple[float, float | None] | None:
+        """(largest relative time error of the plan; the same once each finalist's prediction is scaled by
+        the median measured / predicted ratio of the *other* finalists, None with one finalist): how far
+        the plan was off, and how much of that a time scale learnt on this device takes away."""
+        ran = [m for m in self.rows if math.isfinite(m.iter_s)]
+        if not ran:
+            return None
+        before = max(abs(m.finalist.result.iter_s / m.iter_s - 1) for m in ran)
+        if len(ran) < 2:
+            return before, None
+        after = 0.0
+        for m in ran:
+            others = statistics.median(o.iter_s / o.finalist.result.iter_s for o in ran if o is not m)
+            after = max(after, abs(others * m.finalist.result.iter_s / m.iter_s - 1))
+        return before, after
+
+    def lowest_peak(self) -> int | None:
+        return min((m.peak_bytes for m in self.rows), default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        err = self.errors()
+        return {
+            "budget_bytes": self.budget_bytes,
+            "finalists": [m.to_dict(self.budget_bytes) for m in self.rows],
+            "chosen": self.rows.index(self.chosen) if self.chosen is not None else None,
+            "time_scale": self.time_scale,
+            "plan_time_error": err[0] if err else None,
+            "plan_time_error_scaled": err[1] if err else None,  # leave-one-out: see errors()
+            "note": self.note,
+        }
+
+
+def min_distance(problem: Problem) -> int:
+    """Finalists differ in at least 2% of the candidates (at least one): see NOTE [ Finalists ]."""
+    return max(1, problem.n // 50)
+
+
+def label_of(problem: Problem, f: Finalist, found: SearchResult, baselines: list[SearchResult]) -> str:
+    """Who proposed ``f``, where a searcher's answer is the very same policy."""
+    for r in (found, *baselines):
+        if r.policy.options == f.options and np.array_equal(r.policy.to_vector(problem.workload), f.actions):
+            return "the search's answer" if r is found else f"baseline {r.searcher}"
+    return "a finalist of the search"
+
+
+def measure(
+    problem: Problem,
+    backend: RealBackend,
+    k: int,
+    *,
+    budget_bytes: int,
+    found: SearchResult,
+    baselines: list[SearchResult],
+    progress: Callable[[str], None] | None = None,
+) -> MeasuredSearch:
+    """Measure up to ``k`` finalists, then up to ``k`` more planned with room to spare if none fits (see
+    NOTE [ Measured search ]). ``problem.finalists`` holds the pool; ``budget_bytes`` is the user's budget."""
+    pool = problem.finalists
+    if pool is None:
+        raise ValueError("measure() needs a problem searched with finalists (Problem.finalists)")
+    out = MeasuredSearch(budget_bytes)
+    samples = problem.workload.batch_size * problem.workload.grad_accum
+    distance = min_distance(problem)
+
+    def run(picks: list[Finalist]) -> None:
+        for f in picks:
+            if progress is not None:
+                progress(f"measuring finalist {len(out.rows) + 1} on {backend.device}")
+            peak, iter_s = backend(f.actions, f.options)
+            out.rows.append(Measured(f, label_of(problem, f, found, baselines), int(peak), float(iter_s), samples))
+
+    run(pool.pick(k, 0.0, min_distance=distance))
+    if not out.rows:
+        out.note = "no policy fits the budget on the simulator: nothing to measure"
+        return out
+    if not any(m.fits(budget_bytes) for m in out.rows):
+        over = max(m.peak_bytes / m.finalist.result.peak_bytes for m in out.rows)
+        room = 1 - budget_bytes / (over * problem.budget_bytes)  # the share of the planned budget to keep free
+        margin = next((m for m in MARGINS if m >= room), MARGINS[-1])
+        seen = {m.finalist.key for m in out.rows}
+        more = pool.pick(k, margin, min_distance=distance, exclude=seen)
+        out.note = (
+            f"no finalist fit when measured (up to {over - 1:+.2%} over its plan): measuring {len(more)} planned "
+            f"with {margin:.0%} of the budget free"
+        )
+        run(more)
+    fitting = [m for m in out.rows if m.fits(budget_bytes)]
+    out.chosen = max(fitting, key=lambda m: m.samples_per_s) if fitting else None
+    return out
+
+
+def answer_policy(problem: Problem, chosen: Measured, found: SearchResult, budget_bytes: int) -> Policy:
+    """The chosen finalist as a policy file: planned figures, the measurement, the search's provenance."""
+    f, r = chosen.finalist, chosen.finalist.result
+    policy = Policy.from_vector(
+        problem.workload,
+        f.actions,
+        hardware=problem.hardware.name,
+        budget_bytes=budget_bytes,
+        options=f.options,
+        searcher=found.searcher if chosen.label == "the search's answer" else f"{found.searcher} (measured)",
+        trials=problem.evaluations,
+        predicted=Prediction(r.peak_bytes, r.iter_s, r.samples_per_s),
+        wall_s=found.wall_s,
+    )
+    policy.measured = Prediction(chosen.peak_bytes, chosen.iter_s, chosen.samples_per_s)
+    return policy
