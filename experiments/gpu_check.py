@@ -10,9 +10,10 @@ In order, each step bounded in time, the whole run meant to fit in 8 minutes on 
 3. experiments/bench_runtime.py --device cuda for ResNet-50 at batch 64 and GPT-2 small at 8 x 1024:
    hooks against plain PyTorch, per-block recompute against torch.utils.checkpoint, predicted against
    measured peak and time for six policies on the detected profile (a real-mode CUDA trace).
-4. End to end, as a user runs it: ``autotune search --gpu <detected>`` (a fake trace on this machine's CPU,
-   30 s of search) then ``autotune train --device cuda`` under that policy: predicted against measured
-   samples/s and peak, and the measured peak against the budget.
+4. End to end, as a user runs it: ``autotune search --gpu <detected>`` (the plan is for this GPU, so a
+   real-mode CUDA trace, 30 s of search, then the default ``--measure 5``: the finalists trained on the GPU,
+   NOTE [ Measured search ]) then ``autotune train --device cuda`` under the answer: predicted against
+   measured samples/s and peak, and the measured peak against the budget.
 5. The fake-mode trace's no-policy peak against the allocator's (what GPU-faithful traces must close).
 
 Figures go to stdout and, as JSON fixtures, to ``--out`` (default ``$OUT``, else ``gpu-check/``).
@@ -97,8 +98,17 @@ def end_to_end(model: str, batch: int, seq: int | None, budget: str, out: Path, 
         "model": model, "batch": batch, "seq_len": seq, "budget_bytes": plan.get("budget_bytes"),
         "planned_peak_bytes": plan.get("peak_bytes"), "planned_samples_per_s": plan.get("samples_per_s"),
         "measured": got.get("measured"), "predicted": got.get("predicted"), "error": got.get("error"),
-        "out_of_memory": got.get("out_of_memory"),
+        "out_of_memory": got.get("out_of_memory"), "search_measured": plan.get("measured"),
+        "finalists": plan.get("finalists"),
     }  # fmt: skip
+    f = plan.get("finalists") or {}
+    if f.get("finalists"):
+        print(
+            f"   {model}: measured search: {len(f['finalists'])} finalists, answer #{f.get('chosen')}, time scale "
+            f"{f.get('time_scale')}, plan time error {f.get('plan_time_error')} -> {f.get('plan_time_error_scaled')} "
+            "scaled by the other finalists",
+            flush=True,
+        )
     measured = got.get("measured") or {}
     if measured and plan.get("samples_per_s"):
         ratio = measured["samples_per_s"] / plan["samples_per_s"]

@@ -195,10 +195,21 @@ def test_ctrl_c_keeps_the_best_policy_and_says_how_to_resume(
     assert code == 130 and out.exists() and "resume with --storage" in err
 
 
-def test_default_reserve_on_gpu_profiles(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "100MB"]
-    code, _, err = run(capsys, *args)
-    assert code == 2 and "the default reserve (128.00 MiB) is not below the budget (100MB)" in err, err
+def test_a_budget_below_the_default_reserve_names_a_budget_that_works(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The first error names the budget to use (the reserve included), and that budget is then accepted:
+    one error, not a chain of them (a 1KB budget used to suggest --reserve 0, which failed next)."""
+    args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb"]
+    for budget in ("1KB", "100MB"):
+        code, _, err = run(capsys, *args, "--budget", budget)
+        assert code == 2 and "128.00 MiB reserve for workspaces (--reserve) included" in err, err
+        assert err.count("error:") == 1 and "--reserve 0" not in err
+    suggested = err.split("autotune can meet ")[1].split(" (")[0]  # e.g. "313.10 MiB"
+    store = f"sqlite:///{tmp_path / 's.db'}"
+    code, stdout, err = run(capsys, *args, "--budget", suggested.replace(" ", ""), "--timeout", "5", "--trials", "3",
+                            "--out", str(tmp_path / "p.json"), "--storage", store, "--json")  # fmt: skip
+    assert code == 0 and json.loads(stdout)["feasible"], err
 
 
 def test_a_trial_orphaned_while_sampling_is_failed_and_retried(tmp_path: Path) -> None:

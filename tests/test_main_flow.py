@@ -1,0 +1,402 @@
+"""The main flow as users run it, from the CLI with the defaults they type: `search` (no --batch-size, no
+--seq-len) -> `simulate --policy` -> `train --policy` -> ``load_policy`` and ``policy.applied(model)`` in a
+plain loop; `search --measure` (NOTE [ Measured search ]); and the refusals that must come early, in one
+line, with nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from agents.finalists import Finalists
+from autotune.models import build_model
+from autotune.workloads import TraceRequest, trace_model
+from envs.memory_env import RealBackend
+from envs.simulator import SimResult
+from runtime.errors import AutotuneError
+from runtime.policy import PolicyOptions, load_policy
+from tests.test_cli import run
+
+ROOT = Path(__file__).resolve().parents[1]
+CNN = "experiments.user_models:groupnorm_cnn"  # GroupNorm, no BatchNorm; default batch 8 at 64 px
+LLAMA = "experiments.user_models:tiny_llama"  # a decoder; its factory's default batch and sequence length
+
+
+def _peak(capsys: pytest.CaptureFixture[str], model: str) -> int:
+    code, out, err = run(capsys, "profile", "--model", model, "--gpu", "cpu", "--json")
+    assert code == 0, err
+    return int(json.loads(out)["peak_bytes"])
+
+
+def _plain_and_applied(model: str, policy_path: Path, steps: int = 2) -> tuple[list[float], list[float], int]:
+    """Losses of ``steps`` SGD steps without and with ``policy.applied`` (same seed, same batch), and what
+    the runtime did in its last step (bytes swapped, ops replayed, regions recomputed: 0 for all-keep)."""
+    losses: dict[bool, list[float]] = {False: [], True: []}
+    dropped = 0
+    policy = load_policy(policy_path)
+    for use in (False, True):
+        torch.manual_seed(0)
+        entry = build_model(model)
+        opt = torch.optim.SGD(entry.module.parameters(), lr=0.1)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            if use:
+                with policy.applied(entry.module) as stats:
+                    loss = entry.loss_fn(entry.module, entry.batch)
+                    loss.backward()
+                dropped = stats.swapped_bytes + stats.recomputed_ops + stats.regions
+            else:
+                loss = entry.loss_fn(entry.module, entry.batch)
+                loss.backward()
+            opt.step()
+            losses[use].append(loss.item())
+    return losses[False], losses[True], dropped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [CNN, LLAMA])
+def test_search_simulate_train_applied_from_the_defaults(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, model: str
+) -> None:
+    """No --batch-size, no --seq-len anywhere: each step takes the previous one's file as it is."""
+    budget = str(int(_peak(capsys, model) * 0.8))
+    out, store = tmp_path / "p.json", f"sqlite:///{tmp_path / 's.db'}"
+    code, stdout, err = run(capsys, "search", "--model", model, "--budget", budget, "--gpu", "cpu", "--timeout", "8",
+                            "--out", str(out), "--storage", store, "--json")  # fmt: skip
+    assert code == 0, err
+    found = json.loads(stdout)
+    assert found["feasible"] and found["written"] and found["peak_bytes"] <= int(budget)
+    code, stdout, err = run(capsys, "simulate", "--policy", str(out), "--json")
+    assert code == 0, err
+    simulated = json.loads(stdout)
+    assert simulated["peak_bytes"] == found["peak_bytes"]  # the real-mode trace of the search, traced again
+    code, stdout, err = run(capsys, "train", "--policy", str(out), "--steps", "1", "--json")
+    assert code == 0, err
+    trained = json.loads(stdout)
+    assert trained["unknown_keys"] == [] and trained["out_of_memory"] is None
+    peak, planned = trained["measured"]["peak_bytes"], trained["predicted"]["peak_bytes"]
+    assert abs(peak - planned) <= 0.03 * planned, (peak, planned)
+    plain, applied, dropped = _plain_and_applied(model, out)
+    assert applied == plain  # bit-identical losses, the second after a step on the policy's gradients
+    assert dropped > 0  # the policy did something: a policy that fits 80% of the peak must drop tensors
+
+
+@pytest.mark.slow
+def test_a_zoo_transformer_searched_without_seq_len_simulates(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """GPT-2 at its default batch and sequence length: the policy's shape is the one `simulate` traces."""
+    out, store = tmp_path / "g.json", f"sqlite:///{tmp_path / 'g.db'}"
+    code, stdout, err = run(capsys, "search", "--model", "gpt2", "--budget", "14GB", "--gpu", "a100-40gb", "--timeout",
+                            "5", "--trials", "3", "--out", str(out), "--storage", store, "--json")  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out.read_text())["seq_len"] == 1024
+    code, stdout, err = run(capsys, "simulate", "--policy", str(out), "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["peak_bytes"] == json.loads(out.read_text())["predicted"]["peak_bytes"]
+
+
+def test_defaults_and_the_same_defaults_spelled_out_trace_alike() -> None:
+    spelled = {"batch_size": 4, "seq_len": None}  # tiny_llama's own defaults (a factory keeps its seq_len)
+    a, _ = trace_model(TraceRequest(model=LLAMA))
+    b, _ = trace_model(TraceRequest(model=LLAMA, **spelled))  # type: ignore[arg-type]
+    assert (a.fingerprint, a.shape_fingerprint) == (b.fingerprint, b.shape_fingerprint)
+    c, _ = trace_model(TraceRequest(model="resnet18"))
+    d, _ = trace_model(TraceRequest(model="resnet18", batch_size=64))
+    assert (c.fingerprint, c.shape_fingerprint) == (d.fingerprint, d.shape_fingerprint)
+
+
+# -- search --measure ------------------------------------------------------------------------------------------
+def test_measure_answers_with_a_measured_policy(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    budget = int(_peak(capsys, CNN) * 0.8)
+    out, store = tmp_path / "m.json", f"sqlite:///{tmp_path / 'm.db'}"
+    code, stdout, err = run(capsys, "search", "--model", CNN, "--budget", str(budget), "--gpu", "cpu", "--timeout",
+                            "6", "--measure", "2", "--out", str(out), "--storage", store, "--json")  # fmt: skip
+    assert code == 0, err
+    got = json.loads(stdout)
+    rows = got["finalists"]["finalists"]
+    assert 1 <= len(rows) <= 2 and got["finalists"]["chosen"] is not None
+    chosen = rows[got["finalists"]["chosen"]]
+    assert chosen["fits"] and chosen["measured"]["peak_bytes"] <= budget
+    assert got["measured"]["peak_bytes"] == chosen["measured"]["peak_bytes"]
+    assert max(r["measured"]["samples_per_s"] for r in rows if r["fits"]) == got["measured"]["samples_per_s"]
+    written = json.loads(out.read_text())
+    assert written["measured"]["peak_bytes"] == got["measured"]["peak_bytes"]
+    assert written["predicted"]["peak_bytes"] == chosen["predicted"]["peak_bytes"]
+
+
+class _Device:
+    """A device that holds ``over`` times each plan's peak and runs at the planned speed."""
+
+    device = "fake"
+
+    def __init__(self, planned: dict[bytes, SimResult], over: float) -> None:
+        self.planned, self.over, self.calls = planned, over, 0
+
+    def __call__(self, actions: np.ndarray, options: PolicyOptions | None = None) -> tuple[int, float]:
+        self.calls += 1
+        r = self.planned[np.asarray(actions, dtype=np.int8).tobytes()]
+        return int(r.peak_bytes * self.over), r.iter_s
+
+
+def _result(peak: int, speed: float, budget: int = 1000) -> SimResult:
+    return SimResult(peak, 1 / speed, speed, 1 / speed, 0.0, 0.0, 0.0, 0, 0, peak <= budget, budget, 0)
+
+
+def test_measure_tries_policies_with_room_when_the_first_ones_measure_over() -> None:
+    """NOTE [ Measured search ] on hand-made finalists (budget 1000 bytes): a device that holds 2% more than
+    every plan fails the two fastest (planned at 1000 and 995); 2% over asks for 1.96% of the budget free,
+    so the 3% tier is drawn (planned at 960 and 890), both fit, and the faster (960) is the answer. At 20%
+    over only the 10% tier is drawn (890 -> 1068): nothing fits, and there is no answer."""
+    from agents.base import Problem, SearchResult, Status
+    from autotune.measured import measure
+    from runtime.policy import Policy
+    from tests.synthetic import chain_workload, fixed_profile
+
+    w = chain_workload(4, 100, 1e-3)
+    problem = Problem(w, fixed_profile(), 1000)
+    problem.finalists = Finalists(1000, capacity=8)
+    plans = {
+        (1, 0, 0, 0): (1000, 100.0),
+        (2, 2, 0, 0): (995, 95.0),
+        (1, 1, 1, 0): (960, 90.0),
+        (2, 2, 2, 2): (890, 50.0),
+    }
+    planned = {}
+    for vec, (peak, speed) in plans.items():
+        actions = np.array(vec, dtype=np.int8)
+        planned[actions.tobytes()] = _result(peak, speed)
+        problem.finalists.offer(actions, problem.options, planned[actions.tobytes()])
+    first = np.array((1, 0, 0, 0), dtype=np.int8)
+    found = SearchResult("hand", Policy.from_vector(w, first, hardware="fixed"), planned[first.tobytes()],
+                         Status.FEASIBLE, 0.0, 0)  # fmt: skip
+    device = _Device(planned, 1.02)
+    got = measure(problem, device, 2, budget_bytes=1000, found=found, baselines=[])  # type: ignore[arg-type]
+    assert [m.finalist.result.peak_bytes for m in got.rows] == [1000, 995, 960, 890]
+    assert [m.fits(1000) for m in got.rows] == [False, False, True, True]
+    assert got.chosen is got.rows[2] and got.chosen.peak_bytes == 979 and got.rows[0].label == "the search's answer"
+    assert "3% of the budget free" in got.note
+    got = measure(problem, _Device(planned, 1.2), 2, budget_bytes=1000, found=found, baselines=[])  # type: ignore[arg-type]
+    assert [m.finalist.result.peak_bytes for m in got.rows] == [1000, 995, 890] and got.chosen is None
+    assert got.lowest_peak() == 1068
+
+
+def test_nothing_that_fits_when_measured_is_an_error_and_nothing_is_written(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from autotune import search as sr
+
+    budget = int(_peak(capsys, CNN) * 0.8)
+
+    def too_big(self: RealBackend, actions: np.ndarray, options: PolicyOptions | None = None) -> tuple[int, float]:
+        return budget * 2, 0.1
+
+    monkeypatch.setattr(RealBackend, "__call__", too_big)
+    out, store = tmp_path / "o.json", f"sqlite:///{tmp_path / 'o.db'}"
+    code, _, err = run(capsys, "search", "--model", CNN, "--budget", str(budget), "--gpu", "cpu", "--timeout", "4",
+                       "--measure", "2", "--out", str(out), "--storage", store)  # fmt: skip
+    assert code == 1 and not out.exists()
+    line = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "no policy fits" in line[0] and "when trained" in line[0]
+    assert f"lowest measured peak of 4 finalists is {sr.format_bytes(budget * 2)}" in line[0], line
+
+
+def test_measure_needs_the_planned_device_here(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "search", "--model", CNN, "--budget", "1GB", "--gpu", "a100-40gb", "--measure", "2")
+    assert code == 2 and "not on this machine" in err and "--gpu cpu" in err
+    code, _, err = run(capsys, "search", "--model", CNN, "--budget", "1GB", "--gpu", "cpu", "--device", "cuda")
+    assert code == 2 and "--device cuda" in err
+    code, _, err = run(capsys, "search", "--model", CNN, "--budget", "1GB", "--gpu", "cpu", "--measure", "-1")
+    assert code == 2 and "invalid --measure -1" in err
+
+
+def test_finalists_keep_the_fastest_distinct_policies_per_margin() -> None:
+    def result(peak: int, speed: float) -> SimResult:
+        return SimResult(peak, 1 / speed, speed, 1 / speed, 0.0, 0.0, 0.0, 0, 0, peak <= 1000, 1000, 0)
+
+    pool = Finalists(budget_bytes=1000, capacity=2)
+    opts = PolicyOptions()
+    vec = [np.array(v, dtype=np.int8) for v in ([0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [2, 2, 2, 2], [2, 2, 0, 0])]
+    pool.offer(vec[0], opts, result(1200, 100.0))  # over budget: never a finalist
+    pool.offer(vec[1], opts, result(1000, 90.0))  # tier 0 only
+    pool.offer(vec[2], opts, result(985, 80.0))  # tiers 0 and 1%
+    pool.offer(vec[2], opts, result(985, 80.0))  # the same policy again: one entry
+    pool.offer(vec[3], opts, result(900, 50.0))  # every tier
+    pool.offer(vec[4], opts, result(960, 70.0))  # tiers 0, 1% and 3%
+    assert [f.result.samples_per_s for f in pool.ranked(0.0)] == [90.0, 80.0]  # capacity 2: the fastest
+    assert [f.result.samples_per_s for f in pool.ranked(0.01)] == [80.0, 70.0]
+    assert [f.result.samples_per_s for f in pool.ranked(0.03)] == [70.0, 50.0]
+    assert [f.result.samples_per_s for f in pool.ranked(0.1)] == [50.0]
+    # vec[1] and vec[2] differ in 2 candidates: with min_distance 3 the second is skipped.
+    assert [f.result.samples_per_s for f in pool.pick(2, 0.0, min_distance=3)] == [90.0]
+    assert [f.result.samples_per_s for f in pool.pick(2, 0.0, min_distance=2)] == [90.0, 80.0]
+    vec[3][:] = 0  # a searcher changing its vector in place changes no finalist
+    assert pool.ranked(0.1)[0].actions.tolist() == [2, 2, 2, 2]
+
+
+# -- refusals --------------------------------------------------------------------------------------------------
+def test_train_refuses_another_models_policy_before_tracing_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "cnn.json"
+    code, _, err = run(capsys, "simulate", "--model", CNN, "--gpu", "cpu", "--action", "recompute", "--save-policy",
+                       str(out))  # fmt: skip
+    assert code == 0, err
+    import autotune.train as tr
+
+    def no_trace(*a: object, **k: object) -> None:
+        raise AssertionError("the wrong model was traced")
+
+    monkeypatch.setattr(tr, "trace_model", no_trace)
+    code, _, err = run(capsys, "train", "--policy", str(out), "--model", LLAMA, "--steps", "1")
+    assert code == 2 and "applied to a model with other parameters" in err and str(out) in err
+
+
+def test_applied_refuses_another_model_unless_told(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r18.json"
+    code, _, err = run(capsys, "simulate", "--model", "resnet18", "--batch-size", "2", "--gpu", "cpu", "--action",
+                       "recompute", "--save-policy", str(out))  # fmt: skip
+    assert code == 0, err
+    policy = load_policy(out)
+    entry = build_model("resnet34", batch_size=2, image_size=32)
+    with pytest.raises(AutotuneError, match="other parameters"), policy.applied(entry.module):
+        pass
+    with pytest.warns(UserWarning), policy.applied(entry.module, strict=False):  # keys it does not know: kept
+        entry.loss_fn(entry.module, entry.batch).backward()
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("sqlite:////nonexistent-folder/x.db", "unable to open database file"),
+        ("not-a-url", "Could not parse"),
+        ("postgresql://u:p@127.0.0.1:1/db", "onnect"),  # nothing listens on port 1
+    ],
+)
+def test_storage_errors_are_input_errors_before_tracing(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, url: str, says: str
+) -> None:
+    import autotune.cli as cli
+
+    monkeypatch.setattr(cli, "_trace", lambda req: pytest.fail("traced before the storage was checked"))
+    code, _, err = run(capsys, "search", "--model", "resnet18", "--budget", "1GB", "--gpu", "a100-40gb", "--storage",
+                       url)  # fmt: skip
+    assert code == 2 and f"--storage {url}: cannot open it" in err and says in err, err
+    assert "internal error" not in err
+
+
+def test_ctrl_c_in_optuna_prints_no_traceback(tmp_path: Path) -> None:
+    """A real interrupt inside an Optuna trial (a subprocess: Optuna's log handler writes to the real stderr)."""
+    script = textwrap.dedent(
+        f"""
+        import agents.optuna_search as opt
+        from autotune.cli import main
+        real, calls = opt.rule_actions, [0]
+        def interrupted(*a, **k):
+            calls[0] += 1
+            if calls[0] == 5:
+                raise KeyboardInterrupt
+            return real(*a, **k)
+        opt.rule_actions = interrupted
+        main(["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "200MB",
+              "--reserve", "8MiB", "--out", r"{tmp_path / "p.json"}", "--storage", r"sqlite:///{tmp_path / "c.db"}"])
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
+    assert "failed with value None" not in proc.stderr
+    assert "interrupted: the best policy so far is in" in proc.stderr
+    assert load_policy(tmp_path / "p.json").predicted is not None  # what was written is a whole policy
+
+
+def test_sigint_during_a_search_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autotune.cli", "search", "--model", "resnet18", "--batch-size", "4", "--gpu",
+         "a100-40gb", "--budget", "200MB", "--reserve", "8MiB", "--timeout", "120", "--out", str(tmp_path / "p.json"),
+         "--storage",
+         f"sqlite:///{tmp_path / 's.db'}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    time.sleep(12)  # tracing, the baselines, then Optuna
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr, stderr
+
+
+def test_resuming_a_study_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 'r.db'}"
+    args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "200MB",
+            "--reserve", "8MiB", "--searcher", "optuna-tpe", "--storage", store,
+            "--out", str(tmp_path / "p.json")]  # fmt: skip
+    code, _, err = run(capsys, *args, "--trials", "3")
+    assert code == 0 and "resuming" not in err, err
+    code, _, err = run(capsys, *args, "--trials", "5")
+    assert code == 0 and "3 trials found, running up to 2 more (--trials is the study's total)" in err, err
+
+
+def test_no_policy_that_fits_is_an_error_and_nothing_is_written(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from agents.base import Problem
+    from autotune.search import budget_floor
+    from runtime.hardware import get_profile
+
+    w, _ = trace_model(TraceRequest(model="resnet18", batch_size=4))
+    floor = budget_floor(Problem(w, get_profile("a100-40gb"), 1))
+    out = tmp_path / "p.json"
+    budget = str(floor + 1)  # above what any policy needs at one op, far below what a whole step needs
+    code, stdout, err = run(capsys, "search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb",
+                            "--budget", budget, "--reserve", "0", "--timeout", "4", "--trials", "3", "--out", str(out),
+                            "--storage", f"sqlite:///{tmp_path / 'n.db'}", "--json")  # fmt: skip
+    assert code == 1 and not out.exists(), err
+    assert not json.loads(stdout)["written"]
+    line = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "the lowest peak reached is" in line[0] and "nothing written" in line[0]
+
+
+def test_a_budget_above_the_gpus_memory_is_flagged(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, "search", "--model", "resnet18", "--batch-size", "4", "--gpu", "v100-16gb", "--budget",
+                       "40GB", "--timeout", "2", "--trials", "2", "--out", str(tmp_path / "p.json"), "--storage",
+                       f"sqlite:///{tmp_path / 'f.db'}")  # fmt: skip
+    assert code == 0 and "warning: the budget is more than the" in err and "v100-16gb" in err
+
+
+# -- small things ----------------------------------------------------------------------------------------------
+def test_help_keeps_its_defaults() -> None:
+    proc = subprocess.run([sys.executable, "-m", "autotune.cli", "search", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "COLUMNS": "240"})  # fmt: skip
+    assert "Batch size [default: the model's, 64 for CNNs, 8 for LMs]" in proc.stdout, proc.stdout
+    assert "Batch size ." not in proc.stdout
+
+
+def test_a_closed_pipe_is_not_an_error() -> None:
+    proc = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m autotune.cli models | head -c 5"],
+                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout == "alexn" and proc.stderr == "", proc.stderr
+
+
+def test_progress_shows_where_stderr_is_no_terminal(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Piped or logged, the bar does not draw: plain progress lines instead (every 10 s; here every report)."""
+    from autotune import search as sr
+
+    monkeypatch.setattr(sr, "PLAIN_EVERY_S", 0.0)
+    code, _, err = run(capsys, "search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget",
+                       "200MB", "--reserve", "8MiB", "--trials", "3", "--out", str(tmp_path / "p.json"), "--storage",
+                       f"sqlite:///{tmp_path / 'g.db'}")  # fmt: skip
+    assert code == 0, err
+    lines = [x for x in err.splitlines() if " s: " in x]
+    assert any("baseline" in x for x in lines) and any("trial" in x and "samples/s" in x for x in lines), err
