@@ -81,6 +81,12 @@ class MeasuredSearch:
         ratios = [m.iter_s / m.finalist.result.iter_s for m in self.rows if math.isfinite(m.iter_s)]
         return statistics.median(ratios) if ratios else None
 
+    def calibrated_iter_s(self, row: Measured) -> float | None:
+        """``row``'s planned time scaled by the median measured / planned ratio of the *other* finalists that
+        ran (None: no other did): a prediction this device's measurements corrected, not fitted to ``row``."""
+        ratios = [o.iter_s / o.finalist.result.iter_s for o in self.rows if o is not row and math.isfinite(o.iter_s)]
+        return row.finalist.result.iter_s * statistics.median(ratios) if ratios else None
+
     def errors(self) -> tuple[float, float | None] | None:
         """(largest relative time error of the plan; the same once each finalist's prediction is scaled by
         the median measured / predicted ratio of the *other* finalists, None with one finalist): how far
@@ -91,10 +97,7 @@ class MeasuredSearch:
         before = max(abs(m.finalist.result.iter_s / m.iter_s - 1) for m in ran)
         if len(ran) < 2:
             return before, None
-        after = 0.0
-        for m in ran:
-            others = statistics.median(o.iter_s / o.finalist.result.iter_s for o in ran if o is not m)
-            after = max(after, abs(others * m.finalist.result.iter_s / m.iter_s - 1))
+        after = max(abs((self.calibrated_iter_s(m) or m.iter_s) / m.iter_s - 1) for m in ran)
         return before, after
 
     def lowest_peak(self) -> int | None:

@@ -327,10 +327,18 @@ def to_json(outcome: SearchOutcome) -> dict[str, Any]:
 
 
 def _measured_json(outcome: SearchOutcome) -> dict[str, Any] | None:
-    m = outcome.measured.chosen if outcome.measured is not None else None
-    if m is None:
+    """The answer as measured, and its planned time corrected by the other finalists' measurements."""
+    ms = outcome.measured
+    m = ms.chosen if ms is not None else None
+    if ms is None or m is None:
         return None
-    return {"peak_bytes": m.peak_bytes, "iter_s": m.iter_s, "samples_per_s": m.samples_per_s}
+    calibrated = ms.calibrated_iter_s(m)
+    return {
+        "peak_bytes": m.peak_bytes,
+        "iter_s": m.iter_s,
+        "samples_per_s": m.samples_per_s,
+        "calibrated_samples_per_s": m.samples / calibrated if calibrated else None,
+    }
 
 
 def render(out: Console, outcome: SearchOutcome) -> None:

@@ -74,12 +74,17 @@ def _print(run: dict[str, Any], stderr: str) -> None:
     planned, measured = run["planned_samples_per_s"], m["samples_per_s"]
     err = planned / measured - 1
     fits = m["peak_bytes"] <= run["budget_bytes"]
-    scaled = f["plan_time_error_scaled"]
+    scaled, calibrated = f["plan_time_error_scaled"], m["calibrated_samples_per_s"]
+    cal = ""
+    if calibrated:
+        cal_err = calibrated / measured - 1
+        cal = (f"; planned x the other finalists' time scale {calibrated:.1f} ({cal_err:+.1%}, target 15%: "
+               f"{'met' if abs(cal_err) <= 0.15 else 'missed'})")  # fmt: skip
     print(
         f"{head}: measured peak {m['peak_bytes'] / 2**20:.2f} MiB <= budget {run['budget_bytes'] / 2**20:.2f} MiB: "
-        f"{'met' if fits else 'MISSED'}; samples/s planned {planned:.1f} vs measured {measured:.1f} ({err:+.1%}, "
-        f"target 15%: {'met' if abs(err) <= 0.15 else 'missed'}); {len(f['finalists'])} finalists, time scale "
-        f"{f['time_scale']:.3f}, plan time error {f['plan_time_error']:.1%}"
+        f"{'met' if fits else 'MISSED'}; samples/s measured {measured:.1f}, planned {planned:.1f} ({err:+.1%}, "
+        f"target 15%: {'met' if abs(err) <= 0.15 else 'missed'}){cal}; {len(f['finalists'])} finalists, time "
+        f"scale {f['time_scale']:.3f}, plan time error {f['plan_time_error']:.1%}"
         + (f" -> {scaled:.1%} scaled by the others" if scaled is not None else ""),
         flush=True,
     )

@@ -116,6 +116,54 @@ def test_defaults_and_the_same_defaults_spelled_out_trace_alike() -> None:
     assert (c.fingerprint, c.shape_fingerprint) == (d.fingerprint, d.shape_fingerprint)
 
 
+def _train_one_step(capsys: pytest.CaptureFixture[str], policy: Path) -> dict[str, object]:
+    """`simulate --policy` then `train --policy --steps 1` on a policy file as written: both accept it, the
+    run knows every key and its measured peak is within 3% of the prediction for this device."""
+    code, _, err = run(capsys, "simulate", "--policy", str(policy), "--json")
+    assert code == 0, err
+    code, stdout, err = run(capsys, "train", "--policy", str(policy), "--steps", "1", "--json")
+    assert code == 0, err
+    got = json.loads(stdout)
+    assert got["unknown_keys"] == [] and got["out_of_memory"] is None
+    peak, planned = got["measured"]["peak_bytes"], got["predicted"]["peak_bytes"]
+    assert abs(peak - planned) <= 0.03 * planned, (policy.name, peak, planned)
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [CNN, LLAMA])
+def test_every_command_that_writes_a_policy_writes_one_that_trains(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, model: str
+) -> None:
+    """`simulate --save-policy`, `baselines --save`, `maxbatch` and `sweep --out-dir`, with no --batch-size
+    and no --seq-len: each file goes on to `simulate --policy` and `train --policy --steps 1`."""
+    peak = _peak(capsys, model)
+    budget = str(int(peak * 0.85))
+    written: list[Path] = []
+    saved = tmp_path / "simulate.json"
+    code, _, err = run(capsys, "simulate", "--model", model, "--gpu", "cpu", "--action", "recompute", "--save-policy",
+                       str(saved))  # fmt: skip
+    assert code == 0, err
+    written.append(saved)
+    code, _, err = run(capsys, "baselines", "--model", model, "--gpu", "cpu", "--budget", budget, "--only",
+                       "checkpoint-sqrt,capuchin", "--save", str(tmp_path / "baselines"))  # fmt: skip
+    assert code == 0, err
+    written += sorted((tmp_path / "baselines").glob("*.policy.json"))
+    code, _, err = run(capsys, "maxbatch", "--model", model, "--gpu", "cpu", "--budget", str(int(peak * 1.5)),
+                            "--start-batch", "4", "--per-size", "2", "--out", str(tmp_path / "maxbatch.json"),
+                            "--json")  # fmt: skip
+    assert code == 0, err
+    written.append(tmp_path / "maxbatch.json")
+    code, _, err = run(capsys, "sweep", "--models", model, "--budgets", budget, "--gpu", "cpu", "--trials", "4",
+                       "--methods", "baselines,optuna", "--storage", f"sqlite:///{tmp_path / 'sw.db'}",
+                       "--out-dir", str(tmp_path / "sweep"))  # fmt: skip
+    assert code == 0, err
+    written += sorted((tmp_path / "sweep").glob("*.json"))
+    assert len(written) >= 5, written
+    for path in written:
+        _train_one_step(capsys, path)
+
+
 # -- search --measure ------------------------------------------------------------------------------------------
 def test_measure_answers_with_a_measured_policy(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     budget = int(_peak(capsys, CNN) * 0.8)

@@ -14,7 +14,7 @@ from agents.base import RELEASES, Problem, baseline_names, better, get_searcher
 from agents.refine import refine
 from agents.rule import LOOKAHEADS, RuleParams, ranked_moves, rule_actions
 from envs.simulator import KEEP, RECOMPUTE, SWAP
-from runtime.policy import PolicyOptions
+from runtime.policy import PolicyOptions, load_policy
 from runtime.workload import peak_report
 from tests.synthetic import chain_workload, fixed_profile
 from tests.test_cli import run
@@ -192,7 +192,9 @@ def test_ctrl_c_keeps_the_best_policy_and_says_how_to_resume(
     code, _, err = run(
         capsys, *SEARCH, "--budget", "200MB", "--out", str(out), "--storage", f"sqlite:///{tmp_path / 'i.db'}"
     )
-    assert code == 130 and out.exists() and "resume with --storage" in err
+    assert code == 130 and "resume with --storage" in err
+    kept = load_policy(out)  # a whole policy, that fits what the search planned for
+    assert kept.predicted is not None and kept.predicted.peak_bytes <= 200_000_000 - 8 * 2**20
 
 
 def test_a_budget_below_the_default_reserve_names_a_budget_that_works(
