@@ -104,6 +104,13 @@ class _Tensor:
     readers: list[int] = field(default_factory=list)
 
 
+# BatchNorm's saved mean and inverse standard deviation (outputs 1 and 2): the CPU and CUDA kernels keep them
+# in float32 for bfloat16 and float16 inputs (their accumulation type), where the meta kernels that
+# FakeTensorMode runs give them the input's dtype, half the bytes. Real-mode traces see the real ones.
+_FP32_STATS = frozenset({"aten.native_batch_norm.default", "aten._native_batch_norm_legit.default",
+                         "aten.cudnn_batch_norm.default", "aten.miopen_batch_norm.default"})  # fmt: skip
+
+
 class _Recorder(TorchDispatchMode):
     """Records ops, storages and their releases (NOTE [ What is recorded ])."""
 
@@ -127,18 +134,21 @@ class _Recorder(TorchDispatchMode):
         self._host_entry: list[float] | None = [] if self._cuda_memory else None
 
     # -- storages ----------------------------------------------------------------------------------------
-    def register(self, t: torch.Tensor, kind: TensorKind, alloc_op: int = -1) -> int:
+    def register(self, t: torch.Tensor, kind: TensorKind, alloc_op: int = -1, fp32: bool = False) -> int:
+        """``fp32``: the real kernel makes this output in float32 where the meta kernel said otherwise
+        (:data:`_FP32_STATS`): count its bytes and dtype as the real one."""
         storage = t.untyped_storage()
         tid = self.ids.get(storage)
         if tid is not None:
             return tid
         tid = len(self.tensors)
+        widen = fp32 and t.dtype.is_floating_point and t.dtype.itemsize < 4
         self.tensors.append(
             _Tensor(
                 tid,
-                storage.nbytes(),
+                storage.nbytes() * (4 // t.dtype.itemsize) if widen else storage.nbytes(),
                 tuple(t.shape),
-                str(t.dtype).removeprefix("torch."),
+                "float32" if widen else str(t.dtype).removeprefix("torch."),
                 kind,
                 alloc_op,
                 phase=self.phase if alloc_op >= 0 else None,
@@ -184,7 +194,8 @@ class _Recorder(TorchDispatchMode):
             tid = self.register(t, TensorKind.BUFFER)  # unseen storage: state created before the capture
             if tid not in inputs:
                 inputs.append(tid)
-        outputs = [self.register(t, TensorKind.TEMPORARY, alloc_op=index) for t in new]
+        stats = {id(t) for t in out_tensors[1:3]} if str(func) in _FP32_STATS else set()
+        outputs = [self.register(t, TensorKind.TEMPORARY, alloc_op=index, fp32=id(t) in stats) for t in new]
         for t in written:
             tid = self.register(t, TensorKind.BUFFER)
             if tid not in outputs:
