@@ -11,7 +11,7 @@ import torch
 
 from autotune.models import build_model
 from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, Simulator, uniform_actions
-from runtime.apply import PolicyRuntime
+from runtime.apply import PolicyRuntime, RuntimeStats
 from runtime.errors import AutotuneError
 from runtime.hardware import get_profile
 from runtime.measure import run_iterations
@@ -49,13 +49,30 @@ def _policies(w: Workload) -> dict[str, np.ndarray]:
 
 
 def _step(name: str, kwargs: dict, policy: Policy | None, device: str = "cpu", precision: str = "fp32"):  # type: ignore[no-untyped-def,type-arg]
+    return _step_and_stats(name, kwargs, policy, device, precision)[:3]
+
+
+def _step_and_stats(name: str, kwargs: dict, policy: Policy | None, device: str = "cpu", precision: str = "fp32"):  # type: ignore[no-untyped-def,type-arg]
+    """One step: the loss, gradients, buffers, and what the runtime did (None without a policy)."""
     model, batch, loss_fn = _build(name, kwargs, device)()
     torch.manual_seed(123)  # dropout masks: the same stream with and without a policy
     step = TrainStep(precision, torch.device(device).type)  # fp16: loss scaled by a GradScaler
-    with policy.applied(model) if policy is not None else contextlib.nullcontext():
+    with policy.applied(model) if policy is not None else contextlib.nullcontext() as stats:
         loss = step.loss(model, batch, loss_fn)
         step.backward(loss)
-    return loss.detach(), [p.grad for p in model.parameters()], [b.clone() for b in model.buffers()]
+    grads, buffers = [p.grad for p in model.parameters()], [b.clone() for b in model.buffers()]
+    return loss.detach(), grads, buffers, stats
+
+
+def _check_done(w: Workload, vec: np.ndarray, stats: RuntimeStats, label: str) -> None:
+    """Bit-identical gradients cannot tell a runtime that does nothing: what it did is what the policy says.
+    Every swapped candidate's bytes were copied (on the CPU all of them: R3); every recomputed one was
+    regenerated, by a region or a replay; an all-keep policy did nothing."""
+    swapped = sum(c.nbytes for c, a in zip(w.candidates, vec, strict=True) if a == SWAP)
+    assert stats.swapped_bytes == swapped, (label, stats.swapped_bytes, swapped)
+    recomputes = bool(np.any(vec == RECOMPUTE))
+    assert (stats.regions + stats.recomputed_ops > 0) == recomputes, (label, stats)
+    assert stats.compressed_bytes == 0 and stats.unknown_keys == []
 
 
 # fp16 on GPT-2 is left out: the CPU's fp16 matmuls are slow (110 s for the case), and the GradScaler path
@@ -82,11 +99,12 @@ def test_gradients_bit_identical(name: str, kwargs: dict, precision: str) -> Non
         assert policy.precision == precision
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # every saved tensor known by key, the loss scale included
-            loss, grads, buffers = _step(name, kwargs, policy, precision=precision)
+            loss, grads, buffers, stats = _step_and_stats(name, kwargs, policy, precision=precision)
         assert torch.equal(loss, ref_loss), label
         assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True)), label
         # Replayed BatchNorms must not update the running statistics a second time.
         assert all(torch.equal(a, b) for a, b in zip(buffers, ref_buffers, strict=True)), label
+        _check_done(w, vec, stats, label)
 
 
 def test_compress_is_close_but_lossy() -> None:

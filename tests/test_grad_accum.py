@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from envs.simulator import Simulator
-from runtime.apply import PolicyRuntime
+from runtime.apply import PolicyRuntime, RuntimeStats
 from runtime.errors import AutotuneError
 from runtime.hardware import get_profile
 from runtime.measure import run_iterations
@@ -16,7 +16,7 @@ from runtime.policy import Action, Policy, PolicyOptions
 from runtime.precision import TrainStep
 from runtime.trace import capture, make_optimizer
 from runtime.workload import TensorKind
-from tests.test_apply import RESNET, _build, _policies
+from tests.test_apply import RESNET, _build, _check_done, _policies
 from tests.test_precision import _mlp
 
 
@@ -40,6 +40,8 @@ def test_accumulated_gradients_bit_identical() -> None:
     name, kwargs = RESNET
     w = capture(_build(name, kwargs), name=name, batch_size=kwargs["batch_size"], grad_accum=2)
 
+    done: list[RuntimeStats] = []
+
     def accumulate(policy: Policy | None) -> list[torch.Tensor]:
         model, batch, loss_fn = _build(name, kwargs)()
         step = TrainStep(grad_accum=2)
@@ -47,14 +49,17 @@ def test_accumulated_gradients_bit_identical() -> None:
             if policy is None:
                 step.backward(step.loss(model, batch, loss_fn))
             else:
-                with policy.applied(model):
+                with policy.applied(model) as stats:
                     step.backward(step.loss(model, batch, loss_fn))
+                done.append(stats)
         return [p.grad for p in model.parameters()]
 
     ref = accumulate(None)
     for label, vec in _policies(w).items():
         got = accumulate(Policy.from_vector(w, vec, hardware="cpu", options=PolicyOptions(prefetch_lookahead=2)))
         assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True)), label
+        for stats in done[-2:]:  # each micro-batch did what the policy says
+            _check_done(w, vec, stats, label)
 
 
 def test_policy_for_another_accumulation_is_refused() -> None:

@@ -129,7 +129,9 @@ def test_superneurons_recomputes_only_cheap_layers_and_offloads_conv_outputs(fra
     """Conv-BN-ReLU x 3: convolution outputs (saved by BatchNorm) are offloaded, never recomputed; what is
     recomputed re-runs only cheap ops (normalization, activation, the pooling's mean); lower budgets need
     offloading."""
-    r = SuperNeurons().search(Problem(_CNN, _HW, budget_bytes=int(_CNN_PEAK * fraction)))
+    budget = int(_CNN_PEAK * fraction)
+    r = SuperNeurons().search(Problem(_CNN, _HW, budget_bytes=budget))
+    assert r.status == Status.FEASIBLE and r.feasible and r.result.peak_bytes <= budget  # each budget is met
     actions = r.policy.to_vector(_CNN)
     sim = Problem(_CNN, _HW, budget_bytes=_CNN_PEAK).simulator
     feats, regenerated = candidate_features(sim), closure_classes(sim)
@@ -161,11 +163,13 @@ def test_zhang_swaps_longest_idle_first_without_overhead() -> None:
     assert np.all(np.diff(feats.idle_s) < 0)  # idle intervals shrink along the chain
 
     doa = ZhangSwap(priorities=("DOA",), modes=("no-overhead",)).search(problem)
+    assert doa.status == Status.FEASIBLE and doa.result.peak_bytes <= 7 * S
     assert doa.feasible and doa.result.stall_s == 0.0
     assert np.flatnonzero(doa.policy.to_vector(w) == SWAP).tolist() == [0, 1, 2]
     assert doa.result.iter_s == pytest.approx(16 * TAU)
 
     best = get_searcher("zhang-swap").search(Problem(w, hw, budget_bytes=7 * S))
+    assert best.status == Status.FEASIBLE and best.result.peak_bytes <= 7 * S
     assert best.feasible and best.result.stall_s == 0.0 and best.result.iter_s == pytest.approx(16 * TAU)
 
 
@@ -177,7 +181,7 @@ def test_zhang_no_overhead_mode_refuses_transfers_that_cannot_hide() -> None:
     quiet = ZhangSwap(modes=("no-overhead",)).search(Problem(w, hw, budget_bytes=9 * S))
     assert quiet.status == Status.INFEASIBLE and not np.any(quiet.policy.to_vector(w) == SWAP)
     loud = ZhangSwap(modes=("stick-to-limit",)).search(Problem(w, hw, budget_bytes=9 * S))
-    assert loud.feasible and loud.result.stall_s > 0
+    assert loud.status == Status.FEASIBLE and loud.result.peak_bytes <= 9 * S and loud.result.stall_s > 0
 
 
 # -- torch-budget (torch.compile's activation_memory_budget) ----------------------------------------------------
