@@ -79,7 +79,9 @@ Rule 12 (host costs). h_i is 0 on a profile without copy engines (op times are w
     region ``region_s`` plus ``region_pack_s`` per pack inside it, at its first op and again with its
     recompute, whose ops also cost their h_i; each op the recorder runs under ``record_op_s`` (the forward
     ops of the module calls whose ops a replay re-runs, the calls they ran in included; outside the model:
-    from the model's end); each replayed op ``replay_op_s`` plus its h_i; each compress kernel h of an op.
+    from the model's end), and as much again for each quiet op dispatched after it (``OpInfo.quiet_ops``:
+    views and queries, which the workload leaves out and the recorder records); each replayed op
+    ``replay_op_s`` plus its h_i; each compress kernel h of an op.
     The costs of one point are issued before the op there.
 Rule 13 (observed packs). The runtime's saved-tensor hooks see a pack when one of its module calls (its
     frame, or one enclosing it) is *hooked* and it is not inside a region: hooked are the frames of the
@@ -220,6 +222,8 @@ class Simulator:
         g = hw.alloc_granularity_bytes
         self.op_s = np.asarray(op_times_s(w, hw), dtype=np.float64)
         self.host_op_s = np.asarray(host_times_s(w, hw), dtype=np.float64)  # h_i (Rule 12)
+        # Rule 12: the ops the recorder records at op i, the quiet ones after it (views, queries) included.
+        self._record_weight = 1.0 + np.array([op.quiet_ops for op in w.ops], dtype=np.float64)
         self.op_start_s = np.concatenate([[0.0], np.cumsum(self.op_s)[:-1]])  # compute alone, no host clock
         self.compute_s = float(self.op_s.sum())
         self.optimizer_s = optimizer_s(w, self.op_s)
@@ -534,7 +538,7 @@ class Simulator:
         # Rule 12: the recorder's ops.
         replayed = np.flatnonzero(handled & (act == RECOMPUTE))
         if len(replayed) and hc.record_op_s > 0:
-            recorded = self._recorded_ops(replayed, recorder_frames)
+            recorded = self._recorded_ops(replayed, recorder_frames) * self._record_weight
             hxa.add(np.arange(n), recorded * hc.record_op_s)
             overhead_s += float(recorded.sum()) * hc.record_op_s
 

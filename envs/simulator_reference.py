@@ -159,9 +159,9 @@ def simulate_reference(
                 for i in range(lo, hi + 1):
                     recorded[i] = True
         for i in range(n):
-            if recorded[i]:
-                host_at[i] += hc.record_op_s
-                overhead += hc.record_op_s
+            if recorded[i]:  # the op, and the quiet ops after it (Rule 12)
+                host_at[i] += hc.record_op_s * (1 + w.ops[i].quiet_ops)
+                overhead += hc.record_op_s * (1 + w.ops[i].quiet_ops)
 
     # Rule 4: release points of swapped tensors.
     handled_uses = [first_use[ci] for ci in range(len(cands)) if handled[ci] and first_use[ci] < n]

@@ -35,7 +35,8 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         serves; the tensors whose unpacks are due triggers (Rule 5's carriers) are observed for that. The
         device buffer is allocated on the compute stream at issue (no ``record_stream``).
     R5. Stall (Rule 6): before a swapped tensor is used, the compute stream waits for its copy.
-    R6. Replay (Rule 7): while the forward runs, a dispatch mode records ops (runtime.replay: name,
+    R6. Replay (Rule 7): while the forward runs, a dispatch mode records every op, views and queries
+        included (Rule 12 charges those too; runtime.replay: name,
         arguments as storage references with their layout and version, random-number state for random
         ops). At the first unpack, the tensor's producer chain is replayed from resident storages: alive
         ones are used as they are, candidates that are swapped, recomputed or compressed are brought back

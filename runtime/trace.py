@@ -185,8 +185,10 @@ class _Recorder(TorchDispatchMode):
         in_tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         out_tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         new = [t for t in out_tensors if t.untyped_storage() not in self.ids]
-        if not new and not written:
-            return out  # an alias (view, detach) or a query: no memory effect, nothing to run on a device
+        if not new and not written:  # an alias (view, detach) or a query: no memory effect, nothing to run
+            if self.ops and self.phase == Phase.FORWARD:
+                self.ops[-1].quiet_ops += 1  # ... but the runtime's recorder runs under it (Rule 12)
+            return out
 
         index = len(self.ops)
         inputs: list[int] = []

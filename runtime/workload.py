@@ -113,6 +113,9 @@ class OpInfo:
     # Real-mode traces on a GPU: seconds the host spent issuing this op (dispatch, launch and the Python up
     # to the next op), from host timestamps; None where not measured (NOTE [ Host clock ] in envs/simulator.py).
     host_s: float | None = None
+    # Forward ops: aten ops dispatched right after this one that have no memory effect (views, detach, size
+    # queries). They are not ops of the workload, but the runtime's recorder records them too (Rule 12).
+    quiet_ops: int = 0
 
 
 @dataclass

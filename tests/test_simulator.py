@@ -142,6 +142,13 @@ def test_the_runtimes_host_costs_show_where_the_host_is_behind() -> None:
     behind = simulate(w, slow, acts)
     assert behind.iter_s == pytest.approx(67.25 * TAU)
     _assert_same(behind, simulate_reference(w, slow, acts))
+    # Two quiet ops (a view, a size query) after every forward op: not ops of the workload, but the recorder
+    # records them, so it costs 3 x 0.5 ms per forward op: 24 ms instead of 8.
+    for op in w.ops[:16]:
+        op.quiet_ops = 2
+    quiet = simulate(w, hw, acts)
+    assert quiet.overhead_s == pytest.approx(24 * TAU + 4 * TAU + 4 * TAU + 12 * TAU)
+    _assert_same(quiet, simulate_reference(w, hw, acts))
 
 
 def test_a_region_recomputes_its_block_at_its_first_backward_op() -> None:
