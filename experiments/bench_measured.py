@@ -1,6 +1,6 @@
 """The measured search as users run it: `autotune search --gpu cpu --measure 3 --json`, planned against measured.
 
-    python experiments/bench_measured.py [--fractions 0.6,0.85] [--timeout 30] [--json FILE]
+    python experiments/bench_measured.py [--models M,...] [--fractions 0.6,0.85] [--timeout 30] [--json FILE]
 
 For ResNet-18 (batch 8) and two models of the kind users bring through ``module:factory``
 (experiments/user_models.py: a CNN with GroupNorm, a Llama-style decoder), each at each fraction of its
@@ -41,11 +41,13 @@ def main() -> None:
     ap.add_argument("--fractions", default="0.6,0.85", help="budgets as fractions of the no-policy peak")
     ap.add_argument("--timeout", default="30", help="seconds of search per run")
     ap.add_argument("--measure", default="3")
+    ap.add_argument("--models", default=",".join(MODELS), help="which of: " + ", ".join(MODELS))
     ap.add_argument("--json", default=None, help="write the runs here")
     args = ap.parse_args()
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for model, extra in MODELS.items():
+        for model in args.models.split(","):
+            extra = MODELS[model]
             prof = autotune("profile", "--model", model, *extra, "--gpu", "cpu", "--json")
             peak = int(json.loads(prof.stdout)["peak_bytes"])
             for fraction in (float(f) for f in args.fractions.split(",")):

@@ -150,11 +150,11 @@ def test_every_command_that_writes_a_policy_writes_one_that_trains(
     assert code == 0, err
     written += sorted((tmp_path / "baselines").glob("*.policy.json"))
     code, _, err = run(capsys, "maxbatch", "--model", model, "--gpu", "cpu", "--budget", str(int(peak * 1.5)),
-                            "--start-batch", "4", "--per-size", "2", "--out", str(tmp_path / "maxbatch.json"),
+                            "--start-batch", "4", "--per-size", "1", "--out", str(tmp_path / "maxbatch.json"),
                             "--json")  # fmt: skip
     assert code == 0, err
     written.append(tmp_path / "maxbatch.json")
-    code, _, err = run(capsys, "sweep", "--models", model, "--budgets", budget, "--gpu", "cpu", "--trials", "4",
+    code, _, err = run(capsys, "sweep", "--models", model, "--budgets", budget, "--gpu", "cpu", "--trials", "2",
                        "--methods", "baselines,optuna", "--storage", f"sqlite:///{tmp_path / 'sw.db'}",
                        "--out-dir", str(tmp_path / "sweep"))  # fmt: skip
     assert code == 0, err
@@ -443,8 +443,8 @@ def test_progress_shows_where_stderr_is_no_terminal(
 
     monkeypatch.setattr(sr, "PLAIN_EVERY_S", 0.0)
     code, _, err = run(capsys, "search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget",
-                       "200MB", "--reserve", "8MiB", "--trials", "3", "--out", str(tmp_path / "p.json"), "--storage",
-                       f"sqlite:///{tmp_path / 'g.db'}")  # fmt: skip
+                       "200MB", "--reserve", "8MiB", "--trials", "3", "--timeout", "5",
+                       "--out", str(tmp_path / "p.json"), "--storage", f"sqlite:///{tmp_path / 'g.db'}")  # fmt: skip
     assert code == 0, err
     lines = [x for x in err.splitlines() if " s: " in x]
     assert any("baseline" in x for x in lines) and any("trial" in x and "samples/s" in x for x in lines), err
