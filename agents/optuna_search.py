@@ -52,7 +52,7 @@ import numpy as np
 from agents.base import Problem, Proposal, Searcher, better, register
 from agents.rule import CLASS_MODES, LOOKAHEADS, params_from_dict, present_classes, rule_actions
 from envs.simulator import SimResult
-from runtime.errors import AutotuneError
+from runtime.errors import AutotuneError, from_interrupt
 from runtime.policy import PolicyOptions
 
 DEFAULT_TRIALS = 150
@@ -267,6 +267,10 @@ class OptunaSearcher(Searcher):
                 if trials == 0 or len(study.get_trials(deepcopy=False, states=complete)) < trials:
                     study.optimize(objective, timeout=time_limit_s, catch=(), callbacks=callbacks)
         except KeyboardInterrupt:
+            problem.interrupted = True
+        except Exception as e:  # a Ctrl-C inside Optuna's own bookkeeping comes out as another error
+            if not from_interrupt(e):
+                raise
             problem.interrupted = True
         if isinstance(storage, optuna.storages.RDBStorage) and not problem.interrupted:
             _settle(study, storage, objective)

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune import __version__
-from runtime.errors import AutotuneError
+from runtime.errors import AutotuneError, from_interrupt
 
 app = typer.Typer(
     add_completion=False,
@@ -878,6 +878,9 @@ def main(argv: list[str] | None = None) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(0) from None
     except Exception as e:  # click's own usage errors carry their exit code (2)
+        if from_interrupt(e) and not _DEBUG:  # a Ctrl-C that a library turned into another error
+            err.print("interrupted")
+            raise SystemExit(130) from None
         if _is_click(e, "ClickException"):
             e.show()  # type: ignore[attr-defined]
             raise SystemExit(e.exit_code) from None  # type: ignore[attr-defined]

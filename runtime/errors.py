@@ -11,3 +11,17 @@ from __future__ import annotations
 
 class AutotuneError(Exception):
     """An error caused by the user's input, with a message fit to print as is."""
+
+
+def from_interrupt(e: BaseException) -> bool:
+    """Whether ``e`` is a Ctrl-C that a library turned into another error while handling it: a
+    KeyboardInterrupt in its chain of causes and contexts. (Optuna 5's trial bookkeeping, interrupted while it
+    stores a trial, raises UnboundLocalError from its ``finally``.)"""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, KeyboardInterrupt):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False

@@ -368,6 +368,44 @@ def test_ctrl_c_in_optuna_prints_no_traceback(tmp_path: Path) -> None:
     assert load_policy(tmp_path / "p.json").predicted is not None  # what was written is a whole policy
 
 
+def test_ctrl_c_while_optuna_stores_a_trial_keeps_the_best_policy(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Optuna 5 loses a Ctrl-C that lands while it stores a trial: its ``finally`` raises UnboundLocalError
+    instead (found by the SIGINT test below). The search still takes it as an interrupt: exit 130, the best
+    policy so far written, no "internal error"."""
+    import optuna.study._optimize as optimize
+
+    real, calls = optimize._tell_with_warning, [0]
+
+    def interrupted(*a, **k):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 6:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(optimize, "_tell_with_warning", interrupted)
+    out = tmp_path / "p.json"
+    code, _, err = run(capsys, "search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget",
+                       "200MB", "--reserve", "8MiB", "--out", str(out),
+                       "--storage", f"sqlite:///{tmp_path / 'u.db'}")  # fmt: skip
+    assert code == 130 and "internal error" not in err and "the best policy so far is in" in err, err
+    assert calls[0] == 6 and load_policy(out).predicted is not None
+
+
+def test_from_interrupt_follows_causes_and_contexts() -> None:
+    from runtime.errors import from_interrupt
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise UnboundLocalError("cannot access local variable")
+    except UnboundLocalError as e:
+        assert from_interrupt(e)
+    assert not from_interrupt(ValueError("no interrupt here"))
+
+
 def test_sigint_during_a_search_exits_130_without_a_traceback(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "autotune.cli", "search", "--model", "resnet18", "--batch-size", "4", "--gpu",
