@@ -852,6 +852,12 @@ def _is_click(e: BaseException, name: str) -> bool:
     return any(isinstance(e, getattr(m, name)) for m in modules if hasattr(m, name))
 
 
+def _reader_gone() -> None:
+    """Exit 0 once stdout's reader has gone: stdout goes to /dev/null, so Python's flush at exit cannot fail."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise SystemExit(0) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: ``--debug`` anywhere shows tracebacks; user errors exit with code 2."""
     global _DEBUG
@@ -871,12 +877,10 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit as e:
         # The reader went away (`autotune models | head`): not an error. click answers a broken pipe with exit 1.
         if e.code == 1 and isinstance(e.__context__, BrokenPipeError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit must not fail
-            raise SystemExit(0) from None
+            _reader_gone()
         raise
     except BrokenPipeError:  # the same, where click did not see it
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise SystemExit(0) from None
+        _reader_gone()
     except Exception as e:  # click's own usage errors carry their exit code (2)
         if from_interrupt(e) and not _DEBUG:  # a Ctrl-C that a library turned into another error
             err.print("interrupted")

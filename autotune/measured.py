@@ -27,7 +27,7 @@ import numpy as np
 from agents.base import Problem, SearchResult
 from agents.finalists import MARGINS, Finalist
 from envs.memory_env import RealBackend
-from runtime.policy import Policy, Prediction
+from runtime.policy import Policy, PolicyOptions, Prediction
 
 
 @dataclass(eq=False)
@@ -75,17 +75,23 @@ class MeasuredSearch:
     chosen: Measured | None = None
     note: str = ""
 
+    def _scale(self, leave_out: Measured | None = None) -> float | None:
+        """Median measured / planned iteration time over the finalists that ran, ``leave_out`` aside."""
+        ratios = [
+            m.iter_s / m.finalist.result.iter_s for m in self.rows if m is not leave_out and math.isfinite(m.iter_s)
+        ]
+        return statistics.median(ratios) if ratios else None
+
     @property
     def time_scale(self) -> float | None:
         """Median measured / predicted iteration time over the finalists that ran (None: none did)."""
-        ratios = [m.iter_s / m.finalist.result.iter_s for m in self.rows if math.isfinite(m.iter_s)]
-        return statistics.median(ratios) if ratios else None
+        return self._scale()
 
     def calibrated_iter_s(self, row: Measured) -> float | None:
         """``row``'s planned time scaled by the median measured / planned ratio of the *other* finalists that
         ran (None: no other did): a prediction this device's measurements corrected, not fitted to ``row``."""
-        ratios = [o.iter_s / o.finalist.result.iter_s for o in self.rows if o is not row and math.isfinite(o.iter_s)]
-        return row.finalist.result.iter_s * statistics.median(ratios) if ratios else None
+        scale = self._scale(leave_out=row)
+        return row.finalist.result.iter_s * scale if scale is not None else None
 
     def errors(self) -> tuple[float, float | None] | None:
         """(largest relative time error of the plan; the same once each finalist's prediction is scaled by
@@ -121,11 +127,24 @@ def min_distance(problem: Problem) -> int:
     return max(1, problem.n // 50)
 
 
-def label_of(problem: Problem, f: Finalist, found: SearchResult, baselines: list[SearchResult]) -> str:
-    """Who proposed ``f``, where a searcher's answer is the very same policy."""
-    for r in (found, *baselines):
-        if r.policy.options == f.options and np.array_equal(r.policy.to_vector(problem.workload), f.actions):
-            return "the search's answer" if r is found else f"baseline {r.searcher}"
+ANSWER = "the search's answer"  # the label of the finalist that is the simulated search's own answer
+
+
+def proposers(
+    problem: Problem, found: SearchResult, baselines: list[SearchResult]
+) -> list[tuple[str, PolicyOptions, np.ndarray]]:
+    """(label, options, action vector) of the search's answer and of each baseline, for :func:`label_of`."""
+    return [
+        (ANSWER if r is found else f"baseline {r.searcher}", r.policy.options, r.policy.to_vector(problem.workload))
+        for r in (found, *baselines)
+    ]
+
+
+def label_of(f: Finalist, known: list[tuple[str, PolicyOptions, np.ndarray]]) -> str:
+    """Who proposed ``f`` (:func:`proposers`), where a searcher's answer is the very same policy."""
+    for label, options, actions in known:
+        if options == f.options and np.array_equal(actions, f.actions):
+            return label
     return "a finalist of the search"
 
 
@@ -147,13 +166,14 @@ def measure(
     out = MeasuredSearch(budget_bytes)
     samples = problem.workload.batch_size * problem.workload.grad_accum
     distance = min_distance(problem)
+    known = proposers(problem, found, baselines)
 
     def run(picks: list[Finalist]) -> None:
         for f in picks:
             if progress is not None:
                 progress(f"measuring finalist {len(out.rows) + 1} on {backend.device}")
             peak, iter_s = backend(f.actions, f.options)
-            out.rows.append(Measured(f, label_of(problem, f, found, baselines), int(peak), float(iter_s), samples))
+            out.rows.append(Measured(f, label_of(f, known), int(peak), float(iter_s), samples))
 
     run(pool.pick(k, 0.0, min_distance=distance))
     if not out.rows:
@@ -184,7 +204,7 @@ def answer_policy(problem: Problem, chosen: Measured, found: SearchResult, budge
         hardware=problem.hardware.name,
         budget_bytes=budget_bytes,
         options=f.options,
-        searcher=found.searcher if chosen.label == "the search's answer" else f"{found.searcher} (measured)",
+        searcher=found.searcher if chosen.label == ANSWER else f"{found.searcher} (measured)",
         trials=problem.evaluations,
         predicted=Prediction(r.peak_bytes, r.iter_s, r.samples_per_s),
         wall_s=found.wall_s,

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from agents.base import Problem, SearchResult, Status, baseline_names, best_of, better, get_searcher
-from autotune.measured import MeasuredSearch, answer_policy
+from autotune.measured import ANSWER, MeasuredSearch, answer_policy
 from autotune.units import format_bytes, parse_size
 from envs.simulator import RECOMPUTE, SimResult, uniform_actions
 from runtime.errors import AutotuneError
@@ -269,7 +269,7 @@ def take_measured(outcome: SearchOutcome, measured: MeasuredSearch) -> None:
         outcome.found = dataclasses.replace(f, status=Status.INFEASIBLE, note="nothing fits when measured")
         return
     policy = answer_policy(outcome.problem, chosen, f, f.policy.budget_bytes or outcome.problem.budget_bytes)
-    note = f.note if chosen.label == "the search's answer" else f"measured: {chosen.label}"
+    note = f.note if chosen.label == ANSWER else f"measured: {chosen.label}"
     outcome.found = dataclasses.replace(f, policy=policy, result=chosen.finalist.result, note=note)
 
 

@@ -683,8 +683,8 @@ def real_backend(
     """A ``real`` callable for :class:`MemoryPolicyEnv` that trains ``model_name`` (any name
     :func:`autotune.models.build_model` accepts, with its ``image_size``, ``seq_len`` and
     ``config_overrides``) at ``batch_size`` (None: the model's default) on ``device``, ``steps`` timed
-    iterations per policy, with
-    ``optimizer``, ``precision`` and ``grad_accum`` as ``autotune train`` takes them.
+    iterations per policy, with ``optimizer``, ``precision`` and ``grad_accum`` as ``autotune train`` takes
+    them.
 
     The model is traced here in real mode on ``device`` (as ``autotune train`` does: some models, GPT-2's
     attention mask for one, take another path under fake tensors); pass ``backend.workload`` to the
@@ -716,7 +716,6 @@ def real_backend(
     w = capture(build_for_trace, name=model_name, batch_size=entry.batch_size, seq_len=entry.seq_len, fake=False,
                 device=device, optimizer=optimizer, precision=precision, grad_accum=grad_accum)  # fmt: skip
     w.seq_len = entry.seq_len
-    w.compute_fingerprints()  # as autotune.workloads.trace_model: after the sequence length is known
     w.meta["device_profile"] = _device_profile(device)
     opt = make_optimizer(w.optimizer, entry.module.parameters())
     return RealBackend(w, device, steps, options or PolicyOptions(), entry, opt)
