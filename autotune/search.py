@@ -18,11 +18,11 @@ from rich.table import Table
 from agents.base import Problem, SearchResult, Status, baseline_names, best_of, better, get_searcher
 from autotune.measured import ANSWER, MeasuredSearch, answer_policy
 from autotune.units import format_bytes, parse_size
-from envs.simulator import RECOMPUTE, SimResult, uniform_actions
+from envs.simulator import RECOMPUTE, SimResult, peak_floor, uniform_actions
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
 from runtime.policy import Action, Policy, PolicyOptions
-from runtime.workload import Phase, peak_report, rounded
+from runtime.workload import Phase
 
 # What the CUDA allocator holds that no trace sees: cuBLAS/cuDNN workspaces and library handles. Measured on
 # an H200 (README, runtime on a GPU): resnet50 batch 64 allocated 89 MiB over its traced peak, GPT-2 67 MiB.
@@ -107,18 +107,23 @@ def measure_count(measure: int | None, device: str | None, hw: HardwareProfile) 
 
 # -- impossible budgets ----------------------------------------------------------------------------------------
 def budget_floor(problem: Problem) -> int:
-    """A lower bound on any policy's peak: the state that lives through the whole iteration plus, for the op
-    that needs the most, every non-persistent tensor it reads or writes (they must be on the device while
-    it runs) and its workspace."""
-    w = problem.workload
-    g = problem.hardware.alloc_granularity_bytes
-    persistent = peak_report(w, g).persistent_bytes
-    needs = 0
-    for op in w.ops:
-        touched = {*op.inputs, *op.outputs}
-        b = sum(rounded(w.tensors[t].nbytes, g) for t in touched if not w.tensors[t].persistent)
-        needs = max(needs, b + op.workspace_bytes)
-    return persistent + needs
+    """A lower bound on any policy's peak (envs.simulator.peak_floor)."""
+    return peak_floor(problem.workload, problem.hardware).bytes
+
+
+def floor_detail(problem: Problem) -> str:
+    """Where the floor lies and what makes it up, for the messages."""
+    f = peak_floor(problem.workload, problem.hardware)
+    op = problem.workload.ops[f.op]
+    where = f"op {f.op}, {op.name.removeprefix('aten.').removesuffix('.default')} in {op.phase.value} of `{op.module}`"
+    parts = [
+        f"parameters, optimizer state and the batch {format_bytes(f.state_bytes)}",
+        f"gradients and other tensors the step holds there {format_bytes(f.held_bytes)}",
+        f"activations needed there whatever the policy {format_bytes(f.activation_bytes)}",
+    ]
+    if f.workspace_bytes:
+        parts.append(f"the op's workspace {format_bytes(f.workspace_bytes)}")
+    return f"at {where}: {', '.join(parts)}"
 
 
 def smallest_known_budget(problem: Problem) -> tuple[int, str]:
@@ -144,9 +149,9 @@ def check_budget(problem: Problem, reserve_bytes: int = 0, budget_bytes: int | N
         kept = f", the {format_bytes(reserve_bytes)} reserve for workspaces (--reserve) included" * (reserve_bytes > 0)
         raise AutotuneError(
             f"budget {format_bytes(given)} is below the {format_bytes(floor + reserve_bytes)} that any policy "
-            f"needs (parameters, optimizer state and the batch, plus the largest op's own tensors{kept}): no "
-            f"policy can meet it; autotune can meet {format_bytes(smallest + reserve_bytes)} ({how}): raise "
-            "--budget to at least that, or lower --batch-size"
+            f"needs ({floor_detail(problem)}{kept}): no policy can meet it; autotune can meet "
+            f"{format_bytes(smallest + reserve_bytes)} ({how}): raise --budget to at least that, or lower "
+            "--batch-size"
         )
 
 
@@ -438,9 +443,11 @@ def no_answer(outcome: SearchOutcome) -> str:
             f"finalists is {format_bytes(low)}; nothing written to {outcome.policy_path}; raise --budget to at "
             f"least {format_bytes(low)} or lower --batch-size"
         )
+    floor = budget_floor(p)
     return (
         f"no policy found within {format_bytes(p.budget_bytes)}: the lowest peak reached is "
-        f"{format_bytes(f.result.peak_bytes)} ({f.searcher}); nothing written to {outcome.policy_path}; raise "
+        f"{format_bytes(f.result.peak_bytes)} ({f.searcher}; no policy can go below {format_bytes(floor)}); "
+        f"nothing written to {outcome.policy_path}; raise "
         f"--budget to at least {format_bytes(f.result.peak_bytes + budget - p.budget_bytes)}, search longer "
         "(--timeout), or lower --batch-size"
     )

@@ -870,3 +870,50 @@ def uniform_actions(w: Workload, action: Action) -> np.ndarray:
     if action == Action.RECOMPUTE:
         vec[[i for i, c in enumerate(w.candidates) if c.block_input]] = KEEP
     return vec
+
+
+@dataclass(frozen=True)
+class Floor:
+    """A lower bound on the peak of every policy (:func:`peak_floor`), with what makes it up at its op."""
+
+    bytes: int
+    op: int  # the op where no policy can hold less
+    state_bytes: int  # parameters, optimizer state, the batch: live through the whole iteration
+    held_bytes: int  # the other tensors that are not candidates (gradients, temporaries), as traced
+    activation_bytes: int  # candidates live there whatever is done with them
+    workspace_bytes: int
+
+
+def peak_floor(w: Workload, hw: HardwareProfile) -> Floor:
+    """What any policy holds at least, at the op where that is most (NOTE [ Simulator semantics ]).
+
+    Under every action a candidate is live over [producer, free_if_dropped_op] (Rules 3, 4, 7, 8, 11: the
+    original storage) and over [first, last backward use] (kept, copied back, regenerated or unpacked there:
+    Rules 3, 5, 7, 8, 11); tensors that are not candidates keep their traced intervals or longer (Rules 2,
+    7, 11); an op's workspace is live during it (Rule 2), and a recompute only adds (Rule 7). So the live
+    bytes of op i under any policy are at least those intervals' sum at i, and the peak at least its
+    maximum. Admissible, not tight: it is what no policy can go below, not what one reaches."""
+    n, g = len(w.ops), hw.alloc_granularity_bytes
+    cands = {c.tensor for c in w.candidates}
+    state = sum(rounded(t.nbytes, g) for t in w.tensors if t.persistent and t.id not in cands)
+    others = memory_timeline(w, g, exclude=cands)  # workspace and state included
+    ws = workspace_bytes(w)
+    delta = np.zeros(n + 1, dtype=np.int64)
+    for c in w.candidates:
+        size = rounded(w.tensors[c.tensor].nbytes, g)
+        spans = [(c.producer, c.free_if_dropped_op)]
+        if c.bwd_uses:
+            first, last = min(c.bwd_uses), max(c.bwd_uses)
+            if first <= c.free_if_dropped_op + 1:  # overlapping or adjacent: one span
+                spans = [(c.producer, max(last, c.free_if_dropped_op))]
+            else:
+                spans.append((first, last))
+        for a, b in spans:
+            delta[a] += size
+            delta[b + 1] -= size
+    if not n:
+        return Floor(state, 0, state, 0, 0, 0)
+    held = np.cumsum(delta[:n])
+    total = others + held
+    i = int(np.argmax(total))
+    return Floor(int(total[i]), i, state, int(others[i] - ws[i] - state), int(held[i]), int(ws[i]))

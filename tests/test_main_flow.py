@@ -436,20 +436,45 @@ def test_no_policy_that_fits_is_an_error_and_nothing_is_written(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     from agents.base import Problem
+    from autotune.search import budget_floor, format_bytes
+    from runtime.hardware import get_profile
+
+    w, _ = trace_model(TraceRequest(model=CNN, batch_size=8))
+    floor = budget_floor(Problem(w, get_profile("a100-40gb"), 1))
+    out = tmp_path / "p.json"
+    # One byte above the floor: no search check refuses it, and on this CNN no policy reaches it (the lowest
+    # is 1.6 MiB above: the floor is a bound, not a policy).
+    code, stdout, err = run(capsys, "search", "--model", CNN, "--batch-size", "8", "--gpu", "a100-40gb",
+                            "--budget", str(floor + 1), "--reserve", "0", "--timeout", "4", "--trials", "3",
+                            "--out", str(out), "--storage", f"sqlite:///{tmp_path / 'n.db'}", "--json")  # fmt: skip
+    assert code == 1 and not out.exists(), err
+    assert not json.loads(stdout)["written"]
+    line = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "the lowest peak reached is" in line[0] and "nothing written" in line[0]
+    assert f"no policy can go below {format_bytes(floor)}" in line[0]
+
+
+def test_a_budget_below_the_floor_is_refused_before_any_search(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """One byte under what no policy can go below: exit 2 at once, the op where the floor lies named."""
+    from agents.base import Problem
     from autotune.search import budget_floor
     from runtime.hardware import get_profile
 
     w, _ = trace_model(TraceRequest(model="resnet18", batch_size=4))
     floor = budget_floor(Problem(w, get_profile("a100-40gb"), 1))
     out = tmp_path / "p.json"
-    budget = str(floor + 1)  # above what any policy needs at one op, far below what a whole step needs
-    code, stdout, err = run(capsys, "search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb",
-                            "--budget", budget, "--reserve", "0", "--timeout", "4", "--trials", "3", "--out", str(out),
-                            "--storage", f"sqlite:///{tmp_path / 'n.db'}", "--json")  # fmt: skip
-    assert code == 1 and not out.exists(), err
-    assert not json.loads(stdout)["written"]
+    store = f"sqlite:///{tmp_path / 'f.db'}"
+    args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--reserve", "0",
+            "--timeout", "4", "--trials", "3", "--out", str(out), "--storage", store]  # fmt: skip
+    code, _, err = run(capsys, *args, "--budget", str(floor - 1))
+    assert code == 2 and not out.exists(), err
     line = [x for x in err.splitlines() if x.startswith("error:")]
-    assert len(line) == 1 and "the lowest peak reached is" in line[0] and "nothing written" in line[0]
+    assert len(line) == 1 and "that any policy needs (at op " in line[0] and "native_batch_norm_backward" in line[0]
+    # The floor is reached on this model: a policy fits at exactly that budget.
+    code, _, err = run(capsys, *args, "--budget", str(floor))
+    assert code == 0 and out.exists(), err
 
 
 def test_a_budget_above_the_gpus_memory_is_flagged(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, Simulator, simulate, uniform_actions
+from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, Floor, Simulator, peak_floor, simulate, uniform_actions
 from envs.simulator_reference import simulate_reference
 from runtime.hardware import get_profile
 from runtime.plan import regions_for
@@ -267,6 +267,40 @@ def test_fast_equals_reference_on_random_policies(profile: str) -> None:
         sim = Simulator(w, hw)
         for acts, opts in _random_policies(len(w.candidates), 150, seed):
             _assert_same(sim.run(acts, options=opts, timeline=True), simulate_reference(w, hw, acts, options=opts))
+
+
+def test_the_floor_of_the_diamond_is_its_keep_all_peak() -> None:
+    """At op 4 (mul_backward) x, the seed s and gb are held as traced, and a and b are read: 5 tensors,
+    whatever the policy; keeping both reaches it."""
+    w = diamond_workload(S, TAU)
+    hw = fixed_profile()
+    assert peak_floor(w, hw) == Floor(5 * S, 4, S, 2 * S, 2 * S, 0)
+    assert simulate(w, hw, [KEEP, KEEP]).peak_bytes == 5 * S
+
+
+def test_the_floor_of_the_chain() -> None:
+    """Backward op 17 reads c_14 and g_0 and writes g_1, with x live throughout: 4 tensors. Any c_i is
+    live from its layer to the next one and at its backward op, so no op of the 16-layer chain needs more;
+    no policy reaches it (recomputing c_14 at op 17 re-runs layers 0..14 or holds a checkpoint)."""
+    w = chain_workload(16, S, TAU)
+    assert peak_floor(w, fixed_profile()) == Floor(4 * S, 17, S, 2 * S, S, 0)
+
+
+@pytest.mark.parametrize("profile", ["a100-40gb", "cpu"])
+def test_no_policy_goes_below_the_floor(profile: str) -> None:
+    """peak_floor is a bound on every action and option, regions included, in both simulators."""
+    hw = get_profile(profile)
+    workloads = [capture(b, name="w", batch_size=2) for b in (tiny_cnn_build(), mlp_build(layers=3))]
+    workloads += [framed_chain_workload(12, S, TAU, block) for block in (3, 4)]
+    for seed, w in enumerate(workloads):
+        floor = peak_floor(w, hw).bytes
+        sim = Simulator(w, hw)
+        peaks = []
+        for acts, opts in _random_policies(len(w.candidates), 120, seed):
+            peaks.append(sim.run(acts, options=opts).peak_bytes)
+            if len(peaks) % 10 == 0:
+                assert simulate_reference(w, hw, acts, options=opts).peak_bytes >= floor
+        assert min(peaks) >= floor
 
 
 @pytest.mark.slow
