@@ -44,7 +44,10 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         afterwards. Arguments an op would mutate that are not being regenerated (BatchNorm's running
         statistics) are passed as copies, so replay changes no module state. The recorder records the
         forward and the loss, never backward. Limit: an input modified in place after its use cannot be
-        detected (views made over a storage do not share the original tensor's version counter).
+        detected (views made over a storage do not share the original tensor's version counter). The
+        random-number states (the CPU generator's is 5,056 bytes, held in memory on a CPU) are let go
+        once every replayed storage has had its last unpack (R9): no replay can need them after that,
+        and one that did would fail loudly. The simulator counts none of them (at most a few per block).
     R7. Compress (Rule 8): at the first pack, a cast to the policy's dtype; at the first unpack, a cast
         back. Lossy, allowed only by the policy's ``lossy`` option.
     R8. Compress and swap apply to what the simulator says they do: compress only to floating-point
@@ -315,6 +318,7 @@ class PolicyRuntime:
         self._points = 0  # pack points so far (R3)
         self._suspended = 0
         self._mismatch: str | None = None
+        self._replays_open = 0  # replayed handles not yet past their last unpack (R6: then the RNG states go)
 
     def _end_step(self) -> None:
         for h in self._leaving:  # a forward without backward: nothing waits for these any more
@@ -678,6 +682,7 @@ class PolicyRuntime:
         if self._recorder is not None:
             h.sid = self._recorder.sid(storage)
             self._by_sid[h.sid] = h
+            self._replays_open += action == Action.RECOMPUTE
         self._handles.append(h)
         if action == Action.SWAP:  # R3
             self.stats.swapped_bytes += h.nbytes
@@ -734,6 +739,10 @@ class PolicyRuntime:
         if h.unpacks >= h.packs:  # R9: the last backward node that needs it holds it from here
             h.device = None
             h.unpacks = h.packs = 0
+            if h.action == Action.RECOMPUTE and self._recorder is not None and self._replays_open > 0:
+                self._replays_open -= 1
+                if self._replays_open == 0:  # R6: no replay is left to need them
+                    self._recorder.release_rng()
             if not self._cuda:
                 h.host = None  # R3 on the CPU: the copy was the tensor
         return out

@@ -117,6 +117,12 @@ class Recorder(TorchDispatchMode):
         self.replayed: set[int] = set()  # indices of the ops some replay re-ran
         self.depth = 0  # module calls entered that record (R11)
 
+    def release_rng(self) -> None:
+        """Let go of the random-number states (R6): every replay that needed them is done."""
+        for op in self.ops:
+            if op.rng is not None:
+                op.rng = _RELEASED
+
     def sid(self, storage: torch.UntypedStorage) -> int:
         sid = self.sid_of.get(storage)
         if sid is None:
@@ -246,11 +252,20 @@ class Replayer:
         return current  # an in-place writer: the target was updated in place
 
 
+_RELEASED: tuple[torch.Tensor, torch.Tensor | None] = (torch.empty(0, dtype=torch.uint8), None)  # Recorder.release_rng
+
+
 @contextlib.contextmanager
 def _rng_state(rng: tuple[torch.Tensor, torch.Tensor | None] | None, device: torch.device) -> Iterator[None]:
     if rng is None:
         yield
         return
+    if rng is _RELEASED:
+        raise RuntimeError(
+            "autotune: a replay needed the random-number state of a forward op after the step's last replay let "
+            "it go (runtime R6): a second backward through the same graph (retain_graph=True) cannot replay "
+            "random ops; keep those tensors in the policy, or run one backward per forward"
+        )
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.set_rng_state(rng[0])

@@ -193,6 +193,41 @@ def test_measured_peak_matches_simulated(name: str, kwargs: dict, precision: str
     assert peaks["swap"] >= peaks["keep"]  # ... but not by swapping on the CPU: its host store is counted
 
 
+def test_replays_let_go_of_their_random_states() -> None:
+    """R6: the random-number states of the replayed dropouts (5,056 bytes each on the CPU, which the
+    simulator does not count) are let go once the last replayed storage is unpacked. GPT-2's peak lies at
+    the end of backward (the tied embedding's gradient), after the replays: the allocator's own high-water
+    mark (the profiler's memory events) is then exactly the simulator's peak, with every candidate
+    replayed, and on a later step (the runtime's steady state) too."""
+    from runtime.measure import profiler_peak_bytes, training_state
+
+    name, kwargs = GPT2_SMALL_VOCAB
+    build = _build(name, kwargs)
+    w = capture(build, name=name, batch_size=kwargs["batch_size"], fake=False)
+    vec = np.full(len(w.candidates), RECOMPUTE, dtype=np.int8)
+    assert any(w.ops[i].seeded for c in w.candidates for i in c.recompute_ops)  # dropout among the replayed
+    policy = Policy.from_vector(w, vec, hardware="cpu")
+    predicted = Simulator(w, get_profile("cpu")).run(policy)
+    assert w.ops[predicted.peak_op].phase.value == "backward"
+    model, batch, loss_fn = build()
+    opt = make_optimizer("sgd", model.parameters())
+    rt = PolicyRuntime(policy, model)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with rt.step():
+            loss_fn(model, batch).backward()
+        opt.step()
+
+    step()  # the first step learns (R11); the next ones are measured
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        state = training_state(model, batch, opt)
+        base = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state}.values())
+        assert profiler_peak_bytes(step, base) == predicted.peak_bytes
+    assert rt.stats.recomputed_ops > 0
+
+
 def test_action_codes_match_the_policy_enum() -> None:
     assert [a.code for a in Action] == [KEEP, SWAP, RECOMPUTE, COMPRESS]
 
