@@ -454,6 +454,17 @@ def maxbatch(
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
     precision: PrecisionOpt = "fp32",
     grad_accum: AccumOpt = 1,
+    measure: Annotated[
+        int | None,
+        typer.Option(
+            help="Train the K best distinct policies of the largest sizes for real on the planned device: the "
+            "answer is the largest size whose fastest measured policy fits \\[default: 5 where the plan is for "
+            "this machine's GPU, else 0]."
+        ),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="Where to measure: cpu, cuda or cuda:N \\[default: the planned one].")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Find the largest batch that trains within the budget, with the best policy found for it."""
@@ -470,6 +481,8 @@ def maxbatch(
     if per_size <= 0:
         raise AutotuneError(f"invalid --per-size {per_size}: expected a positive number of seconds, e.g. 10")
     hw, note = resolve_profile(gpu)
+    here = sr.plan_device(hw, device)
+    k = sr.measure_count(measure, here, hw)
     reserve_bytes = sr.reserve_bytes(reserve, budget, budget_bytes, hw)
     if reserve_bytes >= budget_bytes:
         raise AutotuneError(
@@ -491,6 +504,7 @@ def maxbatch(
     def trace(b: int) -> Any:
         return trace_model(dataclasses.replace(req, batch_size=b))[0]
 
+    found_simulated = 0  # --measure: the largest size that fit on the simulator
     with err.status("maxbatch", spinner="dots") as status:
         search = mb.MaxBatch(
             trace,
@@ -502,6 +516,15 @@ def maxbatch(
             progress=lambda msg: status.update(f"maxbatch: {msg}"),
         )
         outcome = search.run(start_batch)
+        if k and outcome.max_batch:
+            from envs.memory_env import real_backend
+
+            def backend_at(b: int) -> Any:
+                return real_backend(model, b, here or "cpu", steps=3, seq_len=seq_len, optimizer=req.optimizer,
+                                    precision=req.precision, grad_accum=grad_accum)  # fmt: skip
+
+            found_simulated = outcome.max_batch
+            outcome = search.measure(outcome, backend_at, k, budget_bytes)
     if outcome.best is not None and outcome.best.found is not None:
         name = model.replace(":", "_").replace("/", "_")
         path = out_path or Path(f"{name}.b{outcome.max_batch}.policy.json")
@@ -511,7 +534,22 @@ def maxbatch(
     result = outcome.to_json(hw, budget_bytes, budget_bytes - reserve_bytes)
     if as_json:
         print(json.dumps(result))
-        return
+    else:
+        _render_maxbatch(model, hw, budget_bytes, outcome, result)
+    if k and found_simulated and outcome.measured is None:
+        tried = ", ".join(str(b) for b in outcome.measured_sizes)
+        err.print(
+            f"[bold red]error:[/] no batch size trains within {sr.format_bytes(budget_bytes)} when measured: the "
+            f"largest that fit on the simulator ({tried}) measured over it or too slow; nothing written; raise "
+            "--budget or pass --measure 0 for the simulator's answer",
+            highlight=False,
+        )
+        raise SystemExit(1)
+
+
+def _render_maxbatch(model: str, hw: Any, budget_bytes: int, outcome: Any, result: dict[str, Any]) -> None:
+    from autotune import search as sr
+
     t = Table(title=f"{model} on {hw.name}, budget {sr.format_bytes(budget_bytes)}")
     for col in ("batch", "fits", "no policy fits", "peak", "samples/s", "slowdown", "best heuristic"):
         t.add_column(col, justify="right")
@@ -533,6 +571,12 @@ def maxbatch(
         f"{outcome.max_batch_baseline} with the best heuristic ({result['baseline'] or 'none fits'}); "
         f"{outcome.wall_s:.0f} s" + (f"; policy written to {outcome.policy_path}" if outcome.policy_path else "")
     )
+    if outcome.measured is not None:
+        sr.render_measured(out, outcome.measured.measured)
+        out.print(
+            f"measured at batch {outcome.measured.batch_size} (sizes trained: "
+            f"{', '.join(str(b) for b in outcome.measured_sizes)}), on its real-mode trace"
+        )
 
 
 def _heuristic_cell(size: dict[str, Any]) -> str:

@@ -10,17 +10,27 @@ largest batch of the best published heuristic (each size's baselines, which also
 A size "fits" when the found policy is within the planned budget and, with ``max_slowdown``, runs at most
 that much slower than the same batch with no policy (the price of the memory saved, the measure the
 published systems report).
+
+With ``--measure K`` (NOTE [ Measured search ] in autotune/measured.py), the sizes that fit on the simulator
+are then taken from the largest down: each is traced in real mode on the planned device, searched again
+there (``per_size_s``, seeded with the answer of its fake-mode search and the heuristics), and its K best
+distinct policies are trained for real; the answer is the largest size whose fastest measured policy fits
+the budget (at most ``MEASURED_SIZES`` sizes are measured). The doubling and bisection stay on fake-mode
+traces: a real trace at a size that does not fit would take the memory it needs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agents.base import Problem, SearchResult, Status, baseline_names, best_of, get_searcher
+from agents.finalists import Finalists
+from autotune.measured import MeasuredSearch, answer_policy
 from autotune.search import budget_floor
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError
@@ -28,7 +38,11 @@ from runtime.hardware import HardwareProfile
 from runtime.policy import Policy
 from runtime.workload import Workload, peak_report
 
+if TYPE_CHECKING:
+    from envs.memory_env import RealBackend
+
 MAX_BATCH = 1 << 16
+MEASURED_SIZES = 3  # --measure: sizes trained for real, from the largest that fits on the simulator down
 
 
 @dataclass
@@ -69,6 +83,17 @@ class SizeResult:
 
 
 @dataclass
+class MeasuredSize:
+    """``--measure``: the size whose measured answer fits, searched again on its real-mode trace."""
+
+    batch_size: int
+    problem: Problem
+    found: SearchResult  # the search on the real-mode trace, its answer the measured one (take_measured)
+    measured: MeasuredSearch
+    sizes: list[int]  # the sizes measured, largest first (the last is ``batch_size`` when one fit)
+
+
+@dataclass
 class MaxBatchOutcome:
     max_batch: int  # 0: not even the start size fits
     max_batch_no_policy: int
@@ -77,6 +102,8 @@ class MaxBatchOutcome:
     tried: list[SizeResult] = field(default_factory=list)
     policy_path: Path | None = None
     wall_s: float = 0.0
+    measured: MeasuredSize | None = None  # --measure: the answer as trained
+    measured_sizes: list[int] = field(default_factory=list)  # --measure: every size trained, largest first
 
     def to_json(self, hw: HardwareProfile, budget_bytes: int, planned_bytes: int) -> dict[str, Any]:
         b = self.best
@@ -104,6 +131,12 @@ class MaxBatchOutcome:
             "planned_budget_bytes": planned_bytes,
             "sizes": [t.to_json() for t in sorted(self.tried, key=lambda t: t.batch_size)],
             "wall_s": self.wall_s,
+            "measured": (
+                {"batch_size": self.measured.batch_size, **self.measured.measured.to_dict()}
+                if self.measured is not None
+                else None
+            ),
+            "measured_sizes": self.measured_sizes,
         }
 
 
@@ -220,6 +253,48 @@ class MaxBatch:
         )
         out.wall_s = time.perf_counter() - started
         return out
+
+    def measure(
+        self, outcome: MaxBatchOutcome, backend_at: Callable[[int], RealBackend], k: int, budget_bytes: int
+    ) -> MaxBatchOutcome:
+        """``--measure k`` (see the module's docstring): from the largest size that fits on the simulator
+        down, at most MEASURED_SIZES of them, the first whose measured answer fits ``budget_bytes`` (the
+        user's budget) becomes the outcome's answer; with none, ``max_batch`` is 0."""
+        from autotune.measured import measure
+
+        sizes = sorted((r.batch_size for r in self.results.values() if r.fits and r.found), reverse=True)
+        outcome.max_batch, outcome.best = 0, None
+        for b in sizes[:MEASURED_SIZES]:
+            outcome.measured_sizes.append(b)
+            self.progress(f"tracing batch {b} in real mode")
+            backend = backend_at(b)
+            problem = Problem(
+                backend.workload, self.hw, self.planned, time_limit_s=self.per_size_s, seed=self.seed, trials=0
+            )
+            problem.finalists = Finalists(problem.budget_bytes, capacity=4 * k)
+            no_policy = problem.simulator.run(problem.keep_all(), budget_bytes=self.planned)
+            self.progress(f"searching batch {b} on its real-mode trace")
+            baselines = [get_searcher(n).search(problem) for n in baseline_names()]
+            simulated = self.results[b].found
+            assert simulated is not None
+            problem.seeds = [*baselines, _as_seed(problem, simulated.policy, f"batch-{b}-fake-trace")]
+            found = get_searcher("portfolio").search(problem)
+            if not self._fits(no_policy, found):
+                continue
+            self.progress(f"measuring batch {b}")
+            m = measure(problem, backend, k, budget_bytes=budget_bytes, found=found, baselines=baselines,
+                        progress=self.progress)  # fmt: skip
+            if m.chosen is None:
+                continue
+            f = m.chosen.finalist
+            policy = answer_policy(problem, m.chosen, found, budget_bytes)
+            answer = dataclasses.replace(found, policy=policy, result=f.result)
+            slowdown = no_policy.samples_per_s / f.result.samples_per_s - 1
+            outcome.max_batch = b
+            outcome.best = SizeResult(b, True, no_policy.feasible, no_policy, answer, slowdown)
+            outcome.measured = MeasuredSize(b, problem, answer, m, list(outcome.measured_sizes))
+            break
+        return outcome
 
 
 def _as_seed(problem: Problem, policy: Policy, name: str) -> SearchResult:

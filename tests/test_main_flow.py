@@ -259,6 +259,52 @@ def test_nothing_that_fits_when_measured_is_an_error_and_nothing_is_written(
     assert f"lowest measured peak of 4 finalists is {sr.format_bytes(budget * 2)}" in line[0], line
 
 
+def test_maxbatch_measures_its_largest_size_and_writes_that_policy(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`maxbatch --measure`: the largest size that fits on the simulator is searched again on its real-mode
+    trace and its finalists trained here; the answer's measured peak is within the budget, its policy file
+    carries the measurement and trains."""
+    out = tmp_path / "mb.json"
+    code, stdout, err = run(capsys, "maxbatch", "--model", CNN, "--budget", "60MB", "--gpu", "cpu", "--start-batch",
+                            "4", "--per-size", "2", "--measure", "2", "--out", str(out), "--json")  # fmt: skip
+    assert code == 0, err
+    got = json.loads(stdout)
+    m = got["measured"]
+    simulated = max(s["batch_size"] for s in got["sizes"] if s["fits"])
+    assert got["measured_sizes"][0] == simulated and m["batch_size"] == got["max_batch"] in got["measured_sizes"]
+    chosen = m["finalists"][m["chosen"]]
+    assert chosen["fits"] and chosen["measured"]["peak_bytes"] <= 60_000_000
+    policy = load_policy(out)
+    assert policy.batch_size == got["max_batch"] and policy.measured is not None
+    assert policy.measured.peak_bytes == chosen["measured"]["peak_bytes"]
+    code, _, err = run(capsys, "train", "--policy", str(out), "--steps", "1")
+    assert code == 0, err
+
+
+def test_maxbatch_with_nothing_that_fits_when_measured_is_an_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every measurement over the budget: the sizes tried go down from the largest that fit on the
+    simulator, at most three; then one line, exit 1, nothing written."""
+    from autotune.maxbatch import MEASURED_SIZES
+
+    def too_big(self: RealBackend, actions: np.ndarray, options: PolicyOptions | None = None) -> tuple[int, float]:
+        return 10**9, 0.1
+
+    monkeypatch.setattr(RealBackend, "__call__", too_big)
+    out = tmp_path / "mb.json"
+    code, stdout, err = run(capsys, "maxbatch", "--model", CNN, "--budget", "60MB", "--gpu", "cpu", "--start-batch",
+                            "4", "--per-size", "1", "--measure", "1", "--out", str(out), "--json")  # fmt: skip
+    assert code == 1 and not out.exists(), err
+    got = json.loads(stdout)
+    fitting = sorted((s["batch_size"] for s in got["sizes"] if s["fits"]), reverse=True)
+    assert got["measured"] is None and got["max_batch"] == 0
+    assert got["measured_sizes"] == fitting[:MEASURED_SIZES] and len(got["measured_sizes"]) >= 2
+    line = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "no batch size trains within" in line[0] and "nothing written" in line[0]
+
+
 def test_measure_needs_the_planned_device_here(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "search", "--model", CNN, "--budget", "1GB", "--gpu", "a100-40gb", "--measure", "2")
     assert code == 2 and "not on this machine" in err and "--gpu cpu" in err
