@@ -87,10 +87,8 @@ class MeasuredSize:
     """``--measure``: the size whose measured answer fits, searched again on its real-mode trace."""
 
     batch_size: int
-    problem: Problem
-    found: SearchResult  # the search on the real-mode trace, its answer the measured one (take_measured)
+    found: SearchResult  # the search on the real-mode trace, with the measured answer as its policy
     measured: MeasuredSearch
-    sizes: list[int]  # the sizes measured, largest first (the last is ``batch_size`` when one fit)
 
 
 @dataclass
@@ -292,7 +290,7 @@ class MaxBatch:
             slowdown = no_policy.samples_per_s / f.result.samples_per_s - 1
             outcome.max_batch = b
             outcome.best = SizeResult(b, True, no_policy.feasible, no_policy, answer, slowdown)
-            outcome.measured = MeasuredSize(b, problem, answer, m, list(outcome.measured_sizes))
+            outcome.measured = MeasuredSize(b, answer, m)
             break
         return outcome
 

@@ -18,7 +18,7 @@ from rich.table import Table
 from agents.base import Problem, SearchResult, Status, baseline_names, best_of, better, get_searcher
 from autotune.measured import ANSWER, MeasuredSearch, answer_policy
 from autotune.units import format_bytes, parse_size
-from envs.simulator import RECOMPUTE, SimResult, peak_floor, uniform_actions
+from envs.simulator import RECOMPUTE, Floor, SimResult, peak_floor, uniform_actions
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
 from runtime.policy import Action, Policy, PolicyOptions
@@ -111,9 +111,8 @@ def budget_floor(problem: Problem) -> int:
     return peak_floor(problem.workload, problem.hardware).bytes
 
 
-def floor_detail(problem: Problem) -> str:
-    """Where the floor lies and what makes it up, for the messages."""
-    f = peak_floor(problem.workload, problem.hardware)
+def floor_detail(problem: Problem, f: Floor) -> str:
+    """Where the floor ``f`` lies and what makes it up, for the messages."""
     op = problem.workload.ops[f.op]
     where = f"op {f.op}, {op.name.removeprefix('aten.').removesuffix('.default')} in {op.phase.value} of `{op.module}`"
     parts = [
@@ -130,8 +129,9 @@ DESCENT_S = 3.0  # seconds of descent on the peak for the budget an impossible-b
 
 
 def smallest_known_budget(problem: Problem) -> tuple[int, str]:
-    """A budget autotune can certainly meet: the lowest peak among the most memory-frugal uniform policies,
-    then lowered by a descent on the peak from the best of them (single moves, for DESCENT_S seconds)."""
+    """A budget autotune can certainly meet: the lowest peak among the most memory-frugal uniform policies
+    and the descents on the peak from each of them and from no policy (single moves, DESCENT_S seconds in
+    all)."""
     from agents.refine import _repair
 
     w = problem.workload
@@ -155,14 +155,15 @@ def check_budget(problem: Problem, reserve_bytes: int = 0, budget_bytes: int | N
     """Fail at once, with the smallest budget that works, when no policy can meet the budget.
     ``problem.budget_bytes`` is what is planned for: the user's ``budget_bytes`` less ``reserve_bytes``
     (at least 0), which the message adds back."""
-    floor = budget_floor(problem)
+    f = peak_floor(problem.workload, problem.hardware)
+    floor = f.bytes
     if problem.budget_bytes < floor or (budget_bytes is not None and budget_bytes <= reserve_bytes):
         smallest, how = smallest_known_budget(problem)
         given = problem.budget_bytes + reserve_bytes if budget_bytes is None else budget_bytes
         kept = f", the {format_bytes(reserve_bytes)} reserve for workspaces (--reserve) included" * (reserve_bytes > 0)
         raise AutotuneError(
             f"budget {format_bytes(given)} is below the {format_bytes(floor + reserve_bytes)} that any policy "
-            f"needs ({floor_detail(problem)}{kept}): no policy can meet it; autotune can meet "
+            f"needs ({floor_detail(problem, f)}{kept}): no policy can meet it; autotune can meet "
             f"{format_bytes(smallest + reserve_bytes)} ({how}): raise --budget to at least that, or lower "
             "--batch-size"
         )

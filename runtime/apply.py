@@ -682,7 +682,8 @@ class PolicyRuntime:
         if self._recorder is not None:
             h.sid = self._recorder.sid(storage)
             self._by_sid[h.sid] = h
-            self._replays_open += action == Action.RECOMPUTE
+            if action == Action.RECOMPUTE:
+                self._replays_open += 1
         self._handles.append(h)
         if action == Action.SWAP:  # R3
             self.stats.swapped_bytes += h.nbytes
