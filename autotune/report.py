@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune.units import format_bytes
+from envs.simulator import peak_floor
 from runtime.hardware import HardwareProfile, op_times_s
 from runtime.workload import Phase, Workload, peak_report
 
@@ -66,9 +67,18 @@ def profile_report(
             for c in largest
         ],
     }
+    floor = peak_floor(w, hw)
+    report["floor"] = {  # what no policy goes below (envs.simulator.peak_floor)
+        "bytes": floor.bytes,
+        "op": floor.op,
+        "name": w.ops[floor.op].name if w.ops else None,
+        "phase": w.ops[floor.op].phase.value if w.ops else None,
+        "module": w.ops[floor.op].module if w.ops else None,
+    }
     if budget_bytes is not None:
         report["budget_bytes"] = budget_bytes
         report["fits"] = peak.peak_bytes <= budget_bytes
+        report["below_floor"] = budget_bytes < floor.bytes
     return report
 
 
@@ -111,11 +121,18 @@ def render_profile(console: Console, r: dict[str, Any]) -> None:
         f"(forward {ph['forward'] * 1e3:.1f}, backward {ph['backward'] * 1e3:.1f}, "
         f"optimizer {ph['optimizer'] * 1e3:.1f}), {r['batch_size'] / r['iter_s']:.1f} samples/s"
     )
+    f = r["floor"]
+    console.print(
+        f"no policy can go below {format_bytes(f['bytes'])} ({100 * f['bytes'] / r['peak_bytes']:.0f}% of the "
+        f"peak): at op {f['op']} {f['name']} ({f['phase']}, module {f['module']}) the state, what the step holds "
+        "there and the activations that op reads"
+    )
     if "budget_bytes" in r:
         gap = r["peak_bytes"] - r["budget_bytes"]
         verdict = (
             f"[green]fits[/] with {format_bytes(-gap)} to spare"
             if gap <= 0
-            else f"[red]exceeds it[/] by {format_bytes(gap)}: a memory policy is needed"
+            else f"[red]exceeds it[/] by {format_bytes(gap)}: "
+            + ("[red]below what any policy can reach[/]" if r["below_floor"] else "a memory policy is needed")
         )
         console.print(f"budget {format_bytes(r['budget_bytes'])}: the no-policy peak {verdict}")

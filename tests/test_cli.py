@@ -52,6 +52,9 @@ def test_profile_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     # no-policy peak (parameters, gradients, momentum, the batch, activations, during the first backward
     # convolutions) is exactly this many bytes on torch 2.14.1.
     assert d["candidates"] == 82 and d["activation_bytes"] == 43_201_860 and d["peak_bytes"] == 178_955_776
+    # What no policy goes below: at bn1's backward, as for every batch size of resnet18 (envs.simulator).
+    assert d["floor"]["name"] == "aten.native_batch_norm_backward.default" and d["floor"]["module"] == "bn1"
+    assert d["floor"]["bytes"] < d["peak_bytes"]
     assert (tmp_path / "w.json").exists()
     code, out2, _ = run(
         capsys, "profile", "--model", "x", "--workload", str(tmp_path / "w.json"), "--gpu", "a100-40gb", "--json"
@@ -63,7 +66,9 @@ def test_profile_table_and_budget_echo(capsys: pytest.CaptureFixture[str]) -> No
     code, out, err = run(capsys, "profile", "--model", "resnet18", "--batch-size", "2", "--budget", "6GiB")
     assert code == 0
     assert "6GiB = 6,442,450,944 bytes (6.00 GiB)" in err
-    assert "fits" in out and "Largest" in out
+    assert "fits" in out and "Largest" in out and "no policy can go below" in out
+    code, out, _ = run(capsys, "profile", "--model", "resnet18", "--batch-size", "2", "--budget", "50MB")
+    assert code == 0 and "below what any policy can reach" in " ".join(out.split())
 
 
 def test_hardware_json(capsys: pytest.CaptureFixture[str]) -> None:
