@@ -504,7 +504,6 @@ def maxbatch(
     def trace(b: int) -> Any:
         return trace_model(dataclasses.replace(req, batch_size=b))[0]
 
-    found_simulated = 0  # --measure: the largest size that fit on the simulator
     with err.status("maxbatch", spinner="dots") as status:
         search = mb.MaxBatch(
             trace,
@@ -523,7 +522,6 @@ def maxbatch(
                 return real_backend(model, b, here or "cpu", steps=3, seq_len=seq_len, optimizer=req.optimizer,
                                     precision=req.precision, grad_accum=grad_accum)  # fmt: skip
 
-            found_simulated = outcome.max_batch
             outcome = search.measure(outcome, backend_at, k, budget_bytes)
     if outcome.best is not None and outcome.best.found is not None:
         name = model.replace(":", "_").replace("/", "_")
@@ -536,7 +534,7 @@ def maxbatch(
         print(json.dumps(result))
     else:
         _render_maxbatch(model, hw, budget_bytes, outcome, result)
-    if k and found_simulated and outcome.measured is None:
+    if outcome.measured_sizes and outcome.measured is None:  # --measure tried sizes, none fit
         tried = ", ".join(str(b) for b in outcome.measured_sizes)
         err.print(
             f"[bold red]error:[/] no batch size trains within {sr.format_bytes(budget_bytes)} when measured: the "

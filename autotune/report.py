@@ -68,12 +68,13 @@ def profile_report(
         ],
     }
     floor = peak_floor(w, hw)
+    at = w.ops[floor.op] if w.ops else None
     report["floor"] = {  # what no policy goes below (envs.simulator.peak_floor)
         "bytes": floor.bytes,
         "op": floor.op,
-        "name": w.ops[floor.op].name if w.ops else None,
-        "phase": w.ops[floor.op].phase.value if w.ops else None,
-        "module": w.ops[floor.op].module if w.ops else None,
+        "name": at.name if at else None,
+        "phase": at.phase.value if at else None,
+        "module": at.module if at else None,
     }
     if budget_bytes is not None:
         report["budget_bytes"] = budget_bytes
