@@ -70,7 +70,9 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         its call's table by its ordinal there and checked by shape and dtype (and, for a later pack of a
         handled tensor, by storage); a mismatch keeps that tensor and every later one of the step, warns
         once, and the next step learns again. The recorder is entered only in the calls whose ops a replay
-        re-ran. An all-keep policy, or one that only recomputes through regions, installs no saved-tensor
+        re-ran; entered for ``<loss>``, it stays on the dispatch-mode stack through backward (where it passes
+        every op on) and leaves at the step's end: backward runs each node under the thread-local state
+        captured when it began, so a mode popped inside it is back on the stack when it returns. An all-keep policy, or one that only recomputes through regions, installs no saved-tensor
         hooks at all.
     R12. The model. A policy records its model's parameters by name and shape
         (runtime.keys.parameter_fingerprint); a model with other ones is refused when the runtime is made,
@@ -250,7 +252,6 @@ class PolicyRuntime:
         self._suspended = 0
         self._keying = False  # a first step is running (R11)
         self._wrappers: list[tuple[torch.nn.Module, Callable[..., Any]]] | None = None  # R10, made at first use
-        self._on_backward: Callable[[], None] | None = None  # later steps: at the first unpack (R11)
         self._region_calls: dict[str, int] = {}
         self.stats = RuntimeStats()
 
@@ -571,17 +572,6 @@ class PolicyRuntime:
             if not outside:
                 outside.append(enter(_LOSS))
 
-        def backward_started() -> None:
-            """Off the dispatch-mode stack with the recorder ``<loss>`` entered, so that backward's ops and
-            the regions' recomputes do not pass through it (when nothing was entered above it since)."""
-            for i, token in enumerate(outside):
-                if token & 2 and rec is not None and rec.depth == 1 and _get_current_dispatch_mode() is rec:
-                    rec.depth = 0
-                    rec.__exit__(None, None, None)
-                    outside[i] = token & ~2
-
-        self._on_backward = backward_started
-
         handles: list[torch.utils.hooks.RemovableHandle] = []
         try:
             for path in learned.modules:
@@ -602,7 +592,6 @@ class PolicyRuntime:
                 leave(tokens.pop())
             while outside:
                 leave(outside.pop())
-            self._on_backward = None
             self._end_step()
             if self._mismatch is not None:
                 self._learned = None  # learn again next step
@@ -719,10 +708,7 @@ class PolicyRuntime:
         rec = self._recorder
         if rec is None:
             return self._unpack_now(p)
-        if rec.recording:  # backward has started (R6): the recorder records nothing more
-            rec.recording = False
-            if self._on_backward is not None:
-                self._on_backward()
+        rec.recording = False  # backward has started (R6): the recorder records nothing more
         with self._without_recorder():  # as in pack; replays record nothing either
             return self._unpack_now(p)
 

@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from autotune.models import build_model
 from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, Simulator, uniform_actions
@@ -247,6 +248,10 @@ def _steps(name: str, kwargs: dict, policy: Policy | None, steps: int = 3, devic
             loss.backward()
         out.append((loss.detach(), [p.grad.clone() for p in model.parameters()], [b.clone() for b in model.buffers()]))
         out[-1] += (stats,)  # type: ignore[assignment]
+        # Nothing of the runtime's stays behind: a dispatch mode left on the stack would run every later op of
+        # the process through Python (one recorder a step was left behind when backward popped it, R11).
+        assert not _get_current_dispatch_mode_stack(), (i, _get_current_dispatch_mode_stack())
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None, i
         opt.step()
     return out
 
