@@ -79,7 +79,8 @@ Rule 12 (host costs). h_i is 0 on a profile without copy engines (op times are w
     region ``region_s`` plus ``region_pack_s`` per pack inside it, at its first op and again with its
     recompute, whose ops also cost their h_i; each op the recorder runs under ``record_op_s`` (the forward
     ops of the module calls whose ops a replay re-runs, the calls they ran in included; outside the model:
-    from the model's end), and as much again for each quiet op dispatched after it (``OpInfo.quiet_ops``:
+    from the model's end to the end of forward, where runtime R11 stops a little earlier, at the pack after
+    the last op re-run), and as much again for each quiet op dispatched after it (``OpInfo.quiet_ops``:
     views and queries, which the workload leaves out and the recorder records); each replayed op
     ``replay_op_s`` plus its h_i; each compress kernel h of an op.
     The costs of one point are issued before the op there.

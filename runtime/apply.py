@@ -70,10 +70,12 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         its call's table by its ordinal there and checked by shape and dtype (and, for a later pack of a
         handled tensor, by storage); a mismatch keeps that tensor and every later one of the step, warns
         once, and the next step learns again. The recorder is entered only in the calls whose ops a replay
-        re-ran; entered for ``<loss>``, it stays on the dispatch-mode stack through backward (where it passes
-        every op on) and leaves at the step's end: backward runs each node under the thread-local state
-        captured when it began, so a mode popped inside it is back on the stack when it returns. An all-keep policy, or one that only recomputes through regions, installs no saved-tensor
-        hooks at all.
+        re-ran. Entered for ``<loss>``, it leaves at the first pack there after the last op a replay re-ran
+        (the first step tells which), still in forward, so that backward's ops do not pass through it (a
+        Python call each); without such a pack, at the step's end. Never inside backward: backward runs
+        each node under the thread-local state captured when it began, so a mode popped inside it is back
+        on the stack when it returns. An all-keep policy, or one that only recomputes through regions,
+        installs no saved-tensor hooks at all.
     R12. The model. A policy records its model's parameters by name and shape
         (runtime.keys.parameter_fingerprint); a model with other ones is refused when the runtime is made,
         before anything runs, unless ``strict=False`` (the keys that still match are then applied, the
@@ -183,6 +185,7 @@ class _Logged:
     trigger: bool  # a kept tensor whose unpack triggers prefetches (R4)
     shape: torch.Size
     dtype: torch.dtype
+    recorded: int  # ops the recorder had recorded when this pack came (0 without one)
 
 
 @dataclass(frozen=True)
@@ -203,12 +206,15 @@ class _Learned:
     record: set[Frame]  # the module calls the recorder runs in
     modules: list[str]  # module paths that need hooks
     forced: bool
+    loss_done: int | None = None  # the ``<loss>`` pack after which the recorder has recorded all a replay needs
 
 
 @dataclass
 class _Table:
     entries: list[_Entry]
     pos: int = 0
+    done_at: int | None = None  # after this pack, ``on_done`` (``<loss>``: the recorder leaves, R11)
+    on_done: Callable[[], None] | None = None
 
 
 class PolicyRuntime:
@@ -458,16 +464,22 @@ class PolicyRuntime:
             return e.stack[-1] if e.stack else _LOSS if e.after_root else _BEFORE
 
         hooked = {innermost(e) for e in log if force or (e.key is not None and e.key in self.observed)}
+        # The last op re-run by a replay after the model's forward: once it is recorded, so is all a replay needs.
+        last = max((i for i in rec.replayed if rec.ops[i].frame == _LOSS), default=None) if rec is not None else None
+        loss_done = None
         tables: dict[Frame, list[_Entry]] = {}
         for e in log:
             frame = next((f for f in reversed(e.stack) if f in hooked), None)
             if frame is None and not e.stack and innermost(e) in hooked:
                 frame = innermost(e)
             if frame is not None:
-                tables.setdefault(frame, []).append(_Entry(e.key, e.action, e.point, e.trigger, e.shape, e.dtype))
+                table = tables.setdefault(frame, [])
+                if frame == _LOSS and last is not None and loss_done is None and e.recorded > last:
+                    loss_done = len(table)
+                table.append(_Entry(e.key, e.action, e.point, e.trigger, e.shape, e.dtype))
         record = {rec.ops[i].frame for i in rec.replayed} if rec is not None else set()
         modules = sorted({f[0] for f in [*tables, *record] if f is not None and f not in (_LOSS, _BEFORE)})
-        return _Learned(tables, {f for f in record if f is not None}, modules, force)
+        return _Learned(tables, {f for f in record if f is not None}, modules, force, loss_done)
 
     def _pack_first(self, t: torch.Tensor) -> Any:
         if self._suspended:
@@ -486,7 +498,9 @@ class PolicyRuntime:
             self._pack_point()
         packed, action = self._pack_as(t, keyed.key)
         trigger = isinstance(packed, _Kept)
-        self._log.append(_Logged(stack, self._after_root, keyed.key, action, point, trigger, t.shape, t.dtype))
+        recorded = len(self._recorder.ops) if self._recorder is not None else 0
+        self._log.append(_Logged(stack, self._after_root, keyed.key, action, point, trigger, t.shape, t.dtype,
+                                 recorded))  # fmt: skip
         return packed
 
     def _pack_as(self, t: torch.Tensor, key: str | None) -> tuple[Any, Action | None]:
@@ -526,13 +540,25 @@ class PolicyRuntime:
         self._tables = tables
         tokens: list[int] = []  # per hooked module call: 1 pushed the hooks, 2 entered the recorder
         calls: dict[str, int] = {}
+        outside: list[int] = []  # tokens of <before> (left at the model's forward) and <loss> (at the step's end)
+
+        def loss_recorded() -> None:
+            """Every op after the model's forward that a replay re-runs is recorded: the recorder leaves now,
+            in forward (a pack hook runs outside any mode's handler), so that backward's ops do not pass
+            through it. Popped inside backward, it would be back when backward returns (R11)."""
+            for i, token in enumerate(outside):
+                if token & 2 and rec is not None and rec.depth == 1 and _get_current_dispatch_mode() is rec:
+                    rec.depth = 0
+                    rec.__exit__(None, None, None)
+                    outside[i] = token & ~2
 
         def enter(frame: Frame) -> int:
             self.stats.hooked_calls += 1
             token = 0
             entries = learned.tables.get(frame)
             if entries is not None:
-                tables.append(_Table(entries))
+                done_at = learned.loss_done if frame == _LOSS else None
+                tables.append(_Table(entries, done_at=done_at, on_done=loss_recorded if done_at is not None else None))
                 _PUSH_HOOKS(self._pack_later, self._unpack)
                 token |= 1
             if rec is not None and frame in learned.record:
@@ -561,8 +587,6 @@ class PolicyRuntime:
                 leave(tokens.pop())
 
             return pre, post
-
-        outside: list[int] = []  # tokens of <before> (left at the model's forward) and <loss> (at the step's end)
 
         def root_starts(*_: Any) -> None:
             while outside:
@@ -611,11 +635,15 @@ class PolicyRuntime:
         if e.point:
             self._pack_point()
         if e.action is None:
-            return _Kept(t.detach(), self.ranks[e.key]) if e.trigger and e.key is not None else t.detach()
-        if self._recorder is None:
-            return self._pack_handle(t, e)
-        with self._without_recorder():
-            return self._pack_handle(t, e)
+            out = _Kept(t.detach(), self.ranks[e.key]) if e.trigger and e.key is not None else t.detach()
+        elif self._recorder is None:
+            out = self._pack_handle(t, e)
+        else:
+            with self._without_recorder():
+                out = self._pack_handle(t, e)
+        if i == table.done_at and table.on_done is not None:
+            table.on_done()
+        return out
 
     def _pack_handle(self, t: torch.Tensor, e: _Entry) -> Any:
         assert e.key is not None and e.action is not None

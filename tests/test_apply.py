@@ -234,9 +234,21 @@ def test_action_codes_match_the_policy_enum() -> None:
 
 
 # -- later steps (R11): what the first step learned, applied --------------------------------------------------
-def _steps(name: str, kwargs: dict, policy: Policy | None, steps: int = 3, device: str = "cpu"):  # type: ignore[no-untyped-def,type-arg]
-    """``steps`` SGD steps on one model under one runtime: per step the loss, gradients, buffers and stats."""
+def _steps(  # type: ignore[no-untyped-def]
+    name: str,
+    kwargs: dict,  # type: ignore[type-arg]
+    policy: Policy | None,
+    steps: int = 3,
+    device: str = "cpu",
+    modes_in_backward: list[int] | None = None,
+):
+    """``steps`` SGD steps on one model under one runtime: per step the loss, gradients, buffers and stats;
+    ``modes_in_backward`` gets, per step, how many dispatch modes backward's ops pass through (seen by a hook
+    on the first parameter's gradient, the last one backward makes)."""
     model, batch, loss_fn = _build(name, kwargs, device)()
+    if modes_in_backward is not None:
+        first = next(iter(model.parameters()))
+        first.register_hook(lambda g: modes_in_backward.append(len(_get_current_dispatch_mode_stack())))
     opt = make_optimizer("sgd", model.parameters())
     rt = PolicyRuntime(policy, model) if policy is not None else None
     out = []
@@ -281,18 +293,21 @@ def test_later_steps_are_bit_identical_too(name: str, kwargs: dict) -> None:  # 
 def test_block_recompute_runs_through_checkpoint_and_all_keep_installs_nothing() -> None:
     """The uniform recompute policy on resnet18: every block is a region (runtime/plan.py); from the
     second step on the only saved-tensor hooks are the loss's (its log-softmax output is replayed, from the
-    classifier's output: the recorder runs in the classifier's call), and an all-keep policy sees no pack
-    and hooks no module call at all."""
+    classifier's output: the recorder runs in the classifier's call and in the loss up to the log-softmax,
+    and backward's ops do not pass through it), and an all-keep policy sees no pack and hooks no module call
+    at all."""
     name, kwargs = RESNET
     w = capture(_build(name, kwargs), name=name, batch_size=2)
     policy = Policy.from_vector(w, uniform_actions(w, Action.RECOMPUTE), hardware="cpu")
     blocks = [r.module for r in policy.schedule.regions]  # type: ignore[union-attr]
     assert {f"layer{i}.{j}" for i in range(1, 5) for j in range(2)} <= set(blocks)
-    later = _steps(name, kwargs, policy, steps=2)[-1][3]
+    modes: list[int] = []
+    later = _steps(name, kwargs, policy, steps=2, modes_in_backward=modes)[-1][3]
+    assert modes == [1, 0]  # the first step records everything, backward included; later ones none of it
     assert later.regions == len(blocks)
     assert later.recomputed_ops == 3  # the loss's chain, back to the classifier's kept input
     assert later.packs == 4 and later.hooked_calls == 2  # <loss>, and fc's call for the recorder
-    assert later.recorded_ops == 6  # fc's ops and the loss's: not the whole forward
+    assert later.recorded_ops == 5  # fc's ops and the loss's up to its log-softmax: not the whole forward
     keep = _steps(name, kwargs, Policy.uniform(w, Action.KEEP, hardware="cpu"), steps=2)[-1][3]
     assert (keep.packs, keep.hooked_calls, keep.regions) == (0, 0, 0)
 
