@@ -13,9 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
-
-from runtime.trace import written_tensors
 
 if TYPE_CHECKING:
     from runtime.apply import PolicyRuntime
@@ -109,7 +106,7 @@ class Recorder(TorchDispatchMode):
         self.device = device
         self.frame_of = frame_of
         self.ops: list[OpRecord] = []
-        self.sid_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> id
+        self._sid_at: dict[int, int] = {}  # storage (its StorageImpl's address) -> id, checked by self.storage
         self.storage: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.writers: dict[int, list[int]] = {}  # storage id -> ops that allocated or wrote it, in order
         self.recording = True  # until backward starts (R6)
@@ -124,12 +121,19 @@ class Recorder(TorchDispatchMode):
                 op.rng = _RELEASED
 
     def sid(self, storage: torch.UntypedStorage) -> int:
-        sid = self.sid_of.get(storage)
-        if sid is None:
-            sid = len(self.storage)
-            self.sid_of[storage] = sid
-            self.storage[sid] = weakref.ref(storage)
-        return sid
+        return self._sid(storage)[0]
+
+    def _sid(self, storage: torch.UntypedStorage) -> tuple[int, bool]:
+        """(the storage's id, whether it is new). A freed storage's address can be reused: an entry counts only
+        while its weak reference still gives this storage (recording is over before anything rebinds one)."""
+        at = storage._cdata
+        sid = self._sid_at.get(at)
+        if sid is not None and self.storage[sid]() is storage:
+            return sid, False
+        sid = len(self.storage)
+        self._sid_at[at] = sid
+        self.storage[sid] = weakref.ref(storage)
+        return sid, True
 
     def ref(self, t: torch.Tensor) -> _Ref:
         return _Ref(self.sid(t.untyped_storage()), t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
@@ -138,12 +142,13 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self.recording or self.paused or torch._C._current_graph_task_id() != -1:
             return func(*args, **kwargs)  # backward (a checkpointed region's recompute included)
+        random, written = _schema_of(func)
         rng = None
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if random:
             cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
             rng = (torch.get_rng_state(), cuda)
         leaves, spec = _flatten_args(args, kwargs)
-        writes = _written_positions(func, args, kwargs, leaves)
+        writes = _written_positions(written, args, kwargs, leaves) if written else []
         refs = [self.ref(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         out = func(*args, **kwargs)
         out_leaves = _flatten_out(out)
@@ -153,10 +158,9 @@ class Recorder(TorchDispatchMode):
             if not isinstance(x, torch.Tensor):
                 outputs.append(None)
                 continue
-            known = x.untyped_storage() in self.sid_of
-            sid = self.sid(x.untyped_storage())
+            sid, new = self._sid(x.untyped_storage())
             outputs.append(sid)
-            if not known:
+            if new:
                 self.writers.setdefault(sid, []).append(index)
         for pos in writes:
             ref = refs[pos]
@@ -172,12 +176,34 @@ class Recorder(TorchDispatchMode):
 _UNDECLARED_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4), "miopen_batch_norm": (3, 4)}
 
 
-def _written_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any]) -> list[int]:
-    """Leaf positions (in the flattened (args, kwargs)) of tensors the op mutates, from its schema."""
+_SCHEMAS: dict[Any, tuple[bool, tuple[tuple[int, str], ...]]] = {}
+
+
+def _schema_of(func: Any) -> tuple[bool, tuple[tuple[int, str], ...]]:
+    """(whether the op draws random numbers, the (position, name) of each argument it mutates): read once per
+    op from its tags and its schema's alias annotations (and ``_UNDECLARED_WRITES``)."""
+    known = _SCHEMAS.get(func)
+    if known is None:
+        undeclared = _UNDECLARED_WRITES.get(func.overloadpacket.__name__, ())
+        written = tuple(
+            (i, arg.name)
+            for i, arg in enumerate(func._schema.arguments)
+            if (arg.alias_info is not None and arg.alias_info.is_write) or i in undeclared
+        )
+        known = _SCHEMAS[func] = (torch.Tag.nondeterministic_seeded in func.tags, written)
+    return known
+
+
+def _written_positions(
+    written: tuple[tuple[int, str], ...], args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any]
+) -> list[int]:
+    """Leaf positions (in the flattened (args, kwargs)) of the tensors in the arguments an op mutates."""
     positions: list[int] = []
-    mutated = written_tensors(func, args, kwargs, _UNDECLARED_WRITES.get(func.overloadpacket.__name__, ()))
-    for t in mutated:
-        positions.extend(p for p, x in enumerate(leaves) if x is t)
+    for i, name in written:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor):
+                positions.extend(p for p, x in enumerate(leaves) if x is t)
     return positions
 
 
