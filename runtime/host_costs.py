@@ -8,14 +8,17 @@ learning step excluded), the fastest of several against a plain step run alongsi
 ever adds time. ``calibrate`` takes about a second; ``runtime.hardware.calibrate_cpu`` puts its result
 into the ``cpu`` profile, and experiments/gpu_check.py prints it for a GPU.
 
-    hooks, m relus per module        d(m) = P(m) (pack + unpack) + C frame        -> pack + unpack, frame
+    hooks, m relus per module        d(m) = P(m) (relu pack + unpack) + C frame   -> frame
+    hooks, CNN blocks                d = P (pack + unpack) + C frame               -> pack + unpack
     regions, m relus per module      d(m) = 2 N (region + m region_pack) + kernels -> region, region_pack
     the recorder alone, CNN blocks   a forward under it, less a plain forward      -> record_op
-    replays of CNN blocks' ReLUs     d = hooks + record + R (replay_op + kernel)    -> replay_op
+    replays of tiny blocks' ReLUs    d = hooks + record + R (replay_op + kernel)    -> replay_op
     swaps (every relu)               d = hooks + S swap                              -> swap
 
-The recorder's and a replay's cost per op depends on the op (its tensors, its schema): they are measured on
-tiny residual blocks (convolution, BatchNorm, ReLU, add), what a CNN records; a transformer's ops differ.
+The costs of a pack, of recording and of replaying an op depend on the op (its tensors, its schema, how
+much data its kernel touches after the Python work): they are measured on residual blocks (convolution,
+BatchNorm, ReLU, add: what a CNN packs and records) of 64 channels of 16 x 16, and replays on tiny ones;
+a transformer's ops differ.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ from runtime.workload import Workload
 
 _MODULES = 24  # N
 _WIDTH = 16
+# The blocks' size: kernels of some tens of microseconds on a CPU, as a real model's. The recorder's Python
+# work between two kernels costs more when they touch more data (caches): 21 us an op at 4 channels of 4 x 4,
+# 28 at 64 of 16 x 16, 32 on ResNet-50 at 64 px (2 threads, this project's CPU).
+_CHANNELS, _SIDE = 64, 16
 
 
 class _Relus(torch.nn.Module):
@@ -75,11 +82,13 @@ def _network(m: int, device: torch.device) -> tuple[torch.nn.Module, tuple[torch
     return model, (torch.randn(1, _WIDTH, device=device),)
 
 
-def _blocks(device: torch.device) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+def _blocks(
+    device: torch.device, channels: int = _CHANNELS, side: int = _SIDE
+) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(0)
     with torch.device(device):
-        model = torch.nn.Sequential(*[_Block(4) for _ in range(_MODULES // 2)])
-        return model, (torch.randn(2, 4, 4, 4),)
+        model = torch.nn.Sequential(*[_Block(channels) for _ in range(_MODULES // 2)])
+        return model, (torch.randn(2, channels, side, side),)
 
 
 def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -173,8 +182,14 @@ def calibrate(device: str = "cpu", seconds: float = 1.0) -> HostCosts:
     hooks = {m: _Bench(relus[m], dev, _by_position(lambda i, m: 0, m), force=True) for m in (1, 2)}
     d_hooks = {m: b.extra_s(share) for m, b in hooks.items()}
     p1, p2 = hooks[1].stats.packs, hooks[2].stats.packs
-    per_pack = max(0.0, (d_hooks[2] - d_hooks[1]) / max(1, p2 - p1))
-    frame_s = max(0.0, (d_hooks[1] - p1 * per_pack) / max(1, hooks[1].stats.hooked_calls))
+    relu_pack = max(0.0, (d_hooks[2] - d_hooks[1]) / max(1, p2 - p1))
+    frame_s = max(0.0, (d_hooks[1] - p1 * relu_pack) / max(1, hooks[1].stats.hooked_calls))
+    # A ReLU packs its output; a convolution and a BatchNorm pack parameters and statistics too, whose packs
+    # and unpacks cost more (2 us against 6 on this project's CPU): the per-pack cost is the blocks'.
+    forced = _Bench(_blocks, dev, lambda w: np.zeros(len(w.candidates), dtype=np.int8), force=True)
+    d_forced = forced.extra_s(share)
+    st = forced.stats
+    per_pack = max(relu_pack, (d_forced - st.hooked_calls * frame_s) / max(1, st.packs))
 
     relu_op_s, _ = _forward_op_s(relus[3], dev, share / 2)
     regions = {m: _Bench(relus[m], dev, _by_position(lambda i, m: 2, m), force=False) for m in (1, 3)}
@@ -183,17 +198,20 @@ def calibrate(device: str = "cpu", seconds: float = 1.0) -> HostCosts:
     region_pack_s = max(0.0, (d_regions[3] - d_regions[1]) / (2 * n * 2))
     region_s = max(0.0, d_regions[1] / (2 * n) - region_pack_s)
 
-    op_s, record_op_s = _forward_op_s(_blocks, dev, share)  # ops of a CNN: convolution, BatchNorm, ReLU, add
-    replay = _Bench(_blocks, dev, _relu_outputs_recomputed, force=False)
+    _, record_op_s = _forward_op_s(_blocks, dev, share / 2)  # ops of a CNN: convolution, BatchNorm, ReLU, add
+    # Replays on tiny blocks, whose kernels are short enough that their mean time stands for the replayed ones'.
+    tiny = functools.partial(_blocks, channels=4, side=4)
+    op_s, tiny_record_s = _forward_op_s(tiny, dev, share / 2)
+    replay = _Bench(tiny, dev, _relu_outputs_recomputed, force=False)
     d_replay = replay.extra_s(share)
     st = replay.stats
-    known = st.packs * per_pack + st.hooked_calls * frame_s + st.recorded_ops * record_op_s
+    known = st.packs * per_pack + st.hooked_calls * frame_s + st.recorded_ops * tiny_record_s
     replay_op_s = max(0.0, (d_replay - known) / max(1, st.recomputed_ops) - op_s)
 
     swap = _Bench(relus[1], dev, _by_position(lambda i, m: 1, 1), force=False)
     d_swap = swap.extra_s(share)
     st = swap.stats
-    swap_s = max(0.0, (d_swap - st.packs * per_pack - st.hooked_calls * frame_s) / max(1, st.swaps))
+    swap_s = max(0.0, (d_swap - st.packs * relu_pack - st.hooked_calls * frame_s) / max(1, st.swaps))
     return HostCosts(
         op_s=0.0 if dev.type == "cpu" else relu_op_s,  # on the CPU op times are wall times already (Rule 12)
         frame_s=frame_s,
