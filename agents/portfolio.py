@@ -136,5 +136,5 @@ def _iterated(problem: Problem, best: _Best, deadline: float) -> None:
         trial = best.actions.copy()
         picked = rng.choice(problem.n, size=min(problem.n, max(2, problem.n // 4)), replace=False)
         trial[picked] = rng.choice(moves, size=len(picked))
-        actions, options, result = refine(problem, trial, best.options, deadline=deadline)
+        actions, options, result = refine(problem, trial, best.options, deadline=deadline, windows=False)
         best.offer(actions, options, result)

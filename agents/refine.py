@@ -3,15 +3,17 @@
 Moves, tried on the non-keep candidates from the largest down: back to keep (it frees nothing, so it only
 stays if the policy still fits), or to the other of swap / recompute. Then exchanges: one costly decision
 given back, one cheap one taken (see :func:`_exchange`); when those find nothing, pairs of changes
-among the largest candidates (:func:`_pairs`). A move is accepted when the policy still fits the
-budget and runs faster. Then the prefetch look-ahead is tried at each of agents.rule.LOOKAHEADS, and the
-release point of swapped bytes at each of agents.base.RELEASES. Passes
-repeat until one changes nothing or the deadline passes. Every accepted step
-is a simulated improvement, so the result is never worse than the start.
+among the largest candidates (:func:`_pairs`), then every assignment of a window of consecutive candidates
+at once (:func:`_windows`; on a problem of a few candidates one window holds them all, and the search is
+exhaustive). A move is accepted when the policy still fits the budget and runs faster. Then the prefetch
+look-ahead is tried at each of agents.rule.LOOKAHEADS, and the release point of swapped bytes at each of
+agents.base.RELEASES. Passes repeat until one changes nothing or the deadline passes. Every accepted step is
+a simulated improvement, so the result is never worse than the start.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -31,9 +33,11 @@ def refine(
     *,
     deadline: float | None = None,
     max_passes: int = 8,
+    windows: bool = True,
 ) -> tuple[np.ndarray, PolicyOptions, SimResult]:
     """Improve a policy; one over budget is first repaired (:func:`_repair`) and returned as it is if that
-    fails. ``deadline`` is a ``time.perf_counter()`` value."""
+    fails. ``deadline`` is a ``time.perf_counter()`` value; ``windows=False`` leaves out the window moves
+    (the costliest: a search that refines many starts runs them on its first)."""
     best = np.asarray(actions, dtype=np.int8).copy()
     best_result = problem.evaluate(best, options)
     if not best_result.feasible:
@@ -66,6 +70,9 @@ def refine(
         if not improved and not late():
             best, best_result, paired = _pairs(problem, best, options, best_result, late)
             improved = improved or paired
+        if windows and not improved and not late():
+            best, options, best_result, windowed = _windows(problem, best, options, best_result, late)
+            improved = improved or windowed
         if not late():
             options, faster = fastest_lookahead(problem, best, options, best_result, late)
             improved = improved or faster is not best_result
@@ -190,6 +197,69 @@ def _pairs(
                     if r.feasible and r.samples_per_s > best_result.samples_per_s:
                         return trial, r, True
     return best, best_result, False
+
+
+WINDOW_EVALS = 8_000  # simulations one pass of window moves may take (an 8-candidate problem's every policy)
+MIN_WINDOW = 4  # narrower windows add little to pairs
+
+
+def window_width(n: int, budget: int = WINDOW_EVALS) -> int:
+    """The widest window w (at most n) whose every assignment, over every window, fits ``budget``
+    simulations: (n - w + 1) 3^w. 0 when it is under ``MIN_WINDOW``."""
+    for w in range(n, MIN_WINDOW - 1, -1):
+        if (n - w + 1) * 3**w <= budget:
+            return w
+    return 0
+
+
+def _windows(
+    problem: Problem,
+    actions: np.ndarray,
+    options: PolicyOptions,
+    result: SimResult,
+    late: Callable[[], bool],
+) -> tuple[np.ndarray, PolicyOptions, SimResult, bool]:
+    """Every keep / swap / recompute assignment of w candidates whose producers run one after another,
+    the others as they are; the fastest that fits replaces the policy when it beats it, then the next
+    window (best improvement per window). These are the moves several changes wide that single moves and
+    pairs cannot make: on an 8-layer chain at half its peak, the optimum is six changes away from where they
+    stall. An assignment that would be faster but swaps over the budget is tried again with swapped bytes
+    let go at the next pack point (``release_after`` 1), then also copied back on demand (look-ahead 0): the
+    leanest release and prefetch. w (:func:`window_width`) keeps a pass within ``WINDOW_EVALS`` simulations;
+    when w covers every candidate the one window enumerates every policy."""
+    w = window_width(problem.n)
+    if w == 0:
+        return actions, options, result, False
+    order = np.argsort([c.producer for c in problem.workload.candidates], kind="stable")
+    best, best_options, best_result, improved = actions.copy(), options, result, False
+    for start in range(problem.n - w + 1):
+        window = order[start : start + w]
+        current = best[window].copy()
+        found: tuple[np.ndarray, PolicyOptions, SimResult] | None = None
+        lean = [replace(best_options, release_after=1), replace(best_options, release_after=1, prefetch_lookahead=0)]
+        lean = [o for i, o in enumerate(lean) if o != best_options and o not in lean[:i]]
+        trial = best.copy()
+        for combo in itertools.product((KEEP, SWAP, RECOMPUTE), repeat=w):
+            if late():
+                break
+            trial[window] = combo
+            if np.array_equal(trial[window], current):
+                continue
+            incumbent = (found[2] if found else best_result).samples_per_s
+            r, o = problem.evaluate(trial, best_options), best_options
+            if not r.feasible and r.samples_per_s > incumbent and SWAP in combo:
+                for o in lean:
+                    r = problem.evaluate(trial, o)
+                    if r.feasible:
+                        break
+            if r.feasible and r.samples_per_s > incumbent:
+                found = (trial.copy(), o, r)
+        if found is not None:
+            best, best_options, best_result = found
+            improved = True
+        if late():
+            break
+    return best, best_options, best_result, improved
 
 
 @register
