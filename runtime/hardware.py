@@ -114,6 +114,9 @@ class HardwareProfile:
     # max_memory_allocated counts the rounded blocks. The CPU tracker counts storage bytes as they are.
     alloc_granularity_bytes: int = 512
     host: HostCosts = dataclasses.field(default_factory=HostCosts)  # the host clock's costs (Rule 12)
+    # CUDA compute capability (major, minor): which fused kernels the GPU runs, as a fake trace for it takes
+    # them (NOTE [ GPU-faithful fake traces ] in runtime/target.py). None: not a GPU, or not known.
+    compute_capability: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         # Profiles can come from a user's JSON file, so bad values are user errors, not assertions.
@@ -152,6 +155,14 @@ class HardwareProfile:
                 object.__setattr__(self, "host", HostCosts(**self.host))
             except TypeError as e:
                 raise AutotuneError(f"{where}: host: {e}; expected the fields of HostCosts") from None
+        cc = self.compute_capability
+        if cc is not None:
+            if not isinstance(cc, (list, tuple)) or len(cc) != 2 or not all(type(x) is int and x >= 0 for x in cc):
+                raise AutotuneError(
+                    f"{where}: compute_capability={cc!r}, expected [major, minor] (e.g. [9, 0] for a Hopper "
+                    "GPU) or null"
+                )
+            object.__setattr__(self, "compute_capability", (cc[0], cc[1]))
         if not isinstance(self.host, HostCosts):
             raise AutotuneError(f"{where}: host={self.host!r}, expected host costs (HostCosts or a JSON object)")
         if type(self.alloc_granularity_bytes) is not int or self.alloc_granularity_bytes <= 0:
@@ -187,7 +198,8 @@ class HardwareProfile:
         expected = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(data, Mapping):
             raise AutotuneError(f"hardware profile: expected a JSON object, got {type(data).__name__}")
-        missing, unknown = expected - data.keys() - {"host"}, data.keys() - expected  # host: optional (older files)
+        optional = {"host", "compute_capability"}  # absent from older files
+        missing, unknown = expected - data.keys() - optional, data.keys() - expected
         if missing or unknown:
             raise AutotuneError(
                 f"hardware profile {data.get('name', '?')!r}: missing keys {sorted(missing)}, unknown keys "
@@ -234,6 +246,7 @@ def _gpu(
     tflops: Mapping[str, float],
     memory_gb_per_s: float,
     host_link_bytes_per_s: float,
+    compute_capability: tuple[int, int],
 ) -> HardwareProfile:
     """A built-in GPU profile from datasheet units (MiB, TFLOP/s, GB/s); the host link is symmetric."""
     return HardwareProfile(
@@ -247,64 +260,67 @@ def _gpu(
         launch_overhead_s=_EAGER_LAUNCH_S,
         is_gpu=True,
         host=_GPU_HOST,
+        compute_capability=compute_capability,
     )
 
 
 # Tensor-core rates are dense; datasheets print the 2:4-sparsity rate (marked *), which is twice the dense
-# one. Memory: nvidia-smi's total on recent drivers, as seen on real machines (older drivers print a few
-# hundred MiB less for some cards, e.g. 40536 MiB for an A100 40GB and 24268 MiB for an RTX 3090).
+# one. Compute capabilities (the last figure): NVIDIA's list of CUDA GPUs (V100 7.0, T4 7.5, A100 8.0, RTX
+# 3090 8.6, L4 and RTX 4090 8.9, H100 and H200 9.0). Memory: nvidia-smi's total on recent drivers, as seen on
+# real machines (older drivers print a few hundred MiB less for some cards, e.g. 40536 MiB for an A100 40GB and
+# 24268 MiB for an RTX 3090).
 _BUILTIN: tuple[HardwareProfile, ...] = (
     # NVIDIA Tesla V100 datasheet (2020), SXM2: 15.7 TFLOPS FP32, 125 tensor (FP16); 900 GB/s HBM2; host
     # over PCIe 3.0 x16 (NVLink links the GPUs only). No TF32/BF16: those fall back to the FP32 rate.
     # nvidia-smi: 16160 MiB.
     _gpu("v100-16gb", "NVIDIA V100 SXM2 16GB (Volta, HBM2, PCIe 3.0 host link)",
-         16160, {"fp32": 15.7, "fp16": 125.0}, 900.0, _PCIE3_BYTES_PER_S),
+         16160, {"fp32": 15.7, "fp16": 125.0}, 900.0, _PCIE3_BYTES_PER_S, (7, 0)),
     # Same datasheet, 32GB model; nvidia-smi: 32510 MiB.
     _gpu("v100-32gb", "NVIDIA V100 SXM2 32GB (Volta, HBM2, PCIe 3.0 host link)",
-         32510, {"fp32": 15.7, "fp16": 125.0}, 900.0, _PCIE3_BYTES_PER_S),
+         32510, {"fp32": 15.7, "fp16": 125.0}, 900.0, _PCIE3_BYTES_PER_S, (7, 0)),
     # NVIDIA A100 datasheet (2021): 19.5 TFLOPS FP32, 156 TF32, 312 BF16/FP16 dense; 1,555 GB/s HBM2 (40GB);
     # PCIe 4.0 x16. nvidia-smi: 40960 MiB.
     _gpu("a100-40gb", "NVIDIA A100 40GB (Ampere, HBM2, PCIe 4.0 host link)",
-         40960, {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}, 1555.0, _PCIE4_BYTES_PER_S),
+         40960, {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}, 1555.0, _PCIE4_BYTES_PER_S, (8, 0)),
     # Same datasheet, A100 80GB SXM: 2,039 GB/s HBM2e (the PCIe card: 1,935). nvidia-smi: 81920 MiB.
     _gpu("a100-80gb", "NVIDIA A100 80GB SXM (Ampere, HBM2e, PCIe 4.0 host link)",
-         81920, {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}, 2039.0, _PCIE4_BYTES_PER_S),
+         81920, {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}, 2039.0, _PCIE4_BYTES_PER_S, (8, 0)),
     # NVIDIA H100 datasheet (2023), SXM: 67 TFLOPS FP32; 989 TF32*, 1,979 BF16/FP16*, 3,958 FP8* (sparse);
     # 3.35 TB/s HBM3; PCIe 5.0 x16. nvidia-smi ("NVIDIA H100 80GB HBM3"): 81559 MiB.
     _gpu("h100-80gb", "NVIDIA H100 80GB SXM5 (Hopper, HBM3, PCIe 5.0 host link)",
          81559, {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0}, 3350.0,
-         _PCIE5_BYTES_PER_S),
+         _PCIE5_BYTES_PER_S, (9, 0)),
     # Same datasheet, H100 PCIe: 51 TFLOPS FP32; 756 TF32*, 1,513 BF16/FP16*, 3,026 FP8*; 2 TB/s HBM2e;
     # PCIe 5.0 x16. nvidia-smi ("NVIDIA H100 PCIe"): 81559 MiB.
     _gpu("h100-pcie", "NVIDIA H100 80GB PCIe (Hopper, HBM2e, PCIe 5.0 host link)",
          81559, {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5, "fp8": 1513.0}, 2000.0,
-         _PCIE5_BYTES_PER_S),
+         _PCIE5_BYTES_PER_S, (9, 0)),
     # NVIDIA H200 datasheet (2024), SXM: 67 TFLOPS FP32; 989 TF32*, 1,979 BF16/FP16*, 3,958 FP8*; 141 GB
     # HBM3e at 4.8 TB/s; PCIe 5.0 x16. nvidia-smi ("NVIDIA H200"): 143771 MiB. (H200 NVL is slower: not this.)
     _gpu("h200", "NVIDIA H200 141GB SXM (Hopper, HBM3e, PCIe 5.0 host link)",
          143771, {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0}, 4800.0,
-         _PCIE5_BYTES_PER_S),
+         _PCIE5_BYTES_PER_S, (9, 0)),
     # NVIDIA L4 datasheet (2023): 30.3 TFLOPS FP32; 120 TF32*, 242 BF16/FP16*, 485 FP8*; 24 GB GDDR6 at
     # 300 GB/s; PCIe 4.0 x16. nvidia-smi: 23034 MiB (ECC, on by default, holds 1/16 of the GDDR6).
     _gpu("l4", "NVIDIA L4 24GB (Ada Lovelace, GDDR6, PCIe 4.0 host link)",
          23034, {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0, "fp8": 242.5}, 300.0,
-         _PCIE4_BYTES_PER_S),
+         _PCIE4_BYTES_PER_S, (8, 9)),
     # NVIDIA T4 datasheet (2019): 8.1 TFLOPS FP32, 65 mixed-precision FP16/FP32 tensor; 16 GB GDDR6 at
     # 320 GB/s; PCIe 3.0 x16. No TF32/BF16. nvidia-smi: 15360 MiB (ECC on by default, 1/16 of the GDDR6).
     _gpu("t4", "NVIDIA T4 16GB (Turing, GDDR6, PCIe 3.0 host link)",
-         15360, {"fp32": 8.1, "fp16": 65.0}, 320.0, _PCIE3_BYTES_PER_S),
+         15360, {"fp32": 8.1, "fp16": 65.0}, 320.0, _PCIE3_BYTES_PER_S, (7, 5)),
     # NVIDIA Ampere GA102 architecture whitepaper (v2, 2021), RTX 3090: 35.6 TFLOPS FP32; tensor with FP32
     # accumulate (what PyTorch uses) 35.6 TF32, 71 BF16/FP16 dense (GeForce runs FP32 accumulate at half
     # rate); 936 GB/s GDDR6X; PCIe 4.0 x16. nvidia-smi: 24576 MiB.
     _gpu("rtx3090", "NVIDIA GeForce RTX 3090 24GB (Ampere, GDDR6X, PCIe 4.0 host link)",
-         24576, {"fp32": 35.6, "tf32": 35.6, "bf16": 71.0, "fp16": 71.0}, 936.0, _PCIE4_BYTES_PER_S),
+         24576, {"fp32": 35.6, "tf32": 35.6, "bf16": 71.0, "fp16": 71.0}, 936.0, _PCIE4_BYTES_PER_S, (8, 6)),
     # NVIDIA Ada Lovelace architecture whitepaper (v2.1, 2023), RTX 4090: 82.6 TFLOPS FP32; with FP32
     # accumulate 82.6 TF32, 165.2 BF16/FP16 dense; 1,008 GB/s GDDR6X; PCIe 4.0 x16. FP8: the whitepaper
     # gives 660.6 dense; we assume half, 330.3, for FP32 accumulate (what torch._scaled_mm uses), by the
     # same GeForce halving as FP16 (unchecked). nvidia-smi: 24564 MiB.
     _gpu("rtx4090", "NVIDIA GeForce RTX 4090 24GB (Ada Lovelace, GDDR6X, PCIe 4.0 host link)",
          24564, {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3}, 1008.0,
-         _PCIE4_BYTES_PER_S),
+         _PCIE4_BYTES_PER_S, (8, 9)),
 )  # fmt: skip
 _BY_NAME: dict[str, HardwareProfile] = {p.name: p for p in _BUILTIN}
 

@@ -65,8 +65,10 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 from runtime.errors import AutotuneError
+from runtime.hardware import HardwareProfile
 from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, block_paths, parameter_fingerprint
 from runtime.precision import TrainStep
+from runtime.target import fake_trace_choices
 from runtime.workload import Candidate, Frame, OpInfo, Phase, TensorInfo, TensorKind, Workload
 
 Batch = tuple[torch.Tensor, ...]
@@ -77,15 +79,17 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 _MODULE_TAG = "autotune_module"
 
 
-def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
-    """The optimizers a workload can be traced with; hyper-parameters do not change memory or time."""
+def make_optimizer(name: str, params: Any, foreach: bool | None = None) -> torch.optim.Optimizer:
+    """The optimizers a workload can be traced with; hyper-parameters do not change memory or time.
+    ``foreach`` None: PyTorch's default for the parameters' device (a GPU target's fake trace passes True,
+    NOTE [ GPU-faithful fake traces ] G3)."""
     name = name.lower()
     if name == "sgd":
-        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9, foreach=foreach)
     if name == "adam":
-        return torch.optim.Adam(params, lr=1e-3)
+        return torch.optim.Adam(params, lr=1e-3, foreach=foreach)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, foreach=foreach)
     raise AutotuneError(f"unknown optimizer '{name}': expected one of {', '.join(OPTIMIZERS)}")
 
 
@@ -407,15 +411,19 @@ def capture(
     device: str = "cpu",
     precision: str = "fp32",
     grad_accum: int = 1,
+    target: HardwareProfile | None = None,
 ) -> Workload:
     """Trace one steady-state training iteration (NOTE [ Steady state ]) and return its Workload;
     ``precision`` fp32, or bf16/fp16 under torch.autocast (NOTE [ Precision ] in runtime.precision);
-    ``grad_accum`` micro-batches per optimizer step (NOTE [ Gradient accumulation ])."""
+    ``grad_accum`` micro-batches per optimizer step (NOTE [ Gradient accumulation ]); ``target``, for a
+    fake trace, the profile the plan is for: a GPU's takes that GPU's device-dependent choices (NOTE
+    [ GPU-faithful fake traces ] in runtime/target.py)."""
     mode: contextlib.AbstractContextManager[Any] = FakeTensorMode() if fake else contextlib.nullcontext()
-    with mode:
+    gpu = fake and target is not None and target.is_gpu
+    with mode, fake_trace_choices(target) if fake else contextlib.nullcontext():
         model, batch, loss_fn = build()
         model.train()
-        opt = make_optimizer(optimizer, model.parameters())
+        opt = make_optimizer(optimizer, model.parameters(), foreach=True if gpu else None)
         step = TrainStep(precision, torch.device(device).type, fake=fake, grad_accum=grad_accum)
         _warm_up(model, batch, loss_fn, opt, step, full=not fake)
         if step.grad_accum > 1:  # the gradients of the micro-batches before this one

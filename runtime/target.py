@@ -1,0 +1,185 @@
+"""Fake traces that take the target GPU's device-dependent choices (NOTE [ GPU-faithful fake traces ]).
+
+NOTE [ GPU-faithful fake traces ]
+    A fake-mode trace runs on the CPU's kernels (runtime.trace), with no GPU present. Where PyTorch or a model
+    library chooses by device, a plan for a GPU profile must see what that GPU runs, not what the CPU does:
+
+    G1. Attention. ``F.scaled_dot_product_attention`` picks its kernel from the tensors' real device. On the
+        CPU, with dropout, it takes the math path, which saves the (B, H, L, L) attention probabilities (and
+        the dropout mask) for backward; CUDA's fused kernels save none of them. For a GPU target each call is
+        routed to the fused op the GPU would pick, so that autograd saves what that kernel saves (q, k, v,
+        the output, the log-sum-exp and the random-number seed and offset). The choice follows PyTorch's
+        selection rules (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp; priority order flash,
+        memory-efficient, math, cuDNN, as ``torch._C._get_sdp_priority_order()`` gives on torch 2.11-2.14):
+        - flash attention: fp16 or bf16, compute capability 8.0 or more, no ``attn_mask``, head dimension at
+          most 256 and a multiple of 8, query, key and value of one dtype and head count;
+        - memory-efficient attention: fp32, fp16, or bf16 from compute capability 8.0; compute capability 5.0
+          or more; head dimension a multiple of 16 bytes' worth of elements (4 in fp32, 8 in fp16/bf16);
+          any ``attn_mask``;
+        - else math (the call runs as it is).
+        Each profile names its compute capability (``HardwareProfile.compute_capability``); a profile
+        without one (the ``cpu`` profile, a user's file that leaves it out) keeps the CPU's choice.
+    G2. Dropout. On CUDA, ``F.dropout`` in training runs the fused ``native_dropout``, which saves a one-byte
+        mask; on the CPU it draws a mask in the input's dtype (four bytes an element in fp32) and multiplies.
+        For a GPU target a (not in-place) dropout runs as ``native_dropout``.
+    G3. Optimizers. On CUDA tensors PyTorch's optimizers default to their ``foreach`` implementation (one
+        kernel over all parameters, whose step temporaries are those of every parameter at once); on the
+        CPU to the for-loop one. A GPU target's trace uses ``foreach``.
+    G4. transformers' masks. Its masking utilities skip the causal mask (letting SDPA's ``is_causal`` do
+        it) only when they can read the position ids and see that the sequences are not packed; a fake
+        tensor cannot be read, so a fake trace built the (B, 1, L, L) mask that real training never makes.
+        Under every fake trace (CPU or GPU target) position ids are taken as unpacked, as the zoo's batches
+        are, and the mask path is real training's.
+    Not yet: autocast's op lists (a bf16/fp16 trace runs the CPU's autocast, whose lists are close to
+    CUDA's but not the same), cuBLAS and cuDNN workspaces (the search keeps ``--reserve`` for them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from runtime.hardware import HardwareProfile
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_DROPOUT = torch.nn.functional.dropout
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def sdpa_backend(
+    capability: tuple[int, int] | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+) -> str:
+    """The kernel ("flash", "efficient" or "math") a GPU of ``capability`` runs for this call (G1)."""
+    if capability is None:
+        return "math"
+    dtype, head_dim = query.dtype, query.shape[-1]
+    same = key.dtype == dtype and value.dtype == dtype and key.shape[-1] == head_dim == value.shape[-1]
+    one_head_count = query.dim() == 4 and key.shape[-3] == query.shape[-3] == value.shape[-3]
+    if (
+        dtype in _FLASH_DTYPES
+        and capability >= (8, 0)
+        and attn_mask is None
+        and head_dim <= 256
+        and head_dim % 8 == 0
+        and same
+        and one_head_count
+    ):
+        return "flash"
+    efficient_dtypes = (torch.float32, torch.float16, torch.bfloat16) if capability >= (8, 0) else (
+        torch.float32, torch.float16)  # fmt: skip
+    alignment = 16 // query.element_size()
+    if dtype in efficient_dtypes and capability >= (5, 0) and head_dim % alignment == 0 and same and one_head_count:
+        return "efficient"
+    return "math"
+
+
+class _FusedKernels(TorchFunctionMode):
+    """Routes ``scaled_dot_product_attention`` to the fused op the target GPU would run (G1), and dropout to
+    CUDA's fused one (G2)."""
+
+    def __init__(self, capability: tuple[int, int]) -> None:
+        super().__init__()
+        self.capability = capability
+        self.routed: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            return self._attention(*args, **kwargs)
+        if func is _DROPOUT:
+            return self._dropout(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
+        if not training or inplace or not 0.0 < p < 1.0 or not input.is_floating_point():
+            return _DROPOUT(input, p, training, inplace)
+        self.routed["dropout"] = self.routed.get("dropout", 0) + 1
+        return torch.ops.aten.native_dropout(input, p, True)[0]
+
+    def _attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> Any:
+        backend = sdpa_backend(self.capability, query, key, value, attn_mask)
+        self.routed[backend] = self.routed.get(backend, 0) + 1
+        aten = torch.ops.aten
+        if backend == "flash":
+            out = aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, return_debug_mask=False, scale=scale
+            )
+            return out[0]
+        if backend == "efficient":
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            if attn_mask is not None and attn_mask.dtype == torch.bool:  # the fused op takes an additive bias
+                attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
+            if attn_mask is not None:
+                attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+            out = aten._scaled_dot_product_efficient_attention(
+                query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale
+            )
+            return out[0]
+        return _SDPA(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa,
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _unpacked_positions() -> Iterator[None]:
+    """G4: transformers' packed-sequence check answers "not packed" for fake position ids."""
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:  # transformers absent, or too old to have the check: nothing to do
+        yield
+        return
+    find = getattr(masking, "find_packed_sequence_indices", None)
+    if find is None:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def unpacked_if_fake(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(position_ids, FakeTensor):
+            return None
+        return find(position_ids, *args, **kwargs)
+
+    masking.find_packed_sequence_indices = unpacked_if_fake
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = find
+
+
+@contextlib.contextmanager
+def fake_trace_choices(target: HardwareProfile | None) -> Iterator[_FusedKernels | None]:
+    """The device-dependent choices of a fake trace for ``target`` (G1, G2, G4; G3 is make_optimizer's
+    ``foreach``): yields the kernel router, or None when the target keeps the CPU's kernels."""
+    capability = target.compute_capability if target is not None and target.is_gpu else None
+    with _unpacked_positions():
+        if capability is None:
+            yield None
+            return
+        with _FusedKernels(capability) as router:
+            yield router
+
+
+def trace_key(target: HardwareProfile | None) -> tuple[bool, tuple[int, int] | None]:
+    """What a fake trace depends on in its target: profiles with the same key get the same trace."""
+    if target is None or not target.is_gpu:
+        return (False, None)
+    return (True, target.compute_capability)
