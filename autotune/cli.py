@@ -113,6 +113,7 @@ def profile(
             device=device,
             precision=precision,
             grad_accum=grad_accum,
+            target=hw,
         )
         w, trace_s = _trace(req)
     if out_file is not None:
@@ -240,6 +241,7 @@ def baselines(
             optimizer=optimizer,
             precision=precision,
             grad_accum=grad_accum,
+            target=hw,
         )
     )
     problem = Problem(
@@ -351,6 +353,7 @@ def search(
         grad_accum=grad_accum,
         mode="real" if here is not None else "fake",
         device=here or "cpu",
+        target=hw,
     )
     req.validate()
     check_storage(storage)
@@ -498,6 +501,7 @@ def maxbatch(
         optimizer=optimizer,
         precision=precision,
         grad_accum=grad_accum,
+        target=hw,
     )
     req.validate()
 
@@ -723,10 +727,18 @@ def sweep(
     from agents.optuna_search import check_storage
 
     check_storage(storage)
-    workloads = [_trace(req)[0] for req in reqs]
+    from runtime.target import trace_key
+    from runtime.workload import Workload
+
+    traced: dict[tuple[int, Any], Workload] = {}  # a fake trace per model and kind of target (runtime/target.py)
+    for i, req in enumerate(reqs):
+        for hw in profiles:
+            if (i, trace_key(hw)) not in traced:
+                traced[(i, trace_key(hw))] = _trace(dataclasses.replace(req, target=hw))[0]
+    workloads = {hw.name: [traced[(i, trace_key(hw))] for i in range(len(reqs))] for hw in profiles}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=as_json) as bar:
-        task = bar.add_task("sweep", total=len(workloads) * len(profiles) * len(budget_list))
+        task = bar.add_task("sweep", total=len(reqs) * len(profiles) * len(budget_list))
 
         def progress(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, description=what)
@@ -747,7 +759,7 @@ def sweep(
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         for cell in outcome.cells:
-            w = outcome.workloads[(cell.model, cell.batch_size)]
+            w = outcome.workloads[(cell.model, cell.batch_size, cell.profile)]
             policy = sw.best_policy(cell, w, outcome.profiles[cell.profile])
             if policy is not None:
                 stem = cell.model.replace(":", "_").replace("/", "_")

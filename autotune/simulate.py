@@ -71,6 +71,7 @@ def run_simulate(
             optimizer=optimizer,
             precision=precision or "fp32",
             grad_accum=grad_accum or 1,
+            target=hw,
         )
     )
     if loaded is not None:

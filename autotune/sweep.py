@@ -17,7 +17,7 @@ NOTE [ Sweep storage ]
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,13 +248,13 @@ def describe(cell: CellResult) -> str:
 @dataclass
 class SweepOutcome:
     cells: list[CellResult]
-    workloads: dict[tuple[str, int], Workload]
+    workloads: dict[tuple[str, int, str], Workload]  # (model, batch size, profile): what each cell planned on
     profiles: dict[str, HardwareProfile]
     wall_s: float
 
 
 def run_sweep(
-    workloads: Sequence[Workload],
+    workloads: Sequence[Workload] | Mapping[str, Sequence[Workload]],
     profiles: Sequence[HardwareProfile],
     budgets: Sequence[int],
     *,
@@ -266,12 +266,19 @@ def run_sweep(
     heartbeat_s: float | None = None,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> SweepOutcome:
-    """Every (workload, profile, budget) cell, in that order; ``progress(done, total, what)``."""
+    """Every (workload, profile, budget) cell, in that order; ``progress(done, total, what)``. ``workloads``
+    per profile name (each a trace taken for that profile, NOTE [ GPU-faithful fake traces ] in
+    runtime/target.py: one model per position, in the same order for every profile), or one list for all."""
     started = time.perf_counter()
-    total = len(workloads) * len(profiles) * len(budgets)
+    per = workloads if isinstance(workloads, Mapping) else {hw.name: workloads for hw in profiles}
+    models = len(per[profiles[0].name]) if profiles else 0
+    total = models * len(profiles) * len(budgets)
     cells: list[CellResult] = []
-    for w in workloads:
+    planned: dict[tuple[str, int, str], Workload] = {}
+    for i in range(models):
         for hw in profiles:
+            w = per[hw.name][i]
+            planned[(w.model, w.batch_size, hw.name)] = w
             for budget in budgets:
                 label = f"{w.model} {hw.name} {format_bytes(budget)}"
 
@@ -296,9 +303,4 @@ def run_sweep(
                 )
                 if progress is not None:
                     progress(len(cells), total, describe(cells[-1]))
-    return SweepOutcome(
-        cells,
-        {(w.model, w.batch_size): w for w in workloads},
-        {hw.name: hw for hw in profiles},
-        time.perf_counter() - started,
-    )
+    return SweepOutcome(cells, planned, {hw.name: hw for hw in profiles}, time.perf_counter() - started)

@@ -28,7 +28,7 @@ ACTION_COLORS = {"keep": "#9e9e9e", "swap": "#1f77b4", "recompute": "#ff7f0e", "
 
 def build_report(
     cells: Sequence[CellResult],
-    workloads: dict[tuple[str, int], Workload],
+    workloads: dict[tuple[str, int, str], Workload],
     profiles: dict[str, HardwareProfile],
     trials: dict[str, list[dict[str, Any]]],
     *,
@@ -215,7 +215,7 @@ def _tightest(cells: Sequence[CellResult], model: str, profile: str) -> CellResu
 
 
 def _timelines(
-    cells: Sequence[CellResult], workloads: dict[tuple[str, int], Workload], profiles: dict[str, HardwareProfile]
+    cells: Sequence[CellResult], workloads: dict[tuple[str, int, str], Workload], profiles: dict[str, HardwareProfile]
 ) -> Any:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
@@ -229,7 +229,7 @@ def _timelines(
         subplot_titles=[f"{m} on {p}, budget {c.budget_bytes / GIB:.2f} GiB" for m, p, c in chosen],
     )
     for col, (model, profile, cell) in enumerate(chosen, start=1):
-        w, hw = workloads[(model, cell.batch_size)], profiles[profile]
+        w, hw = workloads[(model, cell.batch_size, profile)], profiles[profile]
         sim = Simulator(w, hw)
         policy = best_policy(cell, w, hw)
         assert policy is not None
@@ -260,7 +260,7 @@ def _timelines(
 
 
 def _action_mix(
-    cells: Sequence[CellResult], workloads: dict[tuple[str, int], Workload], profiles: dict[str, HardwareProfile]
+    cells: Sequence[CellResult], workloads: dict[tuple[str, int, str], Workload], profiles: dict[str, HardwareProfile]
 ) -> Any:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
@@ -270,7 +270,7 @@ def _action_mix(
         return None
     fig = make_subplots(rows=len(chosen), cols=1, subplot_titles=[f"{m} on {p}" for m, p, _ in chosen])
     for row, (_model, profile, cell) in enumerate(chosen, start=1):
-        w = workloads[(cell.model, cell.batch_size)]
+        w = workloads[(cell.model, cell.batch_size, profile)]
         policy = best_policy(cell, w, profiles[profile])
         assert policy is not None
         per_layer: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys((a.value for a in ACTIONS), 0))

@@ -9,6 +9,7 @@ import torch
 
 from autotune.models import build_model
 from runtime.errors import AutotuneError
+from runtime.hardware import HardwareProfile
 from runtime.precision import check_grad_accum, check_precision
 from runtime.trace import OPTIMIZERS, capture
 from runtime.workload import Workload
@@ -28,6 +29,9 @@ class TraceRequest:
     device: str = "cpu"
     precision: str = "fp32"  # fp32, or bf16/fp16 under torch.autocast (runtime.precision)
     grad_accum: int = 1  # micro-batches of batch_size per optimizer step
+    # The profile the plan is for: a fake trace for a GPU takes its device-dependent choices (fused attention,
+    # foreach optimizers; NOTE [ GPU-faithful fake traces ] in runtime/target.py). Real traces ignore it.
+    target: HardwareProfile | None = None
 
     def validate(self) -> None:
         self.precision = check_precision(self.precision)
@@ -79,6 +83,7 @@ def trace_model(req: TraceRequest) -> tuple[Workload, float]:
         device=req.device,
         precision=req.precision,
         grad_accum=req.grad_accum,
+        target=req.target if req.mode == "fake" else None,
     )
     w.seq_len = built.get("seq_len")
     w.batch_size = built["batch_size"] or 0
