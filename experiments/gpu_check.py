@@ -14,7 +14,12 @@ In order, each step bounded in time, the whole run meant to fit in 8 minutes on 
    real-mode CUDA trace, 30 s of search, then the default ``--measure 5``: the finalists trained on the GPU,
    NOTE [ Measured search ]) then ``autotune train --device cuda`` under the answer: predicted against
    measured samples/s and peak, and the measured peak against the budget.
-5. The fake-mode trace's no-policy peak against the allocator's (what GPU-faithful traces must close).
+5. Traces against the allocator: for ResNet-50 b64, GPT-2 small 8 x 1024, BERT-base 8 x 512 and ViT-B/16 b32,
+   the no-policy peak of a fake-mode trace taken for this GPU's profile (NOTE [ GPU-faithful fake traces ]
+   in runtime/target.py) and of a real-mode CUDA trace against the allocator's, and their saved keys: the
+   keys one has and the other lacks are printed, and ``traces.json`` keeps, per model, the real trace's
+   peak, op count and every saved key with its size (the fixture tests/test_target.py compares fake traces
+   with, on a machine without a GPU).
 
 Figures go to stdout and, as JSON fixtures, to ``--out`` (default ``$OUT``, else ``gpu-check/``).
 """
@@ -38,6 +43,7 @@ E2E = [  # model, batch, seq_len, budget
     ("resnet50", 64, None, "3GB"),
     ("gpt2", 8, 1024, "8GB"),
 ]
+TRACED = [(m, b, s) for m, b, s, _ in E2E] + [("bert-base", 8, 512), ("vit_b_16", 32, None)]
 
 
 class Clock:
@@ -132,21 +138,28 @@ def fake_vs_allocator(model: str, batch: int, seq: int | None) -> dict[str, Any]
 
     hw = detect().profile
     g = hw.alloc_granularity_bytes if hw else 512
-    fake, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq))
+    print(f"== {model} batch {batch}" + (f" x {seq}" if seq else "") + f" (profile {hw.name if hw else None}; SDPA "
+          f"priority {[int(b) for b in torch._C._get_sdp_priority_order()]})", flush=True)  # fmt: skip
+    fake, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq, target=hw))
     real, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq, mode="real", device="cuda"))
     entry = build_model(model, batch_size=batch, seq_len=seq, device="cuda")
     opt = make_optimizer("sgd", entry.module.parameters())
     measured = run_iterations(entry.module, entry.batch, entry.loss_fn, opt, steps=2, batch_size=batch)[-1]
-    row: dict[str, Any] = {"model": model, "batch": batch, "seq_len": seq, "allocator_peak_bytes": measured.peak_bytes}
+    row: dict[str, Any] = {"model": model, "batch": batch, "seq_len": seq, "profile": hw.name if hw else None,
+                           "torch": torch.__version__, "allocator_peak_bytes": measured.peak_bytes}  # fmt: skip
     for name, w in (("fake", fake), ("real", real)):
         p = peak_report(w, g).peak_bytes
-        row[f"{name}_peak_bytes"] = p
-        row[f"{name}_saved_keys"] = sorted(c.key for c in w.candidates)
+        row[name] = {"peak_bytes": p, "ops": len(w.ops), "saved": {c.key: c.nbytes for c in w.candidates}}
         print(
             f"   no-policy peak, {name} trace: {p / 2**30:.3f} GiB; allocator {measured.peak_bytes / 2**30:.3f} GiB "
-            f"({(p - measured.peak_bytes) / measured.peak_bytes:+.1%})",
+            f"({(p - measured.peak_bytes) / measured.peak_bytes:+.1%}); {len(w.ops)} ops, {len(w.candidates)} saved",
             flush=True,
         )
+    only_fake = sorted(set(row["fake"]["saved"]) - set(row["real"]["saved"]))
+    only_real = sorted(set(row["real"]["saved"]) - set(row["fake"]["saved"]))
+    print(f"   saved keys only in the fake trace: {only_fake[:8]}{' ...' if len(only_fake) > 8 else ''} "
+          f"({len(only_fake)}); only in the real one: {only_real[:8]}{' ...' if len(only_real) > 8 else ''} "
+          f"({len(only_real)})", flush=True)  # fmt: skip
     row["real_plain_host_s"] = real.meta.get("plain_host_s")
     row["real_plain_iter_s"] = real.meta.get("plain_iter_s")
     return row
@@ -194,7 +207,7 @@ def main() -> None:
                 print(traceback.format_exc(), flush=True)
         (out / "end_to_end.json").write_text(json.dumps(rows, indent=2))
         traces = []
-        for model, batch, seq, _ in E2E:
+        for model, batch, seq in TRACED:
             if clock.left() < 45:
                 break
             try:
