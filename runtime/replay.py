@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from runtime.trace import written_arguments
+
 if TYPE_CHECKING:
     from runtime.apply import PolicyRuntime
 
@@ -180,16 +182,11 @@ _SCHEMAS: dict[Any, tuple[bool, tuple[tuple[int, str], ...]]] = {}
 
 
 def _schema_of(func: Any) -> tuple[bool, tuple[tuple[int, str], ...]]:
-    """(whether the op draws random numbers, the (position, name) of each argument it mutates): read once per
-    op from its tags and its schema's alias annotations (and ``_UNDECLARED_WRITES``)."""
+    """(whether the op draws random numbers, the (position, name) of each argument it mutates, those of
+    ``_UNDECLARED_WRITES`` included): read once per op."""
     known = _SCHEMAS.get(func)
     if known is None:
-        undeclared = _UNDECLARED_WRITES.get(func.overloadpacket.__name__, ())
-        written = tuple(
-            (i, arg.name)
-            for i, arg in enumerate(func._schema.arguments)
-            if (arg.alias_info is not None and arg.alias_info.is_write) or i in undeclared
-        )
+        written = written_arguments(func, _UNDECLARED_WRITES.get(func.overloadpacket.__name__, ()))
         known = _SCHEMAS[func] = (torch.Tag.nondeterministic_seeded in func.tags, written)
     return known
 

@@ -51,6 +51,7 @@ NOTE [ Drop pass ]
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -257,16 +258,24 @@ class _Recorder(TorchDispatchMode):
                 op.host_s = end - begin
 
 
+@functools.cache
+def written_arguments(func: Any, undeclared: tuple[int, ...] = ()) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument an op mutates (in-place and out= arguments), from its schema's alias
+    annotations, plus the positions ``undeclared`` that it mutates without saying so; read once per op."""
+    return tuple(
+        (i, arg.name)
+        for i, arg in enumerate(func._schema.arguments)
+        if (arg.alias_info is not None and arg.alias_info.is_write) or i in undeclared
+    )
+
+
 def written_tensors(
-    func: Any, args: Sequence[Any], kwargs: dict[str, Any], undeclared: Sequence[int] = ()
+    func: Any, args: Sequence[Any], kwargs: dict[str, Any], undeclared: tuple[int, ...] = ()
 ) -> list[torch.Tensor]:
-    """Tensors an op mutates (in-place and out= arguments), from its schema's alias annotations, plus the
-    arguments at positions ``undeclared`` that it mutates without saying so."""
+    """Tensors an op mutates (:func:`written_arguments`)."""
     out: list[torch.Tensor] = []
-    for i, arg in enumerate(func._schema.arguments):
-        if (arg.alias_info is None or not arg.alias_info.is_write) and i not in undeclared:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
+    for i, name in written_arguments(func, undeclared):
+        value = args[i] if i < len(args) else kwargs.get(name)
         out.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
     return out
 
