@@ -179,10 +179,14 @@ class Runner:
 
 
 def interleaved(runners: dict[str, Runner], rounds: int) -> dict[str, list[float]]:
+    """One step of each runner per round; which one goes first turns from round to round (a step run right
+    after another can be several percent faster with the same work)."""
     times: dict[str, list[float]] = {k: [] for k in runners}
-    for _ in range(rounds):
-        for k, r in runners.items():
-            times[k].append(r.step()[0])
+    keys = list(runners)
+    for i in range(rounds):
+        turn = i % len(keys)
+        for k in keys[turn:] + keys[:turn]:
+            times[k].append(runners[k].step()[0])
     return times
 
 
