@@ -33,8 +33,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)  # one core, as the target says
 
-    w, trace_s = trace_model(TraceRequest(model=args.model, batch_size=args.batch_size))
     hw = get_profile(args.gpu)
+    # Traced for the profile, as `autotune search` traces (the GPU's kernels: runtime/target.py).
+    w, trace_s = trace_model(TraceRequest(model=args.model, batch_size=args.batch_size, target=hw))
     t0 = time.perf_counter()
     sim = Simulator(w, hw)
     setup_s = time.perf_counter() - t0
