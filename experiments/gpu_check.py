@@ -138,8 +138,9 @@ def fake_vs_allocator(model: str, batch: int, seq: int | None) -> dict[str, Any]
 
     hw = detect().profile
     g = hw.alloc_granularity_bytes if hw else 512
+    order = getattr(torch._C, "_get_sdp_priority_order", lambda: [])()  # 1 flash, 2 efficient, 0 math, 3 cuDNN
     print(f"== {model} batch {batch}" + (f" x {seq}" if seq else "") + f" (profile {hw.name if hw else None}; SDPA "
-          f"priority {[int(b) for b in torch._C._get_sdp_priority_order()]})", flush=True)  # fmt: skip
+          f"priority {[int(b) for b in order]})", flush=True)  # fmt: skip
     fake, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq, target=hw))
     real, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq, mode="real", device="cuda"))
     entry = build_model(model, batch_size=batch, seq_len=seq, device="cuda")
