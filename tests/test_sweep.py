@@ -109,3 +109,17 @@ def test_bad_input_is_a_one_line_error(args: list[str], message: str) -> None:
     base = ["sweep", "--models", "resnet18", "--budgets", "200MB", "--gpu", "a100-40gb"]
     proc = autotune(*base, *args, check=False)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_each_profile_plans_on_a_trace_taken_for_it(tmp_path: Path) -> None:
+    """Two GPUs of other compute capabilities (V100 7.0, A100 8.0): each model is traced once per kind of
+    target (runtime/target.py) and each cell planned, reported and written on its own profile's trace."""
+    storage, report, folder = f"sqlite:///{tmp_path / 's.db'}", tmp_path / "report.html", tmp_path / "policies"
+    args = ["sweep", "--models", "resnet18", "--batch-size", "8", "--budgets", "235MB", "--gpu",
+            "v100-16gb,a100-40gb", "--trials", "5", "--timeout", "30", "--methods", "baselines,optuna"]  # fmt: skip
+    out = json.loads(autotune(*args, "--storage", storage, "--report", str(report), "--out-dir", str(folder),
+                              "--json").stdout)  # fmt: skip
+    assert [c["gpu"] for c in out["cells"]] == ["v100-16gb", "a100-40gb"]
+    assert all(c["peak_bytes"] <= c["budget_bytes"] for c in out["cells"])
+    written = sorted(p.name for p in folder.glob("*.policy.json"))
+    assert [n.split(".")[1] for n in written] == ["a100-40gb", "v100-16gb"] and report.exists()
