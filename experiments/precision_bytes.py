@@ -60,8 +60,9 @@ def main() -> None:
     hw = get_profile(args.gpu)
     for model in args.models.split(","):
         kw = SIZES.get(model) or {"batch_size": MODELS[model]["batch"], **MODELS[model]["kw"]}
-        w32, _ = trace_model(TraceRequest(model=model, **kw))
-        wlo, _ = trace_model(TraceRequest(model=model, precision=args.precision, **kw))
+        # Traced for the profile, as `autotune search` traces (the GPU's kernels: runtime/target.py).
+        w32, _ = trace_model(TraceRequest(model=model, target=hw, **kw))
+        wlo, _ = trace_model(TraceRequest(model=model, precision=args.precision, target=hw, **kw))
         b32 = sum(c.nbytes for c in w32.candidates)
         blo = sum(c.nbytes for c in wlo.candidates)
         parts = split(wlo)
