@@ -254,7 +254,7 @@ class SweepOutcome:
 
 
 def run_sweep(
-    workloads: Sequence[Workload] | Mapping[str, Sequence[Workload]],
+    workloads: Mapping[str, Sequence[Workload]],
     profiles: Sequence[HardwareProfile],
     budgets: Sequence[int],
     *,
@@ -267,17 +267,16 @@ def run_sweep(
     progress: Callable[[int, int, str], None] | None = None,
 ) -> SweepOutcome:
     """Every (workload, profile, budget) cell, in that order; ``progress(done, total, what)``. ``workloads``
-    per profile name (each a trace taken for that profile, NOTE [ GPU-faithful fake traces ] in
-    runtime/target.py: one model per position, in the same order for every profile), or one list for all."""
+    per profile name: each a trace taken for that profile (NOTE [ GPU-faithful fake traces ] in
+    runtime/target.py), one model per position, in the same order for every profile."""
     started = time.perf_counter()
-    per = workloads if isinstance(workloads, Mapping) else {hw.name: workloads for hw in profiles}
-    models = len(per[profiles[0].name]) if profiles else 0
+    models = len(workloads[profiles[0].name]) if profiles else 0
     total = models * len(profiles) * len(budgets)
     cells: list[CellResult] = []
     planned: dict[tuple[str, int, str], Workload] = {}
     for i in range(models):
         for hw in profiles:
-            w = per[hw.name][i]
+            w = workloads[hw.name][i]
             planned[(w.model, w.batch_size, hw.name)] = w
             for budget in budgets:
                 label = f"{w.model} {hw.name} {format_bytes(budget)}"

@@ -169,7 +169,7 @@ def _unpacked_positions() -> Iterator[None]:
 def fake_trace_choices(target: HardwareProfile | None) -> Iterator[_FusedKernels | None]:
     """The device-dependent choices of a fake trace for ``target`` (G1, G2, G4; G3 is make_optimizer's
     ``foreach``): yields the kernel router, or None when the target keeps the CPU's kernels."""
-    capability = target.compute_capability if target is not None and target.is_gpu else None
+    _, capability = trace_key(target)
     with _unpacked_positions():
         if capability is None:
             yield None

@@ -69,7 +69,7 @@ from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
 from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, block_paths, parameter_fingerprint
 from runtime.precision import TrainStep
-from runtime.target import fake_trace_choices
+from runtime.target import fake_trace_choices, trace_key
 from runtime.workload import Candidate, Frame, OpInfo, Phase, TensorInfo, TensorKind, Workload
 
 Batch = tuple[torch.Tensor, ...]
@@ -428,7 +428,7 @@ def capture(
     fake trace, the profile the plan is for: a GPU's takes that GPU's device-dependent choices (NOTE
     [ GPU-faithful fake traces ] in runtime/target.py)."""
     mode: contextlib.AbstractContextManager[Any] = FakeTensorMode() if fake else contextlib.nullcontext()
-    gpu = fake and target is not None and target.is_gpu
+    gpu = fake and trace_key(target)[0]
     with mode, fake_trace_choices(target) if fake else contextlib.nullcontext():
         model, batch, loss_fn = build()
         model.train()
