@@ -443,8 +443,9 @@ def capture(
             rec, cand_order, (saved_after, saved_in), frames = _record(
                 model, batch, loss_fn, opt, keyer, step, time_ops=not fake
             )
-        # The fastest of three plain iterations: noise only ever adds time (NOTE [ Op time calibration ]).
-        plain = None if fake else min(_plain_iteration_s(model, batch, loss_fn, opt, step) for _ in range(3))
+        # The median of five plain iterations: what a training step typically takes (NOTE [ Op time
+        # calibration ]).
+        plain = None if fake else _median_run([_plain_iteration_s(model, batch, loss_fn, opt, step) for _ in range(5)])
     w = _build_workload(
         rec,
         cand_order,
@@ -468,6 +469,11 @@ def capture(
     w.meta["plain_host_s"] = None if plain is None else plain[1]
     w.meta["parameter_fingerprint"] = parameter_fingerprint(model)
     return w
+
+
+def _median_run(runs: list[tuple[float, float | None]]) -> tuple[float, float | None]:
+    """The run of median wall time (its host part with it)."""
+    return sorted(runs, key=lambda r: r[0])[len(runs) // 2]
 
 
 def _plain_iteration_s(
