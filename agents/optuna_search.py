@@ -44,7 +44,7 @@ import contextlib
 import logging
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import numpy as np
@@ -184,8 +184,17 @@ class OptunaSearcher(Searcher):
         assert best.actions is not None
         return Proposal(best.actions, options=best.options)
 
-    def optimize(self, problem: Problem, best: _Best, *, time_limit_s: float | None, trials: int | None) -> Any:
-        """Run (or resume) the study; every trial's policy is offered to ``best``. Returns the study."""
+    def optimize(
+        self,
+        problem: Problem,
+        best: _Best,
+        *,
+        time_limit_s: float | None,
+        trials: int | None,
+        stop: Callable[[Any, Any], None] | None = None,
+    ) -> Any:
+        """Run (or resume) the study; every trial's policy is offered to ``best``. ``stop``: an Optuna
+        callback, e.g. one that stops the study once it stagnates. Returns the study."""
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -261,7 +270,9 @@ class OptunaSearcher(Searcher):
             trials = DEFAULT_TRIALS
         # The study's total of completed trials, whoever runs them (0: until the time limit).
         complete = (optuna.trial.TrialState.COMPLETE,)
-        callbacks = [] if trials == 0 else [optuna.study.MaxTrialsCallback(trials, states=complete)]
+        callbacks: list[Any] = [] if trials == 0 else [optuna.study.MaxTrialsCallback(trials, states=complete)]
+        if stop is not None:
+            callbacks.append(stop)
         try:
             with _quiet_experimental():
                 if trials == 0 or len(study.get_trials(deepcopy=False, states=complete)) < trials:

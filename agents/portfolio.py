@@ -1,24 +1,26 @@
-"""The default searcher: baselines, then Optuna warm-started with them, then per-tensor refinement.
+"""The default searcher: baselines, refinement, then Optuna warm-started with them, then more refinement.
 
 1. Every heuristic baseline runs (about a second on ResNet-101); their results become the warm-start seeds
    (``Problem.seeds``), unless the caller already ran them and passed them in. The pretrained agent's one
    pass (agents/pretrained.py, under a second on ResNet-101) joins them.
-2. Optuna over the parametric rule (agents/optuna_search.py) for most of the remaining time (or
+2. Per-tensor refinement (agents/refine.py) of the best seed (repairing the seeds in turn while nothing
+   fits): early, since it finds most of what a long search adds to the seeds, in seconds.
+3. Optuna over the parametric rule (agents/optuna_search.py) for most of the remaining time (or
    ``Problem.trials`` trials): NSGA-II from keep-all alone, then TPE whose starts are the seeds (one trial
    per feasible seed enqueued first). Study names: the problem's, suffixed ``.explore`` and
-   ``.seeded``.
-3. Per-tensor refinement (agents/refine.py) of the best policy found so far (repairing the seeds in turn
-   while nothing fits), then iterated local search: random perturbations of the best, each refined.
+   ``.seeded``. What Optuna finds better is refined in turn.
+4. Iterated local search: random perturbations of the best, each refined.
 
-The best feasible result of all three wins, so the portfolio is never below its seeds. Without a time limit
-it runs ``DEFAULT_TIME_S``. The per-problem RL searcher (``ppo``) has not earned a place here.
+The best feasible result of all wins, so the portfolio is never below its seeds. Without a time limit it
+runs ``DEFAULT_TIME_S``; within a time limit it stops early once converged (``EARLY_STOP``), setting
+``Problem.converged_s``. The per-problem RL searcher (``ppo``) has not earned a place here.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -32,6 +34,11 @@ DEFAULT_TIME_S = 45.0
 #: The pretrained agent's one pass joins the seeds (measured in experiments/bench_quality.py --agent: the
 #: portfolio with it, in the same time, was faster in more held-out cells than it was slower).
 AGENT_SEED = True
+#: Stop before the time limit once converged (``_Watch``). Only where the search is bounded by time
+#: (``Problem.trials`` 0): a set number of trials is run to the end.
+EARLY_STOP = True
+IMPROVEMENT = 1e-3  # relative: smaller gains are taken but do not keep the search going
+STALE_MIN_S = 3.0
 OPTUNA_SHARE = 0.75  # of the time left after the baselines; the rest goes to refinement
 
 
@@ -70,71 +77,132 @@ class Portfolio(Searcher):
         deadline = started + limit
         self._initial_seeds(problem)
         best = _Best()
+        watch = _Watch(best, started) if EARLY_STOP and problem.trials == 0 else None
         winner = ""
         for r in problem.seeds:
             if best.offer(r.policy.to_vector(problem.workload), r.policy.options, r.result):
                 winner = r.searcher
+        if _seen(problem, best):
+            winner = "a policy the baselines simulated"
+        # Refinement first: past the seeds, most of what a long search finds is refinement's, and it finds it
+        # in seconds (experiments/bench_anytime.py: on ResNet-101 and GPT-2 the last 0.1-0.5% came from the
+        # refinement after 45 s of Optuna, within a few seconds of its start).
+        if self._refined(problem, best, deadline, repair=True):
+            winner += " + refine"
         # Optuna twice: NSGA-II from keep-all alone (TPE, given the seeds as starts, settles on the best seed
         # and stops exploring; NSGA-II alone beat TPE alone in most cells of experiments/bench_quality.py),
         # then TPE from the seeds. Two studies, since their ``start`` choices differ.
         name = problem.study_name or study_name(problem, self.study_key)
         seeds = problem.seeds
+        optuna_found = False
         for share, phase_seeds, suffix, searcher in self._phases(problem):
-            if problem.interrupted:
+            if problem.interrupted or remaining(deadline) == 0 or (watch is not None and watch.converged()):
                 break
             budget_s = (remaining(deadline) or 0.0) * OPTUNA_SHARE * share
             trials = None if problem.trials is None else (problem.trials + 1) // 2
             before = best.result
             problem.seeds, problem.study_name = phase_seeds, name + suffix
             try:
-                searcher.optimize(problem, best, time_limit_s=budget_s, trials=trials)
+                searcher.optimize(problem, best, time_limit_s=budget_s, trials=trials, stop=watch)
             finally:
                 problem.seeds, problem.study_name = seeds, name
             if best.result is not before:
-                winner = searcher.name
-        if not problem.interrupted and best.actions is not None and best.options is not None:
-            before = best.result
-            # Refine the best; while nothing fits, repair from every seed in turn, lowest peak first.
-            starts = [(best.actions, best.options)]
-            if best.result is not None and not best.result.feasible:
-                ranked = sorted(problem.seeds, key=lambda r: r.result.peak_bytes)
-                starts += [(r.policy.to_vector(problem.workload), r.policy.options) for r in ranked]
-            try:
-                for actions, options in starts:
-                    actions, options, result = refine(problem, actions, options, deadline=deadline)
-                    best.offer(actions, options, result)
-                    if result.feasible or remaining(deadline) == 0:
-                        break
-            except KeyboardInterrupt:
-                problem.interrupted = True
-            if best.result is not before:
-                winner += " + refine"
+                winner, optuna_found = searcher.name, True
+        if optuna_found and self._refined(problem, best, deadline, repair=False):
+            winner += " + refine"
         if not problem.interrupted and best.actions is not None and best.options is not None:
             before = best.result
             try:
-                _iterated(problem, best, deadline)
+                _iterated(problem, best, deadline, watch)
             except KeyboardInterrupt:
                 problem.interrupted = True
             if best.result is not before:
                 winner += " + perturbation"
+        if _seen(problem, best):
+            winner += " + a policy simulated on the way"
+        if watch is not None and not problem.interrupted and remaining(deadline):
+            problem.converged_s = time.perf_counter() - started
         assert best.actions is not None
         return Proposal(best.actions, options=best.options, note=f"won by {winner}" if winner else "")
+
+    @staticmethod
+    def _refined(problem: Problem, best: _Best, deadline: float, *, repair: bool) -> bool:
+        """Refine the best policy (agents/refine.py); while nothing fits and ``repair``, repair from every
+        seed in turn, lowest peak first. True when that made the best better."""
+        if problem.interrupted or best.actions is None or best.options is None or remaining(deadline) == 0:
+            return False
+        before = best.result
+        starts = [(best.actions, best.options)]
+        if repair and best.result is not None and not best.result.feasible:
+            ranked = sorted(problem.seeds, key=lambda r: r.result.peak_bytes)
+            starts += [(r.policy.to_vector(problem.workload), r.policy.options) for r in ranked]
+        try:
+            for actions, options in starts:
+                actions, options, result = refine(problem, actions, options, deadline=deadline)
+                best.offer(actions, options, result)
+                if problem.progress is not None:
+                    problem.progress("refine", best.result)
+                if result.feasible or remaining(deadline) == 0:
+                    break
+        except KeyboardInterrupt:
+            problem.interrupted = True
+        return best.result is not before
+
+
+def _seen(problem: Problem, best: _Best) -> bool:
+    """Offer the fastest fitting policy any evaluation of the problem saw (``Problem.best_seen``): a
+    baseline's trial it did not keep (Capuchin's swap that fits, where its cost per byte chose a recompute
+    and it ended over budget: ResNet-50 at 30% on a100-40gb, 1,300.9 samples/s), a rule's prefix."""
+    return problem.best_seen is not None and best.offer(*problem.best_seen)
+
+
+class _Watch:
+    """The early stop (``EARLY_STOP``): converged once the best policy fits and has not improved by more than
+    ``IMPROVEMENT`` for half the search's time so far, and for at least ``STALE_MIN_S``. So a search whose
+    last real gain came at t stops at about 2t (experiments/bench_anytime.py: on ResNet-101 and GPT-2 the
+    gains after the refinement of the seeds were under 1%, most under 0.5%, spread over the rest of a
+    minute). Also an Optuna callback that stops the study then."""
+
+    def __init__(self, best: _Best, started: float) -> None:
+        self.best = best
+        self.started = started
+        self.value = 0.0
+        self.last = started
+
+    def converged(self) -> bool:
+        r = self.best.result
+        now = time.perf_counter()
+        if r is None or not r.feasible:
+            self.value, self.last = 0.0, now
+            return False
+        if r.samples_per_s > self.value * (1 + IMPROVEMENT):
+            self.value, self.last = r.samples_per_s, now
+        return now - self.last >= max(STALE_MIN_S, (now - self.started) / 2)
+
+    def __call__(self, study: Any, _trial: Any) -> None:
+        if self.converged():
+            study.stop()
 
 
 PERTURB_ROUNDS = 30
 
 
-def _iterated(problem: Problem, best: _Best, deadline: float) -> None:
+def _iterated(problem: Problem, best: _Best, deadline: float, watch: _Watch | None = None) -> None:
     """Iterated local search: perturb the best policy (a quarter of its decisions, at least two, set to
-    random actions), repair and refine it, keep it if better; ``PERTURB_ROUNDS`` rounds or until the
-    deadline. Local optima of refinement can be several changes away from better policies."""
+    random actions), repair and refine it, keep it if better; ``PERTURB_ROUNDS`` rounds, or until the
+    deadline, or until ``watch`` says the search has converged. Local optima of refinement can be several
+    changes away from better policies."""
     rng = np.random.default_rng(problem.seed)
     moves = np.array([KEEP, SWAP, RECOMPUTE], dtype=np.int8)
     for _ in range(PERTURB_ROUNDS):
         if remaining(deadline) == 0 or best.actions is None or best.options is None:
+            return
+        if watch is not None and watch.converged():
             return
         trial = best.actions.copy()
         picked = rng.choice(problem.n, size=min(problem.n, max(2, problem.n // 4)), replace=False)
         trial[picked] = rng.choice(moves, size=len(picked))
         actions, options, result = refine(problem, trial, best.options, deadline=deadline, windows=False)
         best.offer(actions, options, result)
+        if problem.progress is not None:
+            problem.progress("perturbation", best.result)

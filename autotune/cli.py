@@ -282,7 +282,9 @@ def search(
     trials: Annotated[
         int | None, typer.Option(help="Optuna trials (reproducible under --seed) \\[default: until --timeout].")
     ] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds for the whole search.")] = 60.0,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds for the whole search at most; without --trials it stops once converged.")
+    ] = 60.0,
     storage: Annotated[
         str, typer.Option(help="Optuna storage URL: resume or inspect the study there (optuna-dashboard).")
     ] = "sqlite:///autotune.db",

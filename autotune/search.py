@@ -208,7 +208,7 @@ def run_search(
         last_line = [started]
 
         def report(phase: str, best: SimResult | None) -> None:
-            if not phase.startswith("baseline"):
+            if not phase.startswith("baseline") and phase not in ("refine", "perturbation"):
                 trials[0] += 1
                 phase = f"{phase}: trial {trials[0]}"
             shown = ""
@@ -337,7 +337,9 @@ def to_json(outcome: SearchOutcome) -> dict[str, Any]:
         "study_name": outcome.problem.study_name,
         "storage": p.storage,
         "evaluations": p.evaluations,
+        "simulations": p.evaluations - p.cached,  # the evaluations not answered from the cache
         "wall_s": outcome.wall_s,
+        "converged": p.converged_s is not None,  # the search stopped early, before --timeout
         "interrupted": outcome.interrupted,
         "written": outcome.written,
         "measured": _measured_json(outcome),
@@ -406,9 +408,10 @@ def render(out: Console, outcome: SearchOutcome) -> None:
     if outcome.measured is not None:
         render_measured(out, outcome.measured)
     if outcome.written:
+        converged = "; converged, stopped before the time limit" if p.converged_s is not None else ""
         out.print(
-            f"policy written to {outcome.policy_path} ({p.evaluations:,} simulations, {outcome.wall_s:.1f} s); "
-            f"check it with `autotune simulate --policy {outcome.policy_path}`"
+            f"policy written to {outcome.policy_path} ({p.evaluations - p.cached:,} simulations, {outcome.wall_s:.1f} s"
+            f"{converged}); check it with `autotune simulate --policy {outcome.policy_path}`"
         )
 
 

@@ -456,6 +456,7 @@ def test_sigint_during_a_search_exits_130_without_a_traceback(tmp_path: Path) ->
     proc = subprocess.Popen(
         [sys.executable, "-m", "autotune.cli", "search", "--model", "resnet18", "--batch-size", "4", "--gpu",
          "a100-40gb", "--budget", "200MB", "--reserve", "8MiB", "--timeout", "120", "--out", str(tmp_path / "p.json"),
+         "--trials", "100000",  # a set number of trials: no early stop, still searching when interrupted
          "--storage",
          f"sqlite:///{tmp_path / 's.db'}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
@@ -552,8 +553,9 @@ def test_progress_shows_where_stderr_is_no_terminal(
 
     monkeypatch.setattr(sr, "PLAIN_EVERY_S", 0.0)
     code, _, err = run(capsys, "search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget",
-                       "200MB", "--reserve", "8MiB", "--trials", "3", "--timeout", "5",
+                       "200MB", "--reserve", "8MiB", "--trials", "3", "--timeout", "30",
                        "--out", str(tmp_path / "p.json"), "--storage", f"sqlite:///{tmp_path / 'g.db'}")  # fmt: skip
     assert code == 0, err
     lines = [x for x in err.splitlines() if " s: " in x]
     assert any("baseline" in x for x in lines) and any("trial" in x and "samples/s" in x for x in lines), err
+    assert any(x.split(": ")[1].startswith("refine;") and "samples/s" in x for x in lines), err

@@ -3,6 +3,7 @@ portfolio, against brute force on small workloads; and the `autotune search` com
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from pathlib import Path
@@ -44,6 +45,12 @@ def brute_force(problem: Problem) -> float:
             if r.feasible:
                 best = max(best, r.samples_per_s)
     return best
+
+
+@functools.cache
+def chain_optimum(fraction: float, n: int) -> float:
+    """brute_force on ``chain_problem(fraction, n)``, once per process (13 s for six layers)."""
+    return brute_force(chain_problem(fraction, n=n))
 
 
 def test_rule_applies_the_shortest_fitting_prefix() -> None:
@@ -90,7 +97,7 @@ def test_portfolio_reaches_the_brute_force_optimum_where_no_baseline_fits(fracti
     refines it to the optimum of brute force over every policy, look-ahead and release point (25.6
     samples/s: recompute c_0, swap c_1-c_3 on demand, released two pack points on)."""
     p = chain_problem(fraction, n=6, trials=60, time_limit_s=60)
-    optimum = brute_force(chain_problem(fraction, n=6))
+    optimum = chain_optimum(fraction, 6)
     got = get_searcher("portfolio").search(p)
     assert not any(r.feasible for r in p.seeds)  # the seeds alone miss it
     assert optimum > 0 and got.feasible and got.result.samples_per_s == pytest.approx(optimum, rel=1e-9)
@@ -179,6 +186,20 @@ SEARCH = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-4
 SEARCH += ["--reserve", "8MiB"]
 
 
+def test_portfolio_stops_early_once_converged_with_the_optimum() -> None:
+    """Bounded by time alone (trials 0: what `autotune search` runs), the portfolio stops once its best has
+    not improved for half its time (agents.portfolio._Watch): on the 6-layer chain at 60% it has the brute
+    force optimum within a second, so it stops after STALE_MIN_S, long before its 60 s. With a set number
+    of trials it runs them all (reproducible) and does not claim to have converged."""
+    p = chain_problem(0.6, n=6, trials=0, time_limit_s=60)
+    got = get_searcher("portfolio").search(p)
+    assert got.result.samples_per_s == pytest.approx(chain_optimum(0.6, 6), rel=1e-9)
+    assert p.converged_s is not None and p.converged_s < 30 and got.wall_s < 30
+    counted = chain_problem(0.6, n=6, trials=10, time_limit_s=60)
+    get_searcher("portfolio").search(counted)
+    assert counted.converged_s is None
+
+
 def test_search_json_and_policy_roundtrip(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out, db = tmp_path / "r18.policy.json", tmp_path / "s.db"
     args = [*SEARCH, "--budget", "200MB", "--trials", "12", "--out", str(out), "--storage", f"sqlite:///{db}"]
@@ -192,12 +213,23 @@ def test_search_json_and_policy_roundtrip(capsys: pytest.CaptureFixture[str], tm
     assert got["budget_bytes"] == 200_000_000 and got["planned_budget_bytes"] == 200_000_000 - 8 * 2**20
     assert got["feasible"] and got["peak_bytes"] <= got["planned_budget_bytes"]
     assert got["milp_samples_per_s"] is None and got["policy_path"] == str(out)
+    assert got["converged"] is False  # a set number of trials runs to the end
     assert got["samples_per_s"] >= got["best_heuristic_samples_per_s"]
     assert got["best_heuristic"] in baseline_names()
     again = json.loads(run(capsys, "simulate", "--policy", str(out), "--json")[1])
     assert again["peak_bytes"] == got["peak_bytes"] and again["iter_s"] == got["iter_s"]
     assert "planning for a100-40gb" in err and "reserve" in err
     assert json.loads(out.read_text())["budget_bytes"] == 200_000_000  # train caps the device at the budget
+
+
+def test_search_stops_early_once_converged_and_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`autotune search` as users type it (no --trials): bounded by --timeout, done before it once converged."""
+    out = tmp_path / "p.json"
+    args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "200MB"]
+    code, stdout, err = run(capsys, *args, "--reserve", "8MiB", "--timeout", "120", "--out", str(out))
+    assert code == 0, err
+    assert "converged, stopped before the time limit" in stdout and out.exists()
+    assert json.loads(out.read_text())["provenance"]["wall_s"] < 60
 
 
 def test_search_table(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
