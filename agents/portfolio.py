@@ -39,7 +39,7 @@ AGENT_SEED = True
 EARLY_STOP = True
 IMPROVEMENT = 1e-3  # relative: smaller gains are taken but do not keep the search going
 STALE_MIN_S = 3.0
-OPTUNA_SHARE = 0.75  # of the time left after the baselines; the rest goes to refinement
+OPTUNA_SHARE = 0.75  # of the time left after the baselines and the first refinement; the rest: refinement, perturbation
 
 
 @register
