@@ -251,8 +251,9 @@ def test_nothing_that_fits_when_measured_is_an_error_and_nothing_is_written(
 
     monkeypatch.setattr(RealBackend, "__call__", too_big)
     out, store = tmp_path / "o.json", f"sqlite:///{tmp_path / 'o.db'}"
-    code, _, err = run(capsys, "search", "--model", CNN, "--budget", str(budget), "--gpu", "cpu", "--timeout", "4",
-                       "--measure", "2", "--out", str(out), "--storage", store)  # fmt: skip
+    # A set number of trials: no early stop, so the search simulates the distinct policies the draw needs.
+    code, _, err = run(capsys, "search", "--model", CNN, "--budget", str(budget), "--gpu", "cpu", "--timeout", "10",
+                       "--trials", "100000", "--measure", "2", "--out", str(out), "--storage", store)  # fmt: skip
     assert code == 1 and not out.exists()
     line = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(line) == 1 and "no policy fits" in line[0] and "when trained" in line[0]
@@ -461,7 +462,7 @@ def test_sigint_during_a_search_exits_130_without_a_traceback(tmp_path: Path) ->
          f"sqlite:///{tmp_path / 's.db'}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
-    time.sleep(12)  # tracing, the baselines, then Optuna
+    time.sleep(25)  # tracing, the baselines, the refinement, then Optuna
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
