@@ -921,7 +921,7 @@ def main(argv: list[str] | None = None) -> None:
     _DEBUG = "--debug" in args
     args = [a for a in args if a != "--debug"]
     try:
-        app(args, prog_name="autotune", standalone_mode=False)
+        code = app(args, prog_name="autotune", standalone_mode=False)
     except AutotuneError as e:
         if _DEBUG:
             raise
@@ -957,6 +957,12 @@ def main(argv: list[str] | None = None) -> None:
             soft_wrap=True,
         )
         raise SystemExit(1) from None
+    # Not standalone, typer returns an ``Exit``'s code instead of raising it, and turns a Ctrl-C outside our
+    # own handling (tracing, a command's setup) into ``Exit(130)``: returned, it would end the process with 0.
+    if isinstance(code, int) and not isinstance(code, bool) and code != 0:
+        if code == 130:
+            err.print("interrupted")
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

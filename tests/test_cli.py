@@ -138,3 +138,20 @@ def test_debug_shows_traceback(capsys: pytest.CaptureFixture[str]) -> None:
 def test_usage_errors_exit_2_with_usage(capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
     code, _, err = run(capsys, *args)
     assert code == 2 and "Usage: autotune" in err and "internal error" not in err, err
+
+
+@pytest.mark.parametrize("command", ["search", "profile"])
+def test_ctrl_c_while_tracing_exits_130(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, command: str
+) -> None:
+    """typer turns a Ctrl-C outside the search's own handling into an exit code that it returns, not raises,
+    when not standalone: the process ended with 0 and no word, as if it had finished."""
+    import autotune.workloads
+
+    def interrupted(*a: object, **k: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(autotune.workloads, "trace_model", interrupted)
+    extra = ["--budget", "200MB", "--out", str(tmp_path / "p.json")] if command == "search" else []
+    code, out, err = run(capsys, command, "--model", "resnet18", "--batch-size", "2", *extra)
+    assert code == 130 and "interrupted" in err and not (tmp_path / "p.json").exists(), (code, out, err)
