@@ -11,6 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from agents.base import Problem, SearchResult, Status, baseline_names, get_searcher
+from autotune.budget import Budget, record_budget
 from autotune.units import format_bytes
 
 
@@ -72,12 +73,13 @@ def best_heuristic(table: list[dict[str, Any]]) -> dict[str, Any] | None:
     return max(feasible, key=lambda r: r["samples_per_s"]) if feasible else None
 
 
-def render(out: Console, problem: Problem, table: list[dict[str, Any]]) -> None:
+def render(out: Console, problem: Problem, table: list[dict[str, Any]], budget: Budget | None = None) -> None:
     w = problem.workload
     best = best_heuristic(table)
-    t = Table(
-        title=f"{w.model}, batch {w.batch_size}, {problem.hardware.name}, budget {format_bytes(problem.budget_bytes)}"
-    )
+    shown = format_bytes(problem.budget_bytes if budget is None else budget.given_bytes)
+    if budget is not None and budget.given_bytes != problem.budget_bytes:
+        shown += f" (planned for {format_bytes(problem.budget_bytes)})"
+    t = Table(title=f"{w.model}, batch {w.batch_size}, {problem.hardware.name}, budget {shown}")
     for col in ("method", "status", "peak", "iteration", "samples/s", "slowdown", "solve"):
         t.add_column(col, justify="left" if col in ("method", "status") else "right")
     for r in table:
@@ -97,12 +99,13 @@ def render(out: Console, problem: Problem, table: list[dict[str, Any]]) -> None:
     out.print("* exact solver (optimal for its own model of the problem). Green: the fastest feasible heuristic.")
 
 
-def save(directory: Path, problem: Problem, results: list[SearchResult]) -> list[Path]:
+def save(directory: Path, problem: Problem, results: list[SearchResult], budget: Budget | None = None) -> list[Path]:
+    """Each method's policy file, recording the budget as typed (the planned one without ``budget``)."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for r in results:
         path = directory / f"{problem.workload.model}.{r.searcher}.policy.json"
-        r.policy.save(path)
+        record_budget(r.policy, budget if budget is not None else problem.budget_bytes).save(path)
         paths.append(path)
     return paths
 

@@ -67,6 +67,14 @@ PrecisionOpt = Annotated[
     str,
     typer.Option("--precision", help="fp32, or mixed precision under torch.autocast: bf16, fp16 (with a GradScaler)."),
 ]
+ReserveOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--reserve",
+        help="Memory kept back from the budget for what a trace cannot see (cuDNN/cuBLAS workspaces and handles) "
+        "\\[default: 128MiB on GPU profiles, 0 on cpu].",
+    ),
+]
 
 
 @app.command()
@@ -213,6 +221,7 @@ def baselines(
     save: Annotated[Path | None, typer.Option(help="Write each method's policy file into this folder.")] = None,
     allow_compress: Annotated[bool, typer.Option(help="Let methods propose compression (lossy).")] = False,
     time_limit: Annotated[float, typer.Option(help="Seconds each exact solver may take.")] = 30.0,
+    reserve: ReserveOpt = None,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
     precision: PrecisionOpt = "fp32",
     grad_accum: AccumOpt = 1,
@@ -222,16 +231,16 @@ def baselines(
     from agents.base import Problem
     from autotune import baselines as bl
     from autotune import search as sr
-    from autotune.units import format_size_echo, parse_size
+    from autotune.budget import plan_budget
     from autotune.workloads import TraceRequest
     from runtime.hardware import resolve_profile
     from runtime.policy import PolicyOptions
 
-    budget_bytes = parse_size(budget)
     methods = bl.select_methods(only)
     hw, note = resolve_profile(gpu)
+    plan = plan_budget(budget, reserve, hw)
     if not as_json:
-        err.print(f"budget: {format_size_echo(budget, budget_bytes)}")
+        plan.echo(err, hw)
         err.print(note)
     w, _ = _trace(
         TraceRequest(
@@ -247,20 +256,20 @@ def baselines(
     problem = Problem(
         w,
         hw,
-        budget_bytes,
+        plan.planned_bytes,
         options=PolicyOptions(lossy=allow_compress),
         allow_compress=allow_compress,
         time_limit_s=time_limit,
     )
-    sr.check_budget(problem)
+    sr.check_budget(problem, plan)
     results = bl.run_baselines(problem, methods, err)
     table = bl.rows(problem, results)
     if save is not None:
-        bl.save(save, problem, results)
+        bl.save(save, problem, results, plan)
     if as_json:
         print(bl.to_json(table))
         return
-    bl.render(out, problem, table)
+    bl.render(out, problem, table, plan)
     if save is not None:
         out.print(f"policies written to {save}/")
 
@@ -293,13 +302,7 @@ def search(
         Path | None, typer.Option("--out", help="Policy file to write \\[default: <model>.policy.json].")
     ] = None,
     milp: Annotated[bool, typer.Option(help="Also run the MILP solver (exact on a coarsened model).")] = False,
-    reserve: Annotated[
-        str | None,
-        typer.Option(
-            help="Memory kept back from the budget for what a trace cannot see (cuDNN/cuBLAS workspaces and "
-            "handles) \\[default: 128MiB on GPU profiles, 0 on cpu]."
-        ),
-    ] = None,
+    reserve: ReserveOpt = None,
     allow_compress: Annotated[bool, typer.Option(help="Let searchers propose compression (lossy).")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
@@ -329,12 +332,11 @@ def search(
     from agents.finalists import Finalists
     from agents.optuna_search import check_storage, existing_trials, study_name
     from autotune import search as sr
-    from autotune.units import format_size_echo, parse_size
+    from autotune.budget import plan_budget
     from autotune.workloads import TraceRequest
     from runtime.hardware import resolve_profile
     from runtime.policy import PolicyOptions
 
-    budget_bytes = parse_size(budget)
     if timeout <= 0:
         raise AutotuneError(f"invalid --timeout {timeout}: expected a positive number of seconds, e.g. --timeout 60")
     if trials is not None and trials <= 0:
@@ -345,7 +347,7 @@ def search(
     hw, note = resolve_profile(gpu)
     here = sr.plan_device(hw, device)
     k = sr.measure_count(measure, here, hw)
-    reserve_bytes = sr.reserve_bytes(reserve, budget, budget_bytes, hw)
+    plan = plan_budget(budget, reserve, hw)
     req = TraceRequest(
         model=model,
         batch_size=batch_size,
@@ -359,16 +361,7 @@ def search(
     )
     req.validate()
     check_storage(storage)
-    err.print(f"budget: {format_size_echo(budget, budget_bytes)}")
-    if budget_bytes > hw.memory_bytes:
-        err.print(
-            f"[yellow]warning:[/] the budget is more than the {sr.format_bytes(hw.memory_bytes)} of memory the "
-            f"{hw.name} has: a policy planned for it will not fit there",
-            highlight=False,
-        )
-    if reserve_bytes and reserve_bytes < budget_bytes:
-        planned, kept = sr.format_bytes(budget_bytes - reserve_bytes), sr.format_bytes(reserve_bytes)
-        err.print(f"planning for {planned}: the budget less a {kept} reserve for workspaces (--reserve)")
+    plan.echo(err, hw)
     err.print(note)
     backend = None
     if k:  # the environment's real backend traces the model it will train (NOTE [ Measured search ])
@@ -385,7 +378,7 @@ def search(
     problem = Problem(
         w,
         hw,
-        max(0, budget_bytes - reserve_bytes),
+        plan.planned_bytes,
         options=PolicyOptions(lossy=allow_compress),
         allow_compress=allow_compress,
         time_limit_s=timeout,
@@ -399,7 +392,7 @@ def search(
     # The portfolio keeps the name its studies always had; another searcher gets its own, so that two
     # searchers on one problem never share a study (their trials' parameters can differ).
     problem.study_name = study or study_name(problem, "optuna-tpe" if searcher == "portfolio" else searcher)
-    sr.check_budget(problem, reserve_bytes, budget_bytes)
+    sr.check_budget(problem, plan)
     resumed = existing_trials(storage, problem.study_name)
     if resumed:
         more = f"up to {max(0, trials - resumed)} more (--trials is the study's total)" if trials else "more"
@@ -413,14 +406,14 @@ def search(
         milp_time_s=min(30.0, timeout / 2),
         err=err,
         quiet=False,
-        user_budget_bytes=budget_bytes,
+        user_budget_bytes=plan.given_bytes,
     )
     if backend is not None and outcome.found.feasible and not outcome.interrupted:
         from autotune.measured import measure as measure_finalists
 
         with err.status("measuring", spinner="dots") as status:
             measured = measure_finalists(
-                problem, backend, k, budget_bytes=budget_bytes, found=outcome.found, baselines=outcome.baselines,
+                problem, backend, k, budget_bytes=plan.given_bytes, found=outcome.found, baselines=outcome.baselines,
                 progress=lambda msg: status.update(msg),
             )  # fmt: skip
         sr.take_measured(outcome, measured)
@@ -449,9 +442,7 @@ def maxbatch(
     ] = None,
     start_batch: Annotated[int, typer.Option(help="First batch size tried (then doubled).")] = 16,
     per_size: Annotated[float, typer.Option(help="Seconds of search per batch size.")] = 10.0,
-    reserve: Annotated[
-        str | None, typer.Option(help="Kept back from the budget (see `autotune search --help`).")
-    ] = None,
+    reserve: ReserveOpt = None,
     out_path: Annotated[
         Path | None, typer.Option("--out", help="Policy file \\[default: <model>.b<batch>.policy.json].")
     ] = None,
@@ -475,11 +466,10 @@ def maxbatch(
     """Find the largest batch that trains within the budget, with the best policy found for it."""
     from autotune import maxbatch as mb
     from autotune import search as sr
-    from autotune.units import format_size_echo, parse_size
+    from autotune.budget import plan_budget, record_budget
     from autotune.workloads import TraceRequest, trace_model
     from runtime.hardware import resolve_profile
 
-    budget_bytes = parse_size(budget)
     mb.check_start(start_batch)
     if max_slowdown is not None and max_slowdown < 0:
         raise AutotuneError(f"invalid --max-slowdown {max_slowdown}: expected 0 or more, e.g. --max-slowdown 0.2")
@@ -488,13 +478,14 @@ def maxbatch(
     hw, note = resolve_profile(gpu)
     here = sr.plan_device(hw, device)
     k = sr.measure_count(measure, here, hw)
-    reserve_bytes = sr.reserve_bytes(reserve, budget, budget_bytes, hw)
-    if reserve_bytes >= budget_bytes:
+    plan = plan_budget(budget, reserve, hw)
+    budget_bytes = plan.given_bytes
+    if plan.planned_bytes == 0:
         raise AutotuneError(
-            f"budget {budget} leaves nothing after the {sr.format_bytes(reserve_bytes)} kept back on GPU profiles "
-            "for workspaces (--reserve): raise --budget well above it"
+            f"budget {budget} leaves nothing after the {sr.format_bytes(plan.reserve_bytes)} kept back on GPU "
+            "profiles for workspaces (--reserve): raise --budget well above it"
         )
-    err.print(f"budget: {format_size_echo(budget, budget_bytes)}")
+    plan.echo(err, hw)
     err.print(note)
     req = TraceRequest(
         model=model,
@@ -514,7 +505,7 @@ def maxbatch(
         search = mb.MaxBatch(
             trace,
             hw,
-            budget_bytes - reserve_bytes,
+            plan.planned_bytes,
             per_size_s=per_size,
             max_slowdown=max_slowdown,
             seed=seed,
@@ -532,10 +523,9 @@ def maxbatch(
     if outcome.best is not None and outcome.best.found is not None:
         name = model.replace(":", "_").replace("/", "_")
         path = out_path or Path(f"{name}.b{outcome.max_batch}.policy.json")
-        outcome.best.found.policy.budget_bytes = budget_bytes
-        outcome.best.found.policy.save(path)
+        record_budget(outcome.best.found.policy, plan).save(path)
         outcome.policy_path = path
-    result = outcome.to_json(hw, budget_bytes, budget_bytes - reserve_bytes)
+    result = outcome.to_json(hw, budget_bytes, plan.planned_bytes)
     if as_json:
         print(json.dumps(result))
     else:
@@ -687,6 +677,7 @@ def sweep(
     precision: PrecisionOpt = "fp32",
     grad_accum: AccumOpt = 1,
     seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
+    reserve: ReserveOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Search every model x budget x profile cell into one Optuna storage (resumable), with an HTML report."""
@@ -711,6 +702,11 @@ def sweep(
         hw, note = resolve_profile(None)
         err.print(note)
         profiles = [hw]
+    from autotune.budget import reserve_bytes
+
+    kept = max(reserve_bytes(reserve, sr.format_bytes(b), b, hw) for hw in profiles for b in budget_list)  # checked
+    if kept:
+        err.print(f"planning for each budget less a {sr.format_bytes(kept)} reserve for workspaces (--reserve)")
     from autotune.models import takes_seq_len
 
     reqs = [
@@ -756,6 +752,7 @@ def sweep(
             seed=seed,
             heartbeat_s=heartbeat,
             progress=progress,
+            reserve=reserve,
         )
     written: list[str] = []
     if out_dir is not None:

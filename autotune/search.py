@@ -16,17 +16,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from agents.base import Problem, SearchResult, Status, baseline_names, best_of, better, get_searcher
+from autotune.budget import Budget, record_budget
 from autotune.measured import ANSWER, MeasuredSearch, answer_policy
-from autotune.units import format_bytes, parse_size
+from autotune.units import format_bytes
 from envs.simulator import RECOMPUTE, Floor, SimResult, peak_floor, uniform_actions
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
 from runtime.policy import Action, Policy, PolicyOptions
 from runtime.workload import Phase
-
-# What the CUDA allocator holds that no trace sees: cuBLAS/cuDNN workspaces and library handles. Measured on
-# an H200 (README, runtime on a GPU): resnet50 batch 64 allocated 89 MiB over its traced peak, GPT-2 67 MiB.
-DEFAULT_GPU_RESERVE = 128 * 2**20
 
 
 @dataclass
@@ -42,22 +39,6 @@ class SearchOutcome:
     notes: list[str] = field(default_factory=list)
     measured: MeasuredSearch | None = None  # --measure: the finalists as trained (NOTE [ Measured search ])
     written: bool = False  # the answer is in policy_path (write_answer)
-
-
-def reserve_bytes(reserve: str | None, budget: str, budget_bytes: int, hw: HardwareProfile) -> int:
-    """The ``--reserve`` in bytes: as given ("0" allowed), or DEFAULT_GPU_RESERVE on GPU profiles and 0 on
-    the CPU; an error when one given leaves nothing of the budget (the default one is left to
-    :func:`check_budget`, which names the smallest budget that works)."""
-    if reserve is None:
-        n = DEFAULT_GPU_RESERVE if hw.is_gpu else 0
-    else:
-        n = 0 if reserve.strip().upper() in ("0", "0B") else parse_size(reserve)
-    if n >= budget_bytes and reserve is not None:  # the default one: check_budget says what budget works
-        raise AutotuneError(
-            f"--reserve {reserve} is not below the budget ({budget}): nothing would be left to plan for; pass "
-            "a smaller one, e.g. --reserve 0"
-        )
-    return n
 
 
 # -- the device the plan is for ------------------------------------------------------------------------------
@@ -151,20 +132,21 @@ def smallest_known_budget(problem: Problem) -> tuple[int, str]:
     return best
 
 
-def check_budget(problem: Problem, reserve_bytes: int = 0, budget_bytes: int | None = None) -> None:
+def check_budget(problem: Problem, budget: Budget | None = None) -> None:
     """Fail at once, with the smallest budget that works, when no policy can meet the budget.
-    ``problem.budget_bytes`` is what is planned for: the user's ``budget_bytes`` less ``reserve_bytes``
-    (at least 0), which the message adds back."""
+    ``problem.budget_bytes`` is what is planned for: ``budget`` as typed less its reserve (NOTE [ Budget and
+    reserve ] in autotune.budget), which the message adds back."""
     f = peak_floor(problem.workload, problem.hardware)
     floor = f.bytes
-    if problem.budget_bytes < floor or (budget_bytes is not None and budget_bytes <= reserve_bytes):
+    reserve = budget.reserve_bytes if budget is not None else 0
+    if problem.budget_bytes < floor or (budget is not None and budget.given_bytes <= reserve):
         smallest, how = smallest_known_budget(problem)
-        given = problem.budget_bytes + reserve_bytes if budget_bytes is None else budget_bytes
-        kept = f", the {format_bytes(reserve_bytes)} reserve for workspaces (--reserve) included" * (reserve_bytes > 0)
+        given = problem.budget_bytes + reserve if budget is None else budget.given_bytes
+        kept = f", the {format_bytes(reserve)} reserve for workspaces (--reserve) included" * (reserve > 0)
         raise AutotuneError(
-            f"budget {format_bytes(given)} is below the {format_bytes(floor + reserve_bytes)} that any policy "
+            f"budget {format_bytes(given)} is below the {format_bytes(floor + reserve)} that any policy "
             f"needs ({floor_detail(problem, f)}{kept}): no policy can meet it; autotune can meet "
-            f"{format_bytes(smallest + reserve_bytes)} ({how}): raise --budget to at least that, or lower "
+            f"{format_bytes(smallest + reserve)} ({how}): raise --budget to at least that, or lower "
             "--batch-size"
         )
 
@@ -256,7 +238,7 @@ def run_search(
         if top is not None and better(top.result, found.result):
             found = top
     if user_budget_bytes is not None:
-        found.policy.budget_bytes = user_budget_bytes
+        record_budget(found.policy, user_budget_bytes)
     return SearchOutcome(
         problem,
         found,

@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from autotune.budget import record_budget
 from autotune.units import format_bytes, format_size_echo, parse_size
 from autotune.workloads import TraceRequest
 from envs.simulator import SimResult, Simulator, uniform_actions
@@ -98,7 +99,7 @@ def run_simulate(
 
     if save_policy is not None:
         policy.predicted = Prediction(result.peak_bytes, result.iter_s, result.samples_per_s)
-        policy.budget_bytes = budget_bytes
+        record_budget(policy, budget_bytes)
         policy.provenance = Provenance.now(policy.provenance.searcher, trials=1, wall_s=elapsed)
         policy.save(save_policy)
     if timeline is not None:

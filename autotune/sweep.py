@@ -23,6 +23,7 @@ from typing import Any
 
 from agents.base import Problem, SearchResult, baseline_names, best_of, get_searcher
 from agents.optuna_search import storage_for
+from autotune.budget import Budget, reserve_bytes
 from autotune.search import budget_floor, format_bytes
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError
@@ -58,7 +59,7 @@ class CellResult:
     model: str
     batch_size: int
     profile: str
-    budget_bytes: int
+    budget_bytes: int  # planned for: the budget as typed less reserve_bytes (NOTE [ Budget and reserve ])
     study_name: str
     no_policy: dict[str, Any]
     baselines: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -68,6 +69,7 @@ class CellResult:
     below_floor: bool = False
     resumed: list[str] = field(default_factory=list)  # methods found done in the storage
     wall_s: float = 0.0
+    reserve_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         best_h = self.best_heuristic()
@@ -76,6 +78,7 @@ class CellResult:
             "batch_size": self.batch_size,
             "gpu": self.profile,
             "budget_bytes": self.budget_bytes,
+            "reserve_bytes": self.reserve_bytes,
             "study": self.study_name,
             "below_floor": self.below_floor,
             "no_policy_samples_per_s": self.no_policy["samples_per_s"],
@@ -115,6 +118,7 @@ def run_cell(
     seed: int = 0,
     heartbeat_s: float | None = None,
     progress: Callable[[str], None] | None = None,
+    reserve_bytes: int = 0,
 ) -> CellResult:
     """Run (or resume) one cell; everything it finds is written to its study before it returns."""
     import optuna
@@ -134,6 +138,7 @@ def run_cell(
     problem.heartbeat_s = heartbeat_s
     no_policy = problem.simulator.run(problem.keep_all(), budget_bytes=budget_bytes)
     cell = CellResult(w.model, w.batch_size, hw.name, budget_bytes, name, _sim_json(no_policy))
+    cell.reserve_bytes = reserve_bytes
     cell.resumed = [m for m in methods if m in done and m != "optuna"]
     if "meta" not in attrs:
         study.set_user_attr(
@@ -230,7 +235,7 @@ def best_policy(cell: CellResult, w: Workload, hw: HardwareProfile) -> Policy | 
         w,
         b["actions"],
         hardware=hw.name,
-        budget_bytes=cell.budget_bytes,
+        budget_bytes=cell.budget_bytes + cell.reserve_bytes,  # as typed (autotune.budget.record_budget)
         options=PolicyOptions(**b["options"]),
         searcher=f"sweep:{b['method']}",
     )
@@ -265,10 +270,12 @@ def run_sweep(
     seed: int = 0,
     heartbeat_s: float | None = None,
     progress: Callable[[int, int, str], None] | None = None,
+    reserve: str | None = None,
 ) -> SweepOutcome:
     """Every (workload, profile, budget) cell, in that order; ``progress(done, total, what)``. ``workloads``
     per profile name: each a trace taken for that profile (NOTE [ GPU-faithful fake traces ] in
-    runtime/target.py), one model per position, in the same order for every profile."""
+    runtime/target.py), one model per position, in the same order for every profile. Each budget is planned
+    for less ``reserve`` on GPU profiles (``--reserve``; NOTE [ Budget and reserve ] in autotune.budget)."""
     started = time.perf_counter()
     models = len(workloads[profiles[0].name]) if profiles else 0
     total = models * len(profiles) * len(budgets)
@@ -278,8 +285,10 @@ def run_sweep(
         for hw in profiles:
             w = workloads[hw.name][i]
             planned[(w.model, w.batch_size, hw.name)] = w
-            for budget in budgets:
-                label = f"{w.model} {hw.name} {format_bytes(budget)}"
+            for given in budgets:
+                plan = Budget(format_bytes(given), given, reserve_bytes(reserve, format_bytes(given), given, hw))
+                budget = plan.planned_bytes
+                label = f"{w.model} {hw.name} {format_bytes(given)}"
 
                 def say(method: str, label: str = label) -> None:
                     if progress is not None:
@@ -298,6 +307,7 @@ def run_sweep(
                         seed=seed,
                         heartbeat_s=heartbeat_s,
                         progress=say,
+                        reserve_bytes=plan.reserve_bytes,
                     )
                 )
                 if progress is not None:

@@ -38,8 +38,8 @@ from headline_common import (
     write_csv,
 )
 
+from autotune.budget import DEFAULT_GPU_RESERVE
 from autotune.maxbatch import MaxBatch
-from autotune.search import DEFAULT_GPU_RESERVE
 from runtime.hardware import get_profile
 
 HEADER = [

@@ -18,7 +18,7 @@ REQUIRE_SERVICES = os.environ.get("AUTOTUNE_REQUIRE_SERVICES") == "1"
 
 SWEEP_ARGS = [
     "sweep", "--models", "resnet18", "--batch-size", "8", "--budgets", "150MB,235MB,260MB", "--gpu", "a100-40gb",
-    "--trials", "15", "--timeout", "60", "--methods", "baselines,optuna",
+    "--trials", "15", "--timeout", "60", "--methods", "baselines,optuna", "--reserve", "0",
 ]  # fmt: skip
 
 

@@ -155,3 +155,35 @@ def test_ctrl_c_while_tracing_exits_130(
     extra = ["--budget", "200MB", "--out", str(tmp_path / "p.json")] if command == "search" else []
     code, out, err = run(capsys, command, "--model", "resnet18", "--batch-size", "2", *extra)
     assert code == 130 and "interrupted" in err and not (tmp_path / "p.json").exists(), (code, out, err)
+
+
+def test_every_planning_command_keeps_the_same_reserve(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """On a GPU profile `baselines` planned for the whole budget and `search` for the budget less the 128 MiB
+    reserve (NOTE [ Budget and reserve ] in autotune.budget): the same heuristics, two answers. Now both plan
+    for the same bytes, and a saved policy records the budget as typed."""
+    from runtime.policy import load_policy
+
+    common = ["--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "330MB"]
+    code, out, err = run(capsys, "baselines", *common, "--only", "capuchin", "--save", str(tmp_path))
+    assert code == 0 and "budget 314.71 MiB (planned for 186.71 MiB)" in out, (out, err)
+    saved = load_policy(tmp_path / "resnet18.capuchin.policy.json")
+    code, out, err2 = run(capsys, "search", *common, "--searcher", "capuchin", "--out", str(tmp_path / "s.json"),
+                          "--storage", f"sqlite:///{tmp_path / 's.db'}", "--json")  # fmt: skip
+    assert code == 0, err2
+    found = json.loads(out)
+    planned = 330_000_000 - 128 * 2**20
+    line = "planning for 186.71 MiB: the budget less a 128.00 MiB reserve for workspaces (--reserve)"
+    assert line in err and line in err2
+    assert found["planned_budget_bytes"] == planned and found["budget_bytes"] == 330_000_000
+    assert saved.predicted is not None and saved.predicted.peak_bytes == found["peak_bytes"] <= planned
+    assert saved.budget_bytes == 330_000_000
+    assert load_policy(tmp_path / "s.json").budget_bytes == 330_000_000
+    code, out, err = run(capsys, "sweep", "--models", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb",
+                         "--budgets", "330MB", "--methods", "baselines", "--storage", f"sqlite:///{tmp_path / 'w.db'}",
+                         "--out-dir", str(tmp_path / "sweep"), "--json")  # fmt: skip
+    assert code == 0, err
+    cell = json.loads(out)["cells"][0]
+    assert (cell["budget_bytes"], cell["reserve_bytes"]) == (planned, 128 * 2**20)
+    assert cell["peak_bytes"] == found["peak_bytes"]  # Capuchin: the fastest baseline at this budget
+    (written,) = (tmp_path / "sweep").glob("*.policy.json")
+    assert load_policy(written).budget_bytes == 330_000_000

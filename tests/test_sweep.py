@@ -61,7 +61,8 @@ def test_a_killed_worker_loses_no_trial(tmp_path: Path) -> None:
     import optuna
 
     storage = f"sqlite:///{tmp_path / 'k.db'}"
-    args = [*SWEEP_ARGS[:5], "--budgets", "235MB", "--gpu", "a100-40gb", "--trials", "150", "--timeout", "300"]
+    args = [*SWEEP_ARGS[:5], "--budgets", "235MB", "--gpu", "a100-40gb", "--trials", "150", "--timeout", "300",
+            "--reserve", "0"]  # fmt: skip
     args += ["--storage", storage, "--heartbeat", "1", "--json"]
     root = Path(__file__).resolve().parents[1]
     worker = subprocess.Popen([sys.executable, "-m", "autotune.cli", *args], cwd=root, stdout=subprocess.DEVNULL,
@@ -116,7 +117,8 @@ def test_each_profile_plans_on_a_trace_taken_for_it(tmp_path: Path) -> None:
     target (runtime/target.py) and each cell planned, reported and written on its own profile's trace."""
     storage, report, folder = f"sqlite:///{tmp_path / 's.db'}", tmp_path / "report.html", tmp_path / "policies"
     args = ["sweep", "--models", "resnet18", "--batch-size", "8", "--budgets", "235MB", "--gpu",
-            "v100-16gb,a100-40gb", "--trials", "5", "--timeout", "30", "--methods", "baselines,optuna"]  # fmt: skip
+            "v100-16gb,a100-40gb", "--trials", "5", "--timeout", "30", "--methods", "baselines,optuna", "--reserve",
+            "0"]  # fmt: skip
     out = json.loads(autotune(*args, "--storage", storage, "--report", str(report), "--out-dir", str(folder),
                               "--json").stdout)  # fmt: skip
     assert [c["gpu"] for c in out["cells"]] == ["v100-16gb", "a100-40gb"]

@@ -1,0 +1,83 @@
+"""The budget as every planning command reads it: parse it once, keep the reserve back the same way.
+
+NOTE [ Budget and reserve ]
+The budget a user types is what a policy file records and what ``autotune train`` checks a measured peak
+against. A trace cannot see what the GPU's libraries allocate (cuDNN and cuBLAS workspaces and handles), so
+on a GPU profile the search plans for the budget less a reserve (``--reserve``; ``DEFAULT_GPU_RESERVE`` on GPU
+profiles, 0 on ``cpu``). ``search``, ``maxbatch``, ``baselines`` and ``sweep`` take their budgets through
+:func:`plan_budget`, so that ``autotune baselines --budget 6GB`` and ``autotune search --budget 6GB`` plan for
+the same bytes, and :func:`record_budget` is where a policy's recorded budget is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.console import Console
+
+from autotune.units import format_bytes, format_size_echo, parse_size
+from runtime.errors import AutotuneError
+from runtime.hardware import HardwareProfile
+from runtime.policy import Policy
+
+# What the CUDA allocator holds that no trace sees: cuBLAS/cuDNN workspaces and library handles. Measured on
+# an H200 (README, runtime on a GPU): resnet50 batch 64 allocated 89 MiB over its traced peak, GPT-2 67 MiB.
+DEFAULT_GPU_RESERVE = 128 * 2**20
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One budget as typed (``text``, ``given_bytes``: what a policy records) and what is planned for."""
+
+    text: str
+    given_bytes: int
+    reserve_bytes: int
+
+    @property
+    def planned_bytes(self) -> int:
+        return max(0, self.given_bytes - self.reserve_bytes)
+
+    def echo(self, err: Console, hw: HardwareProfile) -> None:
+        """The budget as read, a warning where the GPU has less memory, and what is planned for."""
+        err.print(f"budget: {format_size_echo(self.text, self.given_bytes)}")
+        if self.given_bytes > hw.memory_bytes:
+            err.print(
+                f"[yellow]warning:[/] the budget is more than the {format_bytes(hw.memory_bytes)} of memory the "
+                f"{hw.name} has: a policy planned for it will not fit there",
+                highlight=False,
+            )
+        if self.reserve_bytes and self.reserve_bytes < self.given_bytes:
+            planned, kept = format_bytes(self.planned_bytes), format_bytes(self.reserve_bytes)
+            err.print(f"planning for {planned}: the budget less a {kept} reserve for workspaces (--reserve)")
+
+
+def reserve_bytes(reserve: str | None, budget: str, budget_bytes: int, hw: HardwareProfile) -> int:
+    """The ``--reserve`` in bytes: as given ("0" allowed), or DEFAULT_GPU_RESERVE on GPU profiles and 0 on
+    the CPU; an error when one given leaves nothing of the budget (the default one is left to
+    :func:`autotune.search.check_budget`, which names the smallest budget that works)."""
+    if reserve is None:
+        n = DEFAULT_GPU_RESERVE if hw.is_gpu else 0
+    else:
+        n = 0 if reserve.strip().upper() in ("0", "0B") else parse_size(reserve)
+    if n >= budget_bytes and reserve is not None:
+        raise AutotuneError(
+            f"--reserve {reserve} is not below the budget ({budget}): nothing would be left to plan for; pass "
+            "a smaller one, e.g. --reserve 0"
+        )
+    return n
+
+
+def plan_budget(text: str, reserve: str | None, hw: HardwareProfile) -> Budget:
+    """``--budget`` and ``--reserve`` as planned for on ``hw`` (NOTE [ Budget and reserve ])."""
+    given = parse_size(text)
+    return Budget(text, given, reserve_bytes(reserve, text, given, hw))
+
+
+def record_budget(policy: Policy, budget: Budget | int | None) -> Policy:
+    """The one place a policy's recorded budget is set: the budget as typed, not the planned one (None: no
+    budget, as ``autotune simulate`` without one records)."""
+    policy.budget_bytes = budget.given_bytes if isinstance(budget, Budget) else None if budget is None else int(budget)
+    return policy
+
+
+__all__ = ["DEFAULT_GPU_RESERVE", "Budget", "plan_budget", "record_budget", "reserve_bytes"]
