@@ -33,18 +33,17 @@ import difflib
 import enum
 import importlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
 
 import numpy as np
 
+import envs.problem
 from agents.finalists import Finalists
-from envs.simulator import COMPRESS, KEEP, SWAP, SimResult, Simulator
+from envs.simulator import COMPRESS, KEEP, SWAP, SimResult
 from runtime.errors import AutotuneError
-from runtime.hardware import HardwareProfile
 from runtime.policy import Policy, PolicyOptions, Prediction
-from runtime.workload import Workload
 
 
 class Status(str, enum.Enum):
@@ -54,19 +53,11 @@ class Status(str, enum.Enum):
     TIMEOUT = "TIMEOUT"
 
 
-CACHED_RESULTS = 50_000  # simulations ``Problem.evaluate`` remembers (about 1 KiB each on ResNet-101)
-_OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(PolicyOptions))
-
-
 @dataclass
-class Problem:
-    """What to solve. The simulator is built once per problem and shared by every searcher."""
+class Problem(envs.problem.Problem):
+    """What to solve (envs/problem.py: workload, hardware, budget, options, the simulator) with the search's
+    settings, and what a search leaves on it as it runs."""
 
-    workload: Workload
-    hardware: HardwareProfile
-    budget_bytes: int
-    options: PolicyOptions = field(default_factory=PolicyOptions)
-    allow_compress: bool = False
     time_limit_s: float | None = None
     seed: int = 0
     # Search settings for the searchers that run trials (Optuna, portfolio, RL); heuristics ignore them.
@@ -80,51 +71,16 @@ class Problem:
     converged_s: float | None = field(default=None, repr=False)  # set when a search stopped early, converged
     # autotune search --measure: the best distinct fitting policies simulated (NOTE [ Finalists ])
     finalists: Finalists | None = field(default=None, repr=False)
-    _sim: Simulator | None = field(default=None, repr=False)
-    evaluations: int = field(default=0, repr=False)
     # The fastest fitting policy any evaluation saw, whoever made it (a heuristic's trial it did not keep,
     # an Optuna rule's prefix): the portfolio's answer is never below it.
     best_seen: tuple[np.ndarray, PolicyOptions, SimResult] | None = field(default=None, repr=False)
-    cached: int = field(default=0, repr=False)  # evaluations answered from the cache (``evaluate``)
-    _results: dict[tuple[object, ...], SimResult] = field(default_factory=dict, repr=False)
 
-    @property
-    def simulator(self) -> Simulator:
-        if self._sim is None:
-            self._sim = Simulator(self.workload, self.hardware)
-        return self._sim
-
-    @property
-    def n(self) -> int:
-        """Number of candidates."""
-        return len(self.workload.candidates)
-
-    def evaluate(self, actions: Sequence[int] | np.ndarray, options: PolicyOptions | None = None) -> SimResult:
-        """Simulate one policy under the problem's budget (counts toward ``evaluations``). A policy evaluated
-        before, with the same options and budget, is answered from a cache (``cached`` counts those): local
-        search and perturbation come back to the same policies (a fifth of a portfolio's evaluations on
-        ResNet-101). The result is shared: do not modify it."""
-        self.evaluations += 1
-        options = options or self.options
-        vec = np.asarray(actions, dtype=np.int8)
-        key = (vec.tobytes(), self.budget_bytes, *(getattr(options, f) for f in _OPTION_FIELDS))
-        result = self._results.get(key)
-        if result is None:
-            result = self.simulator.run(vec, budget_bytes=self.budget_bytes, options=options)
-            if len(self._results) >= CACHED_RESULTS:
-                self._results.clear()
-            self._results[key] = result
-        else:
-            self.cached += 1
+    def _evaluated(self, actions: np.ndarray, options: PolicyOptions, result: SimResult) -> None:
         faster = self.best_seen is None or result.samples_per_s > self.best_seen[2].samples_per_s
-        if result.feasible and faster and (self.allow_compress or not np.any(vec == COMPRESS)):
-            self.best_seen = (vec.copy(), options, result)
+        if result.feasible and faster and (self.allow_compress or not np.any(actions == COMPRESS)):
+            self.best_seen = (actions.copy(), options, result)
         if self.finalists is not None:
             self.finalists.offer(actions, options, result)
-        return result
-
-    def keep_all(self) -> np.ndarray:
-        return np.zeros(self.n, dtype=np.int8)
 
 
 @dataclass

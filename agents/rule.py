@@ -7,7 +7,7 @@ searchers search the knobs of this rule instead (the "parametric scoring rules" 
    producer op class): swap costs the transfer time a copy cannot hide under its idle window
    (``swap_out + swap_in - hide * idle``, never below zero, plus ``1%`` of the transfer so that among hidden
    copies the shorter wins), scaled by ``swap_bias``; recompute costs its closure's time
-   (agents/features.py), scaled by ``recompute_bias``.
+   (envs/features.py), scaled by ``recompute_bias``.
 2. Candidates are ranked by cost per byte, ``cost / nbytes ** size_exp``, and later tensors are made dearer
    by ``1 + late_bias * fwd_position`` (early activations live longest, so freeing them helps most peaks).
    Swaps, in that order, are capped at ``swap_share`` times the bytes the device-to-host link moves during
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from agents.base import Problem
-from agents.features import OP_CLASSES, candidate_features
+from envs.features import OP_CLASSES, candidate_features
 from envs.simulator import KEEP, RECOMPUTE, SWAP, SimResult
 from runtime.policy import PolicyOptions
 from runtime.workload import Phase

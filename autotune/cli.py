@@ -365,7 +365,7 @@ def search(
     err.print(note)
     backend = None
     if k:  # the environment's real backend traces the model it will train (NOTE [ Measured search ])
-        from envs.memory_env import real_backend
+        from autotune.real_backend import real_backend
 
         with err.status(f"Tracing {model} on {here} (real mode: measured op times)…", spinner="dots"):
             backend = real_backend(
@@ -513,7 +513,7 @@ def maxbatch(
         )
         outcome = search.run(start_batch)
         if k and outcome.max_batch:
-            from envs.memory_env import real_backend
+            from autotune.real_backend import real_backend
 
             def backend_at(b: int) -> Any:
                 return real_backend(model, b, here or "cpu", steps=3, seq_len=seq_len, optimizer=req.optimizer,

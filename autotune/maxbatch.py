@@ -39,7 +39,7 @@ from runtime.policy import Policy
 from runtime.workload import Workload, peak_report
 
 if TYPE_CHECKING:
-    from envs.memory_env import RealBackend
+    from autotune.real_backend import RealBackend
 
 MAX_BATCH = 1 << 16
 MEASURED_SIZES = 3  # --measure: sizes trained for real, from the largest that fits on the simulator down

@@ -4,7 +4,7 @@ NOTE [ Measured search ]
     The simulator ranks policies; real iterations decide. After the simulated search, the ``K`` fastest
     distinct policies that fit (NOTE [ Finalists ] in agents/finalists.py) run a few steady-state training
     iterations each on the device the plan is for, through the environment's real backend
-    (envs.memory_env.RealBackend: the CUDA allocator's peak, or the CPU storage tracker's). The answer is
+    (autotune.real_backend.RealBackend: the CUDA allocator's peak, or the CPU storage tracker's). The answer is
     the fastest whose *measured* peak is within the user's budget. When none is, the largest ratio of
     measured to planned peak says how much room the plan lacked: up to ``K`` more policies are drawn from
     the finalists planned with at least that much of the budget free, and measured. When none of those fits
@@ -26,7 +26,7 @@ import numpy as np
 
 from agents.base import Problem, SearchResult
 from agents.finalists import MARGINS, Finalist
-from envs.memory_env import RealBackend
+from autotune.real_backend import RealBackend
 from runtime.policy import Policy, PolicyOptions, Prediction
 
 

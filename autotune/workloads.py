@@ -88,11 +88,11 @@ def trace_model(req: TraceRequest) -> tuple[Workload, float]:
     w.seq_len = built.get("seq_len")
     w.batch_size = built["batch_size"] or 0
     w.compute_fingerprints()  # the shape fingerprint hashes the batch size and sequence length set just now
-    w.meta["device_profile"] = _device_profile(req.device) if req.mode == "real" else None
+    w.meta["device_profile"] = device_profile(req.device) if req.mode == "real" else None
     return w, time.perf_counter() - start
 
 
-def _device_profile(device: str) -> str | None:
+def device_profile(device: str) -> str | None:
     """The profile name that marks op times as measured on this device (see runtime.hardware.op_times_s)."""
     if device == "cpu":
         return "cpu"

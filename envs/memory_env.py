@@ -1,36 +1,34 @@
 """A gymnasium environment that builds a keep / swap / recompute / compress policy one tensor at a time.
 
 Registered as ``autotune/MemoryPolicy-v1`` (see ``envs/__init__.py``). The simulator (envs/simulator.py)
-scores every finished policy, or, with ``backend="real"``, real training iterations do (:func:`real_backend`).
-The observation is a fixed-size vector, independent of the model, so one network can serve many models.
+scores every finished policy, or, with ``backend="real"``, real training iterations do
+(:func:`autotune.real_backend.real_backend`). The observation is a fixed-size vector, independent of the
+model, so one network can serve many models.
 
-This module imports :mod:`agents` (the :class:`~agents.base.Problem` it solves, the candidate features): the
-environment is a searcher's tool, built on the same problem the searchers share. ``envs/__init__.py``
-registers it by name only, so importing :mod:`envs` does not import :mod:`agents` (no import cycle).
+The environment is built on :class:`envs.problem.Problem` (the searchers' problem extends it) and observes
+the candidates' features (envs/features.py), the same the heuristics rank by. Without a problem it solves
+the synthetic workload of runtime/synthetic.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from agents.base import Problem
-from agents.features import OP_CLASSES, candidate_features
+from envs.features import OP_CLASSES, candidate_features
+from envs.problem import Problem
 from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, SimResult, _itemsize
 from runtime.hardware import HardwareProfile, get_profile
-from runtime.policy import PolicyOptions
-from runtime.workload import Candidate, OpInfo, Phase, TensorInfo, TensorKind, Workload
+from runtime.synthetic import synthetic_workload
+from runtime.workload import Workload
 
 #: ``real(actions) -> (peak_bytes, iter_s)``: one finished policy (action codes over ``workload.candidates``)
-#: measured by real training iterations. See :func:`real_backend`.
+#: measured by real training iterations. See :func:`autotune.real_backend.real_backend`.
 RealMeasure = Callable[[np.ndarray], tuple[int, float]]
 
 ACTION_NAMES: tuple[str, ...] = ("keep", "swap", "recompute", "compress")  # index = action code
@@ -50,7 +48,7 @@ CANDIDATE_FIELDS: tuple[str, ...] = (
     "lifetime",  # idle_s / no-policy iteration time
     "fwd_position",  # producer op / number of forward ops
     "block_input",  # 1.0 for a block boundary (Candidate.block_input)
-    *(f"class_{name}" for name in OP_CLASSES),  # one-hot op class of the producer (agents.features)
+    *(f"class_{name}" for name in OP_CLASSES),  # one-hot op class of the producer (envs.features)
     # v1: where the candidate stands among this workload's candidates (0 = lowest), so that one network can
     # compare a candidate with the rest of any model, and whether dropping it can lower the no-policy peak.
     "live_at_peak",  # 1.0 when its storage is live at the no-policy peak op
@@ -70,7 +68,7 @@ STATE_FIELDS: tuple[str, ...] = (
     "need_ratio",  # v1: (peak of the partial policy - budget) / candidate bytes still to decide, clipped to [0, 10]
 )
 OBS_FIELDS: tuple[str, ...] = (*CANDIDATE_FIELDS, *STATE_FIELDS)
-#: Length of the observation vector (29 with agents.features' ten op classes).
+#: Length of the observation vector (29 with envs.features' ten op classes).
 OBS_SIZE = len(OBS_FIELDS)
 _RATIO_CAP = 10.0  # ratios that can be large (times, peaks) are clipped here
 _HIGH = {
@@ -140,7 +138,7 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
     | 4     | lifetime        | idle time / no-policy iteration time                               | [0, 1]  |
     | 5     | fwd_position    | producer op / number of forward ops                                | [0, 1]  |
     | 6     | block_input     | 1 for a block boundary                                             | {0, 1}  |
-    | 7-16  | class_*         | one-hot op class of the producer (``agents.features.OP_CLASSES``)  | {0, 1}  |
+    | 7-16  | class_*         | one-hot op class of the producer (``envs.features.OP_CLASSES``)  | {0, 1}  |
     | 17    | live_at_peak    | 1 when the candidate is live at the no-policy peak op              | {0, 1}  |
     | 18    | size_rank       | percentile of its bytes                                            | [0, 1]  |
     | 19    | recompute_rank  | percentile of its recompute time per byte                          | [0, 1]  |
@@ -191,14 +189,16 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
       allow_compress). Every simulation goes through ``problem.evaluate``, so ``problem.evaluations`` counts
       them. Give either a problem or the three arguments below.
     * ``workload``, ``hardware``, ``budget_bytes``: a problem by parts; each one missing gets a default
-      (:func:`synthetic_workload`, ``DEFAULT_HARDWARE``, ``DEFAULT_BUDGET_FRACTION`` of the no-policy peak).
+      (:func:`runtime.synthetic.synthetic_workload`, ``DEFAULT_HARDWARE``, ``DEFAULT_BUDGET_FRACTION`` of the
+      no-policy peak).
     * ``allow_compress``: allow the lossy compress action (with ``problem``, set it on the problem instead).
     * ``backend``: ``"sim"`` (default) or ``"real"``: who scores finished policies.
     * ``real``: with ``backend="real"``, a callable ``real(actions) -> (peak_bytes, iter_s)`` that runs real
       training iterations under the policy ``actions`` (int8 codes over ``workload.candidates``) and returns
-      their peak device memory in bytes and seconds per iteration (see :func:`real_backend`). It is called
-      once for keep-all (the throughput reference) and once per distinct finished policy (cached). Apply the
-      problem's ``options`` there too. Intermediate peaks still come from the simulator.
+      their peak device memory in bytes and seconds per iteration (see
+      :func:`autotune.real_backend.real_backend`). It is called once for keep-all (the throughput
+      reference) and once per distinct finished policy (cached). Apply the problem's ``options`` there too.
+      Intermediate peaks still come from the simulator.
     * ``render_mode``: ``None`` or ``"ansi"`` (``render()`` returns a one-line summary).
 
     ## Version History
@@ -237,7 +237,10 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
         if backend not in ("sim", "real"):
             raise ValueError(f"backend={backend!r}: expected 'sim' or 'real'")
         if backend == "real" and real is None:
-            raise ValueError("backend='real' needs real=callable(actions) -> (peak_bytes, iter_s); see real_backend()")
+            raise ValueError(
+                "backend='real' needs real=callable(actions) -> (peak_bytes, iter_s); "
+                "see autotune.real_backend.real_backend()"
+            )
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode={render_mode!r}: expected None or one of {self.metadata['render_modes']}")
         self.problem = problem
@@ -482,263 +485,11 @@ def _default_problem(
     return problem
 
 
-def synthetic_workload(
-    blocks: int = 3, batch: int = 32, channels: int = 64, size: int = 32, classes: int = 10
-) -> Workload:
-    """A small CNN iteration built by hand, without torch, in about a millisecond: ``blocks`` conv-BN-ReLU
-    blocks (the first is the stem), 2x2 max pooling, a linear classifier, log-softmax and NLL loss, then
-    their backward ops. Deterministic: the same arguments give the same workload.
-
-    Candidates in save order, as a trace records them: per block its convolution's output (saved by
-    BatchNorm) and its ReLU's output (saved by the ReLU and by the next block's convolution, or by the
-    pooling: a block input); then the pooling's int64 indices (not compressible), the pooled features and
-    the log-probabilities. BatchNorm outputs and logits are freed in forward, so recompute closures reach
-    back more than one op, as in real traces. With the defaults: 26 ops, 9 candidates. Op times come from
-    the hardware profile's roofline (``mode="fake"``) over the FLOPs and bytes given here."""
-    if blocks < 1:
-        raise ValueError(f"blocks={blocks}: expected at least one conv-BN-ReLU block")
-    f4 = 4
-    fmap = (batch, channels, size, size)
-    act = batch * channels * size * size * f4  # one float32 feature map
-    half = (batch, channels, size // 2, size // 2)
-    pooled = int(np.prod(half)) * f4
-    feat = channels * (size // 2) ** 2
-    logits = batch * classes * f4
-    K, fwd, bwd = TensorKind, Phase.FORWARD, Phase.BACKWARD
-    tensors: list[TensorInfo] = []
-    ops: list[OpInfo] = []
-
-    def tensor(nbytes: int, shape: tuple[int, ...], kind: TensorKind, alloc: int, free: int | None,
-               dtype: str = "float32") -> int:  # fmt: skip
-        tensors.append(TensorInfo(len(tensors), nbytes, shape, dtype, kind, alloc, free))
-        return len(tensors) - 1
-
-    def op(
-        name: str, phase: Phase, module: str, flops: float, inputs: tuple[int, ...], outputs: tuple[int, ...]
-    ) -> None:
-        moved = sum(tensors[t].nbytes for t in (*inputs, *outputs))
-        ops.append(OpInfo(len(ops), f"aten.{name}", phase, module, flops, moved, inputs, outputs))
-
-    # Op indices, fixed up front so that every tensor is created with its lifetime.
-    n_fwd = 3 * blocks + 4  # conv, bn, relu per block; pool, fc, log_softmax, nll_loss
-    nll_b, lsm_b, mm_b, pool_b = n_fwd, n_fwd + 1, n_fwd + 2, n_fwd + 3
-
-    def relu_b(b: int) -> int:  # backward of block b: relu, bn, conv, last block first
-        return n_fwd + 4 + 3 * (blocks - 1 - b)
-
-    names = ["stem", *(f"layer{b}" for b in range(1, blocks))]
-    c_in = [3, *([channels] * (blocks - 1))]
-    x = tensor(batch * 3 * size * size * f4, (batch, 3, size, size), K.INPUT, -1, None)
-    y = tensor(batch * 8, (batch,), K.INPUT, -1, None, "int64")
-    w_conv = [tensor(channels * c * 9 * f4, (channels, c, 3, 3), K.PARAMETER, -1, None) for c in c_in]
-    w_bn = [tensor(2 * channels * f4, (2, channels), K.PARAMETER, -1, None) for _ in range(blocks)]
-    w_fc = tensor((feat + 1) * classes * f4, (classes, feat + 1), K.PARAMETER, -1, None)
-    conv_out = [tensor(act, fmap, K.ACTIVATION, 3 * b, relu_b(b) + 1) for b in range(blocks)]
-    bn_out = [tensor(act, fmap, K.TEMPORARY, 3 * b + 1, 3 * b + 2) for b in range(blocks)]
-    relu_out = [tensor(act, fmap, K.ACTIVATION, 3 * b + 2, relu_b(b)) for b in range(blocks)]
-    pool_at = 3 * blocks
-    pool_out = tensor(pooled, half, K.ACTIVATION, pool_at, mm_b)
-    indices = tensor(pooled * 2, half, K.ACTIVATION, pool_at, pool_b, "int64")
-    fc_out = tensor(logits, (batch, classes), K.TEMPORARY, pool_at + 1, pool_at + 2)
-    log_probs = tensor(logits, (batch, classes), K.ACTIVATION, pool_at + 2, lsm_b)
-    loss = tensor(f4, (), K.TEMPORARY, pool_at + 3, nll_b)
-
-    inputs = [x, *relu_out[:-1]]
-    for b in range(blocks):
-        conv_flops = 2.0 * batch * channels * c_in[b] * 9 * size * size
-        op("convolution.default", fwd, f"{names[b]}.conv", conv_flops, (inputs[b], w_conv[b]), (conv_out[b],))
-        op("native_batch_norm.default", fwd, f"{names[b]}.bn", 0.0, (conv_out[b], w_bn[b]), (bn_out[b],))
-        op("relu.default", fwd, f"{names[b]}.relu", 0.0, (bn_out[b],), (relu_out[b],))
-    fc_flops = 2.0 * batch * feat * classes
-    op("max_pool2d_with_indices.default", fwd, "head.pool", 0.0, (relu_out[-1],), (pool_out, indices))
-    op("addmm.default", fwd, "head.fc", fc_flops, (w_fc, pool_out), (fc_out,))
-    op("_log_softmax.default", fwd, "<loss>", 0.0, (fc_out,), (log_probs,))
-    op("nll_loss_forward.default", fwd, "<loss>", 0.0, (log_probs, y), (loss,))
-
-    def grad(nbytes: int, shape: tuple[int, ...]) -> int:  # made by the next op, consumed by the one after
-        return tensor(nbytes, shape, K.TEMPORARY, len(ops), len(ops) + 1)
-
-    def param_grad(param: int) -> int:  # outlives the iteration (the optimizer reads it)
-        return tensor(tensors[param].nbytes, tensors[param].shape, K.GRADIENT, len(ops), None)
-
-    g = grad(logits, (batch, classes))
-    op("nll_loss_backward.default", bwd, "<loss>", 0.0, (loss, y), (g,))
-    g_next = grad(logits, (batch, classes))
-    op("_log_softmax_backward_data.default", bwd, "<loss>", 0.0, (g, log_probs), (g_next,))
-    g, g_next = g_next, grad(pooled, half)
-    op("mm.default", bwd, "head.fc", 2 * fc_flops, (g, pool_out, w_fc), (g_next, param_grad(w_fc)))
-    g, g_next = g_next, grad(act, fmap)
-    op("max_pool2d_with_indices_backward.default", bwd, "head.pool", 0.0, (g, relu_out[-1], indices), (g_next,))
-    for b in reversed(range(blocks)):
-        g, g_next = g_next, grad(act, fmap)
-        op("threshold_backward.default", bwd, f"{names[b]}.relu", 0.0, (g, relu_out[b]), (g_next,))
-        g, g_next = g_next, grad(act, fmap)
-        op("native_batch_norm_backward.default", bwd, f"{names[b]}.bn", 0.0, (g, conv_out[b], w_bn[b]),
-           (g_next, param_grad(w_bn[b])))  # fmt: skip
-        g = g_next
-        conv_flops = 2.0 * batch * channels * c_in[b] * 9 * size * size
-        if b > 0:
-            g_next = grad(act, fmap)
-            outs: tuple[int, ...] = (g_next, param_grad(w_conv[b]))
-        else:  # the batch needs no gradient
-            outs = (param_grad(w_conv[b]),)
-        op("convolution_backward.default", bwd, f"{names[b]}.conv", 2 * conv_flops, (g, inputs[b], w_conv[b]), outs)
-    assert len(ops) == relu_b(0) + 3
-
-    candidates: list[Candidate] = []
-
-    def cand(key: str, tid: int, save: int, last_fwd: int, uses: tuple[int, ...], inputs: tuple[int, ...],
-             block: str, block_input: bool = False) -> None:  # fmt: skip
-        t = tensors[tid]
-        candidates.append(Candidate(key, tid, t.nbytes, t.alloc_op, (), save, last_fwd, uses, last_fwd, inputs,
-                                    block, block_input))  # fmt: skip
-
-    for b in range(blocks):
-        name = names[b]
-        cand(f"{name}.conv#0.0:Convolution", conv_out[b], 3 * b + 1, 3 * b + 1, (relu_b(b) + 1,),
-             (inputs[b], w_conv[b]), name)  # fmt: skip
-        reader = 3 * b + 3  # the next block's convolution, or the pooling
-        first_use = relu_b(b + 1) + 2 if b + 1 < blocks else pool_b
-        cand(f"{name}.relu#0.0:Relu", relu_out[b], 3 * b + 2, reader, (first_use, relu_b(b)), (bn_out[b],), name,
-             block_input=True)  # fmt: skip
-    cand("head.pool#0.1:MaxPool2DWithIndices", indices, pool_at, pool_at, (pool_b,), (relu_out[-1],), "head")
-    cand("head.pool#0.0:MaxPool2DWithIndices", pool_out, pool_at + 1, pool_at + 1, (mm_b,), (relu_out[-1],), "head")
-    cand("<loss>#0.0:LogSoftmax", log_probs, pool_at + 2, pool_at + 3, (lsm_b,), (fc_out,), "<loss>")
-    w = Workload(
-        model=f"synthetic-cnn{blocks}", batch_size=batch, seq_len=None, optimizer="sgd", device="synthetic",
-        mode="fake", torch_version="", ops=ops, tensors=tensors, candidates=candidates,
-    )  # fmt: skip
-    w.compute_fingerprints()
-    return w
-
-
-# -- the real backend -----------------------------------------------------------------------------------------
-@dataclass
-class RealBackend:
-    """Real training iterations of one model under a policy: ``backend(actions) -> (peak_bytes, iter_s)``.
-
-    Made by :func:`real_backend`. ``workload`` is the model traced (real mode, on ``device``): build the
-    environment on it, so that the action vector's candidates are the ones the runtime sees. The model and
-    its optimizer are built once; each call applies the policy with :class:`runtime.apply.PolicyRuntime`
-    and runs ``runtime.measure.run_iterations`` (one warm-up, then ``steps`` timed iterations): the peak is
-    the largest measured, the time the median. A CUDA out-of-memory error reports the device's total
-    memory as the peak (the policy did not fit) and an infinite time."""
-
-    workload: Workload
-    device: str
-    steps: int
-    options: PolicyOptions
-    _entry: Any = field(repr=False)
-    _optimizer: Any = field(repr=False)
-
-    def __call__(self, actions: np.ndarray, options: PolicyOptions | None = None) -> tuple[int, float]:
-        """Measure ``actions`` applied with ``options`` (None: the backend's)."""
-        import torch
-
-        from runtime.apply import PolicyRuntime
-        from runtime.measure import run_iterations
-        from runtime.policy import Policy
-
-        actions = np.asarray(actions, dtype=np.int8)
-        options = options or self.options
-        if np.any(actions == COMPRESS) and not options.lossy:
-            # The environment proposes compress only when its problem allows it: that is the user's consent.
-            options = dataclasses.replace(options, lossy=True)
-        policy = Policy.from_vector(self.workload, actions, hardware=self.device, options=options)
-        rt = PolicyRuntime(policy, self._entry.module)
-        entry = self._entry
-        try:
-            steps = run_iterations(
-                entry.module,
-                entry.batch,
-                entry.loss_fn,
-                self._optimizer,
-                steps=self.steps,
-                batch_size=entry.batch_size,
-                around_step=rt.step,
-                precision=self.workload.precision,
-                grad_accum=self.workload.grad_accum,
-            )
-        except torch.OutOfMemoryError:
-            self._optimizer.zero_grad(set_to_none=True)
-            total = torch.cuda.get_device_properties(torch.device(self.device)).total_memory
-            return int(total), math.inf
-        return max(s.peak_bytes for s in steps), statistics.median(s.iter_s for s in steps)
-
-
-def real_backend(
-    model_name: str,
-    batch_size: int | None,
-    device: str = "cpu",
-    steps: int = 2,
-    *,
-    image_size: int | None = None,
-    seq_len: int | None = None,
-    config_overrides: dict[str, Any] | None = None,
-    options: PolicyOptions | None = None,
-    optimizer: str = "sgd",
-    precision: str = "fp32",
-    grad_accum: int = 1,
-) -> RealBackend:
-    """A ``real`` callable for :class:`MemoryPolicyEnv` that trains ``model_name`` (any name
-    :func:`autotune.models.build_model` accepts, with its ``image_size``, ``seq_len`` and
-    ``config_overrides``) at ``batch_size`` (None: the model's default) on ``device``, ``steps`` timed
-    iterations per policy, with ``optimizer``, ``precision`` and ``grad_accum`` as ``autotune train`` takes
-    them.
-
-    The model is traced here in real mode on ``device`` (as ``autotune train`` does: some models, GPT-2's
-    attention mask for one, take another path under fake tensors); pass ``backend.workload`` to the
-    environment. ``options`` (prefetch look-ahead, compress dtype) should be the problem's options::
-
-        backend = real_backend("resnet18", 2, image_size=32)
-        problem = Problem(backend.workload, calibrate_cpu(), budget_bytes=...)
-        env = MemoryPolicyEnv(problem, backend="real", real=backend)
-
-    torch, the model zoo and the runtime are imported here, not with this module."""
-    from autotune.models import build_model
-    from runtime.trace import capture, make_optimizer
-
-    if steps <= 0:
-        raise ValueError(f"steps={steps}: expected a positive number of timed iterations")
-
-    entry = build_model(
-        model_name,
-        batch_size=batch_size,
-        image_size=image_size,
-        seq_len=seq_len,
-        device=device,
-        config_overrides=config_overrides,
-    )
-
-    def build_for_trace() -> Any:
-        return entry.module, entry.batch, entry.loss_fn
-
-    w = capture(build_for_trace, name=model_name, batch_size=entry.batch_size, seq_len=entry.seq_len, fake=False,
-                device=device, optimizer=optimizer, precision=precision, grad_accum=grad_accum)  # fmt: skip
-    w.seq_len = entry.seq_len
-    w.meta["device_profile"] = _device_profile(device)
-    opt = make_optimizer(w.optimizer, entry.module.parameters())
-    return RealBackend(w, device, steps, options or PolicyOptions(), entry, opt)
-
-
-def _device_profile(device: str) -> str | None:
-    """The profile whose op times a real trace on ``device`` measured (runtime.hardware.op_times_s)."""
-    if device == "cpu":
-        return "cpu"
-    from runtime.hardware import detect
-
-    found = detect()
-    return found.profile.name if found.profile is not None else None
-
-
 __all__ = [
     "ACTION_NAMES",
     "OBS_FIELDS",
     "OBS_SIZE",
     "BestPolicy",
     "MemoryPolicyEnv",
-    "RealBackend",
     "RealMeasure",
-    "real_backend",
-    "synthetic_workload",
 ]

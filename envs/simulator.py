@@ -98,9 +98,10 @@ They must agree exactly.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -108,6 +109,9 @@ from runtime.hardware import HardwareProfile, host_times_s, op_times_s
 from runtime.plan import RegionPlanner, closures_of
 from runtime.policy import Action, Policy, PolicyOptions
 from runtime.workload import Phase, Workload, memory_timeline, rounded, workspace_bytes
+
+if TYPE_CHECKING:
+    from envs.features import CandidateFeatures
 
 KEEP, SWAP, RECOMPUTE, COMPRESS = 0, 1, 2, 3
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -261,7 +265,8 @@ class Simulator:
         self.h2d_s = self.nbytes / hw.h2d_bytes_per_s
         closures = closures_of(w)
         self.closure_ops: list[frozenset[int]] = [cl.ops for cl in closures]  # Rule 7: the ops re-run
-        self._closures = [self._closure_cost(ci, cl.ops, cl.deps) for ci, cl in enumerate(closures)]
+        # Rule 7, per candidate: (recompute seconds, transient bytes, candidate dependencies)
+        self.closures = [self._closure_cost(ci, cl.ops, cl.deps) for ci, cl in enumerate(closures)]
         self._closure_host = [float(self.host_op_s[sorted(ops)].sum()) for ops in self.closure_ops]
         self._closure_len = [len(ops) for ops in self.closure_ops]
         self._compress_cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -273,6 +278,13 @@ class Simulator:
         self._optimizer_alone = self._optimizer_alone_s()
         self._observation_setup(closures)
 
+    @functools.cached_property
+    def features(self) -> CandidateFeatures:
+        """Per-candidate features (envs/features.py) from this simulator's own costs, computed once."""
+        from envs.features import compute_features
+
+        return compute_features(self)
+
     def _closure_cost(self, ci: int, ops: frozenset[int], deps: tuple[int, ...]) -> tuple[float, int, tuple[int, ...]]:
         """Rule 7: (recompute seconds, transient bytes, candidate dependencies) of candidate ``ci``: every
         storage the replayed ops write but the target is held during the recompute."""
@@ -281,7 +293,7 @@ class Simulator:
         transient = sum(rounded(w.tensors[tid].nbytes, g) for tid in outputs)
         return float(self.op_s[sorted(ops)].sum()), transient, tuple(sorted(deps))
 
-    def _trigger_ops(self, lookahead: int) -> np.ndarray:
+    def trigger_ops(self, lookahead: int) -> np.ndarray:
         """Rule 5 with no region: the op before which each candidate's H2D copy is issued."""
         if lookahead not in self._triggers:
             up = np.array([*self.unpack_points, self.n_ops], dtype=np.int64)
@@ -289,7 +301,7 @@ class Simulator:
             self._triggers[lookahead] = up[np.maximum(0, pos - lookahead)]
         return self._triggers[lookahead]
 
-    def _compression(self, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    def compression(self, dtype: str) -> tuple[np.ndarray, np.ndarray]:
         """(packed sizes, seconds of one pack or unpack kernel) per candidate (Rule 8)."""
         if dtype not in self._compress_cache:
             g, hw = self.hw.alloc_granularity_bytes, self.hw
@@ -450,7 +462,7 @@ class Simulator:
             options = policy.options if isinstance(policy, Policy) else PolicyOptions()
         lookahead = max(0, int(options.prefetch_lookahead))
         release_after = max(1, int(options.release_after))
-        packed, pack_s = self._compression(options.compress_dtype)
+        packed, pack_s = self.compression(options.compress_dtype)
         sync = self.sync_copies
 
         # Rule 11: regions, and what they serve.
@@ -467,7 +479,7 @@ class Simulator:
             trigger_all = up[np.maximum(0, pos - lookahead)]
         else:
             points, pos = self.unpack_points, np.array(self._u_pos, dtype=np.int64)
-            trigger_all = self._trigger_ops(lookahead)
+            trigger_all = self.trigger_ops(lookahead)
         carriers = np.zeros(k, dtype=bool)
         if lookahead > 0 and swp_mask.any() and not sync:
             up_pts = np.asarray(points, dtype=np.int64)
@@ -620,7 +632,7 @@ class Simulator:
         extra: dict[int, int] = {}
         held = [0]
         actl = act.tolist()
-        closures = self._closures
+        closures = self.closures
         closure_host = self._closure_host
         closure_len = self._closure_len
         unpack_cost = pack_s.tolist()

@@ -16,10 +16,12 @@ from gymnasium.utils.env_checker import check_env
 
 import envs
 from agents.base import Problem
+from autotune.real_backend import real_backend
 from envs import memory_env
-from envs.memory_env import OBS_FIELDS, OBS_SIZE, MemoryPolicyEnv, real_backend, synthetic_workload
+from envs.memory_env import OBS_FIELDS, OBS_SIZE, MemoryPolicyEnv
 from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, Simulator
 from runtime.hardware import calibrate_cpu, get_profile
+from runtime.synthetic import synthetic_workload
 from runtime.workload import peak_report
 from tests.synthetic import chain_workload, fixed_profile
 

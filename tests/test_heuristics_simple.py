@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from agents.base import Problem, Status, get_searcher
-from agents.features import candidate_features
 from agents.heuristics._knapsack import dp_knapsack, greedy_knapsack, ilp_knapsack
 from agents.heuristics._selection import closure_classes
 from agents.heuristics.checkpoint import budget_checkpoints, mirror_plan, sqrt_checkpoints
@@ -22,6 +21,7 @@ from agents.heuristics.superneurons import SuperNeurons
 from agents.heuristics.torch_budget import Partitioner, TorchMemoryBudget, activation_fraction
 from agents.heuristics.vdnn import VDNN_LOOKAHEAD, layer_inputs
 from agents.heuristics.zhang import ZhangSwap
+from envs.features import candidate_features
 from envs.simulator import KEEP, RECOMPUTE, SWAP, Simulator
 from runtime.hardware import HardwareProfile, get_profile
 from runtime.policy import PolicyOptions

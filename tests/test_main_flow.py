@@ -20,8 +20,8 @@ import torch
 
 from agents.finalists import Finalists
 from autotune.models import build_model
+from autotune.real_backend import RealBackend
 from autotune.workloads import TraceRequest, trace_model
-from envs.memory_env import RealBackend
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError
 from runtime.policy import PolicyOptions, load_policy

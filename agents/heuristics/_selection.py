@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from agents.base import Problem
-from agents.features import op_class
+from envs.features import op_class
 from envs.simulator import SimResult, Simulator
 from runtime.policy import PolicyOptions
 from runtime.workload import Workload
@@ -41,7 +41,7 @@ def all_closure_ops(sim: Simulator) -> list[frozenset[int]]:
 
 
 def closure_classes(sim: Simulator) -> list[frozenset[str]]:
-    """Per candidate, the op classes (``agents.features.op_class``) of the ops regenerating it re-runs."""
+    """Per candidate, the op classes (``envs.features.op_class``) of the ops regenerating it re-runs."""
     return [frozenset(op_class(sim.w.ops[op].name) for op in ops) for ops in sim.closure_ops]
 
 

@@ -41,7 +41,7 @@ import dataclasses
 import numpy as np
 
 from agents.base import Problem, Proposal, Searcher, better, register
-from agents.features import CandidateFeatures, candidate_features
+from envs.features import CandidateFeatures, candidate_features
 from envs.simulator import KEEP, RECOMPUTE, SWAP, SimResult, Simulator
 from runtime.policy import PolicyOptions
 

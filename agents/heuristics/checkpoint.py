@@ -39,12 +39,12 @@ from collections.abc import Iterator
 import numpy as np
 
 from agents.base import Problem, Proposal, Searcher, apply_until_fits, register
-from agents.features import candidate_features
 from agents.heuristics._selection import Plan, best_plan, closure_classes, forward_order, minor_outputs
+from envs.features import candidate_features
 from envs.simulator import KEEP, RECOMPUTE
 from runtime.workload import Workload
 
-# Op classes (agents.features.op_class) whose outputs "drop the results of low cost operations" keeps.
+# Op classes (envs.features.op_class) whose outputs "drop the results of low cost operations" keeps.
 EXPENSIVE_CLASSES = frozenset({"conv", "matmul", "attention"})
 _MEMONGER_BEGIN = 3  # memonger's ``nbegin``: rounds of B <- sqrt(x * y / 2)
 _MEMONGER_TRIALS = 6  # memonger's ``ntrial``: grid steps after them

@@ -41,8 +41,8 @@ import dataclasses
 import numpy as np
 
 from agents.base import Problem, Proposal, Searcher, better, register
-from agents.features import candidate_features
 from agents.heuristics.capuchin import effective_recompute_s, h2d_issue_ops, releasable_at
+from envs.features import candidate_features
 from envs.simulator import KEEP, RECOMPUTE, SWAP, SimResult
 from runtime.policy import PolicyOptions
 

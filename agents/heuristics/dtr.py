@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from agents.base import Problem, Proposal, Searcher, register
-from agents.features import CandidateFeatures, candidate_features
+from envs.features import CandidateFeatures, candidate_features
 from envs.simulator import KEEP, RECOMPUTE, Simulator
 
 _MIN_STALENESS_S = 1e-12  # a tensor touched by the previous op has staleness 0: h = cost / (m * 1e-12)

@@ -45,9 +45,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from agents.base import Problem, Proposal, Searcher, register
-from agents.features import candidate_features, op_class
 from agents.heuristics._knapsack import SOLVERS
 from agents.heuristics._selection import Plan, all_closure_ops, best_plan, minor_outputs
+from envs.features import candidate_features, op_class
 from envs.simulator import KEEP, RECOMPUTE
 from runtime.workload import OpInfo, Workload
 

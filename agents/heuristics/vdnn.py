@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 
 from agents.base import Problem, Proposal, Searcher, apply_until_fits, register
-from agents.features import candidate_features
 from agents.heuristics._selection import forward_order
+from envs.features import candidate_features
 from envs.simulator import SWAP
 
 CONV_CLASSES = frozenset({"conv"})

@@ -49,8 +49,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from agents.base import Problem, Proposal, Searcher, register
-from agents.features import candidate_features
 from agents.heuristics._selection import Plan, best_plan, shortest_fitting_prefix
+from envs.features import candidate_features
 from envs.simulator import SWAP
 from runtime.workload import memory_timeline
 

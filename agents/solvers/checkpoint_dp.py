@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from agents.base import Problem, Proposal, Searcher, Status, register
-from agents.features import candidate_features
+from envs.features import candidate_features
 from envs.simulator import KEEP, RECOMPUTE, SimResult
 
 _NONE = -1  # "no further checkpoint" in a choice table

@@ -271,7 +271,7 @@ class _Data:
 
     def __post_init__(self) -> None:
         sim = self.problem.simulator
-        deps = [cl[2] for cl in sim._closures]  # Rule 7: candidate inputs of each closure
+        deps = [cl[2] for cl in sim.closures]  # Rule 7: candidate inputs of each closure
         self.unit_of = np.full(sim.k, -1, dtype=np.int64)
         for u, members in enumerate(self.units):
             self.unit_of[members] = u
@@ -340,12 +340,12 @@ class _Builder:
         self.acts = data.actions
         ms = 1e3  # seconds -> milliseconds
         opts = problem.options
-        self.trigger_op = sim._trigger_ops(max(0, int(opts.prefetch_lookahead)))  # Rule 5: H2D issue op
-        packed, pack_s = sim._compression(opts.compress_dtype)
+        self.trigger_op = sim.trigger_ops(max(0, int(opts.prefetch_lookahead)))  # Rule 5: H2D issue op
+        packed, pack_s = sim.compression(opts.compress_dtype)
         self.packed_bytes = packed.astype(np.float64)
         self.pack_ms = pack_s * ms  # one pack or unpack kernel (Rule 8)
-        self.recompute_ms = np.array([cl[0] for cl in sim._closures]) * ms  # Rule 7 closure time
-        self.transient_bytes = np.array([cl[1] for cl in sim._closures], dtype=np.float64)
+        self.recompute_ms = np.array([cl[0] for cl in sim.closures]) * ms  # Rule 7 closure time
+        self.transient_bytes = np.array([cl[1] for cl in sim.closures], dtype=np.float64)
         self.start_ms, self.op_ms = sim.op_start_s * ms, sim.op_s * ms  # traced op starts and durations
         self.d2h_ms, self.h2d_ms = sim.d2h_s * ms, sim.h2d_s * ms
         self.size_bytes = sim.size.astype(np.float64)

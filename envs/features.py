@@ -80,10 +80,13 @@ class CandidateFeatures:
 
 
 def candidate_features(sim: Simulator) -> CandidateFeatures:
-    """Features of every candidate of ``sim.w``, cached on the simulator."""
-    cached = getattr(sim, "_features", None)
-    if cached is not None:
-        return cached  # type: ignore[no-any-return]
+    """Features of every candidate of ``sim.w``: the simulator's :attr:`~envs.simulator.Simulator.features`,
+    computed once per simulator."""
+    return sim.features
+
+
+def compute_features(sim: Simulator) -> CandidateFeatures:
+    """What :func:`candidate_features` answers, computed (``Simulator.features`` caches it)."""
     w = sim.w
     cands = w.candidates
     cand_of = {c.tensor: i for i, c in enumerate(cands)}
@@ -106,8 +109,8 @@ def candidate_features(sim: Simulator) -> CandidateFeatures:
         nbytes=np.array([c.nbytes for c in cands], dtype=np.int64),
         producer_class=[op_class(w.ops[c.producer].name) for c in cands],
         consumer_classes=[frozenset(s) for s in consumers],
-        recompute_s=np.array([cl[0] for cl in sim._closures]),
-        recompute_deps=[cl[2] for cl in sim._closures],
+        recompute_s=np.array([cl[0] for cl in sim.closures]),
+        recompute_deps=[cl[2] for cl in sim.closures],
         swap_out_s=sim.d2h_s.copy(),
         swap_in_s=sim.h2d_s.copy(),
         idle_s=np.maximum(0.0, first_use_s - save_s),
@@ -117,5 +120,4 @@ def candidate_features(sim: Simulator) -> CandidateFeatures:
         block=[c.block for c in cands],
         block_input=np.array([c.block_input for c in cands], dtype=bool),
     )
-    sim._features = feats  # type: ignore[attr-defined]
     return feats

@@ -1,0 +1,133 @@
+"""Real training iterations of one model under a policy, as the environment and ``--measure`` score them.
+
+:func:`real_backend` builds a model from the zoo (autotune/models.py), traces it in real mode and returns a
+:class:`RealBackend`: ``backend(actions) -> (peak_bytes, iter_s)``, the ``real`` callable of
+:class:`envs.memory_env.MemoryPolicyEnv` and what ``autotune search --measure`` trains the finalists with.
+It lives above ``envs`` because it builds models (the layers: ``runtime <- envs <- agents <- autotune``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from autotune.workloads import device_profile
+from envs.simulator import COMPRESS
+from runtime.policy import PolicyOptions
+from runtime.workload import Workload
+
+
+@dataclass
+class RealBackend:
+    """Real training iterations of one model under a policy: ``backend(actions) -> (peak_bytes, iter_s)``.
+
+    Made by :func:`real_backend`. ``workload`` is the model traced (real mode, on ``device``): build the
+    environment on it, so that the action vector's candidates are the ones the runtime sees. The model and
+    its optimizer are built once; each call applies the policy with :class:`runtime.apply.PolicyRuntime`
+    and runs ``runtime.measure.run_iterations`` (one warm-up, then ``steps`` timed iterations): the peak is
+    the largest measured, the time the median. A CUDA out-of-memory error reports the device's total
+    memory as the peak (the policy did not fit) and an infinite time."""
+
+    workload: Workload
+    device: str
+    steps: int
+    options: PolicyOptions
+    _entry: Any = field(repr=False)
+    _optimizer: Any = field(repr=False)
+
+    def __call__(self, actions: np.ndarray, options: PolicyOptions | None = None) -> tuple[int, float]:
+        """Measure ``actions`` applied with ``options`` (None: the backend's)."""
+        import torch
+
+        from runtime.apply import PolicyRuntime
+        from runtime.measure import run_iterations
+        from runtime.policy import Policy
+
+        actions = np.asarray(actions, dtype=np.int8)
+        options = options or self.options
+        if np.any(actions == COMPRESS) and not options.lossy:
+            # The environment proposes compress only when its problem allows it: that is the user's consent.
+            options = dataclasses.replace(options, lossy=True)
+        policy = Policy.from_vector(self.workload, actions, hardware=self.device, options=options)
+        rt = PolicyRuntime(policy, self._entry.module)
+        entry = self._entry
+        try:
+            steps = run_iterations(
+                entry.module,
+                entry.batch,
+                entry.loss_fn,
+                self._optimizer,
+                steps=self.steps,
+                batch_size=entry.batch_size,
+                around_step=rt.step,
+                precision=self.workload.precision,
+                grad_accum=self.workload.grad_accum,
+            )
+        except torch.OutOfMemoryError:
+            self._optimizer.zero_grad(set_to_none=True)
+            total = torch.cuda.get_device_properties(torch.device(self.device)).total_memory
+            return int(total), math.inf
+        return max(s.peak_bytes for s in steps), statistics.median(s.iter_s for s in steps)
+
+
+def real_backend(
+    model_name: str,
+    batch_size: int | None,
+    device: str = "cpu",
+    steps: int = 2,
+    *,
+    image_size: int | None = None,
+    seq_len: int | None = None,
+    config_overrides: dict[str, Any] | None = None,
+    options: PolicyOptions | None = None,
+    optimizer: str = "sgd",
+    precision: str = "fp32",
+    grad_accum: int = 1,
+) -> RealBackend:
+    """A ``real`` callable for :class:`MemoryPolicyEnv` that trains ``model_name`` (any name
+    :func:`autotune.models.build_model` accepts, with its ``image_size``, ``seq_len`` and
+    ``config_overrides``) at ``batch_size`` (None: the model's default) on ``device``, ``steps`` timed
+    iterations per policy, with ``optimizer``, ``precision`` and ``grad_accum`` as ``autotune train`` takes
+    them.
+
+    The model is traced here in real mode on ``device`` (as ``autotune train`` does: some models, GPT-2's
+    attention mask for one, take another path under fake tensors); pass ``backend.workload`` to the
+    environment. ``options`` (prefetch look-ahead, compress dtype) should be the problem's options::
+
+        backend = real_backend("resnet18", 2, image_size=32)
+        problem = Problem(backend.workload, calibrate_cpu(), budget_bytes=...)
+        env = MemoryPolicyEnv(problem, backend="real", real=backend)
+
+    torch, the model zoo and the runtime are imported here, not with this module."""
+    from autotune.models import build_model
+    from runtime.trace import capture, make_optimizer
+
+    if steps <= 0:
+        raise ValueError(f"steps={steps}: expected a positive number of timed iterations")
+
+    entry = build_model(
+        model_name,
+        batch_size=batch_size,
+        image_size=image_size,
+        seq_len=seq_len,
+        device=device,
+        config_overrides=config_overrides,
+    )
+
+    def build_for_trace() -> Any:
+        return entry.module, entry.batch, entry.loss_fn
+
+    w = capture(build_for_trace, name=model_name, batch_size=entry.batch_size, seq_len=entry.seq_len, fake=False,
+                device=device, optimizer=optimizer, precision=precision, grad_accum=grad_accum)  # fmt: skip
+    w.seq_len = entry.seq_len
+    w.meta["device_profile"] = device_profile(device)
+    opt = make_optimizer(w.optimizer, entry.module.parameters())
+    return RealBackend(w, device, steps, options or PolicyOptions(), entry, opt)
+
+
+__all__ = ["RealBackend", "real_backend"]

@@ -1,0 +1,85 @@
+"""The problem every policy source solves: a workload, a hardware profile, a memory budget and options.
+
+:class:`Problem` holds what to solve and what follows from it (the simulator, built once, the candidates'
+features), and scores policies (:meth:`Problem.evaluate`: counted, and answered from a cache for a policy seen
+before). The environment (envs/memory_env.py) is built on it; the searchers (agents/) solve
+:class:`agents.base.Problem`, which adds their settings (time limit, trials, storage) and what a search
+leaves on it as it runs (seeds, progress, the best policy seen).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from envs.features import CandidateFeatures
+from envs.simulator import SimResult, Simulator
+from runtime.hardware import HardwareProfile
+from runtime.policy import PolicyOptions
+from runtime.workload import Workload
+
+CACHED_RESULTS = 50_000  # simulations ``Problem.evaluate`` remembers (about 1 KiB each on ResNet-101)
+_OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(PolicyOptions))
+
+
+@dataclass
+class Problem:
+    """What to solve. The simulator is built once per problem and shared by everything that solves it."""
+
+    workload: Workload
+    hardware: HardwareProfile
+    budget_bytes: int
+    options: PolicyOptions = field(default_factory=PolicyOptions)
+    allow_compress: bool = False
+    evaluations: int = field(default=0, repr=False, kw_only=True)  # ``evaluate`` calls
+    cached: int = field(default=0, repr=False, kw_only=True)  # evaluations answered from the cache
+    _sim: Simulator | None = field(default=None, repr=False, kw_only=True)
+    _results: dict[tuple[object, ...], SimResult] = field(default_factory=dict, repr=False, kw_only=True)
+
+    @property
+    def simulator(self) -> Simulator:
+        if self._sim is None:
+            self._sim = Simulator(self.workload, self.hardware)
+        return self._sim
+
+    @property
+    def features(self) -> CandidateFeatures:
+        """Per-candidate features (envs/features.py), from the simulator's own costs."""
+        return self.simulator.features
+
+    @property
+    def n(self) -> int:
+        """Number of candidates."""
+        return len(self.workload.candidates)
+
+    def evaluate(self, actions: Sequence[int] | np.ndarray, options: PolicyOptions | None = None) -> SimResult:
+        """Simulate one policy under the problem's budget (counts toward ``evaluations``). A policy evaluated
+        before, with the same options and budget, is answered from a cache (``cached`` counts those): local
+        search and perturbation come back to the same policies (a fifth of a portfolio's evaluations on
+        ResNet-101). The result is shared: do not modify it."""
+        self.evaluations += 1
+        options = options or self.options
+        vec = np.asarray(actions, dtype=np.int8)
+        key = (vec.tobytes(), self.budget_bytes, *(getattr(options, f) for f in _OPTION_FIELDS))
+        result = self._results.get(key)
+        if result is None:
+            result = self.simulator.run(vec, budget_bytes=self.budget_bytes, options=options)
+            if len(self._results) >= CACHED_RESULTS:
+                self._results.clear()
+            self._results[key] = result
+        else:
+            self.cached += 1
+        self._evaluated(vec, options, result)
+        return result
+
+    def _evaluated(self, actions: np.ndarray, options: PolicyOptions, result: SimResult) -> None:
+        """Called with every evaluation (a search's problem keeps the best one it saw)."""
+
+    def keep_all(self) -> np.ndarray:
+        return np.zeros(self.n, dtype=np.int8)
+
+
+__all__ = ["CACHED_RESULTS", "Problem"]
