@@ -41,9 +41,10 @@ import numpy as np
 
 import envs.problem
 from agents.finalists import Finalists
-from envs.simulator import COMPRESS, KEEP, SWAP, SimResult
+from envs.simulator import SimResult
 from runtime.errors import AutotuneError
 from runtime.policy import Policy, PolicyOptions, Prediction
+from runtime.vocab import COMPRESS, KEEP, SWAP
 
 
 class Status(str, enum.Enum):

@@ -27,8 +27,8 @@ import numpy as np
 from agents.base import Problem, Proposal, Searcher, SearchResult, baseline_names, get_searcher, register
 from agents.optuna_search import OptunaNSGA2, OptunaSearcher, OptunaTPE, _Best, remaining, study_name
 from agents.refine import refine
-from envs.simulator import KEEP, RECOMPUTE, SWAP
 from runtime.errors import AutotuneError
+from runtime.vocab import KEEP, RECOMPUTE, SWAP
 
 DEFAULT_TIME_S = 45.0
 #: The pretrained agent's one pass joins the seeds (measured in experiments/bench_quality.py --agent: the

@@ -55,10 +55,11 @@ from agents.optuna_search import OptunaSearcher, OptunaTPE
 from agents.portfolio import Portfolio
 from agents.refine import fastest_lookahead
 from agents.rule import LOOKAHEADS
-from envs.simulator import KEEP, RECOMPUTE, SWAP, SimResult
+from envs.simulator import SimResult
 from runtime.errors import AutotuneError
 from runtime.fileio import atomic_write
 from runtime.policy import PolicyOptions
+from runtime.vocab import KEEP, RECOMPUTE, SWAP
 
 #: The shipped agent (see experiments/train_agent.py to retrain it).
 AGENT_PATH = Path(__file__).with_name("data") / "ppo_pretrained.pt"
@@ -110,7 +111,8 @@ class Agent:
     @classmethod
     def from_state(cls, state: Any, source: str = "<state>") -> Agent:
         """Check a loaded state (:meth:`state`'s layout) and build the agent; AutotuneError on anything else."""
-        from envs.memory_env import N_ACTIONS, OBS_FIELDS
+        from envs.memory_env import OBS_FIELDS
+        from runtime.vocab import N_ACTIONS
 
         def bad(why: str) -> AutotuneError:
             return AutotuneError(f"'{source}' is not a usable autotune agent: {why}; {_RETRAIN}")

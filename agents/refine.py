@@ -22,8 +22,9 @@ import numpy as np
 
 from agents.base import RELEASES, Problem, Proposal, Searcher, register
 from agents.rule import LOOKAHEADS, RuleParams, ranked_moves
-from envs.simulator import KEEP, RECOMPUTE, SWAP, SimResult
+from envs.simulator import SimResult
 from runtime.policy import PolicyOptions
+from runtime.vocab import KEEP, RECOMPUTE, SWAP
 
 
 def refine(

@@ -33,8 +33,9 @@ import numpy as np
 
 from agents.base import Problem
 from envs.features import OP_CLASSES, candidate_features
-from envs.simulator import KEEP, RECOMPUTE, SWAP, SimResult
+from envs.simulator import SimResult
 from runtime.policy import PolicyOptions
+from runtime.vocab import KEEP, RECOMPUTE, SWAP
 from runtime.workload import Phase
 
 CLASS_MODES = ("any", "swap", "recompute", "keep")

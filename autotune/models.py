@@ -36,11 +36,10 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from runtime.errors import AutotuneError
+from runtime.vocab import LossFn
 
 __all__ = ["LossFn", "ModelEntry", "build_model", "default_batch_size", "list_models"]
 
-LossFn = Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
-"""``loss_fn(module, batch) -> scalar loss``: runs the forward pass and the loss, not the backward."""
 
 # name -> GPT2Config sizes: layers and widths from Radford et al. 2019, table 2; heads from the released
 # checkpoints' configs (64 dimensions per head).

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from autotune.workloads import device_profile
-from envs.simulator import COMPRESS
 from runtime.policy import PolicyOptions
+from runtime.vocab import COMPRESS
 from runtime.workload import Workload
 
 

@@ -19,10 +19,11 @@ from agents.base import Problem, SearchResult, Status, baseline_names, best_of, 
 from autotune.budget import Budget, record_budget
 from autotune.measured import ANSWER, MeasuredSearch, answer_policy
 from autotune.units import format_bytes
-from envs.simulator import RECOMPUTE, Floor, SimResult, peak_floor, uniform_actions
+from envs.simulator import Floor, SimResult, peak_floor, uniform_actions
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
 from runtime.policy import Action, Policy, PolicyOptions
+from runtime.vocab import RECOMPUTE
 from runtime.workload import Phase
 
 

@@ -22,17 +22,16 @@ from gymnasium import spaces
 
 from envs.features import OP_CLASSES, candidate_features
 from envs.problem import Problem
-from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, SimResult, _itemsize
+from envs.simulator import SimResult
 from runtime.hardware import HardwareProfile, get_profile
 from runtime.synthetic import synthetic_workload
+from runtime.vocab import ACTION_NAMES, COMPRESS, KEEP, N_ACTIONS, RECOMPUTE, SWAP, compressible
 from runtime.workload import Workload
 
 #: ``real(actions) -> (peak_bytes, iter_s)``: one finished policy (action codes over ``workload.candidates``)
 #: measured by real training iterations. See :func:`autotune.real_backend.real_backend`.
 RealMeasure = Callable[[np.ndarray], tuple[int, float]]
 
-ACTION_NAMES: tuple[str, ...] = ("keep", "swap", "recompute", "compress")  # index = action code
-N_ACTIONS = len(ACTION_NAMES)
 
 #: Hardware profile and budget (fraction of the no-policy peak) used when they are not given.
 DEFAULT_HARDWARE = "a100-40gb"
@@ -307,8 +306,8 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
         masks[:, RECOMPUTE] = np.isfinite(feats.recompute_s)
         if problem.allow_compress:
             # A cast to a dtype as wide saves nothing (Rule 8: the size ratio is at least 1).
-            target = _itemsize(problem.options.compress_dtype)
-            masks[:, COMPRESS] = [_compressible(w.tensors[c.tensor].dtype, target) for c in w.candidates]
+            target = problem.options.compress_dtype
+            masks[:, COMPRESS] = [compressible(w.tensors[c.tensor].dtype, target) for c in w.candidates]
         return masks
 
     # -- gymnasium API ---------------------------------------------------------------------------------------
@@ -467,11 +466,6 @@ def _as_code(action: Any) -> int | None:
     return code if 0 <= code < N_ACTIONS else None
 
 
-def _compressible(dtype: str, target_itemsize: int) -> bool:
-    floating = dtype.startswith(("float", "bfloat"))
-    return floating and _itemsize(dtype) > target_itemsize
-
-
 # -- the default problem --------------------------------------------------------------------------------------
 def _default_problem(
     workload: Workload | None, hardware: HardwareProfile | None, budget_bytes: int | None, allow_compress: bool
@@ -486,7 +480,6 @@ def _default_problem(
 
 
 __all__ = [
-    "ACTION_NAMES",
     "OBS_FIELDS",
     "OBS_SIZE",
     "BestPolicy",

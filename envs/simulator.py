@@ -107,14 +107,12 @@ import numpy as np
 
 from runtime.hardware import HardwareProfile, host_times_s, op_times_s
 from runtime.plan import RegionPlanner, closures_of
-from runtime.policy import Action, Policy, PolicyOptions
+from runtime.policy import Policy, PolicyOptions
+from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, Action, itemsize
 from runtime.workload import Phase, Workload, memory_timeline, rounded, workspace_bytes
 
 if TYPE_CHECKING:
     from envs.features import CandidateFeatures
-
-KEEP, SWAP, RECOMPUTE, COMPRESS = 0, 1, 2, 3
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 @dataclass
@@ -143,11 +141,6 @@ class SimResult:
         if self.timeline is None:
             d.pop("timeline")
         return d
-
-
-def _itemsize(dtype: str) -> int:
-    sizes = {"float64": 8, "float32": 4, "int64": 8, "int32": 4, "bool": 1, "uint8": 1, "int8": 1}
-    return sizes.get(dtype, _ITEMSIZE.get(dtype, 4))
 
 
 def _as_vector(w: Workload, policy: Policy | Sequence[int] | np.ndarray) -> np.ndarray:
@@ -305,10 +298,10 @@ class Simulator:
         """(packed sizes, seconds of one pack or unpack kernel) per candidate (Rule 8)."""
         if dtype not in self._compress_cache:
             g, hw = self.hw.alloc_granularity_bytes, self.hw
-            target = _ITEMSIZE[dtype]
+            target = itemsize(dtype)
             packed, cost = [], []
             for c in self.w.candidates:
-                ratio = max(1.0, _itemsize(self.w.tensors[c.tensor].dtype) / target)
+                ratio = max(1.0, itemsize(self.w.tensors[c.tensor].dtype) / target)
                 packed.append(rounded(int(c.nbytes / ratio), g))
                 cost.append(hw.op_time_s(0.0, c.nbytes + c.nbytes / ratio, "fp32"))
             self._compress_cache[dtype] = (np.array(packed, dtype=np.int64), np.array(cost))
@@ -870,16 +863,13 @@ def simulate(
     return Simulator(w, hw).run(policy, budget_bytes=budget_bytes, options=options, timeline=timeline)
 
 
-ACTION_CODES = {Action.KEEP: KEEP, Action.SWAP: SWAP, Action.RECOMPUTE: RECOMPUTE, Action.COMPRESS: COMPRESS}
-
-
 def uniform_actions(w: Workload, action: Action) -> np.ndarray:
     """The same action for every candidate, as ``autotune simulate --action`` means it.
 
     For ``recompute``, block inputs (``Candidate.block_input``) are kept: recomputing them too would, by
     Rule 7, regenerate the whole forward at the first backward use and save nothing. Keeping them is what
     ``torch.utils.checkpoint`` on every block does."""
-    vec = np.full(len(w.candidates), ACTION_CODES[action], dtype=np.int8)
+    vec = np.full(len(w.candidates), Action(action).code, dtype=np.int8)
     if action == Action.RECOMPUTE:
         vec[[i for i, c in enumerate(w.candidates) if c.block_input]] = KEEP
     return vec

@@ -18,11 +18,8 @@ import numpy as np
 from runtime.hardware import HardwareProfile, host_times_s, op_times_s
 from runtime.plan import RegionPlanner
 from runtime.policy import PolicyOptions
+from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, itemsize
 from runtime.workload import Phase, Workload, rounded
-
-KEEP, SWAP, RECOMPUTE, COMPRESS = 0, 1, 2, 3  # runtime.policy.ACTIONS order
-_TARGET_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
-_SIZES = {"float64": 8, "float32": 4, "int64": 8, "int32": 4, "bool": 1, "uint8": 1, "int8": 1, **_TARGET_ITEMSIZE}
 
 
 def simulate_reference(
@@ -47,8 +44,8 @@ def simulate_reference(
     size = {t.id: rounded(t.nbytes, g) for t in w.tensors}
     free_keep: list[int] = [n - 1 if (f := w.tensors[c.tensor].free_op) is None else f for c in cands]
     first_use = [c.bwd_uses[0] if c.bwd_uses else n for c in cands]
-    target = _TARGET_ITEMSIZE[options.compress_dtype]
-    ratio = [max(1.0, _SIZES.get(w.tensors[c.tensor].dtype, 4) / target) for c in cands]
+    target = itemsize(options.compress_dtype)
+    ratio = [max(1.0, itemsize(w.tensors[c.tensor].dtype) / target) for c in cands]
     pack_s = [hw.op_time_s(0.0, c.nbytes + c.nbytes / r, "fp32") for c, r in zip(cands, ratio, strict=True)]
     packed = [rounded(int(c.nbytes / r), g) for c, r in zip(cands, ratio, strict=True)]
     writers: dict[int, list[int]] = {}

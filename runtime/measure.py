@@ -30,10 +30,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from runtime.precision import TrainStep
-
-Batch = tuple[torch.Tensor, ...]
-LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
-
+from runtime.vocab import Batch, LossFn
 
 _ACTIVE: contextvars.ContextVar[StorageTracker | None] = contextvars.ContextVar("autotune_tracker", default=None)
 

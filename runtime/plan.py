@@ -36,9 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.vocab import KEEP, RECOMPUTE
 from runtime.workload import Phase, TensorKind, Workload
-
-RECOMPUTE_CODE, KEEP_CODE = 2, 0  # Action codes (runtime.policy.ACTIONS); plain ints: this module is below it
 
 
 @dataclass
@@ -182,9 +181,9 @@ class RegionPlanner:
         """Frame indices of the regions for action codes ``act`` (outermost first, in call order)."""
         if not self.static_ok.any():
             return []
-        rec = act == RECOMPUTE_CODE
+        rec = act == RECOMPUTE
         bad = self._checks["recompute"].count(~rec)
-        bad += self._checks["keep"].count(act != KEEP_CODE)
+        bad += self._checks["keep"].count(act != KEEP)
         bad += self._checks["not_recompute"].count(rec)
         ok = self.static_ok & (bad == 0)
         pairs = rec[self._pair_read] & rec[self._pair_reader]  # P6 pairs that may matter

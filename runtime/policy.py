@@ -42,7 +42,6 @@ NOTE [ Policies are tied to a shape ]
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import importlib.metadata
 import importlib.resources
@@ -61,26 +60,11 @@ from runtime.errors import AutotuneError
 from runtime.fileio import atomic_write
 from runtime.plan import Region, regions_for
 from runtime.precision import check_grad_accum, check_precision
+from runtime.vocab import ACTIONS, Action
 from runtime.workload import Workload
 
 FORMAT = "autotune.policy/v1"
 COMPRESS_DTYPES: tuple[str, ...] = ("bfloat16", "float8_e4m3fn")
-
-
-class Action(str, enum.Enum):
-    """What the runtime does with one saved activation; ``code`` is its index in action vectors."""
-
-    KEEP = "keep"
-    SWAP = "swap"
-    RECOMPUTE = "recompute"
-    COMPRESS = "compress"
-
-    @property
-    def code(self) -> int:
-        return ACTIONS.index(self)
-
-
-ACTIONS: tuple[Action, ...] = (Action.KEEP, Action.SWAP, Action.RECOMPUTE, Action.COMPRESS)  # codes 0..3
 
 
 @dataclass

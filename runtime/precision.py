@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from runtime.errors import AutotuneError
+from runtime.vocab import Batch, LossFn
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -75,7 +76,7 @@ class TrainStep:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=dtype)
 
-    def loss(self, model: torch.nn.Module, batch: Any, loss_fn: Any) -> torch.Tensor:
+    def loss(self, model: torch.nn.Module, batch: Batch, loss_fn: LossFn) -> torch.Tensor:
         """One micro-batch's loss; divided by the number of micro-batches when gradients accumulate."""
         with self.autocast():
             loss: torch.Tensor = loss_fn(model, batch)

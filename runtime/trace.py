@@ -70,10 +70,9 @@ from runtime.hardware import HardwareProfile
 from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, block_paths, parameter_fingerprint
 from runtime.precision import TrainStep
 from runtime.target import fake_trace_choices, trace_key
+from runtime.vocab import Batch, LossFn
 from runtime.workload import Candidate, Frame, OpInfo, Phase, TensorInfo, TensorKind, Workload
 
-Batch = tuple[torch.Tensor, ...]
-LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
 BuildFn = Callable[[], tuple[torch.nn.Module, Batch, LossFn]]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from autotune.models import build_model
-from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, Simulator, uniform_actions
+from envs.simulator import Simulator, uniform_actions
 from runtime.apply import PolicyRuntime, RuntimeStats
 from runtime.errors import AutotuneError
 from runtime.hardware import get_profile
@@ -19,6 +19,7 @@ from runtime.measure import run_iterations
 from runtime.policy import Action, Policy, PolicyOptions, load_policy
 from runtime.precision import TrainStep
 from runtime.trace import capture, make_optimizer
+from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP
 from runtime.workload import Workload
 
 RESNET = ("resnet18", {"batch_size": 2, "image_size": 64})

@@ -19,9 +19,10 @@ from agents.base import Problem
 from autotune.real_backend import real_backend
 from envs import memory_env
 from envs.memory_env import OBS_FIELDS, OBS_SIZE, MemoryPolicyEnv
-from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, Simulator
+from envs.simulator import Simulator
 from runtime.hardware import calibrate_cpu, get_profile
 from runtime.synthetic import synthetic_workload
+from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP
 from runtime.workload import peak_report
 from tests.synthetic import chain_workload, fixed_profile
 

@@ -8,8 +8,8 @@ import dataclasses
 import numpy as np
 
 from agents.base import Problem, Status, get_searcher
-from envs.simulator import KEEP, RECOMPUTE, SWAP
 from runtime.hardware import HardwareProfile
+from runtime.vocab import KEEP, RECOMPUTE, SWAP
 from runtime.workload import Workload
 from tests.synthetic import chain_workload, fixed_profile
 

@@ -11,9 +11,9 @@ import pytest
 
 from agents.base import Problem, Status, get_searcher
 from agents.heuristics.delta import direct, filter_priority, release_until_fits
-from envs.simulator import RECOMPUTE, SWAP
 from runtime.hardware import HardwareProfile
 from runtime.policy import PolicyOptions
+from runtime.vocab import RECOMPUTE, SWAP
 from tests.synthetic import chain_workload, fixed_profile
 
 S = 1000  # bytes per tensor

@@ -9,7 +9,7 @@ import pytest
 
 from agents.base import Problem, Status, get_searcher
 from agents.heuristics.dtr import dtr_replay
-from envs.simulator import KEEP, RECOMPUTE
+from runtime.vocab import KEEP, RECOMPUTE
 from tests.synthetic import chain_workload, fixed_profile
 
 S = 1000  # bytes per tensor

@@ -22,10 +22,11 @@ from agents.heuristics.torch_budget import Partitioner, TorchMemoryBudget, activ
 from agents.heuristics.vdnn import VDNN_LOOKAHEAD, layer_inputs
 from agents.heuristics.zhang import ZhangSwap
 from envs.features import candidate_features
-from envs.simulator import KEEP, RECOMPUTE, SWAP, Simulator
+from envs.simulator import Simulator
 from runtime.hardware import HardwareProfile, get_profile
 from runtime.policy import PolicyOptions
 from runtime.trace import capture
+from runtime.vocab import KEEP, RECOMPUTE, SWAP
 from runtime.workload import Workload, peak_report
 from tests.synthetic import chain_workload, fixed_profile
 from tests.test_trace import tiny_cnn_build

@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from envs.simulator import KEEP, RECOMPUTE, SWAP, uniform_actions
+from envs.simulator import uniform_actions
 from runtime.host_costs import _loss, _network
 from runtime.plan import RegionPlanner, regions_for
 from runtime.policy import Action, Policy, load_policy
 from runtime.trace import capture
+from runtime.vocab import KEEP, RECOMPUTE, SWAP
 from tests.test_apply import GPT2, RESNET, _build
 
 

@@ -14,11 +14,11 @@ import torch
 from agents.base import Problem, apply_until_fits, get_searcher
 from agents.pretrained import AGENT_PATH, Agent, load_agent, one_pass, save_agent
 from envs.memory_env import OBS_FIELDS, OBS_SIZE, MemoryPolicyEnv
-from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP
 from runtime.errors import AutotuneError
 from runtime.hardware import get_profile
 from runtime.synthetic import synthetic_workload
 from runtime.trace import capture
+from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP
 from runtime.workload import peak_report
 from tests.test_trace import tiny_cnn_build
 

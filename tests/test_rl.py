@@ -8,9 +8,9 @@ import numpy as np
 from agents.base import Problem, get_searcher
 from agents.pretrained import from_sb3, one_pass
 from envs.memory_env import MemoryPolicyEnv
-from envs.simulator import COMPRESS
 from runtime.hardware import get_profile
 from runtime.trace import capture
+from runtime.vocab import COMPRESS
 from runtime.workload import peak_report
 from tests.test_trace import tiny_cnn_build
 

@@ -14,8 +14,8 @@ import pytest
 from agents.base import RELEASES, Problem, baseline_names, better, get_searcher
 from agents.refine import refine
 from agents.rule import LOOKAHEADS, RuleParams, ranked_moves, rule_actions
-from envs.simulator import KEEP, RECOMPUTE, SWAP
 from runtime.policy import PolicyOptions, load_policy
+from runtime.vocab import KEEP, RECOMPUTE, SWAP
 from runtime.workload import peak_report
 from tests.synthetic import chain_workload, fixed_profile, framed_chain_workload
 from tests.test_cli import run

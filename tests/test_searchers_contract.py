@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from agents.base import Problem, SearchResult, Status, get_searcher, list_searchers
-from envs.simulator import COMPRESS
 from runtime.errors import AutotuneError
 from runtime.hardware import get_profile
 from runtime.trace import capture
+from runtime.vocab import COMPRESS
 from runtime.workload import peak_report
 from tests.test_trace import tiny_cnn_build
 

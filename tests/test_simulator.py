@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, Floor, Simulator, peak_floor, simulate, uniform_actions
+from envs.simulator import Floor, Simulator, peak_floor, simulate, uniform_actions
 from envs.simulator_reference import simulate_reference
 from runtime.hardware import get_profile
 from runtime.plan import regions_for
 from runtime.policy import Action, Policy, PolicyOptions
 from runtime.trace import capture
+from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP
 from runtime.workload import OpInfo, Phase, Workload, peak_report
 from tests.synthetic import chain_workload, diamond_workload, fixed_profile, framed_chain_workload
 from tests.test_trace import mlp_build, tiny_cnn_build

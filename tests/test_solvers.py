@@ -25,9 +25,10 @@ from agents.solvers.checkpoint_dp import (
     min_recompute_checkpoints,
 )
 from agents.solvers.milp import _build, _Data, decision_units
-from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, SimResult
+from envs.simulator import SimResult
 from runtime.hardware import HardwareProfile
 from runtime.policy import PolicyOptions
+from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP
 from runtime.workload import Workload
 from tests.synthetic import chain_workload, fixed_profile
 

@@ -42,8 +42,9 @@ import numpy as np
 
 from agents.base import Problem, Proposal, Searcher, better, register
 from envs.features import CandidateFeatures, candidate_features
-from envs.simulator import KEEP, RECOMPUTE, SWAP, SimResult, Simulator
+from envs.simulator import SimResult, Simulator
 from runtime.policy import PolicyOptions
+from runtime.vocab import KEEP, RECOMPUTE, SWAP
 
 # Capuchin sets a per-tensor in-trigger early enough for each copy back to land in time; our
 # policies have one global look-ahead (Rule 5), so the selection is run for each of these and the best

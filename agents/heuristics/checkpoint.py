@@ -41,7 +41,7 @@ import numpy as np
 from agents.base import Problem, Proposal, Searcher, apply_until_fits, register
 from agents.heuristics._selection import Plan, best_plan, closure_classes, forward_order, minor_outputs
 from envs.features import candidate_features
-from envs.simulator import KEEP, RECOMPUTE
+from runtime.vocab import KEEP, RECOMPUTE
 from runtime.workload import Workload
 
 # Op classes (envs.features.op_class) whose outputs "drop the results of low cost operations" keeps.

@@ -43,8 +43,9 @@ import numpy as np
 from agents.base import Problem, Proposal, Searcher, better, register
 from agents.heuristics.capuchin import effective_recompute_s, h2d_issue_ops, releasable_at
 from envs.features import candidate_features
-from envs.simulator import KEEP, RECOMPUTE, SWAP, SimResult
+from envs.simulator import SimResult
 from runtime.policy import PolicyOptions
+from runtime.vocab import KEEP, RECOMPUTE, SWAP
 
 LOOKAHEADS = (*range(9), 16, 32)  # prefetch distances DELTA's prefetcher may use (see the module docstring)
 

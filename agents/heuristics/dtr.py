@@ -37,7 +37,8 @@ import numpy as np
 
 from agents.base import Problem, Proposal, Searcher, register
 from envs.features import CandidateFeatures, candidate_features
-from envs.simulator import KEEP, RECOMPUTE, Simulator
+from envs.simulator import Simulator
+from runtime.vocab import KEEP, RECOMPUTE
 
 _MIN_STALENESS_S = 1e-12  # a tensor touched by the previous op has staleness 0: h = cost / (m * 1e-12)
 

@@ -39,7 +39,7 @@ import numpy as np
 from agents.base import Problem, Proposal, Searcher, apply_until_fits, register
 from agents.heuristics._selection import Plan, best_plan, closure_classes, forward_order
 from envs.features import candidate_features
-from envs.simulator import RECOMPUTE, SWAP
+from runtime.vocab import RECOMPUTE, SWAP
 
 CHEAP_CLASSES = frozenset({"activation", "norm", "pool", "dropout", "elementwise"})
 CONV_CLASSES = frozenset({"conv"})

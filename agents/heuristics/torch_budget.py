@@ -48,7 +48,7 @@ from agents.base import Problem, Proposal, Searcher, register
 from agents.heuristics._knapsack import SOLVERS
 from agents.heuristics._selection import Plan, all_closure_ops, best_plan, minor_outputs
 from envs.features import candidate_features, op_class
-from envs.simulator import KEEP, RECOMPUTE
+from runtime.vocab import KEEP, RECOMPUTE
 from runtime.workload import OpInfo, Workload
 
 # torch's compute_intensive_ops and random_ops, by aten packet name.

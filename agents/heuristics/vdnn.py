@@ -29,7 +29,7 @@ import dataclasses
 from agents.base import Problem, Proposal, Searcher, apply_until_fits, register
 from agents.heuristics._selection import forward_order
 from envs.features import candidate_features
-from envs.simulator import SWAP
+from runtime.vocab import SWAP
 
 CONV_CLASSES = frozenset({"conv"})
 TRANSFORMER_CLASSES = frozenset({"matmul", "attention"})  # the stand-in for convolutions (see above)

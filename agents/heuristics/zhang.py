@@ -51,7 +51,7 @@ import numpy as np
 from agents.base import Problem, Proposal, Searcher, register
 from agents.heuristics._selection import Plan, best_plan, shortest_fitting_prefix
 from envs.features import candidate_features
-from envs.simulator import SWAP
+from runtime.vocab import SWAP
 from runtime.workload import memory_timeline
 
 PRIORITIES = ("DOA", "AOA", "WDOA", "majority")

@@ -52,7 +52,8 @@ import numpy as np
 
 from agents.base import Problem, Proposal, Searcher, Status, register
 from envs.features import candidate_features
-from envs.simulator import KEEP, RECOMPUTE, SimResult
+from envs.simulator import SimResult
+from runtime.vocab import KEEP, RECOMPUTE
 
 _NONE = -1  # "no further checkpoint" in a choice table
 _MAX_LAYERS = 256  # longer chains are coarsened (min_recompute_checkpoints is O(n^2 * labels) per bound)

@@ -88,7 +88,8 @@ from typing import Any
 import numpy as np
 
 from agents.base import Problem, Proposal, Searcher, Status, register
-from envs.simulator import COMPRESS, KEEP, RECOMPUTE, SWAP, SimResult
+from envs.simulator import SimResult
+from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP
 
 _NAMES = {KEEP: "keep", SWAP: "swap", RECOMPUTE: "recompute", COMPRESS: "compress"}
 _TINY_FRACTION = 1e-3  # candidates under this fraction of all activation bytes are kept, not decided
