@@ -6,7 +6,8 @@ On the CPU the default models are host-bound proxies of a fast GPU (kernels of m
 runtime adds on the host shows): ResNet-50 at batch 2 and 64 px, and a 2-layer GPT-2 (vocabulary 512) at
 batch 2 x 64 tokens. On CUDA (experiments/gpu_check.py) they are ResNet-50 at batch 64 and GPT-2 small at
 batch 8 x 1024. For each, interleaved round by round (medians of per-round ratios, these machines are
-shared and noisy):
+shared and noisy), every variant of a section on one model instance (the runtime and the checkpoint wrappers
+are installed for a step and gone after it):
 
 1. Hooks: plain PyTorch against the runtime applying an all-keep policy as it is applied (it installs
    nothing per tensor) and with every pack observed (``force_hooks``: the per-pack cost). Target: <= +2%.
@@ -17,8 +18,7 @@ shared and noisy):
    stem and loss included), per-block recompute and two random mixed policies, on the device's profile
    (the calibrated ``cpu`` profile, host costs included; the detected GPU's) with a real-mode trace.
    Targets: time within 10% for every policy; peaks within 3% on a GPU. By default every policy and plain
-   training are interleaved in one round; ``--pairs`` measures each policy against plain training alone
-   (two models resident, as close to one training process as an interleaved measurement gets).
+   training are interleaved in one round; ``--pairs`` measures each policy against plain training alone.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,22 +130,44 @@ def trace(case: Case, device: str) -> Workload:
     return w
 
 
+@contextlib.contextmanager
+def _checkpointed_step(blocks: list[torch.nn.Module]) -> Iterator[None]:
+    """For one step, every block's forward under non-reentrant checkpoint, as a user's wrapper calls it
+    (``checkpoint_blocks``), installed on the module itself so that other runners can share the model."""
+    for block in blocks:
+        forward = type(block).forward.__get__(block)
+        block.__dict__["forward"] = functools.partial(checkpoint, forward, use_reentrant=False)
+    try:
+        yield
+    finally:
+        for block in blocks:
+            del block.__dict__["forward"]
+
+
 class Runner:
-    """One model, one optimizer, optionally under a runtime: one timed training step at a time."""
+    """One way to train a model, optionally under a runtime or with every block checkpointed: one timed
+    training step at a time. Runners of one section share one model and optimizer (``share``): two instances
+    of the same model run several percent apart for no reason of theirs (plain against plain, 31 rounds:
+    0.999 to 1.014), and resident copies slow each other down."""
 
     def __init__(self, case: Case, device: str, policy: Policy | None = None, *, wrap: bool = False,
-                 force_hooks: bool = False) -> None:  # fmt: skip
-        self.entry = case.build(device)
-        if wrap:
-            checkpoint_blocks(self.entry.module)
-        self.opt = make_optimizer("sgd", self.entry.module.parameters())
-        self.rt = PolicyRuntime(policy, self.entry.module) if policy is not None else None
+                 force_hooks: bool = False, share: Runner | None = None) -> None:  # fmt: skip
+        if share is not None:
+            self.entry, self.opt = share.entry, share.opt
+        else:
+            self.entry = case.build(device)
+            self.opt = make_optimizer("sgd", self.entry.module.parameters())
+        model = self.entry.module
+        self.blocks = [model.get_submodule(p) for p in sorted(_wrapped_blocks(model))] if wrap else []
+        self.rt = PolicyRuntime(policy, model) if policy is not None else None
         self.force = force_hooks
         self.batch_size = case.batch_size
         self.step(measure_peak=False)  # the first step: warm-up, and the runtime's learning step
 
     def around(self) -> contextlib.AbstractContextManager[Any]:
-        return self.rt.step(force_hooks=self.force) if self.rt is not None else contextlib.nullcontext()
+        if self.rt is not None:
+            return self.rt.step(force_hooks=self.force)
+        return _checkpointed_step(self.blocks) if self.blocks else contextlib.nullcontext()
 
     def step(self, measure_peak: bool = False) -> tuple[float, int]:
         """(seconds, peak bytes: measured when asked, else 0) of one step."""
@@ -196,10 +218,11 @@ def ratio(times: dict[str, list[float]], a: str, b: str) -> float:
 
 def hooks(case: Case, device: str, w: Workload, rounds: int, out: dict[str, Any]) -> None:
     keep = Policy.uniform(w, Action.KEEP, hardware="measured")
+    plain = Runner(case, device)
     runners = {
-        "plain": Runner(case, device),
-        "keep": Runner(case, device, keep),
-        "hooks": Runner(case, device, keep, force_hooks=True),
+        "plain": plain,
+        "keep": Runner(case, device, keep, share=plain),
+        "hooks": Runner(case, device, keep, force_hooks=True, share=plain),
     }
     t = interleaved(runners, rounds)
     applied, forced = ratio(t, "keep", "plain"), ratio(t, "hooks", "plain")
@@ -218,7 +241,8 @@ def recompute_vs_checkpoint(case: Case, device: str, w: Workload, rounds: int, o
     probe = case.build(device).module
     pol = Policy.from_vector(w, block_recompute(w, probe), hardware="measured")
     regions = len(pol.schedule.regions) if pol.schedule else 0
-    runners = {"ours": Runner(case, device, pol), "checkpoint": Runner(case, device, wrap=True)}
+    ours = Runner(case, device, pol)
+    runners = {"ours": ours, "checkpoint": Runner(case, device, wrap=True, share=ours)}
     t = interleaved(runners, rounds)
     r = ratio(t, "ours", "checkpoint")
     peak_ours, peak_ckpt = runners["ours"].step(True)[1], runners["checkpoint"].step(True)[1]
@@ -252,16 +276,18 @@ def fidelity(case: Case, device: str, w: Workload, rounds: int, out: dict[str, A
         for label, vec in vectors.items()
     }
     peaks: dict[str, int] = {}
-    if pairs:  # each policy against plain training alone, one pair resident at a time
+    if pairs:  # each policy against plain training alone
         times: dict[str, list[float]] = {}
         for label, p in policies.items():
-            pair = {"plain": Runner(case, device), label: Runner(case, device, p)}
+            plain = Runner(case, device)
+            pair = {"plain": plain, label: Runner(case, device, p, share=plain)}
             t = interleaved(pair, rounds)
             times[label], times[f"plain/{label}"] = t[label], t["plain"]
             peaks[label] = pair[label].step(True)[1]
             del pair
     else:
-        runners = {"plain": Runner(case, device), **{label: Runner(case, device, p) for label, p in policies.items()}}
+        plain = Runner(case, device)
+        runners = {"plain": plain, **{label: Runner(case, device, p, share=plain) for label, p in policies.items()}}
         times = interleaved(runners, rounds)  # round by round: the machine's drift hits every policy alike
         peaks = {label: runners[label].step(True)[1] for label in policies}
     base = sim.run(policies["keep"]).iter_s
