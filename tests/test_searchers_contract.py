@@ -79,7 +79,7 @@ def test_rule_5_deterministic_under_one_seed(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list_searchers(exact=False))
-def test_heuristics_stop_once_the_budget_holds(name: str) -> None:
+def test_rule_6_heuristics_stop_once_the_budget_holds(name: str) -> None:
     """With a budget above the no-policy peak, a budget-aware heuristic changes nothing."""
     p = problem(1.05)
     r = get_searcher(name).search(p)

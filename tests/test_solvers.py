@@ -3,7 +3,7 @@
 checkpoint-dp: both dynamic programmes against brute force over all 2^n checkpoint sets of the same memory
 model, and that model against the simulator on chains. milp: its optimum against brute force over all
 3^n (4^n with compression) policies scored by the simulator, on small chains where each candidate is its
-own unit (where the model is exact: NOTE [ MILP model ] in agents/solvers/milp.py).
+own unit (where the model is exact: NOTE [ MILP model ] in agents/solvers/milp/model.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from agents.solvers.checkpoint_dp import (
     min_peak_checkpoints_linear,
     min_recompute_checkpoints,
 )
-from agents.solvers.milp import _build, _Data, decision_units
+from agents.solvers.milp.data import MilpData, decision_units
+from agents.solvers.milp.model import build_milp
 from envs.simulator import SimResult
 from runtime.hardware import HardwareProfile
 from runtime.policy import PolicyOptions
@@ -240,7 +241,7 @@ def test_milp_infeasible_returns_least_peak() -> None:
 def test_milp_rows_and_columns_are_named() -> None:
     w, hw, opts = chain_instance(random.Random(3), 5, compress=True)
     p = Problem(w, hw, budget_bytes=1000, options=opts, allow_compress=True)
-    built = _build(_Data(p, decision_units(p), (KEEP, SWAP, RECOMPUTE, COMPRESS), 1.0), 1000)
+    built = build_milp(MilpData(p, decision_units(p), (KEEP, SWAP, RECOMPUTE, COMPRESS), 1.0), 1000)
     for names in (built.milp.col_names, built.milp.row_names):
         assert all(names) and len(set(names)) == len(names)
     kinds = {name.split("[")[0] for name in built.milp.row_names}

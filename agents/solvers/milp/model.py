@@ -11,7 +11,7 @@ free: the simulator fixes when everything happens (Rules 1-9), so the MILP only 
 
 NOTE [ MILP model ] -- every variable and row, by its name in the model (``name[...]``).
     Units are runs of candidates of one block in forward order, merged or split to at most ``max_units``
-    (:func:`decision_units`); candidates under ``_TINY_FRACTION`` of the activation bytes are kept, not
+    (:func:`decision_units`); candidates under ``TINY_FRACTION`` of the activation bytes are kept, not
     decided. Times are in milliseconds, memory in ``mem_unit`` bytes. Everything the simulator derives
     from the policy is written as a function of the binaries x, so that the optimum is the simulator's.
     Variables:
@@ -80,248 +80,28 @@ from __future__ import annotations
 
 import bisect
 import math
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, Status, register
-from envs.simulator import SimResult
+from agents.solvers.milp.data import MilpData
+from agents.solvers.milp.highs import Lin, SparseMilp
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP
 
 _NAMES = {KEEP: "keep", SWAP: "swap", RECOMPUTE: "recompute", COMPRESS: "compress"}
-_TINY_FRACTION = 1e-3  # candidates under this fraction of all activation bytes are kept, not decided
-_MAX_UNITS = 40  # decision units: ResNet-50 (120 binaries) is solved to optimality in 10-40 s
-_DEFAULT_TIME_LIMIT_S = 30.0
-_REPAIRS = 8  # re-solves when the simulator finds the answer over budget (NOTE [ MILP model ], Repairs)
-_CUTS_BEFORE_TIGHTENING = 3  # no-good cuts alone for this many re-solves, then also a tighter budget
-_INSTALL_HINT = "the milp searcher needs HiGHS: pip install 'highspy>=1.7'"
-
-
-def _highspy() -> Any:
-    try:
-        import highspy
-    except ImportError as e:  # pragma: no cover - highspy is a declared dependency
-        raise ImportError(_INSTALL_HINT) from e
-    return highspy
-
-
-# -- a sparse MILP, built as lists and handed to HiGHS in one go ------------------------------------------------
-@dataclass
-class _Lin:
-    """A linear expression: ``const + sum(coef * column)``."""
-
-    terms: dict[int, float] = field(default_factory=dict)
-    const: float = 0.0
-
-    def add(self, col: int, coef: float) -> _Lin:
-        if coef:
-            self.terms[col] = self.terms.get(col, 0.0) + coef
-        return self
-
-    def add_lin(self, other: _Lin, scale: float = 1.0) -> _Lin:
-        for col, coef in other.terms.items():
-            self.add(col, scale * coef)
-        self.const += scale * other.const
-        return self
 
 
 @dataclass
-class _Solution:
-    """What HiGHS returned."""
-
-    status: str  # "optimal", "time_limit", "infeasible", "other"
-    values: np.ndarray | None  # column values of the incumbent, None without one
-    objective: float
-    gap: float
-
-
-class _Milp:
-    """Columns and labelled rows; :meth:`solve` runs HiGHS."""
-
-    def __init__(self) -> None:
-        self.col_names: list[str] = []
-        self.lower: list[float] = []
-        self.upper: list[float] = []
-        self.cost: list[float] = []
-        self.integer: list[bool] = []
-        self.row_names: list[str] = []
-        self.row_lower: list[float] = []
-        self.row_upper: list[float] = []
-        self.row_cols: list[list[int]] = []
-        self.row_vals: list[list[float]] = []
-        self.offset = 0.0
-
-    def var(self, name: str, lb: float = 0.0, ub: float = math.inf, cost: float = 0.0, binary: bool = False) -> int:
-        self.col_names.append(name)
-        self.lower.append(lb)
-        self.upper.append(1.0 if binary else ub)
-        self.cost.append(cost)
-        self.integer.append(binary)
-        return len(self.col_names) - 1
-
-    def row(self, name: str, expr: _Lin, lo: float = -math.inf, hi: float = math.inf) -> int:
-        """``lo <= expr <= hi`` (the expression's constant moves to the bounds)."""
-        self.row_names.append(name)
-        self.row_lower.append(lo - expr.const)
-        self.row_upper.append(hi - expr.const)
-        cols = [c for c, v in expr.terms.items() if v]
-        self.row_cols.append(cols)
-        self.row_vals.append([expr.terms[c] for c in cols])
-        return len(self.row_names) - 1
-
-    def solve(
-        self, time_limit_s: float, seed: int, start: dict[int, float] | None = None, log: bool = False
-    ) -> _Solution:
-        """Run HiGHS for at most ``time_limit_s`` from the (partial) solution ``start``; ``log``: its output."""
-        hs = _highspy()
-        # highspy.Highs() enables callbacks in its constructor, which prints the HiGHS banner before
-        # output_flag can be cleared; the core class it wraps does not (fall back to it if it moved).
-        core = getattr(getattr(hs, "_core", None), "_Highs", None)
-        h = core() if core is not None else hs.Highs()
-        h.setOptionValue("output_flag", log)
-        h.setOptionValue("time_limit", max(0.01, float(time_limit_s)))
-        h.setOptionValue("random_seed", int(seed))
-        h.setOptionValue("mip_rel_gap", 1e-6)
-        # No "threads" option: HiGHS keeps one global scheduler per process, and a second HiGHS user asking
-        # another thread count gets an error instead of a solve (seen when torch-budget had solved first).
-        # The MIP search itself is deterministic under random_seed.
-        lp = hs.HighsLp()
-        lp.num_col_, lp.num_row_ = len(self.col_names), len(self.row_names)
-        inf = hs.kHighsInf
-        lp.col_cost_ = np.asarray(self.cost, dtype=np.float64)
-        lp.col_lower_ = np.asarray(self.lower, dtype=np.float64)
-        lp.col_upper_ = np.clip(np.asarray(self.upper, dtype=np.float64), -inf, inf)
-        lp.row_lower_ = np.clip(np.asarray(self.row_lower, dtype=np.float64), -inf, inf)
-        lp.row_upper_ = np.clip(np.asarray(self.row_upper, dtype=np.float64), -inf, inf)
-        lp.offset_ = self.offset
-        lp.a_matrix_.format_ = hs.MatrixFormat.kRowwise
-        lp.a_matrix_.start_ = np.cumsum([0, *(len(c) for c in self.row_cols)]).astype(np.int32)
-        lp.a_matrix_.index_ = np.fromiter((c for cols in self.row_cols for c in cols), dtype=np.int32)
-        lp.a_matrix_.value_ = np.fromiter((v for vals in self.row_vals for v in vals), dtype=np.float64)
-        lp.integrality_ = [hs.HighsVarType.kInteger if i else hs.HighsVarType.kContinuous for i in self.integer]
-        lp.col_names_, lp.row_names_ = self.col_names, self.row_names
-        h.passModel(lp)
-        if start:
-            idx = np.fromiter(start.keys(), dtype=np.int32)
-            h.setSolution(len(idx), idx, np.fromiter(start.values(), dtype=np.float64))
-        h.run()
-        status = h.getModelStatus()
-        info = h.getInfo()
-        has_solution = info.primal_solution_status == hs.kSolutionStatusFeasible
-        name = {
-            hs.HighsModelStatus.kOptimal: "optimal",
-            hs.HighsModelStatus.kTimeLimit: "time_limit",
-            hs.HighsModelStatus.kInfeasible: "infeasible",
-        }.get(status, "other")
-        values = np.asarray(h.getSolution().col_value) if has_solution else None
-        gap = float(info.mip_gap) if has_solution else math.inf
-        return _Solution(name, values, float(info.objective_function_value), gap)
-
-
-# -- the problem's data, as the MILP reads it ---------------------------------------------------------------------
-def decision_units(problem: Problem, max_units: int = _MAX_UNITS) -> list[list[int]]:
-    """Candidates decided together, in forward order: runs of one block (``Candidate.block``), adjacent runs
-    merged (least bytes first) down to ``max_units``, or the largest split in two up to it. Candidates under
-    ``_TINY_FRACTION`` of the activation bytes are left out (kept)."""
-    sim = problem.simulator
-    total = float(sim.size.sum())
-    decided = [c for c in range(sim.k) if sim.size[c] > _TINY_FRACTION * total]
-    decided.sort(key=lambda c: (int(sim.save_op[c]), c))
-    blocks = [c.block for c in problem.workload.candidates]
-    units: list[list[int]] = []
-    for c in decided:
-        if units and blocks[units[-1][-1]] == blocks[c]:
-            units[-1].append(c)
-        else:
-            units.append([c])
-
-    def nbytes(unit: list[int]) -> int:
-        return int(sim.size[unit].sum())
-
-    while len(units) > max_units:
-        i = min(range(len(units) - 1), key=lambda i: nbytes(units[i]) + nbytes(units[i + 1]))
-        units[i : i + 2] = [units[i] + units[i + 1]]
-    while len(units) < max_units:
-        splittable = [i for i, u in enumerate(units) if len(u) > 1]
-        if not splittable:
-            break
-        i = max(splittable, key=lambda i: nbytes(units[i]))
-        sizes = np.cumsum(sim.size[units[i]])
-        cut = int(np.clip(np.searchsorted(sizes, sizes[-1] / 2), 1, len(units[i]) - 1))
-        units[i : i + 1] = [units[i][:cut], units[i][cut:]]
-    return units
-
-
-@dataclass
-class _Data:
-    """Per-candidate numbers from the simulator (its own op times, copy times, closures), per-unit relations."""
-
-    problem: Problem
-    units: list[list[int]]
-    actions: tuple[int, ...]
-    mem_unit: float
-    unit_of: np.ndarray = field(init=False)
-    regen_op: np.ndarray = field(init=False)  # op at which c is regenerated when its whole unit is recomputed
-    unit_start: list[int] = field(init=False)  # first such op of each unit (n_ops: never)
-    dependents: list[list[int]] = field(init=False)  # units whose recompute reads unit u
-    boundary: list[set[int]] = field(init=False)  # candidates of u that another unit's closure reads
-    closure: list[set[int]] = field(init=False)  # boundary and, recursively, its inputs within u
-
-    def __post_init__(self) -> None:
-        sim = self.problem.simulator
-        deps = [cl[2] for cl in sim.closures]  # Rule 7: candidate inputs of each closure
-        self.unit_of = np.full(sim.k, -1, dtype=np.int64)
-        for u, members in enumerate(self.units):
-            self.unit_of[members] = u
-        self.regen_op = sim.first_use.copy()
-        for members in self.units:  # in-unit pulls, to a fixed point (a unit is small)
-            changed = True
-            while changed:
-                changed = False
-                for c in members:
-                    for dep in deps[c]:
-                        if self.unit_of[dep] == self.unit_of[c] and self.regen_op[c] < self.regen_op[dep]:
-                            self.regen_op[dep] = self.regen_op[c]
-                            changed = True
-        self.unit_start = [int(self.regen_op[m].min()) for m in self.units]
-        dependents: list[set[int]] = [set() for _ in self.units]
-        self.boundary = [set() for _ in self.units]
-        for c in range(sim.k):
-            v = int(self.unit_of[c])
-            for dep in deps[c] if v >= 0 else ():
-                u = int(self.unit_of[dep])
-                if u >= 0 and u != v:
-                    dependents[u].add(v)
-                    self.boundary[u].add(dep)
-        self.dependents = [sorted(s) for s in dependents]
-        self.closure = []
-        for u in range(len(self.units)):
-            seen, stack = set(self.boundary[u]), list(self.boundary[u])
-            while stack:
-                for dep in deps[stack.pop()]:
-                    if self.unit_of[dep] == u and dep not in seen:
-                        seen.add(dep)
-                        stack.append(dep)
-            self.closure.append(seen)
-
-    def pulled_set(self, u: int, a: int) -> set[int]:
-        """Candidates of unit u that Rule 7 materializes when a recomputed dependent starts, under action a."""
-        return self.closure[u] if a == RECOMPUTE else self.boundary[u]
-
-
-@dataclass
-class _Built:
+class Built:
     """A built MILP and the handles the searcher reads back."""
 
-    milp: _Milp
+    milp: SparseMilp
     x: dict[tuple[int, int], int]
     memory_rows: list[int]
 
 
-def _build(data: _Data, budget_bytes: int | None, no_goods: Sequence[Sequence[int]] = ()) -> _Built:
+def build_milp(data: MilpData, budget_bytes: int | None, no_goods: Sequence[Sequence[int]] = ()) -> Built:
     """The MILP of NOTE [ MILP model ] (minimum peak when ``budget_bytes`` is None), without the unit actions
     of ``no_goods`` (see Repairs)."""
     return _Builder(data, budget_bytes).build(no_goods)
@@ -333,7 +113,7 @@ Key = tuple[int, int]  # a moment of backward: (op, candidate), in the simulator
 class _Builder:
     """Adds the columns and rows of NOTE [ MILP model ] one group at a time (one method per group)."""
 
-    def __init__(self, data: _Data, budget_bytes: int | None) -> None:
+    def __init__(self, data: MilpData, budget_bytes: int | None) -> None:
         self.data, self.budget_bytes = data, budget_bytes
         problem = data.problem
         sim = self.sim = problem.simulator
@@ -356,7 +136,7 @@ class _Builder:
         # A bound on any time difference in the model: twice everything the iteration could contain.
         self.big_m = 2 * (sim.compute_s * ms + self.recompute_ms.sum() + 2 * self.pack_ms.sum() + copies_ms) + 1.0
         self.last_fwd = max((op.index for op in problem.workload.ops if op.phase.value == "forward"), default=-1)
-        self.m = _Milp()
+        self.m = SparseMilp()
         self.m.offset = sim.compute_s * ms
         self.x: dict[tuple[int, int], int] = {}
         self.pulled: dict[tuple[int, int, int], int] = {}
@@ -379,14 +159,14 @@ class _Builder:
         self.starts = sorted({s for s in data.unit_start if s < self.n}) if RECOMPUTE in self.acts else []
         self.start_key: list[Key] = [(s, min(c for c in self.decided if use[c] == s)) for s in self.starts]
 
-    def build(self, no_goods: Sequence[Sequence[int]]) -> _Built:
+    def build(self, no_goods: Sequence[Sequence[int]]) -> Built:
         self.add_actions(no_goods)
         self.add_pulls()
         self.add_stalls_and_objective()
         self.add_copies()
         hold_terms = self.add_hold()
         memory_rows = self.add_memory(hold_terms)
-        return _Built(self.m, self.x, memory_rows)
+        return Built(self.m, self.x, memory_rows)
 
     # -- x[u,a], one_action, no_good ----------------------------------------------------------------------------
     def add_actions(self, no_goods: Sequence[Sequence[int]]) -> None:
@@ -394,31 +174,31 @@ class _Builder:
         for u in range(self.n_units):
             for a in self.acts:
                 x[u, a] = m.var(f"x[{u},{_NAMES[a]}]", binary=True)
-            m.row(f"one_action[{u}]", _Lin({x[u, a]: 1.0 for a in self.acts}), 1.0, 1.0)
+            m.row(f"one_action[{u}]", Lin({x[u, a]: 1.0 for a in self.acts}), 1.0, 1.0)
         for r, unit_action in enumerate(no_goods):
-            m.row(f"no_good[{r}]", _Lin({x[u, a]: 1.0 for u, a in enumerate(unit_action)}), hi=self.n_units - 1.0)
+            m.row(f"no_good[{r}]", Lin({x[u, a]: 1.0 for u, a in enumerate(unit_action)}), hi=self.n_units - 1.0)
 
     # -- pulled[u,a,j] and its rows -----------------------------------------------------------------------------
     def before(self, key: Key) -> int:
         """Index of the last start point strictly before ``key`` (-1: none)."""
         return bisect.bisect_left(self.start_key, key) - 1
 
-    def started(self, v: int, j: int) -> _Lin:
+    def started(self, v: int, j: int) -> Lin:
         """1 when recomputed unit v has started regenerating by start point j."""
         if self.starts[j] >= self.data.unit_start[v]:
-            return _Lin({self.x[v, RECOMPUTE]: 1.0})
+            return Lin({self.x[v, RECOMPUTE]: 1.0})
         return self.pulled_by(v, RECOMPUTE, j)
 
-    def pulled_by(self, u: int, a: int, j: int) -> _Lin:
-        return _Lin({self.pulled[u, a, j]: 1.0}) if (u, a, j) in self.pulled else _Lin()
+    def pulled_by(self, u: int, a: int, j: int) -> Lin:
+        return Lin({self.pulled[u, a, j]: 1.0}) if (u, a, j) in self.pulled else Lin()
 
-    def first_pull(self, u: int, a: int, j: int) -> _Lin:
+    def first_pull(self, u: int, a: int, j: int) -> Lin:
         """1 when unit u is pulled exactly at start point j (pulled is monotone in j)."""
         return self.pulled_by(u, a, j).add_lin(self.pulled_by(u, a, j - 1), -1.0)
 
-    def ever_pulled(self, u: int, a: int) -> _Lin:
+    def ever_pulled(self, u: int, a: int) -> Lin:
         js = [j for (v, b, j) in self.pulled if v == u and b == a]
-        return self.pulled_by(u, a, max(js)) if js else _Lin()
+        return self.pulled_by(u, a, max(js)) if js else Lin()
 
     def add_pulls(self) -> None:
         data, m, x = self.data, self.m, self.x
@@ -435,22 +215,22 @@ class _Builder:
                         continue
                     col = self.pulled[u, a, j] = m.var(f"pulled[{u},{_NAMES[a]},{j}]", 0.0, 1.0)
                     for v, e in zip(data.dependents[u], ups, strict=True):
-                        lb = _Lin({col: 1.0, x[u, a]: -1.0}).add_lin(e, -1.0)
+                        lb = Lin({col: 1.0, x[u, a]: -1.0}).add_lin(e, -1.0)
                         m.row(f"pull_lb[{u},{_NAMES[a]},{v},{j}]", lb, lo=-1.0)
-                    m.row(f"pull_ub_action[{u},{_NAMES[a]},{j}]", _Lin({col: 1.0, x[u, a]: -1.0}), hi=0.0)
-                    any_dependent = _Lin({col: 1.0})
+                    m.row(f"pull_ub_action[{u},{_NAMES[a]},{j}]", Lin({col: 1.0, x[u, a]: -1.0}), hi=0.0)
+                    any_dependent = Lin({col: 1.0})
                     for e in ups:
                         any_dependent.add_lin(e, -1.0)
                     m.row(f"pull_ub_dependent[{u},{_NAMES[a]},{j}]", any_dependent, hi=0.0)
 
     # -- stall[i], the compute-stream clock, the objective -----------------------------------------------------
-    def inserted(self, key: Key, with_stall: bool) -> _Lin:
+    def inserted(self, key: Key, with_stall: bool) -> Lin:
         """Milliseconds the compute stream spent before ``key`` beyond the traced ops: every pack kernel (they
         run in forward), the recomputes and unpacks materialized earlier (at their own moment or pulled),
         and, optionally, the stalls so far (Rules 6-9)."""
         data, x, acts = self.data, self.x, self.acts
         use, regen = self.sim.first_use, data.regen_op
-        e, j = _Lin(), self.before(key)
+        e, j = Lin(), self.before(key)
         if self.fwd_wait:  # every forward wait comes before any backward moment
             e.add(self.fwd_wait[-1], 1.0)
         for c in self.decided:
@@ -471,10 +251,10 @@ class _Builder:
             e.add(self.stall[i], 1.0)
         return e
 
-    def clock(self, o: int) -> _Lin:
+    def clock(self, o: int) -> Lin:
         """Start of op o after every insertion before it, stalls included: what Rule 4's release compares
         with (stall is only bounded below, so this is the relaxed side: see the NOTE)."""
-        e = _Lin(const=float(self.start_ms[o]))
+        e = Lin(const=float(self.start_ms[o]))
         if o <= self.last_fwd:  # forward: the pack kernels after each save_op (Rule 8) and the waits (Rule 4)
             for c in self.decided if COMPRESS in self.acts else ():
                 if self.sim.save_op[c] + 1 <= o:
@@ -489,16 +269,16 @@ class _Builder:
         m, x, data = self.m, self.x, self.data
         self.stall = [m.var(f"stall[{i}]") for i in range(len(self.need))]
         for i in range(1, len(self.need)):
-            m.row(f"stall_monotone[{i}]", _Lin({self.stall[i]: 1.0, self.stall[i - 1]: -1.0}), lo=0.0)
+            m.row(f"stall_monotone[{i}]", Lin({self.stall[i]: 1.0, self.stall[i - 1]: -1.0}), lo=0.0)
         if SWAP in self.acts:
             self.fwd_wait = [m.var(f"fwd_wait[{r}]") for r in range(len(self.release_at))]
             for r in range(1, len(self.fwd_wait)):
-                row = _Lin({self.fwd_wait[r]: 1.0, self.fwd_wait[r - 1]: -1.0})
+                row = Lin({self.fwd_wait[r]: 1.0, self.fwd_wait[r - 1]: -1.0})
                 m.row(f"fwd_wait_monotone[{r}]", row, lo=0.0)
             if self.fwd_wait:
                 m.cost[self.fwd_wait[-1]] += 1.0
 
-        def charge(e: _Lin, cost_ms: float) -> None:
+        def charge(e: Lin, cost_ms: float) -> None:
             for col, coef in e.terms.items():
                 m.cost[col] += coef * cost_ms
 
@@ -508,10 +288,10 @@ class _Builder:
             u = self.uo[c]
             if RECOMPUTE in self.acts:
                 own = data.regen_op[c] < self.n
-                charge(_Lin({x[u, RECOMPUTE]: 1.0}) if own else self.ever_pulled(u, RECOMPUTE), self.recompute_ms[c])
+                charge(Lin({x[u, RECOMPUTE]: 1.0}) if own else self.ever_pulled(u, RECOMPUTE), self.recompute_ms[c])
             if COMPRESS in self.acts:
-                charge(_Lin({x[u, COMPRESS]: 1.0}), self.pack_ms[c])
-                unpacked = _Lin({x[u, COMPRESS]: 1.0}) if use[c] < self.n else self.ever_pulled(u, COMPRESS)
+                charge(Lin({x[u, COMPRESS]: 1.0}), self.pack_ms[c])
+                unpacked = Lin({x[u, COMPRESS]: 1.0}) if use[c] < self.n else self.ever_pulled(u, COMPRESS)
                 charge(unpacked, self.pack_ms[c])
         if self.stall:
             m.cost[self.stall[-1]] += 1.0
@@ -527,9 +307,9 @@ class _Builder:
             col = self.d2h_end[c] = m.var(f"d2h_end[{c}]")
             xs = x[self.uo[c], SWAP]
             if prev >= 0:
-                m.row(f"d2h_fifo[{c}]", _Lin({col: 1.0, prev: -1.0, xs: -self.d2h_ms[c]}), lo=0.0)
-            issue = self.clock(int(sv[c])).add_lin(_Lin(const=float(self.op_ms[sv[c]])))
-            m.row(f"d2h_issue[{c}]", _Lin({col: 1.0, xs: -self.d2h_ms[c]}).add_lin(issue, -1.0), lo=0.0)
+                m.row(f"d2h_fifo[{c}]", Lin({col: 1.0, prev: -1.0, xs: -self.d2h_ms[c]}), lo=0.0)
+            issue = self.clock(int(sv[c])).add_lin(Lin(const=float(self.op_ms[sv[c]])))
+            m.row(f"d2h_issue[{c}]", Lin({col: 1.0, xs: -self.d2h_ms[c]}).add_lin(issue, -1.0), lo=0.0)
             prev = col
         for c, col in self.d2h_end.items():  # Rule 4: the wait at the release point
             xs = x[self.uo[c], SWAP]
@@ -548,13 +328,13 @@ class _Builder:
             u, xs, h2d = int(self.uo[c]), x[self.uo[c], SWAP], self.h2d_ms[c]
             col = m.var(f"h2d_end[{c}]")
             if prev >= 0:
-                m.row(f"h2d_fifo[{c}]", _Lin({col: 1.0, prev: -1.0, xs: -h2d}), lo=0.0)
-            m.row(f"h2d_after_d2h[{c}]", _Lin({col: 1.0, self.d2h_end[c]: -1.0, xs: -h2d}), lo=0.0)
+                m.row(f"h2d_fifo[{c}]", Lin({col: 1.0, prev: -1.0, xs: -h2d}), lo=0.0)
+            m.row(f"h2d_after_d2h[{c}]", Lin({col: 1.0, self.d2h_end[c]: -1.0, xs: -h2d}), lo=0.0)
             # Issued at the trigger op, unless a recomputed dependent pulled it earlier (then at that moment).
             t = int(self.trigger_op[c])
-            issue = self.inserted((t, -1), with_stall=True).add_lin(_Lin(const=float(self.start_ms[t])))
+            issue = self.inserted((t, -1), with_stall=True).add_lin(Lin(const=float(self.start_ms[t])))
             relax = self.pulled_by(u, SWAP, self.before((t, -1)))
-            m.row(f"h2d_issue[{c}]", _Lin({col: 1.0, xs: -h2d}).add_lin(issue, -1.0).add_lin(relax, big_m), lo=0.0)
+            m.row(f"h2d_issue[{c}]", Lin({col: 1.0, xs: -h2d}).add_lin(issue, -1.0).add_lin(relax, big_m), lo=0.0)
             arrive = self.inserted(self.need_key[i], with_stall=False).add(self.stall[i], 1.0).add(col, -1.0)
             arrive.add(xs, -big_m).const += float(self.start_ms[use[c]])
             m.row(f"stall[{c}]", arrive, lo=-big_m)
@@ -562,9 +342,9 @@ class _Builder:
                 if (u, SWAP, j) not in self.pulled or key >= self.need_key[i]:
                     continue
                 exactly_j = self.first_pull(u, SWAP, j)
-                at = self.inserted(key, with_stall=True).add_lin(_Lin(const=float(self.start_ms[key[0]])))
+                at = self.inserted(key, with_stall=True).add_lin(Lin(const=float(self.start_ms[key[0]])))
                 if key < (t, -1):
-                    row = _Lin({col: 1.0, xs: -h2d}).add_lin(at, -1.0).add_lin(exactly_j, -big_m)
+                    row = Lin({col: 1.0, xs: -h2d}).add_lin(at, -1.0).add_lin(exactly_j, -big_m)
                     m.row(f"h2d_issue_pulled[{c},{j}]", row, lo=-big_m)
                 w = bisect.bisect_left(self.need_key, key)
                 wait = self.inserted(key, with_stall=False).add(self.stall[w], 1.0).add(col, -1.0)
@@ -573,12 +353,12 @@ class _Builder:
             prev = col
 
     # -- the bytes a swapped candidate holds after the program dropped it (Rule 4's release) ---------------
-    def add_hold(self) -> dict[int, _Lin]:
+    def add_hold(self) -> dict[int, Lin]:
         """The hold bytes to add to each memory row: to the release point in forward; without one, until a
         candidate that is not kept is first used in backward (handled_by, late_hold)."""
         m, x, sim, mu = self.m, self.x, self.sim, self.data.mem_unit
         last_row, use = self.last_row, sim.first_use
-        terms: dict[int, _Lin] = {o: _Lin() for o in range(last_row + 1)}
+        terms: dict[int, Lin] = {o: Lin() for o in range(last_row + 1)}
         handled_by: dict[int, int] = {}
         for c in self.d2h_end:
             xs, size = x[self.uo[c], SWAP], self.size_bytes[c] / mu
@@ -590,13 +370,13 @@ class _Builder:
             for o in range(drop + 1, min(int(use[c]) - 1, last_row) + 1):
                 if o not in handled_by:
                     col = handled_by[o] = m.var(f"handled_by[{o}]", 0.0, 1.0)
-                    count = _Lin({col: 1.0})
+                    count = Lin({col: 1.0})
                     for d in self.decided:
                         if use[d] <= o:
                             count.add(x[self.uo[d], KEEP], 1.0).const -= 1.0
                     m.row(f"handled_by_ub[{o}]", count, hi=0.0)
                 hold = m.var(f"late_hold[{c},{o}]", 0.0, 1.0)
-                m.row(f"late_hold[{c},{o}]", _Lin({hold: 1.0, xs: -1.0, handled_by[o]: 1.0}), lo=0.0)
+                m.row(f"late_hold[{c},{o}]", Lin({hold: 1.0, xs: -1.0, handled_by[o]: 1.0}), lo=0.0)
                 terms[o].add(hold, size)
         return terms
 
@@ -646,7 +426,7 @@ class _Builder:
         own, early, unpacked = (np.cumsum(arr, axis=2)[:, :, : last_row + 1] / mu for arr in (own, early, unpacked))
         return own, early, unpacked
 
-    def add_memory(self, hold_terms: dict[int, _Lin]) -> list[int]:
+    def add_memory(self, hold_terms: dict[int, Lin]) -> list[int]:
         m, x, sim, mu = self.m, self.x, self.sim, self.data.mem_unit
         last_row = self.last_row
         own, early, unpacked = self.live_bytes()
@@ -664,7 +444,7 @@ class _Builder:
         budget = math.inf if self.budget_bytes is None else self.budget_bytes / mu
         rows = []
         for o in range(last_row + 1):
-            e = _Lin(const=float(const[o]))
+            e = Lin(const=float(const[o]))
             j_at, j_before = self.before((o, self.k)), self.before((o, -1))  # pulls at or before o; before o
             for u in range(self.n_units):
                 for a in self.acts:
@@ -681,138 +461,5 @@ class _Builder:
             else:
                 rows.append(m.row(f"memory[{o}]", e, hi=budget))
         if after > budget:
-            m.row("memory[after]", _Lin(const=after), hi=budget)  # infeasible, and the row says where
+            m.row("memory[after]", Lin(const=after), hi=budget)  # infeasible, and the row says where
         return rows
-
-
-# -- the searcher -------------------------------------------------------------------------------------------------
-def _unit_vector(data: _Data, unit_action: Sequence[int]) -> np.ndarray:
-    """Candidate actions from one action per unit (candidates outside the units are kept)."""
-    actions = data.problem.keep_all()
-    for members, a in zip(data.units, unit_action, strict=True):
-        actions[members] = a
-    return actions
-
-
-def _unit_actions(data: _Data, built: _Built, values: np.ndarray) -> list[int]:
-    """The action of each unit in a HiGHS solution (the largest of its binaries)."""
-    return [max(data.actions, key=lambda a: values[built.x[u, a]]) for u in range(len(data.units))]
-
-
-@dataclass
-class _Start:
-    """A warm start: one action per unit and its simulated result (it fits the budget)."""
-
-    unit_action: list[int]
-    result: SimResult
-    source: str
-
-    def columns(self, built: _Built) -> dict[int, float]:
-        return {col: float(self.unit_action[u] == a) for (u, a), col in built.x.items()}
-
-
-def _warm_start(data: _Data) -> _Start | None:
-    """The fastest policy the simulator finds within the budget among keep-all, recompute-all and
-    checkpoint-dp's answer mapped onto the units (a unit is recomputed when checkpoint-dp recomputes any of
-    its candidates). It gives HiGHS an incumbent from the start, and the searcher one to return if HiGHS
-    gets no time at all."""
-    from agents.solvers.checkpoint_dp import CheckpointDP  # a sibling solver, and cheap (a linear DP)
-
-    problem, units = data.problem, range(len(data.units))
-    tries = {"keep-all": [KEEP for _ in units]}
-    if RECOMPUTE in data.actions:
-        dp = CheckpointDP()._search(problem).actions
-        tries["recompute-all"] = [RECOMPUTE for _ in units]
-        tries["checkpoint-dp"] = [RECOMPUTE if np.any(dp[m] == RECOMPUTE) else KEEP for m in data.units]
-    best: _Start | None = None
-    for source, unit_action in tries.items():
-        r = problem.evaluate(_unit_vector(data, unit_action))
-        if r.feasible and (best is None or r.iter_s < best.result.iter_s):
-            best = _Start(unit_action, r, source)
-    return best
-
-
-@register
-class MilpSearcher(Searcher):
-    """Checkmate-style MILP over units with keep / swap / recompute (and compress if allowed), solved by
-    HiGHS, its answer verified by the simulator (NOTE [ MILP model ])."""
-
-    name = "milp"
-    summary = "Checkmate (Jain et al. 2020) + POET-style paging: MILP over units, HiGHS"
-    exact = True
-
-    def __init__(self, max_units: int = _MAX_UNITS, log: bool = False) -> None:
-        self.max_units = max_units  # decision units (the MILP's size: 3 binaries each)
-        self.log = log  # print HiGHS's own log
-
-    def _search(self, problem: Problem) -> Proposal:
-        started = time.perf_counter()
-        limit_s = problem.time_limit_s if problem.time_limit_s is not None else _DEFAULT_TIME_LIMIT_S
-        acts = (KEEP, SWAP, RECOMPUTE, COMPRESS) if problem.allow_compress else (KEEP, SWAP, RECOMPUTE)
-        # Memory in units of a power of two, about 2^-14 of the budget or of all activations: well-scaled rows.
-        scale_bytes = max(problem.budget_bytes, int(problem.simulator.size.sum()), 1)
-        mem_unit = float(2 ** max(0, int(math.log2(scale_bytes / 2**14))))
-        data = _Data(problem, decision_units(problem, self.max_units), acts, mem_unit)
-        if not data.units:
-            return Proposal(problem.keep_all(), note="no candidate is large enough to decide: all kept")
-        start = _warm_start(data)
-        budget = problem.budget_bytes
-        notes: list[str] = []
-        no_goods: list[list[int]] = []
-        for attempt in range(_REPAIRS + 1):
-            built = _build(data, budget, no_goods)
-            size = f"{len(data.units)} units, {len(built.milp.col_names)} columns, {len(built.milp.row_names)} rows"
-            left_s = limit_s - (time.perf_counter() - started)
-            sol = built.milp.solve(left_s, problem.seed, start.columns(built) if start else None, self.log)
-            if sol.values is None and sol.status == "infeasible" and attempt == 0:
-                if start is not None:  # the model is conservative somewhere: the simulator has the last word
-                    return self._fallback(data, start, None, [f"model infeasible ({size}) but not the simulator"])
-                return self._least_peak(data, started, limit_s, [f"model infeasible ({size})"])
-            if sol.values is None:
-                notes.append(f"HiGHS {sol.status} without an incumbent ({size})")
-                return self._fallback(data, start, Status.TIMEOUT if sol.status == "time_limit" else None, notes)
-            unit_action = _unit_actions(data, built, sol.values)
-            actions = _unit_vector(data, unit_action)
-            result = problem.evaluate(actions)
-            model_iter_s = sol.objective / 1e3
-            gap = sol.gap if math.isfinite(sol.gap) else None
-            notes.append(
-                f"HiGHS {sol.status} (gap {sol.gap:.2e}, {size}): model {model_iter_s:.6f} s,"
-                f" simulated {result.iter_s:.6f} s, peak {result.peak_bytes} B for budget {problem.budget_bytes} B"
-            )
-            if result.feasible:
-                agree = math.isclose(result.iter_s, model_iter_s, rel_tol=1e-6, abs_tol=1e-9)
-                if sol.status == "time_limit":
-                    return Proposal(actions, status=Status.TIMEOUT, gap=gap, note="; ".join(notes))
-                if sol.status == "optimal" and agree and budget == problem.budget_bytes:
-                    return Proposal(actions, status=Status.OPTIMAL, gap=gap, note="; ".join(notes))
-                notes.append("the simulator disagrees with the model: status from the simulator")
-                return Proposal(actions, note="; ".join(notes))
-            if time.perf_counter() - started >= limit_s:
-                return self._fallback(data, start, Status.TIMEOUT, notes)
-            # Over budget: cut the assignment off, and after a few cuts also lower the budget by the excess.
-            no_goods.append(unit_action)
-            if len(no_goods) > _CUTS_BEFORE_TIGHTENING:
-                budget -= result.peak_bytes - problem.budget_bytes  # the model was optimistic by this much
-            notes.append(f"over budget in the simulator: cut off, re-solving for {budget} B")
-        return self._fallback(data, start, None, [*notes, f"no answer within the budget after {_REPAIRS} re-solves"])
-
-    def _fallback(self, data: _Data, start: _Start | None, status: Status | None, notes: list[str]) -> Proposal:
-        """The warm start when the MILP gave nothing the simulator accepts (all kept if there is none)."""
-        if start is None:
-            return Proposal(data.problem.keep_all(), status=status, note="; ".join([*notes, "all kept"]))
-        note = f"the warm start ({start.source}) instead"
-        return Proposal(_unit_vector(data, start.unit_action), status=status, note="; ".join([*notes, note]))
-
-    def _least_peak(self, data: _Data, started: float, limit_s: float, notes: list[str]) -> Proposal:
-        """No policy fits the model: its least-peak incumbent, or keep-all if that peaks lower; INFEASIBLE."""
-        problem = data.problem
-        built = _build(data, None)
-        sol = built.milp.solve(max(limit_s - (time.perf_counter() - started), 0.1), problem.seed, log=self.log)
-        actions = problem.keep_all()
-        if sol.values is not None:
-            least = _unit_vector(data, _unit_actions(data, built, sol.values))
-            if problem.evaluate(least).peak_bytes < problem.evaluate(actions).peak_bytes:
-                actions = least
-        note = f"least peak of the model: HiGHS {sol.status}" + ("" if sol.values is not None else ", all kept")
-        return Proposal(actions, status=Status.INFEASIBLE, note="; ".join([*notes, note]))
