@@ -529,7 +529,7 @@ def maxbatch(
     if as_json:
         print(json.dumps(result))
     else:
-        _render_maxbatch(model, hw, budget_bytes, outcome, result)
+        mb.render(out, model, hw, budget_bytes, outcome, result)
     if outcome.measured_sizes and outcome.measured is None:  # --measure tried sizes, none fit
         tried = ", ".join(str(b) for b in outcome.measured_sizes)
         err.print(
@@ -539,48 +539,6 @@ def maxbatch(
             highlight=False,
         )
         raise SystemExit(1)
-
-
-def _render_maxbatch(model: str, hw: Any, budget_bytes: int, outcome: Any, result: dict[str, Any]) -> None:
-    from autotune import search as sr
-
-    t = Table(title=f"{model} on {hw.name}, budget {sr.format_bytes(budget_bytes)}")
-    for col in ("batch", "fits", "no policy fits", "peak", "samples/s", "slowdown", "best heuristic"):
-        t.add_column(col, justify="right")
-    for r in result["sizes"]:
-        t.add_row(
-            str(r["batch_size"]),
-            {True: "yes", False: "no", None: "not searched"}[r["fits"]],
-            "yes" if r["fits_without_policy"] else "no",
-            sr.format_bytes(r["peak_bytes"]) if r["peak_bytes"] is not None else "—",
-            f"{r['samples_per_s']:,.1f}" if r["samples_per_s"] is not None else "—",
-            f"{r['slowdown']:+.1%}" if r["slowdown"] is not None else "—",
-            _heuristic_cell(r),
-            style="bold green" if r["batch_size"] == outcome.max_batch else "",
-        )
-    out.print(t)
-    ratio = f" ({result['ratio']:.2f}x)" if result["ratio"] else ""
-    out.print(
-        f"largest batch: {outcome.max_batch} with a policy{ratio}, {outcome.max_batch_no_policy} without, "
-        f"{outcome.max_batch_baseline} with the best heuristic ({result['baseline'] or 'none fits'}); "
-        f"{outcome.wall_s:.0f} s" + (f"; policy written to {outcome.policy_path}" if outcome.policy_path else "")
-    )
-    if outcome.measured is not None:
-        sr.render_measured(out, outcome.measured.measured)
-        out.print(
-            f"measured at batch {outcome.measured.batch_size} (sizes trained: "
-            f"{', '.join(str(b) for b in outcome.measured_sizes)}), on its real-mode trace"
-        )
-
-
-def _heuristic_cell(size: dict[str, Any]) -> str:
-    """The best published heuristic at one size of `maxbatch`: its name, samples/s and slowdown."""
-    if size["baseline_fits"] is None:
-        return "not run"
-    if size["baseline"] is None:
-        return "none fits"
-    mark = "" if size["baseline_fits"] else " (too slow)"
-    return f"{size['baseline']} {size['baseline_samples_per_s']:,.1f} {size['baseline_slowdown']:+.1%}{mark}"
 
 
 @app.command()
@@ -603,8 +561,8 @@ def train(
     as_json: JsonOpt = False,
 ) -> None:
     """Train N real iterations under a policy; measured peak and time beside the simulator's prediction."""
+    from autotune.train import render as render_train
     from autotune.train import train as run_train
-    from autotune.units import format_bytes
 
     with err.status("Tracing on the device, then training…", spinner="dots"):
         report = run_train(
@@ -620,32 +578,7 @@ def train(
     if as_json:
         print(json.dumps(d))
         return
-    if report.out_of_memory:
-        out.print(f"[red]out of memory at the policy's budget:[/] {report.out_of_memory}")
-    table = Table(title=f"{report.model}, batch {report.batch_size}, on {report.device} ({report.profile} profile)")
-    for col in ("", "peak", "iteration", "samples/s"):
-        table.add_column(col, justify="left" if not col else "right")
-    for i, s in enumerate(report.steps):
-        table.add_row(
-            f"step {i + 1}", format_bytes(s.peak_bytes), f"{s.iter_s * 1e3:.1f} ms", f"{s.samples_per_s:,.2f}"
-        )
-    m, p, e = d["measured"], d["predicted"], d["error"]
-    if m:
-        table.add_row(
-            "median",
-            format_bytes(m["peak_bytes"]),
-            f"{m['iter_s'] * 1e3:.1f} ms",
-            f"{m['samples_per_s']:,.2f}",
-            style="bold",
-        )
-    table.add_row(
-        "predicted", format_bytes(p["peak_bytes"]), f"{p['iter_s'] * 1e3:.1f} ms", f"{p['samples_per_s']:,.2f}"
-    )
-    if e:
-        table.add_row("error", f"{e['peak_bytes']:+.1%}", f"{e['iter_s']:+.1%}", f"{e['samples_per_s']:+.1%}")
-    out.print(table)
-    if report.unknown_keys:
-        out.print(f"[yellow]{len(report.unknown_keys)} saved tensors not in the policy were kept[/]")
+    render_train(out, report)
 
 
 @app.command()
@@ -784,31 +717,7 @@ def sweep(
             )
         )
         return
-    t = Table(title=f"sweep: {len(outcome.cells)} cells in {storage}")
-    cols = ["model", "profile", "budget", "no policy", "best heuristic", "optuna", "ppo", "chosen"]
-    for col in cols:
-        t.add_column(col, justify="left" if col in ("model", "profile") else "right")
-    for cell in outcome.cells:
-        j = cell.to_json()
-
-        def f(v: float | None) -> str:
-            return "—" if v is None else f"{v:,.1f}"
-
-        t.add_row(
-            cell.model,
-            cell.profile,
-            sr.format_bytes(cell.budget_bytes),
-            f(j["no_policy_samples_per_s"]),
-            f"{f(j['best_heuristic_samples_per_s'])} {j['best_heuristic'] or ''}",
-            f(j["optuna_samples_per_s"]),
-            f(j["ppo_samples_per_s"]),
-            "below the floor" if cell.below_floor else f"{f(j['samples_per_s'])} {j['best_method'] or ''}",
-        )
-    out.print(t)
-    out.print(
-        f"{outcome.wall_s:.0f} s; one study per cell (sweep.<model>.b<batch>.<profile>.<budget bytes>) in {storage}: "
-        f"`autotune dashboard --storage {storage}` opens them" + (f"; report: {report}" if report else "")
-    )
+    sw.render(out, outcome, storage, report)
 
 
 @app.command()

@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rich.console import Console
+from rich.table import Table
+
 from agents.base import Problem, SearchResult, Status, baseline_names, best_of, get_searcher
 from agents.finalists import Finalists
 from autotune.measured import MeasuredSearch, answer_policy
@@ -326,3 +329,48 @@ def _largest(start: int, fits: Callable[[int], bool], rel_tol: float = 0.0) -> i
 def check_start(start: int) -> None:
     if start <= 0 or start > MAX_BATCH:
         raise AutotuneError(f"invalid --start-batch {start}: expected 1 to {MAX_BATCH}, e.g. --start-batch 32")
+
+
+def render(
+    out: Console, model: str, hw: HardwareProfile, budget_bytes: int, outcome: MaxBatchOutcome, result: dict[str, Any]
+) -> None:
+    """`autotune maxbatch`'s table: every batch size tried, the answer in green, and the measurement."""
+    from autotune import search as sr
+
+    t = Table(title=f"{model} on {hw.name}, budget {sr.format_bytes(budget_bytes)}")
+    for col in ("batch", "fits", "no policy fits", "peak", "samples/s", "slowdown", "best heuristic"):
+        t.add_column(col, justify="right")
+    for r in result["sizes"]:
+        t.add_row(
+            str(r["batch_size"]),
+            {True: "yes", False: "no", None: "not searched"}[r["fits"]],
+            "yes" if r["fits_without_policy"] else "no",
+            sr.format_bytes(r["peak_bytes"]) if r["peak_bytes"] is not None else "—",
+            f"{r['samples_per_s']:,.1f}" if r["samples_per_s"] is not None else "—",
+            f"{r['slowdown']:+.1%}" if r["slowdown"] is not None else "—",
+            _heuristic_cell(r),
+            style="bold green" if r["batch_size"] == outcome.max_batch else "",
+        )
+    out.print(t)
+    ratio = f" ({result['ratio']:.2f}x)" if result["ratio"] else ""
+    out.print(
+        f"largest batch: {outcome.max_batch} with a policy{ratio}, {outcome.max_batch_no_policy} without, "
+        f"{outcome.max_batch_baseline} with the best heuristic ({result['baseline'] or 'none fits'}); "
+        f"{outcome.wall_s:.0f} s" + (f"; policy written to {outcome.policy_path}" if outcome.policy_path else "")
+    )
+    if outcome.measured is not None:
+        sr.render_measured(out, outcome.measured.measured)
+        out.print(
+            f"measured at batch {outcome.measured.batch_size} (sizes trained: "
+            f"{', '.join(str(b) for b in outcome.measured_sizes)}), on its real-mode trace"
+        )
+
+
+def _heuristic_cell(size: dict[str, Any]) -> str:
+    """The best published heuristic at one size of `maxbatch`: its name, samples/s and slowdown."""
+    if size["baseline_fits"] is None:
+        return "not run"
+    if size["baseline"] is None:
+        return "none fits"
+    mark = "" if size["baseline_fits"] else " (too slow)"
+    return f"{size['baseline']} {size['baseline_samples_per_s']:,.1f} {size['baseline_slowdown']:+.1%}{mark}"

@@ -19,7 +19,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from rich.console import Console
+from rich.table import Table
 
 from agents.base import Problem, SearchResult, baseline_names, best_of, get_searcher
 from agents.optuna_search import storage_for
@@ -313,3 +317,33 @@ def run_sweep(
                 if progress is not None:
                     progress(len(cells), total, describe(cells[-1]))
     return SweepOutcome(cells, planned, {hw.name: hw for hw in profiles}, time.perf_counter() - started)
+
+
+def render(out: Console, outcome: SweepOutcome, storage: str, report: Path | None) -> None:
+    """`autotune sweep`'s table: one row per cell, and where its studies and report are."""
+    t = Table(title=f"sweep: {len(outcome.cells)} cells in {storage}")
+    cols = ["model", "profile", "budget", "no policy", "best heuristic", "optuna", "ppo", "chosen"]
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("model", "profile") else "right")
+    for cell in outcome.cells:
+        j = cell.to_json()
+
+        def f(v: float | None) -> str:
+            return "—" if v is None else f"{v:,.1f}"
+
+        t.add_row(
+            cell.model,
+            cell.profile,
+            format_bytes(cell.budget_bytes + cell.reserve_bytes)
+            + (f" (planned {format_bytes(cell.budget_bytes)})" if cell.reserve_bytes else ""),
+            f(j["no_policy_samples_per_s"]),
+            f"{f(j['best_heuristic_samples_per_s'])} {j['best_heuristic'] or ''}",
+            f(j["optuna_samples_per_s"]),
+            f(j["ppo_samples_per_s"]),
+            "below the floor" if cell.below_floor else f"{f(j['samples_per_s'])} {j['best_method'] or ''}",
+        )
+    out.print(t)
+    out.print(
+        f"{outcome.wall_s:.0f} s; one study per cell (sweep.<model>.b<batch>.<profile>.<budget bytes>) in {storage}: "
+        f"`autotune dashboard --storage {storage}` opens them" + (f"; report: {report}" if report else "")
+    )

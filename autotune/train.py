@@ -8,8 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from autotune.models import build_model
+from autotune.units import format_bytes
 from autotune.workloads import TraceRequest, trace_model
 from envs.simulator import Simulator
 from runtime.apply import PolicyRuntime
@@ -161,3 +164,34 @@ def run_policy(
         report.out_of_memory = str(e).splitlines()[0]
     report.unknown_keys = list(rt.stats.unknown_keys)
     return report
+
+
+def render(out: Console, report: TrainReport) -> None:
+    """`autotune train`'s table: each step measured, the median, the prediction and the error."""
+    if report.out_of_memory:
+        out.print(f"[red]out of memory at the policy's budget:[/] {report.out_of_memory}")
+    table = Table(title=f"{report.model}, batch {report.batch_size}, on {report.device} ({report.profile} profile)")
+    for col in ("", "peak", "iteration", "samples/s"):
+        table.add_column(col, justify="left" if not col else "right")
+    for i, s in enumerate(report.steps):
+        table.add_row(
+            f"step {i + 1}", format_bytes(s.peak_bytes), f"{s.iter_s * 1e3:.1f} ms", f"{s.samples_per_s:,.2f}"
+        )
+    d = report.to_dict()
+    m, p, e = d["measured"], d["predicted"], d["error"]
+    if m:
+        table.add_row(
+            "median",
+            format_bytes(m["peak_bytes"]),
+            f"{m['iter_s'] * 1e3:.1f} ms",
+            f"{m['samples_per_s']:,.2f}",
+            style="bold",
+        )
+    table.add_row(
+        "predicted", format_bytes(p["peak_bytes"]), f"{p['iter_s'] * 1e3:.1f} ms", f"{p['samples_per_s']:,.2f}"
+    )
+    if e:
+        table.add_row("error", f"{e['peak_bytes']:+.1%}", f"{e['iter_s']:+.1%}", f"{e['samples_per_s']:+.1%}")
+    out.print(table)
+    if report.unknown_keys:
+        out.print(f"[yellow]{len(report.unknown_keys)} saved tensors not in the policy were kept[/]")
