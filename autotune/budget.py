@@ -69,8 +69,13 @@ def reserve_bytes(reserve: str | None, budget: str, budget_bytes: int, hw: Hardw
 
 def plan_budget(text: str, reserve: str | None, hw: HardwareProfile) -> Budget:
     """``--budget`` and ``--reserve`` as planned for on ``hw`` (NOTE [ Budget and reserve ])."""
-    given = parse_size(text)
-    return Budget(text, given, reserve_bytes(reserve, text, given, hw))
+    return budget_of(parse_size(text), reserve, hw, text)
+
+
+def budget_of(given_bytes: int, reserve: str | None, hw: HardwareProfile, text: str | None = None) -> Budget:
+    """A budget already parsed (``autotune sweep``'s list), with ``--reserve`` as planned for on ``hw``."""
+    text = text if text is not None else format_bytes(given_bytes)
+    return Budget(text, given_bytes, reserve_bytes(reserve, text, given_bytes, hw))
 
 
 def record_budget(policy: Policy, budget: Budget | int | None) -> Policy:
@@ -80,4 +85,4 @@ def record_budget(policy: Policy, budget: Budget | int | None) -> Policy:
     return policy
 
 
-__all__ = ["DEFAULT_GPU_RESERVE", "Budget", "plan_budget", "record_budget", "reserve_bytes"]
+__all__ = ["DEFAULT_GPU_RESERVE", "Budget", "budget_of", "plan_budget", "record_budget", "reserve_bytes"]

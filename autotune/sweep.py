@@ -27,7 +27,7 @@ from rich.table import Table
 
 from agents.base import Problem, SearchResult, baseline_names, best_of, get_searcher
 from agents.optuna_search import storage_for
-from autotune.budget import Budget, reserve_bytes
+from autotune.budget import budget_of, record_budget
 from autotune.search import budget_floor, format_bytes
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError
@@ -141,8 +141,9 @@ def run_cell(
     )
     problem.heartbeat_s = heartbeat_s
     no_policy = problem.simulator.run(problem.keep_all(), budget_bytes=budget_bytes)
-    cell = CellResult(w.model, w.batch_size, hw.name, budget_bytes, name, _sim_json(no_policy))
-    cell.reserve_bytes = reserve_bytes
+    cell = CellResult(
+        w.model, w.batch_size, hw.name, budget_bytes, name, _sim_json(no_policy), reserve_bytes=reserve_bytes
+    )
     cell.resumed = [m for m in methods if m in done and m != "optuna"]
     if "meta" not in attrs:
         study.set_user_attr(
@@ -235,14 +236,10 @@ def best_policy(cell: CellResult, w: Workload, hw: HardwareProfile) -> Policy | 
     b = cell.best
     if b is None or b.get("actions") is None:
         return None
-    return Policy.from_vector(
-        w,
-        b["actions"],
-        hardware=hw.name,
-        budget_bytes=cell.budget_bytes + cell.reserve_bytes,  # as typed (autotune.budget.record_budget)
-        options=PolicyOptions(**b["options"]),
-        searcher=f"sweep:{b['method']}",
+    policy = Policy.from_vector(
+        w, b["actions"], hardware=hw.name, options=PolicyOptions(**b["options"]), searcher=f"sweep:{b['method']}"
     )
+    return record_budget(policy, cell.budget_bytes + cell.reserve_bytes)
 
 
 def describe(cell: CellResult) -> str:
@@ -290,7 +287,7 @@ def run_sweep(
             w = workloads[hw.name][i]
             planned[(w.model, w.batch_size, hw.name)] = w
             for given in budgets:
-                plan = Budget(format_bytes(given), given, reserve_bytes(reserve, format_bytes(given), given, hw))
+                plan = budget_of(given, reserve, hw)
                 budget = plan.planned_bytes
                 label = f"{w.model} {hw.name} {format_bytes(given)}"
 

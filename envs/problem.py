@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from envs.features import CandidateFeatures
 from envs.simulator import SimResult, Simulator
 from runtime.hardware import HardwareProfile
 from runtime.policy import PolicyOptions
@@ -44,11 +43,6 @@ class Problem:
         if self._sim is None:
             self._sim = Simulator(self.workload, self.hardware)
         return self._sim
-
-    @property
-    def features(self) -> CandidateFeatures:
-        """Per-candidate features (envs/features.py), from the simulator's own costs."""
-        return self.simulator.features
 
     @property
     def n(self) -> int:
