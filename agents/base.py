@@ -1,12 +1,13 @@
 """The one interface every policy source implements: heuristics, exact solvers, Optuna and RL searchers.
 
-A :class:`Searcher` gets a :class:`Problem` (a workload, a hardware profile, a memory budget, options) and
+A :class:`Searcher` gets a :class:`Problem` (a workload, a hardware profile, a memory budget, options) and a
+:class:`SearchContext` (how to search: time limit, seed, trials, storage, warm-start seeds, progress), and
 returns a :class:`SearchResult`: the best policy it found, its simulated :class:`~envs.simulator.SimResult`,
 a :class:`Status`, the wall time and the number of simulator evaluations it spent.
 
 Contract (checked for every registered searcher by tests/test_searchers_contract.py):
 
-1. ``search(problem)`` never raises for a budget it cannot meet: it returns its best policy with status
+1. ``search(problem, ctx)`` never raises for a budget it cannot meet: it returns its best policy with status
    ``INFEASIBLE`` (no feasible policy found; for an exact solver, none exists) and the policy's result.
 2. A ``FEASIBLE`` or ``OPTIMAL`` result has ``result.peak_bytes <= problem.budget_bytes``, and the policy's
    actions, simulated again, give exactly ``result``.
@@ -14,7 +15,7 @@ Contract (checked for every registered searcher by tests/test_searchers_contract
    ``gap`` says how far the proof goes). ``TIMEOUT``: the time limit stopped the search; the result is the
    best incumbent.
 4. Compression (lossy) is proposed only when ``problem.allow_compress`` is set.
-5. Deterministic for a given ``problem.seed``.
+5. Deterministic for a given ``ctx.seed``.
 6. Budget-aware heuristics stop dropping memory once the budget holds (they do not trade throughput for
    memory the budget does not need): see :func:`apply_until_fits`.
 
@@ -35,7 +36,7 @@ import importlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -56,25 +57,14 @@ class Status(str, enum.Enum):
 
 @dataclass
 class Problem(envs.problem.Problem):
-    """What to solve (envs/problem.py: workload, hardware, budget, options, the simulator) with the search's
-    settings, and what a search leaves on it as it runs."""
+    """What to solve (envs/problem.py: workload, hardware, budget, options, the simulator), with the record
+    of what its evaluations saw: the best fitting policy, and the finalists when asked for."""
 
-    time_limit_s: float | None = None
-    seed: int = 0
-    # Search settings for the searchers that run trials (Optuna, portfolio, RL); heuristics ignore them.
-    trials: int | None = None  # None: the searcher's default; 0: no bound but time_limit_s (not reproducible)
-    storage: str | None = None  # Optuna storage URL (None: in memory)
-    study_name: str | None = None  # None: derived from the problem (see agents/optuna_search.py)
-    heartbeat_s: float | None = None  # Optuna heartbeats for shared RDB storages (NOTE [ Distributed search ])
-    seeds: list[SearchResult] = field(default_factory=list)  # warm start: other searchers' results
-    progress: Callable[[str, SimResult | None], None] | None = field(default=None, repr=False)  # (phase, best)
-    interrupted: bool = field(default=False, repr=False)  # set when Ctrl-C stopped a search early
-    converged_s: float | None = field(default=None, repr=False)  # set when a search stopped early, converged
     # autotune search --measure: the best distinct fitting policies simulated (NOTE [ Finalists ])
-    finalists: Finalists | None = field(default=None, repr=False)
+    finalists: Finalists | None = field(default=None, repr=False, kw_only=True)
     # The fastest fitting policy any evaluation saw, whoever made it (a heuristic's trial it did not keep,
     # an Optuna rule's prefix): the portfolio's answer is never below it.
-    best_seen: tuple[np.ndarray, PolicyOptions, SimResult] | None = field(default=None, repr=False)
+    best_seen: tuple[np.ndarray, PolicyOptions, SimResult] | None = field(default=None, repr=False, kw_only=True)
 
     def _evaluated(self, actions: np.ndarray, options: PolicyOptions, result: SimResult) -> None:
         faster = self.best_seen is None or result.samples_per_s > self.best_seen[2].samples_per_s
@@ -82,6 +72,48 @@ class Problem(envs.problem.Problem):
             self.best_seen = (actions.copy(), options, result)
         if self.finalists is not None:
             self.finalists.offer(actions, options, result)
+
+
+@dataclass
+class RunState:
+    """What a search says as it runs, shared by a context and every context derived from it."""
+
+    interrupted: bool = False  # Ctrl-C stopped the search early; it returns what it has
+    converged_s: float | None = None  # the search stopped early, converged, after this many seconds
+
+
+@dataclass(frozen=True)
+class SearchContext:
+    """How to search, passed beside the problem (``searcher.search(problem, ctx)``); heuristics read none
+    of it. A phase or a sub-search gets its own settings through :meth:`derive`, never by changing these:
+    the run state (:class:`RunState`) is the one thing they share."""
+
+    time_limit_s: float | None = None
+    seed: int = 0
+    trials: int | None = None  # None: the searcher's default; 0: no bound but time_limit_s (not reproducible)
+    storage: str | None = None  # Optuna storage URL (None: in memory)
+    study_name: str | None = None  # None: derived from the problem (see agents/optuna_search.py)
+    heartbeat_s: float | None = None  # Optuna heartbeats for shared RDB storages (NOTE [ Distributed search ])
+    seeds: tuple[SearchResult, ...] = ()  # warm start: other searchers' results
+    progress: Callable[[str, SimResult | None], None] | None = field(default=None, repr=False)  # (phase, best)
+    state: RunState = field(default_factory=RunState, repr=False, compare=False)
+
+    @property
+    def interrupted(self) -> bool:
+        return self.state.interrupted
+
+    def interrupt(self) -> None:
+        """Ctrl-C reached a search: every search of this run stops and returns its best."""
+        self.state.interrupted = True
+
+    def derive(self, **changes: Any) -> SearchContext:
+        """These settings with ``changes`` (a phase's seeds and study name, a sub-search's time limit); the
+        run state is shared."""
+        return dataclasses.replace(self, **changes)
+
+    def report(self, phase: str, best: SimResult | None = None) -> None:
+        if self.progress is not None:
+            self.progress(phase, best)
 
 
 @dataclass
@@ -127,11 +159,12 @@ class Searcher(abc.ABC):
     exact: ClassVar[bool] = False
     composite: ClassVar[bool] = False
 
-    def search(self, problem: Problem) -> SearchResult:
-        """Run the search and package its proposal as a policy with its simulated result."""
+    def search(self, problem: Problem, ctx: SearchContext | None = None) -> SearchResult:
+        """Run the search (with ``ctx``'s settings; the defaults when None) and package its proposal as a
+        policy with its simulated result."""
         start_evals = problem.evaluations
         started = time.perf_counter()
-        proposal = self._search(problem)
+        proposal = self._search(problem, SearchContext() if ctx is None else ctx)
         wall_s = time.perf_counter() - started
         actions = np.asarray(proposal.actions, dtype=np.int8)
         if not problem.allow_compress and np.any(actions == COMPRESS):
@@ -159,7 +192,7 @@ class Searcher(abc.ABC):
         )
 
     @abc.abstractmethod
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         """Propose actions for ``problem``; see the module docstring for the contract."""
 
 

@@ -3,7 +3,7 @@
 Each trial samples the rule's knobs (prefetch look-ahead, how much of an idle window hides a copy, the
 biases between swap and recompute, the size exponent of the ranking, a preference for early tensors, and
 which actions each producer op class may take) and a ``start`` policy: keep-all or one of the warm-start
-seeds (``Problem.seeds``, the baselines' policies). The rule turns them into a per-tensor policy that the
+seeds (``SearchContext.seeds``, the baselines' policies). The rule turns them into a per-tensor policy that the
 simulator scores.
 
 - Objective: simulated samples/s (maximised). The budget is a constraint, ``(peak - budget) / budget <=
@@ -13,20 +13,20 @@ simulator scores.
 - Warm start: one enqueued trial per seed (``start`` = that seed, the rule at its defaults, which from a
   fitting start only gives back throughput the budget does not need), plus a swap-first and a
   recompute-first setting, before the sampler's own trials.
-- Storage: any Optuna storage URL (``Problem.storage``; in memory when None). The study name defaults to
+- Storage: any Optuna storage URL (``SearchContext.storage``; in memory when None). The study name defaults to
   ``<model>.b<batch>.<shape fingerprint>.<profile>.<budget bytes>.<searcher>``; a study that exists is
   resumed: its trials count, and its best trial is re-derived from its parameters.
-- Many processes, one study (NOTE [ Distributed search ]): ``Problem.trials`` is the study's total of
+- Many processes, one study (NOTE [ Distributed search ]): ``SearchContext.trials`` is the study's total of
   completed trials (Optuna's ``MaxTrialsCallback``), whoever ran them; workers send heartbeats, a dead
   worker's trial is marked failed by the next worker to start a trial and retried with the same parameters
   (``RetryHeartbeatStaleTrialCallback``); each worker's answer is the best over every worker's trials.
-- Deterministic for a seed when ``Problem.trials`` (default ``DEFAULT_TRIALS``) ends the search before the
+- Deterministic for a seed when ``SearchContext.trials`` (default ``DEFAULT_TRIALS``) ends the search before the
   time limit does; ``trials=0`` runs until the time limit.
 
 NOTE [ Distributed search ]
     Optuna's RDB storage is the coordinator: each trial is a row, claimed by one worker (the enqueued warm
     starts too: ``skip_if_exists`` keeps two workers from enqueueing them twice). With ``heartbeat_s`` set
-    (``Problem.heartbeat_s``, ``--heartbeat``), a worker's running trial records a heartbeat every
+    (``SearchContext.heartbeat_s``, ``--heartbeat``), a worker's running trial records a heartbeat every
     ``heartbeat_s`` seconds; one that has not beaten for two periods is failed by any worker and a copy is
     enqueued (at most ``MAX_RETRY`` times). The objective is deterministic in its parameters, so a retried
     trial gives what the dead one would have given. Optuna starts a trial's heartbeat only after
@@ -35,7 +35,8 @@ NOTE [ Distributed search ]
     a first heartbeat, ``adopt_orphans``), waits out the grace period, fails the stale ones and runs their
     retries before it answers (``_settle``). The heartbeat must therefore be longer than the sampler takes
     to propose one trial (well under a second for TPE here; 10 s in the README's recipe).
-- Ctrl-C ends the optimisation; the best trial so far is the answer and ``Problem.interrupted`` is set.
+- Ctrl-C ends the optimisation; the best trial so far is the answer, and ``SearchContext.interrupted`` is
+  set.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, better, register
+from agents.base import Problem, Proposal, SearchContext, Searcher, better, register
 from agents.rule import CLASS_MODES, LOOKAHEADS, params_from_dict, present_classes, rule_actions
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError, from_interrupt
@@ -175,41 +176,41 @@ class OptunaSearcher(Searcher):
     composite = True
     multi_objective: ClassVar[bool] = False
 
-    def _sampler(self, problem: Problem) -> Any:
+    def _sampler(self, ctx: SearchContext) -> Any:
         raise NotImplementedError
 
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         best = _Best()
-        self.optimize(problem, best, time_limit_s=problem.time_limit_s, trials=problem.trials)
+        self.optimize(problem, ctx, best)
         assert best.actions is not None
         return Proposal(best.actions, options=best.options)
 
     def optimize(
         self,
         problem: Problem,
+        ctx: SearchContext,
         best: _Best,
         *,
-        time_limit_s: float | None,
-        trials: int | None,
         stop: Callable[[Any, Any], None] | None = None,
     ) -> Any:
-        """Run (or resume) the study; every trial's policy is offered to ``best``. ``stop``: an Optuna
-        callback, e.g. one that stops the study once it stagnates. Returns the study."""
+        """Run (or resume) the study of ``ctx`` (its name, storage, seeds, time limit and trials); every
+        trial's policy is offered to ``best``. ``stop``: an Optuna callback, e.g. one that stops the study
+        once it stagnates. Returns the study."""
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         _quiet_interrupts()
         w = problem.workload
         classes = present_classes(problem)
-        seeds = {r.searcher: r.policy.to_vector(w) for r in problem.seeds if r.feasible}
-        seed_options = {r.searcher: r.policy.options for r in problem.seeds if r.feasible}
+        seeds = {r.searcher: r.policy.to_vector(w) for r in ctx.seeds if r.feasible}
+        seed_options = {r.searcher: r.policy.options for r in ctx.seeds if r.feasible}
         starts = ["keep", *sorted(seeds)]
         directions: list[Any] = ["maximize", "minimize"] if self.multi_objective else ["maximize"]
-        storage = storage_for(problem.storage, problem.heartbeat_s)
+        storage = storage_for(ctx.storage, ctx.heartbeat_s)
         study = optuna.create_study(
             storage=storage,
-            study_name=problem.study_name or study_name(problem, self.name),
-            sampler=self._sampler(problem),
+            study_name=ctx.study_name or study_name(problem, self.name),
+            sampler=self._sampler(ctx),
             directions=directions,
             load_if_exists=True,
         )
@@ -260,14 +261,12 @@ class OptunaSearcher(Searcher):
             trial.set_user_attr("constraint", [excess])
             trial.set_user_attr("peak_bytes", result.peak_bytes)
             trial.set_user_attr("samples_per_s", result.samples_per_s)
-            if problem.progress is not None:
-                problem.progress(self.name, best.result)
+            ctx.report(self.name, best.result)
             if self.multi_objective:
                 return result.samples_per_s, result.peak_bytes / 2**30
             return result.samples_per_s
 
-        if trials is None:
-            trials = DEFAULT_TRIALS
+        trials = DEFAULT_TRIALS if ctx.trials is None else ctx.trials
         # The study's total of completed trials, whoever runs them (0: until the time limit).
         complete = (optuna.trial.TrialState.COMPLETE,)
         callbacks: list[Any] = [] if trials == 0 else [optuna.study.MaxTrialsCallback(trials, states=complete)]
@@ -276,14 +275,14 @@ class OptunaSearcher(Searcher):
         try:
             with _quiet_experimental():
                 if trials == 0 or len(study.get_trials(deepcopy=False, states=complete)) < trials:
-                    study.optimize(objective, timeout=time_limit_s, catch=(), callbacks=callbacks)
+                    study.optimize(objective, timeout=ctx.time_limit_s, catch=(), callbacks=callbacks)
         except KeyboardInterrupt:
-            problem.interrupted = True
+            ctx.interrupt()
         except Exception as e:  # a Ctrl-C inside Optuna's own bookkeeping comes out as another error
             if not from_interrupt(e):
                 raise
-            problem.interrupted = True
-        if isinstance(storage, optuna.storages.RDBStorage) and not problem.interrupted:
+            ctx.interrupt()
+        if isinstance(storage, optuna.storages.RDBStorage) and not ctx.interrupted:
             _settle(study, storage, objective)
         absorb()  # other workers' trials on a shared storage
         return study
@@ -359,11 +358,11 @@ class OptunaTPE(OptunaSearcher):
     name = "optuna-tpe"
     summary = "Optuna TPE (multivariate) over the parametric rule's knobs, budget as a constraint"
 
-    def _sampler(self, problem: Problem) -> Any:
+    def _sampler(self, ctx: SearchContext) -> Any:
         import optuna
 
         return optuna.samplers.TPESampler(
-            seed=problem.seed, multivariate=True, n_startup_trials=10, **_constraints_kwargs()
+            seed=ctx.seed, multivariate=True, n_startup_trials=10, **_constraints_kwargs()
         )
 
 
@@ -373,10 +372,10 @@ class OptunaNSGA2(OptunaSearcher):
     summary = "Optuna NSGA-II over the parametric rule's knobs: samples/s against peak (Pareto), budget constraint"
     multi_objective = True
 
-    def _sampler(self, problem: Problem) -> Any:
+    def _sampler(self, ctx: SearchContext) -> Any:
         import optuna
 
-        return optuna.samplers.NSGAIISampler(seed=problem.seed, population_size=20, **_constraints_kwargs())
+        return optuna.samplers.NSGAIISampler(seed=ctx.seed, population_size=20, **_constraints_kwargs())
 
 
 def remaining(deadline: float | None) -> float | None:

@@ -1,19 +1,19 @@
 """The default searcher: baselines, refinement, then Optuna warm-started with them, then more refinement.
 
 1. Every heuristic baseline runs (about a second on ResNet-101); their results become the warm-start seeds
-   (``Problem.seeds``), unless the caller already ran them and passed them in. The pretrained agent's one
+   (``SearchContext.seeds``), unless the caller already ran them and passed them in. The pretrained agent's one
    pass (agents/pretrained.py, under a second on ResNet-101) joins them.
 2. Per-tensor refinement (agents/refine.py) of the best seed (repairing the seeds in turn while nothing
    fits): early, since it finds most of what a long search adds to the seeds, in seconds.
 3. Optuna over the parametric rule (agents/optuna_search.py) for most of the remaining time (or
-   ``Problem.trials`` trials): NSGA-II from keep-all alone, then TPE whose starts are the seeds (one trial
-   per feasible seed enqueued first). Study names: the problem's, suffixed ``.explore`` and
+   ``SearchContext.trials`` trials): NSGA-II from keep-all alone, then TPE whose starts are the seeds (one trial
+   per feasible seed enqueued first). Study names: the context's (or the problem's), suffixed ``.explore`` and
    ``.seeded``. What Optuna finds better is refined in turn.
 4. Iterated local search: random perturbations of the best, each refined.
 
 The best feasible result of all wins, so the portfolio is never below its seeds. Without a time limit it
 runs ``DEFAULT_TIME_S``; within a time limit it stops early once converged (``EARLY_STOP``), setting
-``Problem.converged_s``. The per-problem RL searcher (``ppo``) has not earned a place here.
+``RunState.converged_s``. The per-problem RL searcher (``ppo``) has not earned a place here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, SearchResult, baseline_names, get_searcher, register
+from agents.base import Problem, Proposal, SearchContext, Searcher, SearchResult, baseline_names, get_searcher, register
 from agents.optuna_search import OptunaNSGA2, OptunaSearcher, OptunaTPE, _Best, remaining, study_name
 from agents.refine import refine
 from runtime.errors import AutotuneError
@@ -35,11 +35,12 @@ DEFAULT_TIME_S = 45.0
 #: portfolio with it, in the same time, was faster in more held-out cells than it was slower).
 AGENT_SEED = True
 #: Stop before the time limit once converged (``_Watch``). Only where the search is bounded by time
-#: (``Problem.trials`` 0): a set number of trials is run to the end.
+#: (``SearchContext.trials`` 0): a set number of trials is run to the end.
 EARLY_STOP = True
 IMPROVEMENT = 1e-3  # relative: smaller gains are taken but do not keep the search going
 STALE_MIN_S = 3.0
 OPTUNA_SHARE = 0.75  # of the time left after the baselines and the first refinement; the rest: refinement, perturbation
+Seeds = tuple[SearchResult, ...]
 
 
 @register
@@ -49,37 +50,37 @@ class Portfolio(Searcher):
     summary = "baselines, then Optuna TPE warm-started with them, then per-tensor refinement; the best wins"
     study_key: ClassVar[str] = OptunaTPE.name  # study names: the problem's for this key, suffixed per phase
 
-    def _initial_seeds(self, problem: Problem) -> None:
+    def _initial_seeds(self, problem: Problem, ctx: SearchContext) -> Seeds:
         """The warm-start seeds: every heuristic baseline, unless the caller passed seeds; then the pretrained
         agent's one pass (agents/pretrained.py), under a second, unless a seed came from it already."""
-        if not problem.seeds:
+        seeds = list(ctx.seeds)
+        if not seeds:
             for name in baseline_names():
-                if problem.interrupted:
+                if ctx.interrupted:
                     break
-                problem.seeds.append(get_searcher(name).search(problem))
-                if problem.progress is not None:
-                    problem.progress(f"baseline {name}", None)
-        if AGENT_SEED and not problem.interrupted and all(r.searcher != "ppo-onepass" for r in problem.seeds):
+                seeds.append(get_searcher(name).search(problem, ctx))
+                ctx.report(f"baseline {name}")
+        if AGENT_SEED and not ctx.interrupted and all(r.searcher != "ppo-onepass" for r in seeds):
             try:
-                problem.seeds.append(get_searcher("ppo-onepass").search(problem))
+                seeds.append(get_searcher("ppo-onepass").search(problem, ctx))
             except AutotuneError as e:  # a broken agent file must not cost the search its answer
                 warnings.warn(f"the pretrained agent's seed is left out: {e}", stacklevel=2)
-            if problem.progress is not None:
-                problem.progress("ppo-onepass", None)
+            ctx.report("ppo-onepass")
+        return tuple(seeds)
 
-    def _phases(self, problem: Problem) -> list[tuple[float, list[SearchResult], str, OptunaSearcher]]:
+    def _phases(self, seeds: Seeds) -> list[tuple[float, Seeds, str, OptunaSearcher]]:
         """(share of the Optuna time left, seeds, study-name suffix, searcher) per Optuna phase."""
-        return [(0.5, [], ".explore", OptunaNSGA2()), (1.0, problem.seeds, ".seeded", OptunaTPE())]
+        return [(0.5, (), ".explore", OptunaNSGA2()), (1.0, seeds, ".seeded", OptunaTPE())]
 
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         started = time.perf_counter()
-        limit = DEFAULT_TIME_S if problem.time_limit_s is None else problem.time_limit_s
+        limit = DEFAULT_TIME_S if ctx.time_limit_s is None else ctx.time_limit_s
         deadline = started + limit
-        self._initial_seeds(problem)
+        seeds = self._initial_seeds(problem, ctx)
         best = _Best()
-        watch = _Watch(best, started) if EARLY_STOP and problem.trials == 0 else None
+        watch = _Watch(best, started) if EARLY_STOP and ctx.trials == 0 else None
         winner = ""
-        for r in problem.seeds:
+        for r in seeds:
             if best.offer(r.policy.to_vector(problem.workload), r.policy.options, r.result):
                 winner = r.searcher
         if _seen(problem, best):
@@ -87,65 +88,63 @@ class Portfolio(Searcher):
         # Refinement first: past the seeds, most of what a long search finds is refinement's, and it finds it
         # in seconds (experiments/bench_anytime.py: on ResNet-101 and GPT-2 the last 0.1-0.5% came from the
         # refinement after 45 s of Optuna, within a few seconds of its start).
-        if self._refined(problem, best, deadline, repair=True):
+        if self._refined(problem, ctx, best, deadline, repair=seeds):
             winner += " + refine"
         # Optuna twice: NSGA-II from keep-all alone (TPE, given the seeds as starts, settles on the best seed
         # and stops exploring; NSGA-II alone beat TPE alone in most cells of experiments/bench_quality.py),
         # then TPE from the seeds. Two studies, since their ``start`` choices differ.
-        name = problem.study_name or study_name(problem, self.study_key)
-        seeds = problem.seeds
+        name = ctx.study_name or study_name(problem, self.study_key)
         optuna_found = False
-        for share, phase_seeds, suffix, searcher in self._phases(problem):
-            if problem.interrupted or remaining(deadline) == 0 or (watch is not None and watch.converged()):
+        for share, phase_seeds, suffix, searcher in self._phases(seeds):
+            if ctx.interrupted or remaining(deadline) == 0 or (watch is not None and watch.converged()):
                 break
-            budget_s = (remaining(deadline) or 0.0) * OPTUNA_SHARE * share
-            trials = None if problem.trials is None else (problem.trials + 1) // 2
+            phase = ctx.derive(
+                seeds=phase_seeds,
+                study_name=name + suffix,
+                time_limit_s=(remaining(deadline) or 0.0) * OPTUNA_SHARE * share,
+                trials=None if ctx.trials is None else (ctx.trials + 1) // 2,
+            )
             before = best.result
-            problem.seeds, problem.study_name = phase_seeds, name + suffix
-            try:
-                searcher.optimize(problem, best, time_limit_s=budget_s, trials=trials, stop=watch)
-            finally:
-                problem.seeds, problem.study_name = seeds, name
+            searcher.optimize(problem, phase, best, stop=watch)
             if best.result is not before:
                 winner, optuna_found = searcher.name, True
-        if optuna_found and self._refined(problem, best, deadline, repair=False):
+        if optuna_found and self._refined(problem, ctx, best, deadline):
             winner += " + refine"
-        if not problem.interrupted and best.actions is not None and best.options is not None:
+        if not ctx.interrupted and best.actions is not None and best.options is not None:
             before = best.result
             try:
-                _iterated(problem, best, deadline, watch)
+                _iterated(problem, ctx, best, deadline, watch)
             except KeyboardInterrupt:
-                problem.interrupted = True
+                ctx.interrupt()
             if best.result is not before:
                 winner += " + perturbation"
         if _seen(problem, best):
             winner += " + a policy simulated on the way"
-        if watch is not None and not problem.interrupted and remaining(deadline):
-            problem.converged_s = time.perf_counter() - started
+        if watch is not None and not ctx.interrupted and remaining(deadline):
+            ctx.state.converged_s = time.perf_counter() - started
         assert best.actions is not None
         return Proposal(best.actions, options=best.options, note=f"won by {winner}" if winner else "")
 
     @staticmethod
-    def _refined(problem: Problem, best: _Best, deadline: float, *, repair: bool) -> bool:
-        """Refine the best policy (agents/refine.py); while nothing fits and ``repair``, repair from every
-        seed in turn, lowest peak first. True when that made the best better."""
-        if problem.interrupted or best.actions is None or best.options is None or remaining(deadline) == 0:
+    def _refined(problem: Problem, ctx: SearchContext, best: _Best, deadline: float, repair: Seeds = ()) -> bool:
+        """Refine the best policy (agents/refine.py); while nothing fits, repair from every seed of ``repair``
+        in turn, lowest peak first. True when that made the best better."""
+        if ctx.interrupted or best.actions is None or best.options is None or remaining(deadline) == 0:
             return False
         before = best.result
         starts = [(best.actions, best.options)]
-        if repair and best.result is not None and not best.result.feasible:
-            ranked = sorted(problem.seeds, key=lambda r: r.result.peak_bytes)
+        if best.result is not None and not best.result.feasible:
+            ranked = sorted(repair, key=lambda r: r.result.peak_bytes)
             starts += [(r.policy.to_vector(problem.workload), r.policy.options) for r in ranked]
         try:
             for actions, options in starts:
                 actions, options, result = refine(problem, actions, options, deadline=deadline)
                 best.offer(actions, options, result)
-                if problem.progress is not None:
-                    problem.progress("refine", best.result)
+                ctx.report("refine", best.result)
                 if result.feasible or remaining(deadline) == 0:
                     break
         except KeyboardInterrupt:
-            problem.interrupted = True
+            ctx.interrupt()
         return best.result is not before
 
 
@@ -187,12 +186,12 @@ class _Watch:
 PERTURB_ROUNDS = 30
 
 
-def _iterated(problem: Problem, best: _Best, deadline: float, watch: _Watch | None = None) -> None:
+def _iterated(problem: Problem, ctx: SearchContext, best: _Best, deadline: float, watch: _Watch | None = None) -> None:
     """Iterated local search: perturb the best policy (a quarter of its decisions, at least two, set to
     random actions), repair and refine it, keep it if better; ``PERTURB_ROUNDS`` rounds, or until the
     deadline, or until ``watch`` says the search has converged. Local optima of refinement can be several
     changes away from better policies."""
-    rng = np.random.default_rng(problem.seed)
+    rng = np.random.default_rng(ctx.seed)
     moves = np.array([KEEP, SWAP, RECOMPUTE], dtype=np.int8)
     for _ in range(PERTURB_ROUNDS):
         if remaining(deadline) == 0 or best.actions is None or best.options is None:
@@ -204,5 +203,4 @@ def _iterated(problem: Problem, best: _Best, deadline: float, watch: _Watch | No
         trial[picked] = rng.choice(moves, size=len(picked))
         actions, options, result = refine(problem, trial, best.options, deadline=deadline, windows=False)
         best.offer(actions, options, result)
-        if problem.progress is not None:
-            problem.progress("perturbation", best.result)
+        ctx.report("perturbation", best.result)

@@ -50,9 +50,9 @@ from typing import Any
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, SearchResult, better, register
+from agents.base import Problem, Proposal, SearchContext, Searcher, better, register
 from agents.optuna_search import OptunaSearcher, OptunaTPE
-from agents.portfolio import Portfolio
+from agents.portfolio import Portfolio, Seeds
 from agents.refine import fastest_lookahead
 from agents.rule import LOOKAHEADS
 from envs.simulator import SimResult
@@ -382,7 +382,7 @@ class PretrainedOnePass(Searcher):
     composite = True
     summary = "one pass of the pretrained agent (agents/data/ppo_pretrained.pt): a policy for any model in < 1 s"
 
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         p = one_pass(load_agent(), problem)
         how = "rollout fit" if p.rollout_feasible else f"fit by dropping {p.fitted} more"
         note = f"one pass in {p.wall_s:.2f} s ({how}, {p.given_back} given back, {p.switched} switched)"
@@ -396,12 +396,11 @@ class PretrainedPPO(Portfolio):
     summary = "one pass of the pretrained agent, then Optuna TPE warm-started from it and per-tensor refinement"
     study_key = name
 
-    def _initial_seeds(self, problem: Problem) -> None:
+    def _initial_seeds(self, problem: Problem, ctx: SearchContext) -> Seeds:
         """The agent's one pass joins whatever seeds the caller passed (the baselines, in `autotune search`)."""
-        r = PretrainedOnePass().search(problem)
-        problem.seeds.append(r)
-        if problem.progress is not None:
-            problem.progress("ppo-onepass", r.result)
+        r = PretrainedOnePass().search(problem, ctx)
+        ctx.report("ppo-onepass", r.result)
+        return (*ctx.seeds, r)
 
-    def _phases(self, problem: Problem) -> list[tuple[float, list[SearchResult], str, OptunaSearcher]]:
-        return [(1.0, problem.seeds, ".seeded", OptunaTPE())]
+    def _phases(self, seeds: Seeds) -> list[tuple[float, Seeds, str, OptunaSearcher]]:
+        return [(1.0, seeds, ".seeded", OptunaTPE())]

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from agents.base import RELEASES, Problem, Proposal, Searcher, register
+from agents.base import RELEASES, Problem, Proposal, SearchContext, Searcher, register
 from agents.rule import LOOKAHEADS, RuleParams, ranked_moves
 from envs.simulator import SimResult
 from runtime.policy import PolicyOptions
@@ -269,14 +269,14 @@ class Refine(Searcher):
     composite = True
     summary = "per-tensor local search from the best heuristic's policy (DTR, Capuchin, checkpoint-sqrt)"
 
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         from agents.base import get_searcher
 
         start, start_options, start_result = problem.keep_all(), problem.options, None
         for name in ("capuchin", "dtr", "checkpoint-sqrt"):
-            r = get_searcher(name).search(problem)
+            r = get_searcher(name).search(problem, ctx)
             if r.feasible and (start_result is None or r.result.samples_per_s > start_result.samples_per_s):
                 start, start_options, start_result = r.policy.to_vector(problem.workload), r.policy.options, r.result
-        deadline = None if problem.time_limit_s is None else time.perf_counter() + problem.time_limit_s
+        deadline = None if ctx.time_limit_s is None else time.perf_counter() + ctx.time_limit_s
         actions, options, _ = refine(problem, start, start_options, deadline=deadline)
         return Proposal(actions, options=options)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from agents.base import Problem, Proposal, Searcher, better, register
+from agents.base import Problem, Proposal, SearchContext, Searcher, better, register
 
 DEFAULT_EPISODES = 40
 
@@ -29,7 +29,7 @@ class MaskablePPOSearcher(Searcher):
     composite = True
     summary = "MaskablePPO (sb3-contrib) trained on MemoryPolicyEnv for this problem; the best policy seen wins"
 
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         import torch
         from sb3_contrib import MaskablePPO
         from stable_baselines3.common.callbacks import BaseCallback
@@ -41,16 +41,16 @@ class MaskablePPOSearcher(Searcher):
         if env.baseline.feasible:  # no policy fits: nothing to learn (and nothing is faster)
             return Proposal(problem.keep_all(), note="no policy fits the budget")
         k = env.k
-        episodes = problem.trials if problem.trials else DEFAULT_EPISODES
-        deadline = None if problem.time_limit_s is None else time.perf_counter() + problem.time_limit_s
+        episodes = ctx.trials if ctx.trials else DEFAULT_EPISODES
+        deadline = None if ctx.time_limit_s is None else time.perf_counter() + ctx.time_limit_s
         n_steps = max(64, min(2048, 4 * k))
 
         class Stop(BaseCallback):  # type: ignore[misc]
             """Ends learning at the deadline or on Ctrl-C (the best policy so far stands)."""
 
             def _on_step(self) -> bool:
-                if problem.progress is not None and env.best is not None and self.n_calls % k == 0:
-                    problem.progress("ppo", env.best.result)
+                if env.best is not None and self.n_calls % k == 0:
+                    ctx.report("ppo", env.best.result)
                 return deadline is None or time.perf_counter() < deadline
 
         threads = torch.get_num_threads()
@@ -65,7 +65,7 @@ class MaskablePPOSearcher(Searcher):
                 learning_rate=3e-4,
                 ent_coef=0.01,
                 policy_kwargs={"net_arch": [64, 64]},
-                seed=problem.seed,
+                seed=ctx.seed,
                 device="cpu",
                 verbose=0,
             )
@@ -75,7 +75,7 @@ class MaskablePPOSearcher(Searcher):
             try:
                 model.learn(total_timesteps=episodes * k, callback=Stop())
             except KeyboardInterrupt:
-                problem.interrupted = True
+                ctx.interrupt()
             start = "pretrained actor" if warm else "fresh actor"
             # The trained actor's one pass (agents/pretrained.py: its rollout, decoded with the simulator).
             decoded = one_pass(from_sb3(model.policy), problem)

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from agents.base import Problem, SearchResult, Status, baseline_names, get_searcher
+from agents.base import Problem, SearchContext, SearchResult, Status, baseline_names, get_searcher
 from autotune.budget import Budget, record_budget
 from autotune.units import format_bytes
 
@@ -25,7 +25,7 @@ def select_methods(only: str | None) -> list[str]:
     return names
 
 
-def run_baselines(problem: Problem, methods: list[str], err: Console) -> list[SearchResult]:
+def run_baselines(problem: Problem, ctx: SearchContext, methods: list[str], err: Console) -> list[SearchResult]:
     results = []
     with Progress(
         TextColumn("{task.description}"),
@@ -38,7 +38,7 @@ def run_baselines(problem: Problem, methods: list[str], err: Console) -> list[Se
         task = progress.add_task("baselines", total=len(methods))
         for name in methods:
             progress.update(task, description=f"running {name}")
-            results.append(get_searcher(name).search(problem))
+            results.append(get_searcher(name).search(problem, ctx))
             progress.advance(task)
     return results
 

@@ -228,7 +228,7 @@ def baselines(
     as_json: JsonOpt = False,
 ) -> None:
     """Run every published heuristic and exact solver at the budget and compare them."""
-    from agents.base import Problem
+    from agents.base import Problem, SearchContext
     from autotune import baselines as bl
     from autotune import search as sr
     from autotune.budget import plan_budget
@@ -259,10 +259,9 @@ def baselines(
         plan.planned_bytes,
         options=PolicyOptions(lossy=allow_compress),
         allow_compress=allow_compress,
-        time_limit_s=time_limit,
     )
     sr.check_budget(problem, plan)
-    results = bl.run_baselines(problem, methods, err)
+    results = bl.run_baselines(problem, SearchContext(time_limit_s=time_limit), methods, err)
     table = bl.rows(problem, results)
     if save is not None:
         bl.save(save, problem, results, plan)
@@ -328,7 +327,7 @@ def search(
     as_json: JsonOpt = False,
 ) -> None:
     """Find the fastest policy within the budget and write it as a policy file (the main job)."""
-    from agents.base import Problem
+    from agents.base import Problem, SearchContext
     from agents.finalists import Finalists
     from agents.optuna_search import check_storage, existing_trials, study_name
     from autotune import search as sr
@@ -381,25 +380,28 @@ def search(
         plan.planned_bytes,
         options=PolicyOptions(lossy=allow_compress),
         allow_compress=allow_compress,
+        finalists=Finalists(plan.planned_bytes, capacity=4 * k) if k else None,
+    )
+    # The portfolio keeps the name its studies always had; another searcher gets its own, so that two
+    # searchers on one problem never share a study (their trials' parameters can differ).
+    name = study or study_name(problem, "optuna-tpe" if searcher == "portfolio" else searcher)
+    ctx = SearchContext(
         time_limit_s=timeout,
         seed=seed,
         trials=trials if trials is not None else 0,
         storage=storage,
+        study_name=name,
         heartbeat_s=heartbeat,
     )
-    if k:
-        problem.finalists = Finalists(problem.budget_bytes, capacity=4 * k)
-    # The portfolio keeps the name its studies always had; another searcher gets its own, so that two
-    # searchers on one problem never share a study (their trials' parameters can differ).
-    problem.study_name = study or study_name(problem, "optuna-tpe" if searcher == "portfolio" else searcher)
     sr.check_budget(problem, plan)
-    resumed = existing_trials(storage, problem.study_name)
+    resumed = existing_trials(storage, name)
     if resumed:
         more = f"up to {max(0, trials - resumed)} more (--trials is the study's total)" if trials else "more"
-        err.print(f"resuming study {problem.study_name} in {storage}: {resumed} trials found, running {more}")
+        err.print(f"resuming study {name} in {storage}: {resumed} trials found, running {more}")
     path = out_path or Path(f"{w.model.replace(':', '_').replace('/', '_')}.policy.json")
     outcome = sr.run_search(
         problem,
+        ctx,
         searcher,
         out=path,
         milp=milp,
@@ -424,7 +426,7 @@ def search(
         sr.render(out, outcome)
     if outcome.interrupted:
         where = f"the best policy so far is in {path}" if outcome.written else "no policy fits yet"
-        err.print(f"interrupted: {where}; resume with --storage {storage} --study {problem.study_name}")
+        err.print(f"interrupted: {where}; resume with --storage {storage} --study {name}")
         raise SystemExit(130)
     if not outcome.written:
         err.print(f"[bold red]error:[/] {sr.no_answer(outcome)}", highlight=False)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from agents.base import Problem, SearchResult, Status, baseline_names, best_of, get_searcher
+from agents.base import Problem, SearchContext, SearchResult, Status, baseline_names, best_of, get_searcher
 from agents.finalists import Finalists
 from autotune.measured import MeasuredSearch, answer_policy
 from autotune.search import budget_floor
@@ -177,10 +177,13 @@ class MaxBatch:
     def _problem(self, b: int) -> Problem:
         if b not in self._problems:  # one per size, so its simulator is built once
             w = self.workload(b)
-            self._problems[b] = Problem(
-                w, self.hw, self.planned, time_limit_s=self.per_size_s, seed=self.seed, trials=0
-            )
+            self._problems[b] = Problem(w, self.hw, self.planned)
         return self._problems[b]
+
+    @property
+    def ctx(self) -> SearchContext:
+        """How each size is searched: ``per_size_s`` seconds under the seed, stopping early once converged."""
+        return SearchContext(time_limit_s=self.per_size_s, seed=self.seed, trials=0)
 
     def baselines(self, b: int) -> tuple[SimResult, list[SearchResult]]:
         """The no-policy result at ``b`` and every published heuristic's (none run when no policy can meet
@@ -191,7 +194,7 @@ class MaxBatch:
             seeds: list[SearchResult] = []
             if budget_floor(problem) <= self.planned:
                 self.progress(f"baselines at batch {b}")
-                seeds = [get_searcher(n).search(problem) for n in baseline_names()]
+                seeds = [get_searcher(n).search(problem, self.ctx) for n in baseline_names()]
             self._baselines[b] = (no_policy, seeds)
         return self._baselines[b]
 
@@ -224,8 +227,7 @@ class MaxBatch:
                 vec = prev.policy.to_vector(self.workload(self._last_fit.batch_size))
                 policy = Policy.from_vector(w, vec, hardware=self.hw.name, options=prev.policy.options)
                 seeds.append(_as_seed(problem, policy, f"batch-{self._last_fit.batch_size}"))
-            problem.seeds = seeds
-            found = get_searcher("portfolio").search(problem)
+            found = get_searcher("portfolio").search(problem, self.ctx.derive(seeds=tuple(seeds)))
             slowdown = no_policy.samples_per_s / found.result.samples_per_s - 1 if found.feasible else None
             fits = self._fits(no_policy, found)
             r = SizeResult(b, fits, no_policy.peak_bytes <= self.planned, no_policy, found, slowdown)
@@ -270,16 +272,15 @@ class MaxBatch:
             self.progress(f"tracing batch {b} in real mode")
             backend = backend_at(b)
             problem = Problem(
-                backend.workload, self.hw, self.planned, time_limit_s=self.per_size_s, seed=self.seed, trials=0
+                backend.workload, self.hw, self.planned, finalists=Finalists(self.planned, capacity=4 * k)
             )
-            problem.finalists = Finalists(problem.budget_bytes, capacity=4 * k)
             no_policy = problem.simulator.run(problem.keep_all(), budget_bytes=self.planned)
             self.progress(f"searching batch {b} on its real-mode trace")
-            baselines = [get_searcher(n).search(problem) for n in baseline_names()]
+            baselines = [get_searcher(n).search(problem, self.ctx) for n in baseline_names()]
             simulated = self.results[b].found
             assert simulated is not None
-            problem.seeds = [*baselines, _as_seed(problem, simulated.policy, f"batch-{b}-fake-trace")]
-            found = get_searcher("portfolio").search(problem)
+            seeds = (*baselines, _as_seed(problem, simulated.policy, f"batch-{b}-fake-trace"))
+            found = get_searcher("portfolio").search(problem, self.ctx.derive(seeds=seeds))
             if not self._fits(no_policy, found):
                 continue
             self.progress(f"measuring batch {b}")

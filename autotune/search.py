@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from agents.base import Problem, SearchResult, Status, baseline_names, best_of, better, get_searcher
+from agents.base import Problem, SearchContext, SearchResult, Status, baseline_names, best_of, better, get_searcher
 from autotune.budget import Budget, record_budget
 from autotune.measured import ANSWER, MeasuredSearch, answer_policy
 from autotune.units import format_bytes
@@ -30,13 +30,14 @@ from runtime.workload import Phase
 @dataclass
 class SearchOutcome:
     problem: Problem
+    ctx: SearchContext
     found: SearchResult
     baselines: list[SearchResult]
     milp: SearchResult | None
     no_policy: SimResult
     policy_path: Path
     wall_s: float
-    interrupted: bool = False  # the study's name is problem.study_name
+    interrupted: bool = False
     notes: list[str] = field(default_factory=list)
     measured: MeasuredSearch | None = None  # --measure: the finalists as trained (NOTE [ Measured search ])
     written: bool = False  # the answer is in policy_path (write_answer)
@@ -158,6 +159,7 @@ PLAIN_EVERY_S = 10.0  # seconds between progress lines where stderr is not a ter
 
 def run_search(
     problem: Problem,
+    ctx: SearchContext,
     searcher: str,
     *,
     out: Path,
@@ -174,7 +176,7 @@ def run_search(
     started = time.perf_counter()
     get_searcher(searcher)  # an unknown name fails before any work
     no_policy = problem.simulator.run(problem.keep_all(), budget_bytes=problem.budget_bytes)
-    limit = problem.time_limit_s
+    limit = ctx.time_limit_s
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -204,33 +206,28 @@ def run_search(
                 last_line[0] = now
                 err.print(f"{now - started:.0f} s: {phase}" + (f"; {shown}" if shown else ""), highlight=False)
 
-        problem.progress = report
+        ctx = ctx.derive(progress=report)
         baselines: list[SearchResult] = []
         try:
             for name in baseline_names():
                 report(f"baseline {name}", None)
-                baselines.append(get_searcher(name).search(problem))
+                baselines.append(get_searcher(name).search(problem, ctx))
         except KeyboardInterrupt:
-            problem.interrupted = True
-        problem.seeds = list(baselines)
+            ctx.interrupt()
         milp_result = None
-        if milp and not problem.interrupted:
+        if milp and not ctx.interrupted:
             report("milp (exact, coarsened)", None)
-            saved_limit, problem.time_limit_s = problem.time_limit_s, milp_time_s
             try:
-                milp_result = get_searcher("milp").search(problem)
+                milp_result = get_searcher("milp").search(problem, ctx.derive(time_limit_s=milp_time_s))
             except KeyboardInterrupt:
-                problem.interrupted = True
-            finally:
-                problem.time_limit_s = saved_limit
-        if limit is not None:
-            problem.time_limit_s = max(1.0, limit - (time.perf_counter() - started))
-        found = best_of(baselines) if problem.interrupted else None
+                ctx.interrupt()
+        left_s = None if limit is None else max(1.0, limit - (time.perf_counter() - started))
+        found = best_of(baselines) if ctx.interrupted else None
         if found is None:
             try:
-                found = get_searcher(searcher).search(problem)
+                found = get_searcher(searcher).search(problem, ctx.derive(seeds=tuple(baselines), time_limit_s=left_s))
             except KeyboardInterrupt:  # outside the searchers' own handling: keep what the baselines found
-                problem.interrupted = True
+                ctx.interrupt()
                 found = best_of(baselines)
         if found is None:
             raise KeyboardInterrupt
@@ -242,13 +239,14 @@ def run_search(
         record_budget(found.policy, user_budget_bytes)
     return SearchOutcome(
         problem,
+        ctx,
         found,
         baselines,
         milp_result,
         no_policy,
         out,
         time.perf_counter() - started,
-        problem.interrupted,
+        ctx.interrupted,
     )
 
 
@@ -317,12 +315,12 @@ def to_json(outcome: SearchOutcome) -> dict[str, Any]:
         "no_policy_peak_bytes": outcome.no_policy.peak_bytes,
         "bytes_by_action": memory_by_action(p, f.policy),
         "policy_path": str(outcome.policy_path),
-        "study_name": outcome.problem.study_name,
-        "storage": p.storage,
+        "study_name": outcome.ctx.study_name,
+        "storage": outcome.ctx.storage,
         "evaluations": p.evaluations,
         "simulations": p.evaluations - p.cached,  # the evaluations not answered from the cache
         "wall_s": outcome.wall_s,
-        "converged": p.converged_s is not None,  # the search stopped early, before --timeout
+        "converged": outcome.ctx.state.converged_s is not None,  # the search stopped early, before --timeout
         "interrupted": outcome.interrupted,
         "written": outcome.written,
         "measured": _measured_json(outcome),
@@ -391,7 +389,7 @@ def render(out: Console, outcome: SearchOutcome) -> None:
     if outcome.measured is not None:
         render_measured(out, outcome.measured)
     if outcome.written:
-        converged = "; converged, stopped before the time limit" if p.converged_s is not None else ""
+        converged = "; converged, stopped before the time limit" if outcome.ctx.state.converged_s is not None else ""
         out.print(
             f"policy written to {outcome.policy_path} ({p.evaluations - p.cached:,} simulations, {outcome.wall_s:.1f} s"
             f"{converged}); check it with `autotune simulate --policy {outcome.policy_path}`"

@@ -25,7 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from agents.base import Problem, SearchResult, baseline_names, best_of, get_searcher
+from agents.base import Problem, SearchContext, SearchResult, baseline_names, best_of, get_searcher
 from agents.optuna_search import storage_for
 from autotune.budget import budget_of, record_budget
 from autotune.search import budget_floor, format_bytes
@@ -136,10 +136,10 @@ def run_cell(
     )
     attrs = study.user_attrs
     done: list[str] = list(attrs.get("done", []))
-    problem = Problem(
-        w, hw, budget_bytes, time_limit_s=timeout_s, seed=seed, trials=trials, storage=storage, study_name=name
+    problem = Problem(w, hw, budget_bytes)
+    ctx = SearchContext(
+        time_limit_s=timeout_s, seed=seed, trials=trials, storage=storage, study_name=name, heartbeat_s=heartbeat_s
     )
-    problem.heartbeat_s = heartbeat_s
     no_policy = problem.simulator.run(problem.keep_all(), budget_bytes=budget_bytes)
     cell = CellResult(
         w.model, w.batch_size, hw.name, budget_bytes, name, _sim_json(no_policy), reserve_bytes=reserve_bytes
@@ -175,7 +175,7 @@ def run_cell(
     seeds: list[SearchResult] = []
     if ("baselines" in methods and "baselines" not in done) or need_optuna:
         say("baselines")
-        seeds = [get_searcher(n).search(problem) for n in baseline_names()]
+        seeds = [get_searcher(n).search(problem, ctx) for n in baseline_names()]
         if "baselines" in methods and "baselines" not in done:
             summary = {r.searcher: {**_sim_json(r.result), "status": r.status.value} for r in seeds}
             study.set_user_attr("baselines", summary)
@@ -184,13 +184,11 @@ def run_cell(
             study.set_user_attr("done", done)
     if need_optuna:
         say("optuna")
-        problem.seeds = seeds
-        found = get_searcher("optuna-tpe").search(problem)
+        found = get_searcher("optuna-tpe").search(problem, ctx.derive(seeds=tuple(seeds)))
         _offer(study, "optuna", found, w)
     if "ppo" in methods and "ppo" not in done:
         say("ppo")
-        ppo_problem = Problem(w, hw, budget_bytes, time_limit_s=timeout_s, seed=seed)
-        found = get_searcher("ppo").search(ppo_problem)
+        found = get_searcher("ppo").search(problem, SearchContext(time_limit_s=timeout_s, seed=seed))
         study.set_user_attr("ppo", _sim_json(found.result))
         _offer(study, "ppo", found, w)
         done.append("ppo")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import csv
 
-from agents.base import Problem, baseline_names, get_searcher
+from agents.base import Problem, SearchContext, baseline_names, get_searcher
 from autotune.workloads import TraceRequest, trace_model
 from runtime.hardware import get_profile
 from runtime.workload import peak_report
@@ -33,10 +33,10 @@ def main() -> None:
         w, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq))
         peak = peak_report(w, hw.alloc_granularity_bytes).peak_bytes
         for fraction in FRACTIONS:
-            problem = Problem(w, hw, int(peak * fraction), time_limit_s=args.time_limit)
+            problem = Problem(w, hw, int(peak * fraction))
             row = {"model": model, "batch": batch, "budget": f"{fraction:.0%}", "budget_gib": peak * fraction / 2**30}
             for name in methods:
-                r = get_searcher(name).search(problem)
+                r = get_searcher(name).search(problem, SearchContext(time_limit_s=args.time_limit))
                 # A timed-out solver's incumbent counts when it fits the budget.
                 row[name] = r.result.samples_per_s if r.result.feasible else None
                 row[f"{name}_status"] = r.status.value

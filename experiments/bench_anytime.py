@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from agents import portfolio
-from agents.base import Problem, SearchResult, baseline_names, get_searcher
+from agents.base import Problem, SearchContext, SearchResult, baseline_names, get_searcher
 from autotune.models import default_batch_size
 from autotune.workloads import TraceRequest, trace_model
 from envs.simulator import SimResult
@@ -62,15 +62,15 @@ class _History:
 
 def run(w, hw, budget: int, limit_s: float, early_stop: bool) -> tuple[SearchResult, float, _History]:  # type: ignore[no-untyped-def]
     """The portfolio as ``autotune search`` runs it: baselines, then the search, within ``limit_s``."""
-    problem = Problem(w, hw, budget, time_limit_s=limit_s, trials=0)
+    problem = Problem(w, hw, budget)
     history = _History(problem)
     started = time.perf_counter()
-    problem.seeds = [get_searcher(n).search(problem) for n in baseline_names()]
-    problem.time_limit_s = max(1.0, limit_s - (time.perf_counter() - started))
+    seeds = tuple(get_searcher(n).search(problem) for n in baseline_names())
+    ctx = SearchContext(time_limit_s=max(1.0, limit_s - (time.perf_counter() - started)), trials=0, seeds=seeds)
     saved = portfolio.EARLY_STOP
     portfolio.EARLY_STOP = early_stop
     try:
-        found = get_searcher("portfolio").search(problem)
+        found = get_searcher("portfolio").search(problem, ctx)
     finally:
         portfolio.EARLY_STOP = saved
     return found, time.perf_counter() - started, history

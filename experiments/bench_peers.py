@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from bench_runtime import checkpoint_blocks  # experiments/ is on the path when run as a script
 
-from agents.base import Problem, get_searcher
+from agents.base import Problem, SearchContext, get_searcher
 from autotune.models import build_model
 from autotune.train import _profile_for
 from envs.simulator import peak_floor
@@ -159,8 +159,8 @@ def main() -> None:
             budget = max(int(peak * scale), floor)
             tries = []
             for _ in range(args.tries):
-                problem = Problem(w, hw, budget_bytes=budget, time_limit_s=args.search_s)
-                found = get_searcher("portfolio").search(problem)
+                problem = Problem(w, hw, budget_bytes=budget)
+                found = get_searcher("portfolio").search(problem, SearchContext(time_limit_s=args.search_s))
                 ours = Variant(name, kwargs, None, found.policy)
                 ours.warm()
                 ours_peak = ours.peak()

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from agents import portfolio
-from agents.base import Problem, SearchResult, baseline_names, get_searcher, list_searchers
+from agents.base import Problem, SearchContext, SearchResult, baseline_names, get_searcher, list_searchers
 from autotune.models import default_batch_size
 from autotune.workloads import TraceRequest, trace_model
 from runtime.hardware import get_profile
@@ -122,10 +122,10 @@ def main() -> None:
 
 
 def cell(w, hw, budget: int, alone: list[str], args: argparse.Namespace, skip: set[str]) -> dict[str, object]:  # type: ignore[no-untyped-def]
-    def problem(time_s: float) -> Problem:
-        return Problem(w, hw, budget, time_limit_s=time_s, trials=0)
+    def within(time_s: float, seeds: tuple[SearchResult, ...] = ()) -> SearchContext:
+        return SearchContext(time_limit_s=time_s, trials=0, seeds=seeds)
 
-    p = problem(args.milp_s)
+    p = Problem(w, hw, budget)
     ceiling = p.simulator.run(p.keep_all()).samples_per_s
     seeds = [get_searcher(n).search(p) for n in baseline_names()]
     feasible = [r for r in seeds if r.feasible]
@@ -136,31 +136,28 @@ def cell(w, hw, budget: int, alone: list[str], args: argparse.Namespace, skip: s
         "heuristic": _speed(top),
     }
     if "milp" not in skip:
-        milp = get_searcher("milp").search(p)
+        milp = get_searcher("milp").search(p, within(args.milp_s))
         row.update(milp=_speed(milp), milp_status=milp.status.value)
     onepass = None
     if args.agent:
         started = time.perf_counter()  # from the trace: the simulator's construction counts
-        onepass = get_searcher("ppo-onepass").search(problem(args.search_s))
+        onepass = get_searcher("ppo-onepass").search(Problem(w, hw, budget), within(args.search_s))
         row["ppo-onepass"] = _speed(onepass)
         row["onepass_s"] = time.perf_counter() - started
     for name in alone:
-        row[name] = _speed(get_searcher(name).search(problem(args.search_s)))
+        row[name] = _speed(get_searcher(name).search(Problem(w, hw, budget), within(args.search_s)))
     if "portfolio" not in skip:
         started = time.perf_counter()
-        pp = problem(args.portfolio_s)
-        pp.seeds = seeds
         portfolio.AGENT_SEED = not args.agent  # --agent: this column without the agent, the next one with it
         try:
-            port = get_searcher("portfolio").search(pp)
+            port = get_searcher("portfolio").search(Problem(w, hw, budget), within(args.portfolio_s, tuple(seeds)))
         finally:
             portfolio.AGENT_SEED = True
         row["portfolio_s"] = time.perf_counter() - started
         row["portfolio"] = _speed(port)
         if onepass is not None:  # the portfolio with the agent's one pass among its seeds, in the same time
-            pa = problem(args.portfolio_s - float(row["onepass_s"]))  # type: ignore[arg-type]
-            pa.seeds = [*seeds, onepass]
-            row["portfolio_agent"] = _speed(get_searcher("portfolio").search(pa))
+            pa = within(args.portfolio_s - float(row["onepass_s"]), (*seeds, onepass))  # type: ignore[arg-type]
+            row["portfolio_agent"] = _speed(get_searcher("portfolio").search(Problem(w, hw, budget), pa))
         h, ps, o = row["heuristic"], row["portfolio"], row.get("optuna-tpe")
         row["portfolio_vs_heuristic"] = ps / h - 1 if isinstance(h, float) and isinstance(ps, float) else None
         row["optuna_vs_portfolio"] = o / ps if isinstance(o, float) and isinstance(ps, float) else None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agents.base import Problem, SearchResult, Status, baseline_names, best_of, get_searcher
+from agents.base import Problem, SearchContext, SearchResult, Status, baseline_names, best_of, get_searcher
 from autotune.search import budget_floor
 from autotune.workloads import TraceRequest, trace_model
 from envs.simulator import SimResult
@@ -123,18 +123,19 @@ def search_cell(
     """``extra_seeds``: policies for this workload found elsewhere (another link, say), scored here and added to
     the portfolio's warm start."""
     started = time.perf_counter()
-    p = Problem(w, hw, budget, time_limit_s=seconds, seed=seed, trials=0)
+    p = Problem(w, hw, budget)
     no_policy = p.simulator.run(p.keep_all(), budget_bytes=budget)
     floor = budget_floor(p)
     if floor > budget:
         return Cell(budget, floor, no_policy, [], None, time.perf_counter() - started)
     heuristics = [get_searcher(n).search(p) for n in baseline_names()]
-    p.seeds = list(heuristics)
+    seeds = list(heuristics)
     for i, policy in enumerate(q for q in extra_seeds if q is not None):
         result = p.evaluate(policy.to_vector(w), policy.options)
         status = Status.FEASIBLE if result.feasible else Status.INFEASIBLE
-        p.seeds.append(SearchResult(f"seed-{i}", policy, result, status, 0.0, 1))
-    found = get_searcher("portfolio").search(p)
+        seeds.append(SearchResult(f"seed-{i}", policy, result, status, 0.0, 1))
+    ctx = SearchContext(time_limit_s=seconds, seed=seed, trials=0, seeds=tuple(seeds))
+    found = get_searcher("portfolio").search(p, ctx)
     return Cell(budget, floor, no_policy, heuristics, found, time.perf_counter() - started)
 
 

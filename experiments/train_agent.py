@@ -123,7 +123,7 @@ def _label(args: tuple[Spec, str, float, float, str]) -> Label:
     import torch
 
     torch.set_num_threads(1)
-    from agents.base import Problem, baseline_names, best_of, get_searcher
+    from agents.base import Problem, SearchContext, baseline_names, best_of, get_searcher
     from autotune.search import budget_floor
     from runtime.hardware import get_profile
 
@@ -134,13 +134,13 @@ def _label(args: tuple[Spec, str, float, float, str]) -> Label:
         return Label(spec, profile, fraction, acts, d["expert_speed"], d["heuristic_speed"], d["heuristic"])
     w = trace(spec, Path(cache))
     hw = get_profile(profile)
-    p = Problem(w, hw, budget_at(w, hw, fraction), time_limit_s=expert_s, trials=0, seed=0)
+    p = Problem(w, hw, budget_at(w, hw, fraction))
     ceiling = p.simulator.run(p.keep_all()).samples_per_s
     label = Label(spec, profile, fraction, None, 0.0, 0.0, "")
     if budget_floor(p) <= p.budget_bytes:
-        p.seeds = [get_searcher(n).search(p) for n in baseline_names()]
-        top = best_of(r for r in p.seeds if r.feasible)
-        found = get_searcher("portfolio").search(p)
+        seeds = tuple(get_searcher(n).search(p) for n in baseline_names())
+        top = best_of(r for r in seeds if r.feasible)
+        found = get_searcher("portfolio").search(p, SearchContext(time_limit_s=expert_s, trials=0, seed=0, seeds=seeds))
         if found.feasible:
             label.actions = found.policy.to_vector(w)
             label.expert_speed = found.result.samples_per_s / ceiling

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from agents.base import Problem, apply_until_fits, get_searcher
+from agents.base import Problem, SearchContext, apply_until_fits, get_searcher
+from agents.portfolio import Portfolio
 from agents.pretrained import AGENT_PATH, Agent, load_agent, one_pass, save_agent
 from envs.memory_env import OBS_FIELDS, OBS_SIZE, MemoryPolicyEnv
 from runtime.errors import AutotuneError
@@ -27,8 +28,8 @@ _HW = get_profile("v100-16gb")
 _PEAK = peak_report(_W, _HW.alloc_granularity_bytes).peak_bytes
 
 
-def problem(fraction: float, **kw) -> Problem:  # type: ignore[no-untyped-def]
-    return Problem(_W, _HW, budget_bytes=int(_PEAK * fraction), **kw)
+def problem(fraction: float) -> Problem:
+    return Problem(_W, _HW, budget_bytes=int(_PEAK * fraction))
 
 
 def constant_agent(bias: list[float], hidden: int = 8) -> Agent:
@@ -166,7 +167,8 @@ def test_one_pass_is_deterministic_and_the_shipped_agent_fits() -> None:
 
 
 def test_ppo_pretrained_is_deterministic_under_a_seed_and_never_below_its_one_pass() -> None:
-    runs = [get_searcher("ppo-pretrained").search(problem(0.95, seed=5, trials=20, time_limit_s=60)) for _ in range(2)]
+    ctx = SearchContext(seed=5, trials=20, time_limit_s=60)
+    runs = [get_searcher("ppo-pretrained").search(problem(0.95), ctx) for _ in range(2)]
     assert np.array_equal(runs[0].policy.to_vector(_W), runs[1].policy.to_vector(_W))
     first = get_searcher("ppo-onepass").search(problem(0.95))
     assert runs[0].feasible and runs[0].result.samples_per_s >= first.result.samples_per_s
@@ -186,9 +188,10 @@ def test_search_command_with_the_pretrained_agent(capsys: pytest.CaptureFixture[
 
 
 def test_the_portfolio_takes_the_one_pass_among_its_seeds() -> None:
-    p = problem(0.95, trials=6, time_limit_s=30)
-    r = get_searcher("portfolio").search(p)
-    seeds = [s.searcher for s in p.seeds]
+    p, ctx = problem(0.95), SearchContext(trials=6, time_limit_s=30)
+    r = get_searcher("portfolio").search(p, ctx)
+    given = Portfolio()._initial_seeds(p, ctx)  # the seeds that search started from
+    seeds = [s.searcher for s in given]
     assert seeds.count("ppo-onepass") == 1 and len(seeds) > 1  # the baselines, then the agent's one pass
-    onepass = next(s for s in p.seeds if s.searcher == "ppo-onepass")
+    onepass = next(s for s in given if s.searcher == "ppo-onepass")
     assert r.feasible and r.result.samples_per_s >= onepass.result.samples_per_s

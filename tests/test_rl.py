@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from agents.base import Problem, get_searcher
+from agents.base import Problem, SearchContext, get_searcher
 from agents.pretrained import from_sb3, one_pass
 from envs.memory_env import MemoryPolicyEnv
 from runtime.hardware import get_profile
@@ -19,13 +19,17 @@ _HW = get_profile("v100-16gb")
 _PEAK = peak_report(_W, _HW.alloc_granularity_bytes).peak_bytes
 
 
-def problem(**kw) -> Problem:  # type: ignore[no-untyped-def]
-    return Problem(_W, _HW, budget_bytes=int(_PEAK * 0.9), time_limit_s=60, trials=40, **kw)
+def problem() -> Problem:
+    return Problem(_W, _HW, budget_bytes=int(_PEAK * 0.9))
+
+
+def context(seed: int = 0) -> SearchContext:
+    return SearchContext(time_limit_s=60, trials=40, seed=seed)
 
 
 def test_ppo_answers_with_its_best_policy_never_below_the_pretrained_one_pass() -> None:
     p = problem()
-    r = get_searcher("ppo").search(p)
+    r = get_searcher("ppo").search(p, context())
     assert r.feasible and "episodes" in r.note and "pretrained actor" in r.note
     assert p.evaluate(r.policy.to_vector(_W), r.policy.options) == r.result
     first = get_searcher("ppo-onepass").search(problem())  # the warm-started actor's one pass before training
@@ -36,13 +40,13 @@ def test_ppo_without_the_pretrained_actor_starts_fresh(monkeypatch) -> None:  # 
     from agents import rl
 
     monkeypatch.setattr(rl, "WARM_START", False)
-    r = get_searcher("ppo").search(problem())
+    r = get_searcher("ppo").search(problem(), context())
     assert r.feasible and "fresh actor" in r.note
 
 
 def test_ppo_is_deterministic_under_a_seed() -> None:
-    a = get_searcher("ppo").search(problem(seed=7)).policy.to_vector(_W)
-    b = get_searcher("ppo").search(problem(seed=7)).policy.to_vector(_W)
+    a = get_searcher("ppo").search(problem(), context(seed=7)).policy.to_vector(_W)
+    b = get_searcher("ppo").search(problem(), context(seed=7)).policy.to_vector(_W)
     assert np.array_equal(a, b)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agents.base import RELEASES, Problem, baseline_names, better, get_searcher
+from agents.base import RELEASES, Problem, SearchContext, baseline_names, better, get_searcher
 from agents.refine import refine
 from agents.rule import LOOKAHEADS, RuleParams, ranked_moves, rule_actions
 from runtime.policy import PolicyOptions, load_policy
@@ -23,12 +23,12 @@ from tests.test_cli import run
 N, S, TAU = 8, 1000, 1e-3
 
 
-def chain_problem(fraction: float, n: int = N, **kw) -> Problem:  # type: ignore[no-untyped-def]
+def chain_problem(fraction: float, n: int = N) -> Problem:
     """An n-layer chain on a slow link: a copy takes 5 ops' time, so swapping is worth it only where it hides."""
     w = chain_workload(n, S, TAU)
     hw = fixed_profile(h2d_bytes_per_s=S / (5 * TAU), d2h_bytes_per_s=S / (5 * TAU))
     peak = peak_report(w, hw.alloc_granularity_bytes).peak_bytes
-    return Problem(w, hw, int(peak * fraction), **kw)
+    return Problem(w, hw, int(peak * fraction))
 
 
 def brute_force(problem: Problem) -> float:
@@ -96,10 +96,11 @@ def test_portfolio_reaches_the_brute_force_optimum_where_no_baseline_fits(fracti
     """On a 6-layer chain at 60% and 50% of its peak no baseline fits; the portfolio repairs one and
     refines it to the optimum of brute force over every policy, look-ahead and release point (25.6
     samples/s: recompute c_0, swap c_1-c_3 on demand, released two pack points on)."""
-    p = chain_problem(fraction, n=6, trials=60, time_limit_s=60)
+    p = chain_problem(fraction, n=6)
     optimum = chain_optimum(fraction, 6)
-    got = get_searcher("portfolio").search(p)
-    assert not any(r.feasible for r in p.seeds)  # the seeds alone miss it
+    seeds = tuple(get_searcher(name).search(p) for name in [*baseline_names(), "ppo-onepass"])
+    got = get_searcher("portfolio").search(p, SearchContext(trials=60, time_limit_s=60, seeds=seeds))
+    assert not any(r.feasible for r in seeds)  # the seeds alone miss it
     assert optimum > 0 and got.feasible and got.result.samples_per_s == pytest.approx(optimum, rel=1e-9)
 
 
@@ -135,7 +136,7 @@ def test_portfolio_within_one_percent_of_brute_force(workload: str, profile: str
     hw = fixed_profile(**_PROFILES[profile])  # type: ignore[arg-type]
     budget = int(peak_report(w, hw.alloc_granularity_bytes).peak_bytes * fraction)
     optimum = brute_force(Problem(w, hw, budget))
-    got = get_searcher("portfolio").search(Problem(w, hw, budget, trials=20, time_limit_s=20))
+    got = get_searcher("portfolio").search(Problem(w, hw, budget), SearchContext(trials=20, time_limit_s=20))
     assert optimum > 0 and got.feasible and got.result.samples_per_s >= 0.99 * optimum
 
 
@@ -143,8 +144,8 @@ def test_portfolio_reaches_the_eight_layer_chains_optimum() -> None:
     """At half the 8-layer chain's peak, six changes from where single moves and pairs stall: the window
     moves (agents/refine.py) enumerate every policy at once and find the optimum of every policy at the
     answer's options (40.0 samples/s; brute force over every look-ahead and release point too: 124 s)."""
-    p = chain_problem(0.5, trials=20, time_limit_s=20)
-    got = get_searcher("portfolio").search(p)
+    p = chain_problem(0.5)
+    got = get_searcher("portfolio").search(p, SearchContext(trials=20, time_limit_s=20))
     options = got.policy.options
     best = 0.0
     for combo in itertools.product((KEEP, SWAP, RECOMPUTE), repeat=N):
@@ -159,12 +160,12 @@ def test_optuna_study_resumes_from_storage(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'studies.db'}"
     import optuna
 
-    first = get_searcher("optuna-tpe").search(chain_problem(0.5, trials=8, storage=url))
+    first = get_searcher("optuna-tpe").search(chain_problem(0.5), SearchContext(trials=8, storage=url))
     (name,) = optuna.get_all_study_names(url)
-    again = get_searcher("optuna-tpe").search(chain_problem(0.5, trials=8, storage=url))
+    again = get_searcher("optuna-tpe").search(chain_problem(0.5), SearchContext(trials=8, storage=url))
     assert len(optuna.load_study(study_name=name, storage=url).trials) == 8  # --trials is the study's total
     assert again.result.samples_per_s == first.result.samples_per_s  # re-derived from the stored trials
-    more = get_searcher("optuna-tpe").search(chain_problem(0.5, trials=16, storage=url))
+    more = get_searcher("optuna-tpe").search(chain_problem(0.5), SearchContext(trials=16, storage=url))
     assert len(optuna.load_study(study_name=name, storage=url).trials) == 16
     assert not better(first.result, more.result)  # the first run's trials still count
 
@@ -173,7 +174,7 @@ def test_optuna_records_the_budget_as_a_constraint(tmp_path: Path) -> None:
     import optuna
 
     url = f"sqlite:///{tmp_path / 'c.db'}"
-    get_searcher("optuna-tpe").search(chain_problem(0.7, trials=12, storage=url))
+    get_searcher("optuna-tpe").search(chain_problem(0.7), SearchContext(trials=12, storage=url))
     study = optuna.load_study(study_name=optuna.get_all_study_names(url)[0], storage=url)
     trials = study.get_trials(deepcopy=False)
     assert len(trials) == 12 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
@@ -191,13 +192,14 @@ def test_portfolio_stops_early_once_converged_with_the_optimum() -> None:
     not improved for half its time (agents.portfolio._Watch): on the 6-layer chain at 60% it has the brute
     force optimum within a second, so it stops after STALE_MIN_S, long before its 60 s. With a set number
     of trials it runs them all (reproducible) and does not claim to have converged."""
-    p = chain_problem(0.6, n=6, trials=0, time_limit_s=60)
-    got = get_searcher("portfolio").search(p)
+    p = chain_problem(0.6, n=6)
+    ctx = SearchContext(trials=0, time_limit_s=60)
+    got = get_searcher("portfolio").search(p, ctx)
     assert got.result.samples_per_s == pytest.approx(chain_optimum(0.6, 6), rel=1e-9)
-    assert p.converged_s is not None and p.converged_s < 30 and got.wall_s < 30
-    counted = chain_problem(0.6, n=6, trials=10, time_limit_s=60)
-    get_searcher("portfolio").search(counted)
-    assert counted.converged_s is None
+    assert ctx.state.converged_s is not None and ctx.state.converged_s < 30 and got.wall_s < 30
+    counted = SearchContext(trials=10, time_limit_s=60)
+    get_searcher("portfolio").search(chain_problem(0.6, n=6), counted)
+    assert counted.state.converged_s is None
 
 
 def test_search_json_and_policy_roundtrip(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -310,13 +312,13 @@ def test_a_trial_orphaned_while_sampling_is_failed_and_retried(tmp_path: Path) -
     from agents.optuna_search import retried_trial_number, storage_for, study_name
 
     url = f"sqlite:///{tmp_path / 'o.db'}"
-    problem = chain_problem(0.7, trials=6, storage=url, heartbeat_s=1)
+    problem = chain_problem(0.7)
     name = study_name(problem, "optuna-tpe")
     study = optuna.create_study(storage=storage_for(url, 1), study_name=name, direction="maximize")
     with warnings.catch_warnings():  # "heartbeat ... supposed to be used with Study.optimize": indeed
         warnings.simplefilter("ignore", UserWarning)
         orphan = study.ask()  # RUNNING, never beats: its worker "died" while sampling
-    got = get_searcher("optuna-tpe").search(problem)
+    got = get_searcher("optuna-tpe").search(problem, SearchContext(trials=6, storage=url, heartbeat_s=1))
     study = optuna.load_study(study_name=name, storage=url)
     states = Counter(t.state.name for t in study.trials)
     assert states["RUNNING"] == 0 and states["WAITING"] == 0 and states["COMPLETE"] >= 6, states

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agents.base import Problem, SearchResult, Status, get_searcher, list_searchers
+from agents.base import Problem, SearchContext, SearchResult, Status, get_searcher, list_searchers
 from runtime.errors import AutotuneError
 from runtime.hardware import get_profile
 from runtime.trace import capture
@@ -19,8 +19,12 @@ _PEAK = peak_report(_W, _HW.alloc_granularity_bytes).peak_bytes
 _FLOOR = peak_report(_W, _HW.alloc_granularity_bytes).persistent_bytes  # nothing can go below this
 
 
-def problem(fraction: float, **kw) -> Problem:  # type: ignore[no-untyped-def]
-    return Problem(_W, _HW, budget_bytes=int(_PEAK * fraction), time_limit_s=20, **kw)
+def problem(fraction: float) -> Problem:
+    return Problem(_W, _HW, budget_bytes=int(_PEAK * fraction))
+
+
+def context(seed: int = 0) -> SearchContext:
+    return SearchContext(time_limit_s=20, seed=seed)
 
 
 _RUNS: dict[tuple[str, float, int], tuple[Problem, SearchResult]] = {}
@@ -30,8 +34,8 @@ def searched(name: str, fraction: float, seed: int = 0) -> tuple[Problem, Search
     """One search per (searcher, budget, seed), shared by the rules below (per test worker)."""
     key = (name, fraction, seed)
     if key not in _RUNS:
-        p = problem(fraction, seed=seed)
-        _RUNS[key] = (p, get_searcher(name).search(p))
+        p = problem(fraction)
+        _RUNS[key] = (p, get_searcher(name).search(p, context(seed)))
     return _RUNS[key]
 
 
@@ -74,7 +78,7 @@ def test_rule_4_no_compression_unless_allowed(name: str) -> None:
 @pytest.mark.parametrize("name", list_searchers())
 def test_rule_5_deterministic_under_one_seed(name: str) -> None:
     a = searched(name, 0.7, seed=3)[1]
-    b = get_searcher(name).search(problem(0.7, seed=3))
+    b = get_searcher(name).search(problem(0.7), context(seed=3))
     assert np.array_equal(a.policy.to_vector(_W), b.policy.to_vector(_W)) and a.policy.options == b.policy.options
 
 

@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 
-from agents.base import Problem, SearchResult, Status, get_searcher
+from agents.base import Problem, SearchContext, SearchResult, Status, get_searcher
 from agents.solvers.checkpoint_dp import (
     ChainModel,
     chain_actions,
@@ -170,9 +170,9 @@ def check_against_brute_force(
         w, hw, opts = chain_instance(rng, rng.randint(3, max_n), compress)
         keep_peak = Problem(w, hw, budget_bytes=0, options=opts).evaluate(np.zeros(len(w.candidates))).peak_bytes
         budget = int(keep_peak * rng.choice([0.6, 0.7, 0.8, 0.9]))
-        p = Problem(w, hw, budget_bytes=budget, options=opts, allow_compress=compress, time_limit_s=30)
+        p = Problem(w, hw, budget_bytes=budget, options=opts, allow_compress=compress)
         best = brute_force(p)
-        r = milp.search(p)
+        r = milp.search(p, SearchContext(time_limit_s=30))
         if notes is not None:
             notes.append(r.note)
         if best is None:
@@ -207,7 +207,7 @@ def hard_chain() -> Problem:
         op.time_s = rng.choice([1e-4, 2e-4, 5e-4, 1e-3])
     hw = fixed_profile(3e5, 3e5)
     keep_peak = Problem(w, hw, budget_bytes=0).evaluate(np.zeros(40)).peak_bytes
-    return Problem(w, hw, budget_bytes=keep_peak // 2, time_limit_s=0.01)
+    return Problem(w, hw, budget_bytes=keep_peak // 2)
 
 
 def test_milp_timeout_returns_an_incumbent(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,7 +222,7 @@ def test_milp_timeout_returns_an_incumbent(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(highspy.Highs, "setOptionValue", no_time)
     p = hard_chain()
-    r = get_searcher("milp").search(p)
+    r = get_searcher("milp").search(p, SearchContext(time_limit_s=0.01))
     assert r.status == Status.TIMEOUT
     assert r.result.peak_bytes <= p.budget_bytes
     assert r.result.samples_per_s < p.workload.batch_size / p.simulator.compute_s  # it had to pay
@@ -232,8 +232,8 @@ def test_milp_timeout_returns_an_incumbent(monkeypatch: pytest.MonkeyPatch) -> N
 def test_milp_infeasible_returns_least_peak() -> None:
     """Below the gradients and input alone nothing fits: INFEASIBLE, with a policy no worse than keep-all."""
     w = chain_workload(5, 100, 1e-3)
-    p = Problem(w, fixed_profile(), budget_bytes=150, time_limit_s=10)
-    r = get_searcher("milp").search(p)
+    p = Problem(w, fixed_profile(), budget_bytes=150)
+    r = get_searcher("milp").search(p, SearchContext(time_limit_s=10))
     assert r.status == Status.INFEASIBLE
     assert r.result.peak_bytes < p.evaluate(p.keep_all()).peak_bytes
 
@@ -262,7 +262,7 @@ def test_resnet50_milp_fits_and_beats_checkpoint_dp() -> None:
     budget = int(peak_report(w, hw.alloc_granularity_bytes).peak_bytes * 0.7)
     results: dict[str, SearchResult] = {}
     for name in ("checkpoint-dp", "milp"):
-        results[name] = get_searcher(name).search(Problem(w, hw, budget_bytes=budget, time_limit_s=60))
+        results[name] = get_searcher(name).search(Problem(w, hw, budget_bytes=budget), SearchContext(time_limit_s=60))
         assert results[name].result.peak_bytes <= budget, results[name].note
     assert results["milp"].status in (Status.OPTIMAL, Status.TIMEOUT, Status.FEASIBLE)
     assert results["milp"].result.samples_per_s > results["checkpoint-dp"].result.samples_per_s

@@ -40,7 +40,7 @@ import dataclasses
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, better, register
+from agents.base import Problem, Proposal, SearchContext, Searcher, better, register
 from envs.features import CandidateFeatures, candidate_features
 from envs.simulator import SimResult, Simulator
 from runtime.policy import PolicyOptions
@@ -143,7 +143,7 @@ class Capuchin(Searcher):
     name = "capuchin"
     summary = "Peng et al., ASPLOS 2020: swap where it hides (free time), else swap vs recompute by MSPS"
 
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         best: tuple[np.ndarray, SimResult, PolicyOptions] | None = None
         for lookahead in IN_TRIGGER_LOOKAHEADS:
             options = dataclasses.replace(problem.options, prefetch_lookahead=lookahead)

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, apply_until_fits, register
+from agents.base import Problem, Proposal, SearchContext, Searcher, apply_until_fits, register
 from agents.heuristics._selection import Plan, best_plan, closure_classes, forward_order, minor_outputs
 from envs.features import candidate_features
 from runtime.vocab import KEEP, RECOMPUTE
@@ -111,7 +111,7 @@ class SqrtCheckpointing(Searcher):
     name = "checkpoint-sqrt"
     summary = "Chen et al. 2016, sublinear memory: keep segment boundaries, recompute segments (sqrt(n), Alg. 2)"
 
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         w, options = problem.workload, problem.options
         keep_all = problem.keep_all()
         first = problem.evaluate(keep_all, options)

@@ -40,7 +40,7 @@ import dataclasses
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, better, register
+from agents.base import Problem, Proposal, SearchContext, Searcher, better, register
 from agents.heuristics.capuchin import effective_recompute_s, h2d_issue_ops, releasable_at
 from envs.features import candidate_features
 from envs.simulator import SimResult
@@ -130,7 +130,7 @@ class Delta(Searcher):
     name = "delta"
     summary = "Tang et al., 2022 (DELTA): filter large long-idle tensors, director swap vs recompute, prefetch"
 
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         best: tuple[np.ndarray, SimResult, PolicyOptions] | None = None
         for lookahead in LOOKAHEADS:
             options = dataclasses.replace(problem.options, prefetch_lookahead=lookahead)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, register
+from agents.base import Problem, Proposal, SearchContext, Searcher, register
 from envs.features import CandidateFeatures, candidate_features
 from envs.simulator import Simulator
 from runtime.vocab import KEEP, RECOMPUTE
@@ -157,7 +157,7 @@ class DTR(Searcher):
     name = "dtr"
     summary = "Kirisame et al., ICLR 2021: evict by smallest h_DTR = cost / (size * staleness), recompute"
 
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         sim = problem.simulator
         feats = candidate_features(sim)
         log = dtr_replay(sim, problem.budget_bytes)

@@ -6,7 +6,7 @@ no-policy peak exceeds the budget (the base class reads it from the simulated pe
 
 from __future__ import annotations
 
-from agents.base import Problem, Proposal, Searcher, register
+from agents.base import Problem, Proposal, SearchContext, Searcher, register
 
 
 @register
@@ -16,5 +16,5 @@ class KeepAll(Searcher):
     name = "none"
     summary = "Keep every saved activation (PyTorch's default; the no-policy baseline)"
 
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         return Proposal(problem.keep_all(), note="keep all")

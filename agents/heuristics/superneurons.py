@@ -36,7 +36,7 @@ import dataclasses
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, apply_until_fits, register
+from agents.base import Problem, Proposal, SearchContext, Searcher, apply_until_fits, register
 from agents.heuristics._selection import Plan, best_plan, closure_classes, forward_order
 from envs.features import candidate_features
 from runtime.vocab import RECOMPUTE, SWAP
@@ -72,7 +72,7 @@ class SuperNeurons(Searcher):
     name = "superneurons"
     summary = "Wang et al. PPoPP 2018 (SuperNeurons): offload conv outputs, recompute cheap layers"
 
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         options = dataclasses.replace(problem.options, prefetch_lookahead=SUPERNEURONS_LOOKAHEAD)
         offload, cheap = rankings(problem)
         steps_offload = [(ci, SWAP) for ci in offload]

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, register
+from agents.base import Problem, Proposal, SearchContext, Searcher, register
 from agents.heuristics._knapsack import SOLVERS
 from agents.heuristics._selection import Plan, all_closure_ops, best_plan, minor_outputs
 from envs.features import candidate_features, op_class
@@ -176,7 +176,7 @@ class TorchMemoryBudget(Searcher):
         part = partitioner or Partitioner.build(problem, self.estimator)
         return np.where(part.saved(fraction, self.solver), KEEP, RECOMPUTE).astype(np.int8)
 
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         options = problem.options
         part = Partitioner.build(problem, self.estimator)
         tried: dict[bytes, Plan] = {}

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from agents.base import Problem, Proposal, Searcher, apply_until_fits, register
+from agents.base import Problem, Proposal, SearchContext, Searcher, apply_until_fits, register
 from agents.heuristics._selection import forward_order
 from envs.features import candidate_features
 from runtime.vocab import SWAP
@@ -55,7 +55,7 @@ class VDNN(Searcher):
     name = "vdnn"
     summary = "Rhu et al. MICRO 2016 (vDNN): offload conv-layer inputs in forward, prefetch one layer ahead"
 
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         # vDNN waits for each layer's offload before the next layer runs: release at the next pack point.
         options = dataclasses.replace(problem.options, prefetch_lookahead=VDNN_LOOKAHEAD, release_after=1)
         conv, rest = layer_inputs(problem)

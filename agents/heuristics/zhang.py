@@ -48,7 +48,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, register
+from agents.base import Problem, Proposal, SearchContext, Searcher, register
 from agents.heuristics._selection import Plan, best_plan, shortest_fitting_prefix
 from envs.features import candidate_features
 from runtime.vocab import SWAP
@@ -120,7 +120,7 @@ class ZhangSwap(Searcher):
     ) -> None:
         self.priorities, self.modes, self.lookaheads = tuple(priorities), tuple(modes), tuple(lookaheads)
 
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         keep_all = problem.keep_all()
         first = problem.evaluate(keep_all)
         if first.feasible:  # budget-aware: nothing to swap

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, Status, register
+from agents.base import Problem, Proposal, SearchContext, Searcher, Status, register
 from envs.features import candidate_features
 from envs.simulator import SimResult
 from runtime.vocab import KEEP, RECOMPUTE
@@ -367,7 +367,7 @@ class CheckpointDP(Searcher):
     summary = "Hong et al.: least-peak checkpoint subset of a chain, O(n) dynamic programme"
     exact = True
 
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         if problem.n == 0:
             return Proposal(problem.keep_all(), note="no candidate: nothing to checkpoint")
         chain = chain_of(problem)

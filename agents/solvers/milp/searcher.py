@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agents.base import Problem, Proposal, Searcher, Status, register
+from agents.base import Problem, Proposal, SearchContext, Searcher, Status, register
 from agents.solvers.milp.data import MAX_UNITS, MilpData, decision_units
 from agents.solvers.milp.model import Built, build_milp
 from envs.simulator import SimResult
@@ -56,7 +56,7 @@ def _warm_start(data: MilpData) -> _Start | None:
     problem, units = data.problem, range(len(data.units))
     tries = {"keep-all": [KEEP for _ in units]}
     if RECOMPUTE in data.actions:
-        dp = CheckpointDP()._search(problem).actions
+        dp = CheckpointDP()._search(problem, SearchContext()).actions
         tries["recompute-all"] = [RECOMPUTE for _ in units]
         tries["checkpoint-dp"] = [RECOMPUTE if np.any(dp[m] == RECOMPUTE) else KEEP for m in data.units]
     best: _Start | None = None
@@ -80,9 +80,9 @@ class MilpSearcher(Searcher):
         self.max_units = max_units  # decision units (the MILP's size: 3 binaries each)
         self.log = log  # print HiGHS's own log
 
-    def _search(self, problem: Problem) -> Proposal:
+    def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         started = time.perf_counter()
-        limit_s = problem.time_limit_s if problem.time_limit_s is not None else _DEFAULT_TIME_LIMIT_S
+        limit_s = ctx.time_limit_s if ctx.time_limit_s is not None else _DEFAULT_TIME_LIMIT_S
         acts = (KEEP, SWAP, RECOMPUTE, COMPRESS) if problem.allow_compress else (KEEP, SWAP, RECOMPUTE)
         # Memory in units of a power of two, about 2^-14 of the budget or of all activations: well-scaled rows.
         scale_bytes = max(problem.budget_bytes, int(problem.simulator.size.sum()), 1)
@@ -98,11 +98,11 @@ class MilpSearcher(Searcher):
             built = build_milp(data, budget, no_goods)
             size = f"{len(data.units)} units, {len(built.milp.col_names)} columns, {len(built.milp.row_names)} rows"
             left_s = limit_s - (time.perf_counter() - started)
-            sol = built.milp.solve(left_s, problem.seed, start.columns(built) if start else None, self.log)
+            sol = built.milp.solve(left_s, ctx.seed, start.columns(built) if start else None, self.log)
             if sol.values is None and sol.status == "infeasible" and attempt == 0:
                 if start is not None:  # the model is conservative somewhere: the simulator has the last word
                     return self._fallback(data, start, None, [f"model infeasible ({size}) but not the simulator"])
-                return self._least_peak(data, started, limit_s, [f"model infeasible ({size})"])
+                return self._least_peak(data, ctx.seed, started, limit_s, [f"model infeasible ({size})"])
             if sol.values is None:
                 notes.append(f"HiGHS {sol.status} without an incumbent ({size})")
                 return self._fallback(data, start, Status.TIMEOUT if sol.status == "time_limit" else None, notes)
@@ -139,11 +139,11 @@ class MilpSearcher(Searcher):
         note = f"the warm start ({start.source}) instead"
         return Proposal(_unit_vector(data, start.unit_action), status=status, note="; ".join([*notes, note]))
 
-    def _least_peak(self, data: MilpData, started: float, limit_s: float, notes: list[str]) -> Proposal:
+    def _least_peak(self, data: MilpData, seed: int, started: float, limit_s: float, notes: list[str]) -> Proposal:
         """No policy fits the model: its least-peak incumbent, or keep-all if that peaks lower; INFEASIBLE."""
         problem = data.problem
         built = build_milp(data, None)
-        sol = built.milp.solve(max(limit_s - (time.perf_counter() - started), 0.1), problem.seed, log=self.log)
+        sol = built.milp.solve(max(limit_s - (time.perf_counter() - started), 0.1), seed, log=self.log)
         actions = problem.keep_all()
         if sol.values is not None:
             least = _unit_vector(data, _unit_actions(data, built, sol.values))
