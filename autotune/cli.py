@@ -15,7 +15,6 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from autotune import __version__
 from runtime.errors import AutotuneError, from_interrupt
@@ -745,47 +744,15 @@ def dashboard(
 @app.command()
 def hardware(as_json: JsonOpt = False) -> None:
     """List the built-in hardware profiles and what was detected here."""
-    from autotune.units import format_bytes
+    from autotune.report import hardware_report, render_hardware
     from runtime.hardware import detect, list_profiles
 
     found = detect()
     profiles = list_profiles()
     if as_json:
-        print(
-            json.dumps(
-                {
-                    "detected": {
-                        "profile": found.profile.name if found.profile else None,
-                        "device_name": found.device_name,
-                        "memory_bytes": found.memory_bytes,
-                        "message": found.message,
-                    },
-                    "profiles": [p.to_dict() for p in profiles],
-                }
-            )
-        )
+        print(json.dumps(hardware_report(profiles, found)))
         return
-    table = Table(title="Hardware profiles")
-    for col in ("name", "memory", "FP32 TFLOP/s", "TF32", "BF16", "HBM GB/s", "host link GB/s", "device"):
-        table.add_column(col, justify="left" if col in ("name", "device") else "right")
-    for p in profiles:
-
-        def tf(k: str, p: Any = p) -> str:
-            v = p.flops_per_s.get(k)
-            return f"{v / 1e12:.1f}" if v else "-"
-
-        table.add_row(
-            p.name,
-            format_bytes(p.memory_bytes),
-            tf("fp32"),
-            tf("tf32"),
-            tf("bf16"),
-            f"{p.memory_bytes_per_s / 1e9:,.0f}",
-            f"{p.h2d_bytes_per_s / 1e9:.0f}",
-            p.description,
-        )
-    out.print(table)
-    out.print(f"detected: {found.message}")
+    render_hardware(out, profiles, found)
 
 
 @app.command()

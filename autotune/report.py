@@ -1,4 +1,5 @@
-"""What `autotune profile` reports: a JSON-able summary of a workload and its rendering as rich tables."""
+"""What `autotune profile` and `autotune hardware` report: JSON-able summaries and their rendering as rich
+tables."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from rich.table import Table
 
 from autotune.units import format_bytes
 from envs.simulator import peak_floor
-from runtime.hardware import HardwareProfile, op_times_s
+from runtime.hardware import Detection, HardwareProfile, op_times_s
 from runtime.workload import Phase, Workload, peak_report
 
 MIB = 2**20
@@ -137,3 +138,40 @@ def render_profile(console: Console, r: dict[str, Any]) -> None:
             + ("[red]below what any policy can reach[/]" if r["below_floor"] else "a memory policy is needed")
         )
         console.print(f"budget {format_bytes(r['budget_bytes'])}: the no-policy peak {verdict}")
+
+
+def hardware_report(profiles: list[HardwareProfile], found: Detection) -> dict[str, Any]:
+    """What `autotune hardware --json` prints: the built-in profiles and what was detected here."""
+    return {
+        "detected": {
+            "profile": found.profile.name if found.profile else None,
+            "device_name": found.device_name,
+            "memory_bytes": found.memory_bytes,
+            "message": found.message,
+        },
+        "profiles": [p.to_dict() for p in profiles],
+    }
+
+
+def render_hardware(console: Console, profiles: list[HardwareProfile], found: Detection) -> None:
+    table = Table(title="Hardware profiles")
+    for col in ("name", "memory", "FP32 TFLOP/s", "TF32", "BF16", "HBM GB/s", "host link GB/s", "device"):
+        table.add_column(col, justify="left" if col in ("name", "device") else "right")
+    for p in profiles:
+
+        def tf(k: str, p: HardwareProfile = p) -> str:
+            v = p.flops_per_s.get(k)
+            return f"{v / 1e12:.1f}" if v else "-"
+
+        table.add_row(
+            p.name,
+            format_bytes(p.memory_bytes),
+            tf("fp32"),
+            tf("tf32"),
+            tf("bf16"),
+            f"{p.memory_bytes_per_s / 1e9:,.0f}",
+            f"{p.h2d_bytes_per_s / 1e9:.0f}",
+            p.description,
+        )
+    console.print(table)
+    console.print(f"detected: {found.message}")
