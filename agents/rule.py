@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from agents.base import Problem
-from envs.features import OP_CLASSES, candidate_features
+from envs.features import OP_CLASSES
 from envs.simulator import SimResult
 from runtime.policy import PolicyOptions
 from runtime.vocab import KEEP, RECOMPUTE, SWAP
@@ -58,14 +58,14 @@ class RuleParams:
 
 def present_classes(problem: Problem) -> list[str]:
     """The producer op classes of this workload's candidates, in OP_CLASSES order."""
-    seen = set(candidate_features(problem.simulator).producer_class)
+    seen = set(problem.simulator.features.producer_class)
     return [c for c in OP_CLASSES if c in seen]
 
 
 def ranked_moves(problem: Problem, params: RuleParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(candidate order, the action each gets, its score), best (cheapest per byte) first; candidates whose
     class is set to keep are left out."""
-    f = candidate_features(problem.simulator)
+    f = problem.simulator.features
     transfer = f.swap_out_s + f.swap_in_s
     swap_cost = params.swap_bias * (np.maximum(0.0, transfer - params.hide * f.idle_s) + 0.01 * transfer)
     rec_cost = params.recompute_bias * np.where(np.isfinite(f.recompute_s), f.recompute_s, np.inf)

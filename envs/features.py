@@ -79,14 +79,9 @@ class CandidateFeatures:
         return len(self.nbytes)
 
 
-def candidate_features(sim: Simulator) -> CandidateFeatures:
-    """Features of every candidate of ``sim.w``: the simulator's :attr:`~envs.simulator.Simulator.features`,
-    computed once per simulator."""
-    return sim.features
-
-
 def compute_features(sim: Simulator) -> CandidateFeatures:
-    """What :func:`candidate_features` answers, computed (``Simulator.features`` caches it)."""
+    """Features of every candidate of ``sim.w``, computed (:attr:`~envs.simulator.Simulator.features` caches
+    them: read them there)."""
     w = sim.w
     cands = w.candidates
     cand_of = {c.tensor: i for i, c in enumerate(cands)}

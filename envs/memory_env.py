@@ -20,7 +20,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from envs.features import OP_CLASSES, candidate_features
+from envs.features import OP_CLASSES
 from envs.problem import Problem
 from envs.simulator import SimResult
 from runtime.hardware import HardwareProfile, get_profile
@@ -266,7 +266,7 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
     # -- static tables ---------------------------------------------------------------------------------------
     def _candidate_table(self) -> np.ndarray:
         """The candidate fields of the observation, one row per candidate: static, so computed once."""
-        feats = candidate_features(self.problem.simulator)
+        feats = self.problem.simulator.features
         iter_s = max(self.baseline.iter_s, 1e-30)
         table = np.zeros((self.k, _N_CAND), dtype=np.float64)
         table[:, 0] = np.log2(np.maximum(self._nbytes, 1.0)) / 40.0
@@ -300,7 +300,7 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
     def _mask_table(self) -> np.ndarray:
         """Legal actions per candidate (see the class docstring, Action Space)."""
         w, problem = self.problem.workload, self.problem
-        feats = candidate_features(problem.simulator)
+        feats = problem.simulator.features
         masks = np.zeros((self.k, N_ACTIONS), dtype=bool)
         masks[:, KEEP] = masks[:, SWAP] = True
         masks[:, RECOMPUTE] = np.isfinite(feats.recompute_s)

@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -104,6 +105,7 @@ from runtime.plan import Region
 from runtime.policy import Action, Policy
 from runtime.precision import check_active
 from runtime.replay import Frame, Recorder, Replayer, view_of
+from runtime.vocab import compressible
 
 _COMPRESS_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": getattr(torch, "float8_e4m3fn", torch.bfloat16)}
 _LOSS: Frame = (OUTSIDE, 0)  # what runs outside the model after its forward (R11)
@@ -821,8 +823,10 @@ class PolicyRuntime:
         return h.device
 
 
+@functools.cache
 def _compressible(dtype: torch.dtype, target: torch.dtype) -> bool:
-    return dtype.is_floating_point and dtype.itemsize > target.itemsize
+    """R8: what the simulator compresses (Rule 8, ``runtime.vocab.compressible``), for torch dtypes."""
+    return compressible(str(dtype).removeprefix("torch."), str(target).removeprefix("torch."))
 
 
 # -- Policy.applied --------------------------------------------------------------------------------------------

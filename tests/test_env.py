@@ -17,7 +17,7 @@ from gymnasium.utils.env_checker import check_env
 import envs
 from agents.base import Problem
 from autotune.real_backend import real_backend
-from envs import memory_env
+from envs.features import compute_features
 from envs.memory_env import OBS_FIELDS, OBS_SIZE, MemoryPolicyEnv
 from envs.simulator import Simulator
 from runtime.hardware import calibrate_cpu, get_profile
@@ -194,17 +194,16 @@ def test_out_of_range_actions_become_keep_and_masks_follow_the_candidate() -> No
 
 def test_recompute_is_masked_where_a_closure_has_no_finite_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every candidate of a workload has a closure; were its time not finite, recompute would be masked."""
-    features = memory_env.candidate_features
 
     def no_closure_for_candidate_2(sim: Simulator) -> Any:
-        f = features(sim)
+        f = compute_features(sim)
         f = dataclasses.replace(f, recompute_s=f.recompute_s.copy())
         f.recompute_s[2] = np.inf
         return f
 
     env = MemoryPolicyEnv()
     assert env._masks[:, RECOMPUTE].all()
-    monkeypatch.setattr(memory_env, "candidate_features", no_closure_for_candidate_2)
+    monkeypatch.setattr(Simulator, "features", property(no_closure_for_candidate_2))
     env = MemoryPolicyEnv()
     obs, info = env.reset()
     for i in range(env.k):

@@ -21,7 +21,6 @@ from agents.heuristics.superneurons import SuperNeurons
 from agents.heuristics.torch_budget import Partitioner, TorchMemoryBudget, activation_fraction
 from agents.heuristics.vdnn import VDNN_LOOKAHEAD, layer_inputs
 from agents.heuristics.zhang import ZhangSwap
-from envs.features import candidate_features
 from envs.simulator import Simulator
 from runtime.hardware import HardwareProfile, get_profile
 from runtime.policy import PolicyOptions
@@ -104,7 +103,7 @@ def test_vdnn_offloads_exactly_the_convolution_inputs(w: Workload, n_conv_inputs
     swapped, prefetched one layer ahead."""
     p0 = Problem(w, _HW, budget_bytes=peak_report(w, _HW.alloc_granularity_bytes).peak_bytes)
     conv_inputs, _ = layer_inputs(p0)
-    feats = candidate_features(p0.simulator)
+    feats = p0.simulator.features
     assert conv_inputs == [i for i in range(p0.n) if "conv" in feats.consumer_classes[i]]
     assert len(conv_inputs) == n_conv_inputs
     options = PolicyOptions(prefetch_lookahead=VDNN_LOOKAHEAD, release_after=1)
@@ -135,7 +134,7 @@ def test_superneurons_recomputes_only_cheap_layers_and_offloads_conv_outputs(fra
     assert r.status == Status.FEASIBLE and r.feasible and r.result.peak_bytes <= budget  # each budget is met
     actions = r.policy.to_vector(_CNN)
     sim = Problem(_CNN, _HW, budget_bytes=_CNN_PEAK).simulator
-    feats, regenerated = candidate_features(sim), closure_classes(sim)
+    feats, regenerated = sim.features, closure_classes(sim)
     recomputed, swapped = np.flatnonzero(actions == RECOMPUTE), np.flatnonzero(actions == SWAP)
     assert len(recomputed) + len(swapped) > 0
     assert all(feats.producer_class[i] not in ("conv", "matmul") for i in recomputed)
@@ -160,7 +159,7 @@ def test_zhang_swaps_longest_idle_first_without_overhead() -> None:
     w = chain_workload(8, S, TAU)
     hw = _gpu_link(TAU)
     problem = Problem(w, hw, budget_bytes=7 * S)
-    feats = candidate_features(problem.simulator)
+    feats = problem.simulator.features
     assert np.all(np.diff(feats.idle_s) < 0)  # idle intervals shrink along the chain
 
     doa = ZhangSwap(priorities=("DOA",), modes=("no-overhead",)).search(problem)

@@ -41,7 +41,7 @@ import dataclasses
 import numpy as np
 
 from agents.base import Problem, Proposal, SearchContext, Searcher, better, register
-from envs.features import CandidateFeatures, candidate_features
+from envs.features import CandidateFeatures
 from envs.simulator import SimResult, Simulator
 from runtime.policy import PolicyOptions
 from runtime.vocab import KEEP, RECOMPUTE, SWAP
@@ -96,7 +96,7 @@ def select(problem: Problem, options: PolicyOptions) -> tuple[np.ndarray, SimRes
     """Capuchin's selection (module docstring, points 1-3) with copies back issued
     ``options.prefetch_lookahead`` unpack points ahead; returns the actions and their simulated result."""
     sim = problem.simulator
-    feats = candidate_features(sim)
+    feats = sim.features
     # FT = SwapInStartTime - SwapOutEndTime with the ideal in-trigger (the copy back starts exactly
     # swap_in_s before the back-access), from the measured (no-policy) iteration.
     free_time_s = feats.idle_s - feats.swap_out_s - feats.swap_in_s

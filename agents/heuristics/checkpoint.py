@@ -40,7 +40,6 @@ import numpy as np
 
 from agents.base import Problem, Proposal, SearchContext, Searcher, apply_until_fits, register
 from agents.heuristics._selection import Plan, best_plan, closure_classes, forward_order, minor_outputs
-from envs.features import candidate_features
 from runtime.vocab import KEEP, RECOMPUTE
 from runtime.workload import Workload
 
@@ -132,7 +131,7 @@ class SqrtCheckpointing(Searcher):
             plans.append(Plan(actions, options, problem.evaluate(actions, options), label))
 
         # "Drop the results of low cost operations", in forward order until the budget holds.
-        feats = candidate_features(problem.simulator)
+        feats = problem.simulator.features
         minor, classes = minor_outputs(w), closure_classes(problem.simulator)
         cheap = [
             (ci, RECOMPUTE)

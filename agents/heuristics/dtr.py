@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from agents.base import Problem, Proposal, SearchContext, Searcher, register
-from envs.features import CandidateFeatures, candidate_features
+from envs.features import CandidateFeatures
 from envs.simulator import Simulator
 from runtime.vocab import KEEP, RECOMPUTE
 
@@ -93,7 +93,7 @@ def h_dtr(
 
 def dtr_replay(sim: Simulator, cap_bytes: int) -> list[Eviction]:
     """Replay the iteration op by op under ``cap_bytes`` (DTR, Algorithm 1) and return its evictions."""
-    feats = candidate_features(sim)
+    feats = sim.features
     dependents = _dependents(feats)
     w, n, k = sim.w, sim.n_ops, sim.k
     cand_of = {c.tensor: i for i, c in enumerate(w.candidates)}
@@ -159,7 +159,7 @@ class DTR(Searcher):
 
     def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         sim = problem.simulator
-        feats = candidate_features(sim)
+        feats = sim.features
         log = dtr_replay(sim, problem.budget_bytes)
         actions = problem.keep_all()
         actions[[e.candidate for e in log]] = RECOMPUTE

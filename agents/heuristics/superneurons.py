@@ -38,7 +38,6 @@ import numpy as np
 
 from agents.base import Problem, Proposal, SearchContext, Searcher, apply_until_fits, register
 from agents.heuristics._selection import Plan, best_plan, closure_classes, forward_order
-from envs.features import candidate_features
 from runtime.vocab import RECOMPUTE, SWAP
 
 CHEAP_CLASSES = frozenset({"activation", "norm", "pool", "dropout", "elementwise"})
@@ -54,7 +53,7 @@ def rankings(problem: Problem) -> tuple[list[int], list[int]]:
     A convolution output is a candidate whose regeneration would re-run a convolution: the convolution's
     own output, or the ReLU applied to it when autograd saved only the latter (Caffe, which SuperNeurons
     extends, runs that ReLU in place, so it *is* the convolution's output there)."""
-    w, feats = problem.workload, candidate_features(problem.simulator)
+    w, feats = problem.workload, problem.simulator.features
     order = forward_order(w)
     classes = closure_classes(problem.simulator)
     heavy = CONV_CLASSES if any(classes[ci] & CONV_CLASSES for ci in order) else TRANSFORMER_CLASSES

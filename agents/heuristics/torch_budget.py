@@ -47,7 +47,7 @@ import numpy as np
 from agents.base import Problem, Proposal, SearchContext, Searcher, register
 from agents.heuristics._knapsack import SOLVERS
 from agents.heuristics._selection import Plan, all_closure_ops, best_plan, minor_outputs
-from envs.features import candidate_features, op_class
+from envs.features import op_class
 from runtime.vocab import KEEP, RECOMPUTE
 from runtime.workload import OpInfo, Workload
 
@@ -109,7 +109,7 @@ class Partitioner:
         closures = all_closure_ops(sim)
         more, aggr = banned_ops(w, "more_aggressive"), banned_ops(w, "aggressive")
         if estimator == "profile":
-            runtimes = candidate_features(sim).recompute_s.astype(np.float64)
+            runtimes = sim.features.recompute_s.astype(np.float64)
         else:
             runtimes = np.array([max(1.0, sum(w.ops[op].flops for op in ops)) for ops in closures])
         total = float(sim.size.sum())

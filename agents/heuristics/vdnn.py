@@ -28,7 +28,6 @@ import dataclasses
 
 from agents.base import Problem, Proposal, SearchContext, Searcher, apply_until_fits, register
 from agents.heuristics._selection import forward_order
-from envs.features import candidate_features
 from runtime.vocab import SWAP
 
 CONV_CLASSES = frozenset({"conv"})
@@ -40,7 +39,7 @@ def layer_inputs(problem: Problem) -> tuple[list[int], list[int]]:
     """(vDNN_conv offloads, the further vDNN_all offloads), each in forward order: candidates read by a
     convolution (by a matrix product or attention when the model has no convolution) in forward, then
     those read by any other forward op."""
-    feats = candidate_features(problem.simulator)
+    feats = problem.simulator.features
     order = forward_order(problem.workload)
     heavy = CONV_CLASSES if any(c & CONV_CLASSES for c in feats.consumer_classes) else TRANSFORMER_CLASSES
     conv = [ci for ci in order if feats.consumer_classes[ci] & heavy]

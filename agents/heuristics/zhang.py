@@ -50,7 +50,6 @@ import numpy as np
 
 from agents.base import Problem, Proposal, SearchContext, Searcher, register
 from agents.heuristics._selection import Plan, best_plan, shortest_fitting_prefix
-from envs.features import candidate_features
 from runtime.vocab import SWAP
 from runtime.workload import memory_timeline
 
@@ -62,7 +61,7 @@ LOOKAHEADS = (1, 2, 3, 4, 6, 8)  # unpack points ahead that a swap-in may be iss
 def priority_scores(problem: Problem) -> dict[str, np.ndarray]:
     """Per candidate, each score (higher = swap first): DOA and slack in seconds, AOA, WDOA, and the
     negated majority-voting rank sum."""
-    feats, sim = candidate_features(problem.simulator), problem.simulator
+    feats, sim = problem.simulator.features, problem.simulator
     doa_s = feats.idle_s
     slack_s = doa_s - feats.swap_out_s - feats.swap_in_s
     nbytes = np.maximum(1, feats.nbytes).astype(np.float64)

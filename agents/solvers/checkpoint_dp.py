@@ -51,7 +51,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from agents.base import Problem, Proposal, SearchContext, Searcher, Status, register
-from envs.features import candidate_features
 from envs.simulator import SimResult
 from runtime.vocab import KEEP, RECOMPUTE
 
@@ -310,7 +309,7 @@ def chain_of(problem: Problem, max_layers: int = _MAX_LAYERS) -> Chain:
     a kept layer keeps all its candidates, a recomputed one recomputes all of them. Beyond ``max_layers``
     layers, adjacent ones are merged (the lightest pair first)."""
     sim = problem.simulator
-    feats = candidate_features(sim)
+    feats = sim.features
     k = feats.k
     # Forward order by save_op, where a candidate's value is final (an in-place writer may come after its
     # producer allocated the storage: a residual sum written into a BatchNorm output, then ReLU'd).
