@@ -36,7 +36,6 @@ from envs.features import OP_CLASSES
 from envs.simulator import SimResult
 from runtime.policy import PolicyOptions
 from runtime.vocab import KEEP, RECOMPUTE, SWAP
-from runtime.workload import Phase
 
 CLASS_MODES = ("any", "swap", "recompute", "keep")
 LOOKAHEADS = (0, 1, 2, 4, 8, 16, 32)  # 0: copy back on demand
@@ -82,7 +81,7 @@ def ranked_moves(problem: Problem, params: RuleParams) -> tuple[np.ndarray, np.n
     order = movable[np.argsort(score[movable], kind="stable")]
     # A swapped tensor frees its memory only once its copy is done: past what the link moves while the
     # forward runs, swaps do not lower the peak at the start of backward. Beyond that cap, recompute.
-    cap = params.swap_share * problem.hardware.d2h_bytes_per_s * _forward_s(problem)
+    cap = params.swap_share * problem.hardware.d2h_bytes_per_s * problem.simulator.forward_s
     swapped = 0.0
     keep_in = np.ones(len(order), dtype=bool)
     for i, ci in enumerate(order.tolist()):
@@ -96,15 +95,6 @@ def ranked_moves(problem: Problem, params: RuleParams) -> tuple[np.ndarray, np.n
             keep_in[i] = False
     order = order[keep_in]
     return order, action[order], score[order]
-
-
-def _forward_s(problem: Problem) -> float:
-    sim = problem.simulator
-    fwd = getattr(sim, "_forward_s", None)
-    if fwd is None:
-        fwd = float(sum(t for t, op in zip(sim.op_s, problem.workload.ops, strict=True) if op.phase == Phase.FORWARD))
-        sim._forward_s = fwd  # type: ignore[attr-defined]
-    return float(fwd)
 
 
 def rule_actions(

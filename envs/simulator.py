@@ -278,6 +278,16 @@ class Simulator:
 
         return compute_features(self)
 
+    @functools.cached_property
+    def forward_s(self) -> float:
+        """Seconds of the forward's ops (Rule 1's op times)."""
+        return float(sum(t for t, op in zip(self.op_s, self.w.ops, strict=True) if op.phase == Phase.FORWARD))
+
+    @property
+    def first_pack_op(self) -> np.ndarray:
+        """The op after which each candidate is first packed (Rule 4's release points; Rule 13)."""
+        return self._pack_ops
+
     def _closure_cost(self, ci: int, ops: frozenset[int], deps: tuple[int, ...]) -> tuple[float, int, tuple[int, ...]]:
         """Rule 7: (recompute seconds, transient bytes, candidate dependencies) of candidate ``ci``: every
         storage the replayed ops write but the target is held during the recompute."""

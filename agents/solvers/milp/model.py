@@ -149,7 +149,7 @@ class _Builder:
         # Rule 4 with every candidate's first pack a release point: swapped c lets go after op release_op[c],
         # the compute stream waiting for its copy before op release_op[c] + 1; -1: not in forward.
         release_after = max(1, int(opts.release_after))
-        points = sim._pack_ops
+        points = sim.first_pack_op
         self.release_op = {
             c: int(points[c + release_after]) if c + release_after < self.k else -1 for c in self.decided
         }
