@@ -227,13 +227,12 @@ def baselines(
     as_json: JsonOpt = False,
 ) -> None:
     """Run every published heuristic and exact solver at the budget and compare them."""
-    from agents.base import Problem, SearchContext
+    from agents.base import SearchContext
     from autotune import baselines as bl
     from autotune import search as sr
     from autotune.budget import plan_budget
     from autotune.workloads import TraceRequest
     from runtime.hardware import resolve_profile
-    from runtime.policy import PolicyOptions
 
     methods = bl.select_methods(only)
     hw, note = resolve_profile(gpu)
@@ -252,14 +251,7 @@ def baselines(
             target=hw,
         )
     )
-    problem = Problem(
-        w,
-        hw,
-        plan.planned_bytes,
-        options=PolicyOptions(lossy=allow_compress),
-        allow_compress=allow_compress,
-    )
-    sr.check_budget(problem, plan)
+    problem = sr.planned_problem(w, hw, plan, allow_compress=allow_compress)
     results = bl.run_baselines(problem, SearchContext(time_limit_s=time_limit), methods, err)
     table = bl.rows(problem, results)
     if save is not None:
@@ -326,14 +318,13 @@ def search(
     as_json: JsonOpt = False,
 ) -> None:
     """Find the fastest policy within the budget and write it as a policy file (the main job)."""
-    from agents.base import Problem, SearchContext
+    from agents.base import SearchContext
     from agents.finalists import Finalists
     from agents.optuna_search import check_storage, existing_trials, study_name
     from autotune import search as sr
     from autotune.budget import plan_budget
     from autotune.workloads import TraceRequest
     from runtime.hardware import resolve_profile
-    from runtime.policy import PolicyOptions
 
     if timeout <= 0:
         raise AutotuneError(f"invalid --timeout {timeout}: expected a positive number of seconds, e.g. --timeout 60")
@@ -373,14 +364,8 @@ def search(
         w = backend.workload
     else:
         w, _ = _trace(req)
-    problem = Problem(
-        w,
-        hw,
-        plan.planned_bytes,
-        options=PolicyOptions(lossy=allow_compress),
-        allow_compress=allow_compress,
-        finalists=Finalists(plan.planned_bytes, capacity=4 * k) if k else None,
-    )
+    finalists = Finalists(plan.planned_bytes, capacity=4 * k) if k else None
+    problem = sr.planned_problem(w, hw, plan, allow_compress=allow_compress, finalists=finalists)
     # The portfolio keeps the name its studies always had; another searcher gets its own, so that two
     # searchers on one problem never share a study (their trials' parameters can differ).
     name = study or study_name(problem, "optuna-tpe" if searcher == "portfolio" else searcher)
@@ -392,7 +377,6 @@ def search(
         study_name=name,
         heartbeat_s=heartbeat,
     )
-    sr.check_budget(problem, plan)
     resumed = existing_trials(storage, name)
     if resumed:
         more = f"up to {max(0, trials - resumed)} more (--trials is the study's total)" if trials else "more"

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from agents.base import Problem, SearchContext, SearchResult, Status, baseline_names, best_of, better, get_searcher
+from agents.finalists import Finalists
 from autotune.budget import Budget, record_budget
 from autotune.measured import ANSWER, MeasuredSearch, answer_policy
 from autotune.units import format_bytes
@@ -24,7 +25,7 @@ from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
 from runtime.policy import Action, Policy, PolicyOptions
 from runtime.vocab import RECOMPUTE
-from runtime.workload import Phase
+from runtime.workload import Phase, Workload
 
 
 @dataclass
@@ -151,6 +152,24 @@ def check_budget(problem: Problem, budget: Budget | None = None) -> None:
             f"{format_bytes(smallest + reserve)} ({how}): raise --budget to at least that, or lower "
             "--batch-size"
         )
+
+
+def planned_problem(
+    w: Workload, hw: HardwareProfile, budget: Budget, *, allow_compress: bool, finalists: Finalists | None = None
+) -> Problem:
+    """The problem a planning command solves: ``w`` on ``hw`` within ``budget`` as planned for (its reserve
+    kept back, NOTE [ Budget and reserve ]), compression (lossy) only where allowed; checked at once
+    (:func:`check_budget`), before any search."""
+    problem = Problem(
+        w,
+        hw,
+        budget.planned_bytes,
+        options=PolicyOptions(lossy=allow_compress),
+        allow_compress=allow_compress,
+        finalists=finalists,
+    )
+    check_budget(problem, budget)
+    return problem
 
 
 # -- the search ------------------------------------------------------------------------------------------------
