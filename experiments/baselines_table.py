@@ -30,7 +30,7 @@ def main() -> None:
     methods = baseline_names() + baseline_names(exact=True)
     records = []
     for model, batch, seq in MODELS:
-        w, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq))
+        w, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq, target=hw))
         peak = peak_report(w, hw.alloc_granularity_bytes).peak_bytes
         for fraction in FRACTIONS:
             problem = Problem(w, hw, int(peak * fraction))

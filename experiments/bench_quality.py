@@ -45,8 +45,9 @@ from agents import portfolio
 from agents.base import Problem, SearchContext, SearchResult, baseline_names, get_searcher, list_searchers
 from autotune.models import default_batch_size
 from autotune.workloads import TraceRequest, trace_model
-from runtime.hardware import get_profile
-from runtime.workload import peak_report
+from runtime.hardware import HardwareProfile, get_profile
+from runtime.target import trace_key
+from runtime.workload import Workload, peak_report
 
 MODELS = {
     "resnet50": {},
@@ -98,13 +99,12 @@ def main() -> None:
     header += ["portfolio_agent"] if "portfolio" not in skip and args.agent else []
     print(" | ".join(header), flush=True)
     for model, kw, batch in workloads:
-        started = time.perf_counter()
-        req = TraceRequest(model=model, batch_size=batch or default_batch_size(model), precision=args.precision, **kw)  # type: ignore[arg-type]
-        w, _ = trace_model(req)
-        took = time.perf_counter() - started
-        print(f"# {model} batch {w.batch_size} {w.precision}: traced in {took:.1f} s", flush=True)
+        traces: dict[object, Workload] = {}  # one per trace_key: profiles that take the same kernels share it
         for profile in args.profiles.split(","):
             hw = get_profile(profile)
+            if trace_key(hw) not in traces:
+                traces[trace_key(hw)] = _trace(model, kw, batch, args.precision, hw)
+            w = traces[trace_key(hw)]
             peak = peak_report(w, hw.alloc_granularity_bytes).peak_bytes
             for fraction in (float(f) for f in args.fractions.split(",")):
                 row = cell(w, hw, int(peak * fraction), alone, args, skip)
@@ -119,6 +119,16 @@ def main() -> None:
     summarize(rows)
     if args.agent:
         summarize_agent(rows)
+
+
+def _trace(model: str, kw: dict[str, object], batch: int | None, precision: str, hw: HardwareProfile) -> Workload:
+    """``model``'s fake trace for ``hw``'s kernels, as `autotune search` traces it (runtime/target.py)."""
+    started = time.perf_counter()
+    b = batch or default_batch_size(model)
+    w, _ = trace_model(TraceRequest(model=model, batch_size=b, precision=precision, target=hw, **kw))  # type: ignore[arg-type]
+    took = time.perf_counter() - started
+    print(f"# {model} batch {w.batch_size} {w.precision} for {hw.name}: traced in {took:.1f} s", flush=True)
+    return w
 
 
 def cell(w, hw, budget: int, alone: list[str], args: argparse.Namespace, skip: set[str]) -> dict[str, object]:  # type: ignore[no-untyped-def]

@@ -110,7 +110,9 @@ def main() -> None:
 
 def run_cell(model: str, hw, planned: int, args: argparse.Namespace) -> dict[str, object]:  # type: ignore[no-untyped-def]
     started = time.perf_counter()
-    search = MaxBatch(lambda b: trace(model, b), hw, planned, per_size_s=args.per_size, max_slowdown=args.max_slowdown)
+    search = MaxBatch(
+        lambda b: trace(model, hw, b), hw, planned, per_size_s=args.per_size, max_slowdown=args.max_slowdown
+    )
     out = search.run(MODELS[model]["start"], rel_tol=args.rel_tol)
     by_size = {t.batch_size: t for t in out.tried}
     ours, heur, none = (

@@ -67,7 +67,7 @@ def main() -> None:
     fronts: dict[str, dict[str, list[tuple[float, float]]]] = {}  # model -> method -> (saved, slowdown)
     point_rows: list[dict[str, object]] = []
     for model in args.models:
-        w = trace(model)
+        w = trace(model, hw)
         peak = peak_report(w, hw.alloc_granularity_bytes).peak_bytes
         points: dict[str, list[tuple[float, float]]] = {m: [] for m in METHODS}
         for share in (float(s) for s in args.shares.split(",")):

@@ -69,7 +69,7 @@ def main() -> None:
     shares = [float(s) for s in args.shares.split(",")]
     rows: list[dict[str, object]] = []
     for model in args.models:
-        w = trace(model)
+        w = trace(model, hw)
         peak, act = activation_bytes_at_peak(w, hw)
         for share in shares:
             cell = search_cell(w, hw, activation_budget(w, hw, share), args.search_s)

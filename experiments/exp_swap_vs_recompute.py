@@ -72,7 +72,7 @@ def main() -> None:
     base = get_profile(args.profile)
     rows: list[dict[str, object]] = []
     for model in args.models:
-        w = trace(model)
+        w = trace(model, base)  # the links differ; the kernels, and so the trace, do not
         total = sum(c.nbytes for c in w.candidates)
         for share in (float(s) for s in args.shares.split(",")):
             previous = None  # the slower link's policy also fits here, as fast or faster: a seed
