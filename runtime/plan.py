@@ -151,7 +151,18 @@ class RegionPlanner:
             self._outputs.append(outputs)
             self.internal.append(np.array(lists["recompute"], dtype=np.int64))
             self.rng[f.index] = ok and any(w.ops[i].seeded for i in range(f.first_op, f.last_op + 1))
-        self._checks = {name: _Ragged(lists) for name, lists in must.items()}
+        # P2-P4 as one vectorised test: the (condition, candidate) pairs of the frames that may qualify, each
+        # an index into the conditions stacked per candidate (not recomputed, not kept, recomputed), and its frame.
+        checks = [
+            (j * self.candidates + ci, f)
+            for j, name in enumerate(must)
+            for f, lst in enumerate(must[name])
+            if self.static_ok[f]
+            for ci in lst
+        ]
+        self._check_index = np.array([c for c, _ in checks], dtype=np.int64)
+        self._check_frame = np.array([f for _, f in checks], dtype=np.int64)
+        self._any_static = bool(self.static_ok.any())
         flat = [(f, reader, read) for f, lst in enumerate(pairs) for reader, read in lst]
         self._pair_frame, self._pair_reader, self._pair_read = (
             np.array([p[i] for p in flat], dtype=np.int64) for i in range(3)
@@ -179,13 +190,15 @@ class RegionPlanner:
 
     def select(self, act: np.ndarray) -> list[int]:
         """Frame indices of the regions for action codes ``act`` (outermost first, in call order)."""
-        if not self.static_ok.any():
+        if not self._any_static:
             return []
         rec = act == RECOMPUTE
-        bad = self._checks["recompute"].count(~rec)
-        bad += self._checks["keep"].count(act != KEEP)
-        bad += self._checks["not_recompute"].count(rec)
-        ok = self.static_ok & (bad == 0)
+        if not rec.any():  # P2: nothing to serve
+            return []
+        ok = self.static_ok.copy()
+        ok[self._check_frame[np.concatenate([~rec, act != KEEP, rec])[self._check_index]]] = False
+        if not ok.any():
+            return []
         pairs = rec[self._pair_read] & rec[self._pair_reader]  # P6 pairs that may matter
         frames, readers = self._pair_frame[pairs], self._pair_reader[pairs]
         while True:  # P6 counts only readers that are replayed, which depends on the regions: to a fixpoint
@@ -281,22 +294,6 @@ def closures_of(w: Workload) -> list[Closure]:
             stack.extend(i for op in chain for i in w.ops[op].inputs)
         out.append(Closure(frozenset(ops), tuple(sorted(deps))))
     return out
-
-
-class _Ragged:
-    """Per-frame lists of candidate indices, flattened, so that counting how many of each frame's satisfy a
-    condition is one vectorised call."""
-
-    def __init__(self, lists: list[list[int]]) -> None:
-        self.flat = np.array([i for lst in lists for i in lst], dtype=np.int64)
-        lengths = np.array([len(lst) for lst in lists], dtype=np.int64)
-        self.segment = np.repeat(np.arange(len(lists)), lengths)
-        self.n = len(lists)
-
-    def count(self, condition: np.ndarray) -> np.ndarray:
-        if not len(self.flat):
-            return np.zeros(self.n, dtype=np.int64)
-        return np.bincount(self.segment, weights=condition[self.flat], minlength=self.n).astype(np.int64)
 
 
 def regions_for(w: Workload, act: np.ndarray) -> list[Region]:
