@@ -152,15 +152,18 @@ def _as_vector(w: Workload, policy: Policy | Sequence[int] | np.ndarray) -> np.n
     return vec
 
 
-def _scatter(into: np.ndarray, at: np.ndarray, values: np.ndarray | float) -> None:
-    """``into[at] += values`` with repeated indices adding up (np.add.at, by bincount: much faster)."""
-    if len(at):
-        weights = np.broadcast_to(values, at.shape).astype(np.float64)
-        into += np.bincount(at, weights=weights, minlength=len(into))[: len(into)].astype(into.dtype)
+def _covered(n: int, first: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """Boolean mask over ``n`` slots: inside one of the intervals [first, last] (empty ones count for none)."""
+    ok = last >= first
+    edges = np.bincount(first[ok], minlength=n + 1)[: n + 1] - np.bincount(last[ok] + 1, minlength=n + 1)[: n + 1]
+    return np.cumsum(edges[:n]) > 0
 
 
 class _PerOp:
-    """Seconds added before ops, gathered and summed in one go (one bincount instead of one per source)."""
+    """Seconds added before ops, gathered and summed in one go (one bincount instead of one per source).
+
+    bincount adds the seconds of an op in the order they were added: each op's sum does not depend on how
+    the sources are grouped into calls, only on their order, which :meth:`Simulator.run` keeps."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -171,19 +174,19 @@ class _PerOp:
     def add_one(self, at: int, value: float) -> None:
         self.one[at] = self.one.get(at, 0.0) + value
 
-    def add(self, at: np.ndarray | int, values: np.ndarray | float) -> None:
-        at = np.atleast_1d(np.asarray(at, dtype=np.int64))
+    def add(self, at: np.ndarray, values: np.ndarray | float) -> None:
+        """``values`` (one per op of the int64 array ``at``, or one for all) before the ops ``at``."""
         if len(at):
             self.at.append(at)
-            self.values.append(np.broadcast_to(np.asarray(values, dtype=np.float64), at.shape))
+            self.values.append(values if isinstance(values, np.ndarray) else np.full(len(at), values))
 
     def array(self) -> np.ndarray:
-        out = np.zeros(self.n)
+        out: np.ndarray = np.zeros(self.n)
         if self.at:
-            out += np.bincount(np.concatenate(self.at), weights=np.concatenate(self.values), minlength=self.n)[: self.n]
-        for at, value in self.one.items():
-            out[at] += value
-        return out[: self.n]
+            out = np.bincount(np.concatenate(self.at), weights=np.concatenate(self.values), minlength=self.n)[: self.n]
+        for at_op, value in self.one.items():
+            out[at_op] += value
+        return out
 
 
 def accumulated_s(w: Workload, t: float, optimizer_s: float) -> float:
@@ -209,6 +212,27 @@ class _RegionCost:
     regenerated: list[tuple[int, int]]  # (candidate, last op of its regenerated copy; -1 for its free_op)
     held: list[tuple[int, int, int]]  # (first op, last op, bytes): arguments the checkpoint holds longer
     intervals: tuple[np.ndarray, np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0), np.zeros(0))  # Rule 2
+
+
+@dataclass
+class _RegionView:
+    """What a set of regions fixes, whatever else the policy does (Rules 5, 11, 13)."""
+
+    served: np.ndarray  # candidates the regions recompute
+    outside: np.ndarray  # frames outside every region (their packs are observed)
+    costs: list[_RegionCost]
+    points: np.ndarray  # Rule 5's unpack points, of the candidates no region serves
+    first_use: np.ndarray
+    n_ops: int
+    _triggers: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def triggers(self, lookahead: int) -> np.ndarray:
+        """Rule 5: the op before which each candidate's H2D copy is issued (cached)."""
+        if lookahead not in self._triggers:
+            up = np.append(self.points, self.n_ops)
+            pos = np.searchsorted(self.points, self.first_use)
+            self._triggers[lookahead] = up[np.maximum(0, pos - lookahead)]
+        return self._triggers[lookahead]
 
 
 class Simulator:
@@ -268,7 +292,16 @@ class Simulator:
         self._first_use_list = self.first_use.tolist()
         self._op_start_list = self.op_start_s.tolist()
         self._triggers: dict[int, np.ndarray] = {}
+        self._views: dict[tuple[int, ...], _RegionView] = {}
         self._optimizer_alone = self._optimizer_alone_s()
+        # What run reads per policy, precomputed: positions among the unpack points, swaps in issue order (Rule
+        # 4: save_op, then candidate index), copy durations as lists for the walk.
+        self._u_pos_arr = np.array(self._u_pos, dtype=np.int64)
+        self._save_order = np.lexsort((np.arange(self.k), self.save_op))
+        self._cand_index = np.arange(self.k)
+        self._op_index = np.arange(n)
+        self._d2h_list, self._h2d_list = self.d2h_s.tolist(), self.h2d_s.tolist()
+        self._unpack_lists: dict[str, list[float]] = {}
         self._observation_setup(closures)
 
     @functools.cached_property
@@ -328,6 +361,8 @@ class Simulator:
         self._first_bwd = first_bwd
         if not self.has_frames:
             self._pack_ops = self.save_op.copy()  # first pack: after save_op
+            self._pack_after = self.save_op + 1  # Rule 12: each pack's cost after its op ...
+            self._pack_unpack_op = np.minimum(self.first_use, n)  # ... and its unpack's at its tensor's first use
             return
         nf = len(frames)
         pc, pf, po = [], [], []
@@ -363,9 +398,24 @@ class Simulator:
         self._closure_frames = [np.array(lst, dtype=np.int64) for lst in lists]
         self._frame_lo = np.array([f.first_op for f in frames], dtype=np.int64)
         self._frame_hi = np.array([f.last_op for f in frames], dtype=np.int64)
-        self._loss_before_root = [
-            any(w.ops[op].frame == 0 and op < self._root_first for op in ops) for ops in self.closure_ops
-        ]
+        self._loss_before_root = np.array(
+            [any(w.ops[op].frame == 0 and op < self._root_first for op in ops) for ops in self.closure_ops], dtype=bool
+        )
+        # Per policy, as masks: the frames of each candidate's closure ops; each pack's costs (Rule 12); the
+        # frames with packs of tensors that are not candidates, and theirs.
+        self._closure_frame_mask = np.zeros((self.k, nf), dtype=bool)
+        for ci, fr in enumerate(self._closure_frames):
+            self._closure_frame_mask[ci, fr] = True
+        self._frame_index = np.arange(nf)
+        self._n_paths = len(path_ids)
+        self._pack_after = self._pack_op + 1
+        self._pack_unpack_op = np.minimum(self.first_use[self._pack_cand], n)
+        other = np.flatnonzero(self._noncand_packs > 0)
+        hc = self.hw.host
+        self._other_frames = other
+        self._other_packs = self._noncand_packs[other]
+        self._other_first_op, self._other_bwd_op = self._frame_first_op[other], self._frame_bwd_op[other]
+        self._other_pack_s, self._other_unpack_s = self._other_packs * hc.pack_s, self._other_packs * hc.unpack_s
 
     def region_cost(self, f: int) -> _RegionCost:
         """Rule 11 for frame ``f`` as a region (cached)."""
@@ -449,6 +499,25 @@ class Simulator:
         self._regions[f] = cost
         return cost
 
+    def _region_view(self, regions: tuple[int, ...]) -> _RegionView:
+        """What a set of regions fixes for every policy that has them (cached, a few hundred sets at most)."""
+        view = self._views.get(regions)
+        if view is None:
+            assert self.planner is not None
+            if len(self._views) >= 256:
+                self._views.pop(next(iter(self._views)))
+            served = self.planner.served(list(regions))
+            view = _RegionView(
+                served=served,
+                outside=~self.planner.inside(list(regions)),
+                costs=[self.region_cost(f) for f in regions],
+                points=np.unique(self.first_use[~served & (self.first_use < self.n_ops)]),
+                first_use=self.first_use,
+                n_ops=self.n_ops,
+            )
+            self._views[regions] = view
+        return view
+
     # -- one evaluation -----------------------------------------------------------------------------------
     def run(
         self,
@@ -467,81 +536,79 @@ class Simulator:
         release_after = max(1, int(options.release_after))
         packed, pack_s = self.compression(options.compress_dtype)
         sync = self.sync_copies
+        keep_mask, swp_mask, rec_mask = act == KEEP, act == SWAP, act == RECOMPUTE
+        swapping = bool(swp_mask.any())
 
         # Rule 11: regions, and what they serve.
         planner = self.planner
         regions = planner.select(act) if planner is not None else []
-        served = planner.served(regions) if planner is not None and regions else np.zeros(k, dtype=bool)
-        handled = (act != KEEP) & ~served
-        swp_mask = act == SWAP
-        # Rule 5: unpack points among the candidates no region serves, and each copy back's trigger op.
+        # Rule 5: each copy back's trigger op, among the unpack points of the candidates no region serves.
         if regions:
-            points = np.unique(self.first_use[~served & (self.first_use < n)]).tolist()
-            up = np.array([*points, n], dtype=np.int64)
-            pos = np.searchsorted(points, self.first_use)
-            trigger_all = up[np.maximum(0, pos - lookahead)]
+            view = self._region_view(tuple(regions))
+            served = view.served
+            handled = ~keep_mask & ~served
+            trigger_all = view.triggers(lookahead)
         else:
-            points, pos = self.unpack_points, np.array(self._u_pos, dtype=np.int64)
+            served = np.zeros(k, dtype=bool)
+            handled = ~keep_mask
             trigger_all = self.trigger_ops(lookahead)
-        carriers = np.zeros(k, dtype=bool)
-        if lookahead > 0 and swp_mask.any() and not sync:
-            up_pts = np.asarray(points, dtype=np.int64)
-            due = up_pts[np.maximum(0, pos[swp_mask & (self.first_use < n)] - lookahead)]
-            carriers = np.isin(self.first_use, due) & ~served
+        watched = handled
+        if lookahead > 0 and swapping and not sync:
+            # Rule 13's carriers: the candidates first used where a copy back is due (a swapped candidate is
+            # served by no region, so its copy is due at its own trigger op).
+            due = np.zeros(n + 1, dtype=bool)
+            due[trigger_all[swp_mask & (self.first_use < n)]] = True
+            watched = handled | (due[self.first_use] & ~served)
 
         # Rule 13: observed packs; pack points in candidate order.
         hxa = _PerOp(n + 1)  # host seconds before op i (Rule 12)
         dxa = _PerOp(n + 1)  # compute seconds before op i, fixed by the policy
+        replayed = np.flatnonzero(handled & rec_mask)
+        point: np.ndarray | None = None  # None: every candidate's first pack is a pack point
         if self.has_frames:
-            watched = handled | carriers
-            hooked_frames = np.unique(self._pack_frame[watched[self._pack_cand]])
-            delta = np.zeros(len(w.frames) + 1, dtype=np.int64)
-            _scatter(delta, hooked_frames, 1)
-            _scatter(delta, self._frame_end[hooked_frames] + 1, -1)
-            obs_frame = np.cumsum(delta[:-1]) > 0
+            hooked = np.zeros(len(w.frames), dtype=bool)
+            hooked[self._pack_frame[watched[self._pack_cand]]] = True
+            # A frame is observed when it or one enclosing it is hooked: a hooked frame before it in preorder
+            # reaches it.
+            obs_frame = np.maximum.accumulate(np.where(hooked, self._frame_end, -1)) >= self._frame_index
             if regions:
-                assert self.planner is not None
-                obs_frame &= ~self.planner.inside(regions)
+                obs_frame &= view.outside
             obs_pack = obs_frame[self._pack_frame]
             point = obs_pack[self._first_pack]
-            hxa.add(self._pack_op[obs_pack] + 1, hc.pack_s)
-            hxa.add(np.minimum(self.first_use[self._pack_cand[obs_pack]], n), hc.unpack_s)
-            others = self._noncand_packs * obs_frame
-            hxa.add(self._frame_first_op, others * hc.pack_s)
-            hxa.add(self._frame_bwd_op, others * hc.unpack_s)
-            n_observed = int(obs_pack.sum() + others.sum())
-            replayed = np.flatnonzero(handled & (act == RECOMPUTE))
-            recorder_frames = self._recorder_frames(replayed) if len(replayed) else np.zeros(0, dtype=np.int64)
-            paths = np.unique(self._frame_path[np.concatenate([hooked_frames, recorder_frames])])
-            calls = np.flatnonzero(np.isin(self._frame_path, paths))
+            hxa.add(self._pack_after[obs_pack], hc.pack_s)
+            hxa.add(self._pack_unpack_op[obs_pack], hc.unpack_s)
+            others = obs_frame[self._other_frames]
+            hxa.add(self._other_first_op[others], self._other_pack_s[others])
+            hxa.add(self._other_bwd_op[others], self._other_unpack_s[others])
+            n_observed = int(np.count_nonzero(obs_pack)) + int(self._other_packs[others].sum())
+            recorder_frames = np.zeros(0, dtype=np.int64)
+            if len(replayed):  # the frames the recorder runs in: those of the replayed candidates' closure ops
+                recorder = self._closure_frame_mask[replayed].any(axis=0)
+                recorder_frames = np.flatnonzero(recorder)
+                hooked |= recorder
+            called = np.zeros(self._n_paths, dtype=bool)
+            called[self._frame_path[hooked]] = True
+            calls = called[self._frame_path]
             hxa.add(self._frame_first_op[calls], hc.frame_s)
-            frame_calls = len(calls)
+            frame_calls = int(np.count_nonzero(calls))
         else:  # one pack per candidate, after save_op, every one observed
-            point = np.ones(k, dtype=bool)
-            hxa.add(self.save_op + 1, hc.pack_s)
-            hxa.add(np.minimum(self.first_use, n), hc.unpack_s)
+            hxa.add(self._pack_after, hc.pack_s)
+            hxa.add(self._pack_unpack_op, hc.unpack_s)
             recorder_frames = np.zeros(0, dtype=np.int64)
             n_observed = k
             frame_calls = 0
         overhead_s = n_observed * (hc.pack_s + hc.unpack_s) + frame_calls * hc.frame_s
 
-        # Rule 4: release points.
-        point_idx = np.flatnonzero(point)
-        point_op = self._pack_ops[point_idx]
-        rank_of = np.full(k, -1, dtype=np.int64)
-        rank_of[point_idx] = np.arange(len(point_idx))
-        handled_uses = self.first_use[handled & (self.first_use < n)]
-        first_handled = int(handled_uses.min()) if len(handled_uses) else n
-
         # Rule 8: pack kernels after save_op.
         comp = np.flatnonzero(act == COMPRESS)
-        dxa.add(self.save_op[comp] + 1, pack_s[comp])
-        hxa.add(self.save_op[comp] + 1, hc.op_s if hw.is_gpu else 0.0)
+        if len(comp):
+            dxa.add(self.save_op[comp] + 1, pack_s[comp])
+            hxa.add(self.save_op[comp] + 1, hc.op_s if hw.is_gpu else 0.0)
         compress_s = float(pack_s[comp].sum())
 
         # Rule 11: regions in forward and their recomputes.
         recompute_s = 0.0
-        region_costs = [self.region_cost(f) for f in regions]
+        region_costs = view.costs if regions else []
         for f, rc in zip(regions, region_costs, strict=True):
             hxa.add_one(int(self._frame_first_op[f]), rc.forward_host_s)
             overhead_s += rc.forward_host_s
@@ -552,95 +619,104 @@ class Simulator:
                 overhead_s += rc.forward_host_s  # the region's own part of the recompute's host time
 
         # Rule 12: the recorder's ops.
-        replayed = np.flatnonzero(handled & (act == RECOMPUTE))
         if len(replayed) and hc.record_op_s > 0:
             recorded = self._recorded_ops(replayed, recorder_frames) * self._record_weight
-            hxa.add(np.arange(n), recorded * hc.record_op_s)
+            hxa.add(self._op_index, recorded * hc.record_op_s)
             overhead_s += float(recorded.sum()) * hc.record_op_s
 
-        # Rule 4: swaps, in issue order.
-        swp = np.flatnonzero(swp_mask)
-        swp = swp[np.lexsort((swp, self.save_op[swp]))]
-        if sync:  # Rule 1: the copy on the one clock, done when it resumes
+        # Rule 4: swaps, in issue order, and their release points.
+        swp = self._save_order[swp_mask[self._save_order]] if swapping else self._save_order[:0]
+        if sync and swapping:  # Rule 1: the copy on the one clock, done when it resumes
             dxa.add(self.save_op[swp] + 1, self.d2h_s[swp])
-        hxa.add(self.save_op[swp] + 1, hc.swap_s)  # Rule 12: the copy out's own host work, everywhere
+        if swapping:
+            hxa.add(self.save_op[swp] + 1, hc.swap_s)  # Rule 12: the copy out's own host work, everywhere
         overhead_s += len(swp) * hc.swap_s
-        release_op = np.full(k, -1, dtype=np.int64)  # the op after which the device bytes go
-        release_event = np.full(k, n, dtype=np.int64)  # the event position (op before which it happens)
-        if not sync and len(swp):
-            target = rank_of[swp] + release_after
-            in_fwd = (rank_of[swp] >= 0) & (target < len(point_idx))
-            rel_pp = np.where(in_fwd, point_op[np.minimum(target, len(point_idx) - 1)], first_handled - 1)
-            release_op[swp] = rel_pp
-            release_event[swp] = np.where(in_fwd, rel_pp + 1, first_handled)
+        copies = swapping and not sync
+        if copies:
+            point_idx = np.flatnonzero(point) if point is not None else self._cand_index
+            rank = np.full(k, -1, dtype=np.int64)
+            rank[point_idx] = np.arange(len(point_idx))
+            rank = rank[swp]
+            first_handled = int(self.first_use[handled].min())  # swapped ones are handled
+            target = rank + release_after
+            in_fwd = (rank >= 0) & (target < len(point_idx))
+            release_op = np.where(  # the op after which the device bytes go
+                in_fwd, self._pack_ops[point_idx[np.minimum(target, len(point_idx) - 1)]], first_handled - 1
+            )
+            release_event = np.where(in_fwd, release_op + 1, first_handled)  # the op before which it happens
 
         # The walk (Rules 1, 4-7, 12). Events come before op x; at one x, in this order: copies out, releases,
         # copies back (in order of need), uses (in order of need); then op x with its fixed insertions.
         hx, dx = hxa.array(), dxa.array()
-        hcum = np.concatenate([[0.0], np.cumsum(self.host_op_s + hx[:n])])  # Hc
-        dcum = np.concatenate([[0.0], np.cumsum(self.op_s + dx[:n])])  # Dc
+        hcum = np.zeros(n + 1)
+        dcum = np.zeros(n + 1)
+        np.cumsum(self.host_op_s + hx[:n], out=hcum[1:])  # Hc
+        np.cumsum(self.op_s + dx[:n], out=dcum[1:])  # Dc
         reach = hcum[1:] - dcum[:-1]  # A_k: when the host has issued op k, less the compute before it
         uses_arr = self._need_order[handled[self._need_order]]
-        fetch_arr = self._need_order[act[self._need_order] == SWAP] if not sync else np.zeros(0, dtype=np.int64)
-        d2h_end_arr = np.zeros(k)
-        begin_at, clock0 = 0, (0.0, 0.0)
-        fwd_events = not sync and len(swp) > 0
-        if fwd_events:  # Rule 4 in forward, at once when no release point waits for its copy
+        d2h_end: dict[int, float] = {}
+        begin_at, ih, ed = 0, 0.0, 0.0
+        if copies:
+            fetch_arr = self._need_order[swp_mask[self._need_order]]
+            # Rule 4 in forward, at once when no release point waits for its copy.
             cm = np.maximum.accumulate(np.maximum(reach, 0.0))
             e_after = dcum[1:] + cm  # the compute stream's end of each op, no wait on the way
             issue = e_after[self.save_op[swp]]
             dur = self.d2h_s[swp]
             csum = np.cumsum(dur)
-            d2h_end_arr[swp] = csum + np.maximum.accumulate(issue - (csum - dur))
-            fwd_rel = release_event[swp] < self._first_bwd
-            waits = d2h_end_arr[swp[fwd_rel]] > e_after[release_event[swp[fwd_rel]] - 1]
-            if not waits.any():
-                fwd_events = False
+            swp_end = csum + np.maximum.accumulate(issue - (csum - dur))
+            fwd_rel = release_event < self._first_bwd
+            fwd_events = bool((swp_end[fwd_rel] > e_after[release_event[fwd_rel] - 1]).any())
+            if not fwd_events:
+                d2h_end = dict(zip(swp.tolist(), swp_end.tolist(), strict=True))
                 begin_at = self._first_bwd
-                clock0 = (float(hcum[begin_at]), float(e_after[begin_at - 1]) if begin_at > 0 else 0.0)
-        pos_parts = [self.first_use[uses_arr], trigger_all[fetch_arr]]
-        kind_parts = [np.full(len(uses_arr), 3), np.full(len(fetch_arr), 2)]
-        ci_parts = [uses_arr, fetch_arr]
-        rank_parts = [np.arange(len(uses_arr)), np.arange(len(fetch_arr))]
-        if not sync and len(swp):
-            rel = swp if fwd_events else swp[release_event[swp] >= self._first_bwd]
-            pos_parts.append(release_event[rel])
-            kind_parts.append(np.full(len(rel), 1))
-            ci_parts.append(rel)
-            rank_parts.append(np.arange(len(rel)))
+                ih, ed = float(hcum[begin_at]), float(e_after[begin_at - 1]) if begin_at > 0 else 0.0
+            rel = swp if fwd_events else swp[release_event >= self._first_bwd]
+            rel_pos = release_event if fwd_events else release_event[release_event >= self._first_bwd]
+            pos_parts = [self.first_use[uses_arr], trigger_all[fetch_arr], rel_pos]
+            ci_parts = [uses_arr, fetch_arr, rel]
+            kinds = [3, 2, 1]
             if fwd_events:
                 pos_parts.append(self.save_op[swp] + 1)
-                kind_parts.append(np.zeros(len(swp), dtype=np.int64))
                 ci_parts.append(swp)
-                rank_parts.append(np.arange(len(swp)))
-        pos_a, kind_a, ci_a, rank_a = (np.concatenate(x) for x in (pos_parts, kind_parts, ci_parts, rank_parts))
-        keep_ev = pos_a < n
-        pos_a, kind_a, ci_a, rank_a = pos_a[keep_ev], kind_a[keep_ev], ci_a[keep_ev], rank_a[keep_ev]
-        order_ev = np.lexsort((rank_a, kind_a, pos_a))
-        sorted_pos = pos_a[order_ev]
-        pos_l, kind_l, ci_l = sorted_pos.tolist(), kind_a[order_ev].tolist(), ci_a[order_ev].tolist()
-        firsts = np.concatenate([[True], sorted_pos[1:] != sorted_pos[:-1]])
-        points_ev = sorted_pos[firsts].tolist() if len(sorted_pos) else []
-        seg_max = np.maximum.reduceat(reach, [begin_at, *points_ev]).tolist() if n > begin_at else [0.0]
-        hcl, dcl = hcum.tolist(), dcum.tolist()
+                kinds.append(0)
+            pos_a, ci_a = np.concatenate(pos_parts), np.concatenate(ci_parts)
+            kind_a = np.repeat(kinds, [len(x) for x in ci_parts])
+            keep_ev = pos_a < n
+            pos_a, kind_a, ci_a = pos_a[keep_ev], kind_a[keep_ev], ci_a[keep_ev]
+            # By op, then kind; a stable sort keeps each kind's events in their order (of need, of issue).
+            order_ev = np.argsort(pos_a * 4 + kind_a, kind="stable")
+            sorted_pos = pos_a[order_ev]
+            kind_l, ci_l = kind_a[order_ev].tolist(), ci_a[order_ev].tolist()
+        else:  # only uses, already in order of need
+            sorted_pos = self.first_use[uses_arr]
+            ci_l = uses_arr.tolist()
+            kind_l = [3] * len(ci_l)
+        pos_l = sorted_pos.tolist()
+        firsts = np.empty(len(sorted_pos), dtype=bool)
+        firsts[:1] = True
+        np.not_equal(sorted_pos[1:], sorted_pos[:-1], out=firsts[1:])
+        stops = [begin_at, *sorted_pos[firsts].tolist(), n]  # where the clocks are read: events, the end
+        seg_max = np.maximum.reduceat(reach, stops[:-1]).tolist() if n > begin_at else [0.0]
+        hcl, dcl = hcum[stops].tolist(), dcum[stops].tolist()
 
-        clock = [clock0[0], clock0[1]]  # host, device: before the current op (and its fixed insertions)
         stall_s = 0.0
         d2h_free = 0.0
         h2d_free = 0.0
-        d2h_end = d2h_end_arr.tolist()
-        h2d_end = [-1.0] * k
+        h2d_end: dict[int, float] = {}
         mat_op = [-1] * k
         fetch_op = [-1] * k
+        back: list[tuple[int, int]] = []  # (candidate, op) re-created in backward (Rules 7, 8)
+        fetched: list[tuple[int, int]] = []  # (candidate, op) whose copy back is allocated there (Rule 5)
         extra: dict[int, int] = {}
-        held = [0]
+        held = 0
         actl = act.tolist()
         closures = self.closures
         closure_host = self._closure_host
         closure_len = self._closure_len
-        unpack_cost = pack_s.tolist()
-        h2d_dur = self.h2d_s.tolist()
-        d2h_dur = self.d2h_s.tolist()
+        unpack_cost = self._unpack_list(options.compress_dtype, pack_s)
+        h2d_dur = self._h2d_list
+        d2h_dur = self._d2h_list
         floors: dict[int, tuple[float, float]] = {}  # timeline: the clocks after the events at an op
         host_dyn = 0.0
         own_dyn = 0.0  # the runtime's own part of it (copies back, replays)
@@ -648,34 +724,19 @@ class Simulator:
         swap_host = hc.swap_s
         replay_host = hc.replay_op_s
 
-        def spend(host: float, device: float) -> None:
-            """Dynamic work issued as one block at this event (Rules 7, 8, 12)."""
-            nonlocal host_dyn
-            host_dyn += host
-            if sync:
-                clock[1] += host + device
-                clock[0] = clock[1]
-            else:
-                clock[0] += host
-                if device:  # the device runs the block once the host has issued it
-                    clock[1] = max(clock[1], clock[0]) + device
-
-        def wait(until: float) -> None:
-            nonlocal stall_s
-            if until > clock[1]:
-                stall_s += until - clock[1]
-                clock[1] = until
-
         def issue_h2d(ci: int, op: int) -> None:
-            nonlocal h2d_free, own_dyn
+            nonlocal h2d_free, own_dyn, host_dyn, ih
             own_dyn += swap_host
             fetch_op[ci] = op
-            begin = max(clock[1], h2d_free, d2h_end[ci])
+            fetched.append((ci, op))
+            begin = max(ed, h2d_free, d2h_end[ci])
             h2d_free = h2d_end[ci] = begin + h2d_dur[ci]
-            spend(swap_host, 0.0)
+            host_dyn += swap_host  # spent as a block of no device work (not on the CPU: no copies there)
+            ih += swap_host
 
         def materialize(ci: int, op: int) -> None:
-            nonlocal recompute_s, compress_s, own_dyn
+            """Rules 6-8 at op: dynamic work issued as one block (Rule 12), the device running it after."""
+            nonlocal recompute_s, compress_s, own_dyn, host_dyn, stall_s, held, ih, ed
             if mat_op[ci] >= 0:
                 return
             mat_op[ci] = op  # first, so that a cycle through in-place writers cannot recurse forever
@@ -685,108 +746,122 @@ class Simulator:
                     return  # Rule 4: no copy back without copy engines
                 if fetch_op[ci] < 0:
                     issue_h2d(ci, op)
-                wait(h2d_end[ci])
-            elif a == COMPRESS:
-                spend(h_op, unpack_cost[ci])
-                compress_s += unpack_cost[ci]
+                until = h2d_end[ci]
+                if until > ed:
+                    stall_s += until - ed
+                    ed = until
+                return
+            if a == COMPRESS:
+                host, device = h_op, unpack_cost[ci]
+                compress_s += device
             elif a == RECOMPUTE:
-                seconds, transient, deps = closures[ci]
+                device, transient, deps = closures[ci]
                 for d in deps:
                     if actl[d] != KEEP:
                         materialize(d, op)
                 own = closure_len[ci] * replay_host
                 own_dyn += own
-                spend(closure_host[ci] + own, seconds)
-                recompute_s += seconds
-                held[0] += transient  # nested recomputations hold theirs until the outer one is done
+                host = closure_host[ci] + own
+                recompute_s += device
+                held += transient  # nested recomputations hold theirs until the outer one is done
+            else:
+                return
+            back.append((ci, op))
+            host_dyn += host
+            if sync:
+                ed += host + device
+                ih = ed
+            else:
+                ih += host
+                if device:  # the device runs the block once the host has issued it
+                    ed = max(ed, ih) + device
 
         prev, seg_i, at = begin_at, 0, -1
         for x, kind, ci in zip(pos_l, kind_l, ci_l, strict=True):
             if x != at:  # Rule 1 over the ops since the last event, none inside
                 if timeline and at >= 0:
-                    floors[at] = (clock[0], clock[1])
+                    floors[at] = (ih, ed)
                 if x > prev:
-                    ih, ed = clock
+                    hp, dp, hn, dn = hcl[seg_i], dcl[seg_i], hcl[seg_i + 1], dcl[seg_i + 1]
                     if sync:
-                        clock[1] = ed + (hcl[x] - hcl[prev]) + (dcl[x] - dcl[prev])
-                        clock[0] = clock[1]
+                        ed = ed + (hn - hp) + (dn - dp)
+                        ih = ed
                     else:
-                        clock[0] = ih + hcl[x] - hcl[prev]
-                        clock[1] = dcl[x] + max(ed - dcl[prev], ih - hcl[prev] + seg_max[seg_i])
+                        ih, ed = ih + hn - hp, dn + max(ed - dp, ih - hp + seg_max[seg_i])
                 seg_i += 1
                 prev = at = x
             if kind == 3:
-                held[0] = 0
+                held = 0
                 materialize(ci, x)
-                if held[0] > extra.get(x, 0):  # separate recomputations at one op run one after the other
-                    extra[x] = held[0]
+                if held > extra.get(x, 0):  # separate recomputations at one op run one after the other
+                    extra[x] = held
             elif kind == 2:
                 if fetch_op[ci] < 0:
                     issue_h2d(ci, x)
             elif kind == 1:
-                wait(d2h_end[ci])
+                until = d2h_end[ci]
+                if until > ed:
+                    stall_s += until - ed
+                    ed = until
             else:
-                begin = max(clock[1], d2h_free)
+                begin = max(ed, d2h_free)
                 d2h_free = d2h_end[ci] = begin + d2h_dur[ci]
         if timeline and at >= 0:
-            floors[at] = (clock[0], clock[1])
+            floors[at] = (ih, ed)
         if n > prev:
-            ih, ed = clock
+            hp, dp, hn, dn = hcl[seg_i], dcl[seg_i], hcl[seg_i + 1], dcl[seg_i + 1]
             if sync:
-                clock[1] = ed + (hcl[n] - hcl[prev]) + (dcl[n] - dcl[prev])
-                clock[0] = clock[1]
+                ed = ed + (hn - hp) + (dn - dp)
+                ih = ed
             else:
-                clock[0] = ih + hcl[n] - hcl[prev]
-                clock[1] = dcl[n] + max(ed - dcl[prev], ih - hcl[prev] + seg_max[seg_i])
-        t_end = max(clock)
+                ih, ed = ih + hn - hp, dn + max(ed - dp, ih - hp + seg_max[seg_i])
+        t_end = max(ih, ed)
         overhead_s += own_dyn
         iter_s = accumulated_s(w, t_end, self._optimizer_alone)
 
-        # Rule 2: candidate intervals.
-        keep = np.flatnonzero(act == KEEP)
-        rec = np.flatnonzero((act == RECOMPUTE) & ~served)
-        srv = np.flatnonzero(served)
-        mat = np.array(mat_op, dtype=np.int64)
-        fet = np.array(fetch_op, dtype=np.int64)
-        never = n  # a tensor never materialized in backward starts "after the end"
-        starts_l = [self.producer[keep], self.producer[rec], self.producer[srv], self.producer[comp]]
-        ends_l = [self.free_keep[keep], self.drop[rec], self.drop[srv], self.drop[comp]]
-        sizes_l = [self.size[keep], self.size[rec], self.size[srv], self.size[comp]]
-        if sync:  # Rule 4 without copy engines: the copy is device memory
-            starts_l += [self.producer[swp], self.save_op[swp]]
-            ends_l += [self.drop[swp], self.free_keep[swp]]
-            sizes_l += [self.size[swp], self.size[swp]]
-        else:
-            starts_l += [self.producer[swp], np.where(fet[swp] < 0, never, fet[swp])]
-            ends_l += [np.maximum(self.drop[swp], release_op[swp]), self.free_keep[swp]]
-            sizes_l += [self.size[swp], self.size[swp]]
-        for group in (rec, comp):
-            back = mat[group]
-            starts_l.append(np.where(back < 0, never, back))
-            ends_l.append(self.free_keep[group])
-            sizes_l.append(self.size[group])
-        cm = mat[comp]
-        starts_l.append(self.save_op[comp])
-        ends_l.append(np.where(cm < 0, n - 1, cm))
-        sizes_l.append(packed[comp])
+        # Rule 2: candidate intervals. Every candidate's storage from its producer (kept: to its free_op; else
+        # to free_if_dropped_op, a swapped one's to its release point if later); its copy back, regenerated or
+        # unpacked one (starting n if never made); a compressed one's packed storage [save_op, u].
+        back_start = np.full(k, n, dtype=np.int64)
+        if back:
+            ci_b, op_b = zip(*back, strict=True)
+            back_start[list(ci_b)] = op_b
+        if regions:
+            back_start[served] = n  # regenerated by their regions (Rule 11)
+        end_a = np.where(keep_mask, self.free_keep, self.drop)
+        if copies:
+            end_a[swp] = np.maximum(self.drop[swp], release_op)
+            if fetched:
+                ci_f, op_f = zip(*fetched, strict=True)
+                back_start[list(ci_f)] = op_f
+        elif swapping:  # Rule 4 without copy engines: the copy is device memory
+            back_start[swp] = self.save_op[swp]
+        packed_end = back_start[comp]
+        packed_end[packed_end == n] = n - 1
+        starts = [self.producer, back_start, self.save_op[comp]]
+        ends = [end_a, self.free_keep, packed_end]
+        sizes = [self.size, self.size, packed[comp]]
         for rc in region_costs:  # Rule 11: regenerated copies, held arguments
-            starts_l.append(rc.intervals[0])
-            ends_l.append(rc.intervals[1])
-            sizes_l.append(rc.intervals[2])
+            starts.append(rc.intervals[0])
+            ends.append(rc.intervals[1])
+            sizes.append(rc.intervals[2])
             if rc.use < n and rc.transient > extra.get(rc.use, 0):
                 extra[rc.use] = rc.transient
-        s_all, e_all, z_all = np.concatenate(starts_l), np.concatenate(ends_l), np.concatenate(sizes_l)
+        s_all, e_all, z_all = np.concatenate(starts), np.concatenate(ends), np.concatenate(sizes)
         ok = s_all <= e_all
-        delta = np.zeros(n + 1, dtype=np.int64)
-        delta += np.bincount(s_all[ok], weights=z_all[ok], minlength=n + 1)[: n + 1].astype(np.int64)
-        delta -= np.bincount(e_all[ok] + 1, weights=z_all[ok], minlength=n + 1)[: n + 1].astype(np.int64)
-        live = self.base_live + np.cumsum(delta[:n])
-        for op, b in extra.items():  # Rules 7, 11: the recompute runs before op u allocates its own outputs
-            live[op] = max(live[op], live[op] - self.base_alloc[op] - self.workspace[op] + b)
+        z_ok = z_all[ok]
+        delta = np.bincount(
+            np.concatenate([s_all[ok], e_all[ok] + 1]), weights=np.concatenate([z_ok, -z_ok]), minlength=n + 1
+        )
+        live = self.base_live + np.cumsum(delta[:n].astype(np.int64))
+        if extra:  # Rules 7, 11: the recompute runs before op u allocates its own outputs
+            ops = np.fromiter(extra.keys(), dtype=np.int64, count=len(extra))
+            held_b = np.fromiter(extra.values(), dtype=np.int64, count=len(extra))
+            live[ops] = np.maximum(live[ops], live[ops] - self.base_alloc[ops] - self.workspace[ops] + held_b)
         peak_op = int(np.argmax(live))
         peak = int(live[peak_op])
         swapped_bytes = int(self.nbytes[swp].sum())
-        host_total = float(hcl[n]) + host_dyn
+        host_total = hcl[-1] + host_dyn
         return SimResult(
             peak_bytes=peak,
             iter_s=iter_s,
@@ -806,27 +881,24 @@ class Simulator:
             regions=len(regions),
         )
 
-    def _recorder_frames(self, replayed: np.ndarray) -> np.ndarray:
-        """The frames the recorder runs in (Rule 12): those of the replayed candidates' closure ops."""
-        lists = [self._closure_frames[ci] for ci in replayed.tolist()]
-        return np.unique(np.concatenate(lists)).astype(np.int64) if lists else np.zeros(0, dtype=np.int64)
+    def _unpack_list(self, dtype: str, pack_s: np.ndarray) -> list[float]:
+        """Rule 8's kernel seconds per candidate as a list, for the walk (cached)."""
+        if dtype not in self._unpack_lists:
+            self._unpack_lists[dtype] = pack_s.tolist()
+        return self._unpack_lists[dtype]
 
     def _recorded_ops(self, replayed: np.ndarray, frames: np.ndarray) -> np.ndarray:
         """Rule 12: 1 for each forward op the recorder runs under, in ``frames`` (the replayed candidates')."""
         n = self.n_ops
-        out = np.zeros(n)
         if not self.has_frames:
+            out = np.zeros(n)
             fwd = self.w.phase_range(Phase.FORWARD)
             out[fwd.start : fwd.stop] = 1.0
             return out
         first, last = self._frame_lo[frames].copy(), self._frame_hi[frames]
         if len(frames) and frames[0] == 0:  # outside the model: from its end, or the whole forward if needed before
-            first[0] = 0 if any(self._loss_before_root[ci] for ci in replayed.tolist()) else self._root_last + 1
-        ok = last >= first
-        delta = np.zeros(n + 1)
-        _scatter(delta, first[ok], 1.0)
-        _scatter(delta, last[ok] + 1, -1.0)
-        return (np.cumsum(delta[:n]) > 0).astype(np.float64)
+            first[0] = 0 if self._loss_before_root[replayed].any() else self._root_last + 1
+        return _covered(n, first, last).astype(np.float64)
 
     def _optimizer_alone_s(self) -> float:
         """Rule 10: the optimizer ops on Rule 1's clocks from idle (no policy acts there)."""
