@@ -99,6 +99,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -152,11 +153,10 @@ def _as_vector(w: Workload, policy: Policy | Sequence[int] | np.ndarray) -> np.n
     return vec
 
 
-def _covered(n: int, first: np.ndarray, last: np.ndarray) -> np.ndarray:
-    """Boolean mask over ``n`` slots: inside one of the intervals [first, last] (empty ones count for none)."""
-    ok = last >= first
-    edges = np.bincount(first[ok], minlength=n + 1)[: n + 1] - np.bincount(last[ok] + 1, minlength=n + 1)[: n + 1]
-    return np.cumsum(edges[:n]) > 0
+def _bit_mask(bits: int, size: int) -> np.ndarray:
+    """The bit set ``bits`` (bit i: slot i) as a boolean mask over ``size`` slots."""
+    raw = np.frombuffer(bits.to_bytes((size + 7) // 8 or 1, "little"), dtype=np.uint8)
+    return np.unpackbits(raw, count=size, bitorder="little").view(bool)
 
 
 class _PerOp:
@@ -224,6 +224,8 @@ class _RegionView:
     points: np.ndarray  # Rule 5's unpack points, of the candidates no region serves
     first_use: np.ndarray
     n_ops: int
+    interval_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # Rule 2, in run's form
+    interval_w: np.ndarray = field(default_factory=lambda: np.zeros(0))
     _triggers: dict[int, np.ndarray] = field(default_factory=dict)
 
     def triggers(self, lookahead: int) -> np.ndarray:
@@ -246,6 +248,9 @@ class Simulator:
         self.host_op_s = np.asarray(host_times_s(w, hw), dtype=np.float64)  # h_i (Rule 12)
         # Rule 12: the ops the recorder records at op i, the quiet ones after it (views, queries) included.
         self._record_weight = 1.0 + np.array([op.quiet_ops for op in w.ops], dtype=np.float64)
+        self._record_s = self._record_weight * hw.host.record_op_s
+        fwd = w.phase_range(Phase.FORWARD)
+        self._forward_ops = np.arange(fwd.start, fwd.stop)  # without frames the recorder runs in all of forward
         self.op_start_s = np.concatenate([[0.0], np.cumsum(self.op_s)[:-1]])  # compute alone, no host clock
         self.compute_s = float(self.op_s.sum())
         self.optimizer_s = optimizer_s(w, self.op_s)
@@ -296,12 +301,32 @@ class Simulator:
         self._optimizer_alone = self._optimizer_alone_s()
         # What run reads per policy, precomputed: positions among the unpack points, swaps in issue order (Rule
         # 4: save_op, then candidate index), copy durations as lists for the walk.
-        self._u_pos_arr = np.array(self._u_pos, dtype=np.int64)
         self._save_order = np.lexsort((np.arange(self.k), self.save_op))
         self._cand_index = np.arange(self.k)
         self._op_index = np.arange(n)
         self._d2h_list, self._h2d_list = self.d2h_s.tolist(), self.h2d_s.tolist()
         self._unpack_lists: dict[str, list[float]] = {}
+        self._packed_w: dict[str, np.ndarray] = {}
+        self._used = self.first_use < n
+        self._save_after = self.save_op + 1
+        # Events of the walk as keys 4 x op + kind: uses (3) at first use, copies out (0) after save_op.
+        self._use_key = self.first_use * 4 + 3
+        self._d2h_key = self._save_after * 4
+        self._dcum = np.zeros(n + 1)
+        np.add.accumulate(self.op_s + np.zeros(n), out=self._dcum[1:])  # Dc of a policy adding no compute
+        # Rule 2 as changes to keep-all's memory: one past the end of each candidate's storage kept, dropped
+        # (an interval ending before it starts ends just before it), and of a copy made at save_op.
+        self._size_f = self.size.astype(np.float64)
+        self._keep_end = np.maximum(self.free_keep, self.producer - 1) + 1
+        self._drop_end = np.maximum(self.drop, self.producer - 1) + 1
+        self._keep_end_from_save = np.maximum(self.free_keep, self.save_op - 1) + 1
+        keep_delta = np.bincount(
+            np.concatenate([self.producer, self._keep_end]),
+            weights=np.concatenate([self._size_f, -self._size_f]),
+            minlength=n + 1,
+        )[:n]
+        self._live_keep = self.base_live + np.add.accumulate(keep_delta.astype(np.int64))
+        self._alloc_ws = self.base_alloc + self.workspace  # Rules 7, 11: what op u itself allocates
         self._observation_setup(closures)
 
     @functools.cached_property
@@ -401,21 +426,32 @@ class Simulator:
         self._loss_before_root = np.array(
             [any(w.ops[op].frame == 0 and op < self._root_first for op in ops) for ops in self.closure_ops], dtype=bool
         )
-        # Per policy, as masks: the frames of each candidate's closure ops; each pack's costs (Rule 12); the
-        # frames with packs of tensors that are not candidates, and theirs.
-        self._closure_frame_mask = np.zeros((self.k, nf), dtype=bool)
-        for ci, fr in enumerate(self._closure_frames):
-            self._closure_frame_mask[ci, fr] = True
+        # Rule 12's recorder per candidate as bit sets (Python ints), so that the union over the replayed ones
+        # is a few ors: the frames of its closure's ops, and the forward ops the recorder runs under in them
+        # (frame 0, outside the model, from the model's end: from op 0 when a closure needs it before).
+        spans = [(int(lo), int(hi)) for lo, hi in zip(self._frame_lo.tolist(), self._frame_hi.tolist(), strict=True)]
+        if spans:
+            spans[0] = (self._root_last + 1, spans[0][1])
+        span_bits = [(1 << (hi + 1)) - (1 << lo) if hi >= lo >= 0 else 0 for lo, hi in spans]  # no ops: none
+        self._closure_frame_bits = [sum(1 << f for f in fr.tolist()) for fr in self._closure_frames]
+        self._closure_op_bits = [
+            functools.reduce(operator.or_, (span_bits[f] for f in fr.tolist()), 0) for fr in self._closure_frames
+        ]
+        self._loss_op_bits = (1 << (spans[0][1] + 1)) - 1 if spans and spans[0][1] >= 0 else 0
+        # Per policy, as masks: each pack's costs (Rule 12); the frames with packs of tensors that are not
+        # candidates, and theirs.
         self._frame_index = np.arange(nf)
         self._n_paths = len(path_ids)
+        self._frame_packs = cand_packs + self._noncand_packs  # packs observed in each frame when it is
+        self._frame_reach = self.planner.end + 1  # one past the last frame inside each
+        hc = self.hw.host
         self._pack_after = self._pack_op + 1
         self._pack_unpack_op = np.minimum(self.first_use[self._pack_cand], n)
-        other = np.flatnonzero(self._noncand_packs > 0)
-        hc = self.hw.host
+        other = np.flatnonzero(self._noncand_packs > 0)  # frames with packs of tensors that are not candidates
         self._other_frames = other
-        self._other_packs = self._noncand_packs[other]
         self._other_first_op, self._other_bwd_op = self._frame_first_op[other], self._frame_bwd_op[other]
-        self._other_pack_s, self._other_unpack_s = self._other_packs * hc.pack_s, self._other_packs * hc.unpack_s
+        self._other_pack_s = self._noncand_packs[other] * hc.pack_s
+        self._other_unpack_s = self._noncand_packs[other] * hc.unpack_s
 
     def region_cost(self, f: int) -> _RegionCost:
         """Rule 11 for frame ``f`` as a region (cached)."""
@@ -515,6 +551,10 @@ class Simulator:
                 first_use=self.first_use,
                 n_ops=self.n_ops,
             )
+            for rc in view.costs:  # +size at each start, -size one past each end (or at the start: none)
+                s0, e0, z0 = rc.intervals
+                view.interval_at = np.concatenate([view.interval_at, s0, np.maximum(e0, s0 - 1) + 1])
+                view.interval_w = np.concatenate([view.interval_w, z0, -z0])
             self._views[regions] = view
         return view
 
@@ -536,8 +576,10 @@ class Simulator:
         release_after = max(1, int(options.release_after))
         packed, pack_s = self.compression(options.compress_dtype)
         sync = self.sync_copies
-        keep_mask, swp_mask, rec_mask = act == KEEP, act == SWAP, act == RECOMPUTE
-        swapping = bool(swp_mask.any())
+        cands = self._cand_index
+        keep_mask, swp_mask, rec_mask, comp_mask = act == KEEP, act == SWAP, act == RECOMPUTE, act == COMPRESS
+        swapping = np.count_nonzero(swp_mask) > 0
+        copies = swapping and not sync
 
         # Rule 11: regions, and what they serve.
         planner = self.planner
@@ -549,61 +591,65 @@ class Simulator:
             handled = ~keep_mask & ~served
             trigger_all = view.triggers(lookahead)
         else:
-            served = np.zeros(k, dtype=bool)
             handled = ~keep_mask
             trigger_all = self.trigger_ops(lookahead)
+        uses_arr = self._need_order[handled[self._need_order]]  # handled candidates in order of need
         watched = handled
-        if lookahead > 0 and swapping and not sync:
+        if lookahead > 0 and copies:
             # Rule 13's carriers: the candidates first used where a copy back is due (a swapped candidate is
             # served by no region, so its copy is due at its own trigger op).
             due = np.zeros(n + 1, dtype=bool)
-            due[trigger_all[swp_mask & (self.first_use < n)]] = True
-            watched = handled | (due[self.first_use] & ~served)
+            due[trigger_all[swp_mask & self._used]] = True
+            carriers = due[self.first_use]
+            watched = handled | (carriers & ~served if regions else carriers)
 
         # Rule 13: observed packs; pack points in candidate order.
         hxa = _PerOp(n + 1)  # host seconds before op i (Rule 12)
         dxa = _PerOp(n + 1)  # compute seconds before op i, fixed by the policy
-        replayed = np.flatnonzero(handled & rec_mask)
+        replayed = cands[handled & rec_mask]
         point: np.ndarray | None = None  # None: every candidate's first pack is a pack point
         if self.has_frames:
             hooked = np.zeros(len(w.frames), dtype=bool)
             hooked[self._pack_frame[watched[self._pack_cand]]] = True
             # A frame is observed when it or one enclosing it is hooked: a hooked frame before it in preorder
-            # reaches it.
-            obs_frame = np.maximum.accumulate(np.where(hooked, self._frame_end, -1)) >= self._frame_index
+            # reaches it (frames are in preorder; ``_frame_reach``: one past the last frame inside).
+            obs_frame = np.maximum.accumulate(self._frame_reach * hooked) > self._frame_index
             if regions:
                 obs_frame &= view.outside
             obs_pack = obs_frame[self._pack_frame]
             point = obs_pack[self._first_pack]
-            hxa.add(self._pack_after[obs_pack], hc.pack_s)
-            hxa.add(self._pack_unpack_op[obs_pack], hc.unpack_s)
-            others = obs_frame[self._other_frames]
+            hxa.add(self._pack_after[obs_pack], hc.pack_s)  # each observed pack's cost after its op ...
+            hxa.add(self._pack_unpack_op[obs_pack], hc.unpack_s)  # ... its unpack's at its tensor's first use
+            others = obs_frame[self._other_frames]  # ... and those of the packs of tensors that are not candidates
             hxa.add(self._other_first_op[others], self._other_pack_s[others])
             hxa.add(self._other_bwd_op[others], self._other_unpack_s[others])
-            n_observed = int(np.count_nonzero(obs_pack)) + int(self._other_packs[others].sum())
-            recorder_frames = np.zeros(0, dtype=np.int64)
+            n_observed = int(self._frame_packs @ obs_frame)
             if len(replayed):  # the frames the recorder runs in: those of the replayed candidates' closure ops
-                recorder = self._closure_frame_mask[replayed].any(axis=0)
-                recorder_frames = np.flatnonzero(recorder)
-                hooked |= recorder
+                replayed_l = replayed.tolist()
+                frame_bits = functools.reduce(operator.or_, map(self._closure_frame_bits.__getitem__, replayed_l))
+                op_bits = functools.reduce(operator.or_, map(self._closure_op_bits.__getitem__, replayed_l))
+                if np.count_nonzero(self._loss_before_root[replayed]):
+                    op_bits |= self._loss_op_bits
+                hooked |= _bit_mask(frame_bits, len(hooked))
+                recorded = self._op_index[_bit_mask(op_bits, n)]
             called = np.zeros(self._n_paths, dtype=bool)
             called[self._frame_path[hooked]] = True
-            calls = called[self._frame_path]
-            hxa.add(self._frame_first_op[calls], hc.frame_s)
-            frame_calls = int(np.count_nonzero(calls))
+            call_ops = self._frame_first_op[called[self._frame_path]]
+            hxa.add(call_ops, hc.frame_s)
+            frame_calls = len(call_ops)
         else:  # one pack per candidate, after save_op, every one observed
             hxa.add(self._pack_after, hc.pack_s)
             hxa.add(self._pack_unpack_op, hc.unpack_s)
-            recorder_frames = np.zeros(0, dtype=np.int64)
+            recorded = self._forward_ops
             n_observed = k
             frame_calls = 0
         overhead_s = n_observed * (hc.pack_s + hc.unpack_s) + frame_calls * hc.frame_s
 
         # Rule 8: pack kernels after save_op.
-        comp = np.flatnonzero(act == COMPRESS)
+        comp = cands[comp_mask]
         if len(comp):
-            dxa.add(self.save_op[comp] + 1, pack_s[comp])
-            hxa.add(self.save_op[comp] + 1, hc.op_s if hw.is_gpu else 0.0)
+            dxa.add(self._save_after[comp], pack_s[comp])
+            hxa.add(self._save_after[comp], hc.op_s if hw.is_gpu else 0.0)
         compress_s = float(pack_s[comp].sum())
 
         # Rule 11: regions in forward and their recomputes.
@@ -619,84 +665,79 @@ class Simulator:
                 overhead_s += rc.forward_host_s  # the region's own part of the recompute's host time
 
         # Rule 12: the recorder's ops.
-        if len(replayed) and hc.record_op_s > 0:
-            recorded = self._recorded_ops(replayed, recorder_frames) * self._record_weight
-            hxa.add(self._op_index, recorded * hc.record_op_s)
-            overhead_s += float(recorded.sum()) * hc.record_op_s
+        if len(replayed) and hc.record_op_s > 0:  # (integer weights: their sum is exact in any order)
+            hxa.add(recorded, self._record_s[recorded])
+            overhead_s += float(self._record_weight[recorded].sum()) * hc.record_op_s
 
         # Rule 4: swaps, in issue order, and their release points.
-        swp = self._save_order[swp_mask[self._save_order]] if swapping else self._save_order[:0]
-        if sync and swapping:  # Rule 1: the copy on the one clock, done when it resumes
-            dxa.add(self.save_op[swp] + 1, self.d2h_s[swp])
+        swp = self._save_order[swp_mask[self._save_order]]
         if swapping:
-            hxa.add(self.save_op[swp] + 1, hc.swap_s)  # Rule 12: the copy out's own host work, everywhere
-        overhead_s += len(swp) * hc.swap_s
-        copies = swapping and not sync
+            if sync:  # Rule 1: the copy on the one clock, done when it resumes
+                dxa.add(self._save_after[swp], self.d2h_s[swp])
+            hxa.add(self._save_after[swp], hc.swap_s)  # Rule 12: the copy out's own host work, everywhere
+            overhead_s += len(swp) * hc.swap_s
         if copies:
-            point_idx = np.flatnonzero(point) if point is not None else self._cand_index
+            point_idx = cands[point] if point is not None else cands
             rank = np.full(k, -1, dtype=np.int64)
-            rank[point_idx] = np.arange(len(point_idx))
+            rank[point_idx] = cands[: len(point_idx)]
             rank = rank[swp]
-            first_handled = int(self.first_use[handled].min())  # swapped ones are handled
+            first_handled = int(self.first_use[uses_arr[0]]) if len(uses_arr) else n  # swapped ones are handled
             target = rank + release_after
             in_fwd = (rank >= 0) & (target < len(point_idx))
             release_op = np.where(  # the op after which the device bytes go
                 in_fwd, self._pack_ops[point_idx[np.minimum(target, len(point_idx) - 1)]], first_handled - 1
             )
-            release_event = np.where(in_fwd, release_op + 1, first_handled)  # the op before which it happens
+            release_event = release_op + 1  # the op before which it happens
 
         # The walk (Rules 1, 4-7, 12). Events come before op x; at one x, in this order: copies out, releases,
         # copies back (in order of need), uses (in order of need); then op x with its fixed insertions.
         hx, dx = hxa.array(), dxa.array()
         hcum = np.zeros(n + 1)
-        dcum = np.zeros(n + 1)
-        np.cumsum(self.host_op_s + hx[:n], out=hcum[1:])  # Hc
-        np.cumsum(self.op_s + dx[:n], out=dcum[1:])  # Dc
+        np.add.accumulate(self.host_op_s + hx[:n], out=hcum[1:])  # Hc
+        if dxa.at or dxa.one:
+            dcum = np.zeros(n + 1)
+            np.add.accumulate(self.op_s + dx[:n], out=dcum[1:])  # Dc
+        else:
+            dcum = self._dcum  # (adding 0.0 changes no op time)
         reach = hcum[1:] - dcum[:-1]  # A_k: when the host has issued op k, less the compute before it
-        uses_arr = self._need_order[handled[self._need_order]]
         d2h_end: dict[int, float] = {}
         begin_at, ih, ed = 0, 0.0, 0.0
         if copies:
             fetch_arr = self._need_order[swp_mask[self._need_order]]
             # Rule 4 in forward, at once when no release point waits for its copy.
-            cm = np.maximum.accumulate(np.maximum(reach, 0.0))
-            e_after = dcum[1:] + cm  # the compute stream's end of each op, no wait on the way
-            issue = e_after[self.save_op[swp]]
+            e_after = dcum[1:] + np.maximum.accumulate(np.maximum(reach, 0.0))  # each op's end, no wait on the way
             dur = self.d2h_s[swp]
-            csum = np.cumsum(dur)
-            swp_end = csum + np.maximum.accumulate(issue - (csum - dur))
+            csum = np.add.accumulate(dur)
+            swp_end = csum + np.maximum.accumulate(e_after[self.save_op[swp]] - (csum - dur))
             fwd_rel = release_event < self._first_bwd
-            fwd_events = bool((swp_end[fwd_rel] > e_after[release_event[fwd_rel] - 1]).any())
-            if not fwd_events:
+            fwd_events = np.count_nonzero(swp_end[fwd_rel] > e_after[release_event[fwd_rel] - 1]) > 0
+            # Events as keys 4 x op + kind (kinds in the order above), ``pos`` those of copies back and uses.
+            keys = [self._use_key[uses_arr], trigger_all[fetch_arr] * 4 + 2]
+            if fwd_events:
+                d2h_end = dict.fromkeys(swp.tolist(), 0.0)
+                keys += [release_event * 4 + 1, self._d2h_key[swp]]
+                ci_a = np.concatenate([uses_arr, fetch_arr, swp, swp])
+            else:
                 d2h_end = dict(zip(swp.tolist(), swp_end.tolist(), strict=True))
                 begin_at = self._first_bwd
                 ih, ed = float(hcum[begin_at]), float(e_after[begin_at - 1]) if begin_at > 0 else 0.0
-            rel = swp if fwd_events else swp[release_event >= self._first_bwd]
-            rel_pos = release_event if fwd_events else release_event[release_event >= self._first_bwd]
-            pos_parts = [self.first_use[uses_arr], trigger_all[fetch_arr], rel_pos]
-            ci_parts = [uses_arr, fetch_arr, rel]
-            kinds = [3, 2, 1]
-            if fwd_events:
-                pos_parts.append(self.save_op[swp] + 1)
-                ci_parts.append(swp)
-                kinds.append(0)
-            pos_a, ci_a = np.concatenate(pos_parts), np.concatenate(ci_parts)
-            kind_a = np.repeat(kinds, [len(x) for x in ci_parts])
-            keep_ev = pos_a < n
-            pos_a, kind_a, ci_a = pos_a[keep_ev], kind_a[keep_ev], ci_a[keep_ev]
+                late = release_event >= begin_at
+                keys.append(release_event[late] * 4 + 1)
+                ci_a = np.concatenate([uses_arr, fetch_arr, swp[late]])
+            key_a = np.concatenate(keys)
             # By op, then kind; a stable sort keeps each kind's events in their order (of need, of issue).
-            order_ev = np.argsort(pos_a * 4 + kind_a, kind="stable")
-            sorted_pos = pos_a[order_ev]
-            kind_l, ci_l = kind_a[order_ev].tolist(), ci_a[order_ev].tolist()
+            order_ev = np.argsort(key_a, kind="stable")
+            key_a = key_a[order_ev]
+            key_a = key_a[: np.searchsorted(key_a, 4 * n)]  # a release at n: none
+            ci_l = ci_a[order_ev[: len(key_a)]].tolist()
+            kind_l = (key_a & 3).tolist()
+            sorted_pos = key_a >> 2
         else:  # only uses, already in order of need
             sorted_pos = self.first_use[uses_arr]
             ci_l = uses_arr.tolist()
             kind_l = [3] * len(ci_l)
         pos_l = sorted_pos.tolist()
-        firsts = np.empty(len(sorted_pos), dtype=bool)
-        firsts[:1] = True
-        np.not_equal(sorted_pos[1:], sorted_pos[:-1], out=firsts[1:])
-        stops = [begin_at, *sorted_pos[firsts].tolist(), n]  # where the clocks are read: events, the end
+        stops = [begin_at, *sorted(set(pos_l)), n]  # where the clocks are read: events, the end
         seg_max = np.maximum.reduceat(reach, stops[:-1]).tolist() if n > begin_at else [0.0]
         hcl, dcl = hcum[stops].tolist(), dcum[stops].tolist()
 
@@ -706,8 +747,8 @@ class Simulator:
         h2d_end: dict[int, float] = {}
         mat_op = [-1] * k
         fetch_op = [-1] * k
-        back: list[tuple[int, int]] = []  # (candidate, op) re-created in backward (Rules 7, 8)
-        fetched: list[tuple[int, int]] = []  # (candidate, op) whose copy back is allocated there (Rule 5)
+        back: list[int] = []  # candidate, op, ...: made again in backward (Rules 5, 7, 8)
+        unpacked: list[int] = []  # candidate, op, ...: compressed ones unpacked (Rule 8)
         extra: dict[int, int] = {}
         held = 0
         actl = act.tolist()
@@ -728,7 +769,7 @@ class Simulator:
             nonlocal h2d_free, own_dyn, host_dyn, ih
             own_dyn += swap_host
             fetch_op[ci] = op
-            fetched.append((ci, op))
+            back.extend((ci, op))
             begin = max(ed, h2d_free, d2h_end[ci])
             h2d_free = h2d_end[ci] = begin + h2d_dur[ci]
             host_dyn += swap_host  # spent as a block of no device work (not on the CPU: no copies there)
@@ -754,6 +795,7 @@ class Simulator:
             if a == COMPRESS:
                 host, device = h_op, unpack_cost[ci]
                 compress_s += device
+                unpacked.extend((ci, op))
             elif a == RECOMPUTE:
                 device, transient, deps = closures[ci]
                 for d in deps:
@@ -766,7 +808,7 @@ class Simulator:
                 held += transient  # nested recomputations hold theirs until the outer one is done
             else:
                 return
-            back.append((ci, op))
+            back.extend((ci, op))
             host_dyn += host
             if sync:
                 ed += host + device
@@ -791,10 +833,13 @@ class Simulator:
                 seg_i += 1
                 prev = at = x
             if kind == 3:
-                held = 0
-                materialize(ci, x)
-                if held > extra.get(x, 0):  # separate recomputations at one op run one after the other
-                    extra[x] = held
+                if actl[ci] == RECOMPUTE:
+                    held = 0
+                    materialize(ci, x)
+                    if held > extra.get(x, 0):  # separate recomputations at one op run one after the other
+                        extra[x] = held
+                else:
+                    materialize(ci, x)
             elif kind == 2:
                 if fetch_op[ci] < 0:
                     issue_h2d(ci, x)
@@ -819,45 +864,54 @@ class Simulator:
         overhead_s += own_dyn
         iter_s = accumulated_s(w, t_end, self._optimizer_alone)
 
-        # Rule 2: candidate intervals. Every candidate's storage from its producer (kept: to its free_op; else
-        # to free_if_dropped_op, a swapped one's to its release point if later); its copy back, regenerated or
-        # unpacked one (starting n if never made); a compressed one's packed storage [save_op, u].
-        back_start = np.full(k, n, dtype=np.int64)
-        if back:
-            ci_b, op_b = zip(*back, strict=True)
-            back_start[list(ci_b)] = op_b
-        if regions:
-            back_start[served] = n  # regenerated by their regions (Rule 11)
-        end_a = np.where(keep_mask, self.free_keep, self.drop)
-        if copies:
-            end_a[swp] = np.maximum(self.drop[swp], release_op)
-            if fetched:
-                ci_f, op_f = zip(*fetched, strict=True)
-                back_start[list(ci_f)] = op_f
-        elif swapping:  # Rule 4 without copy engines: the copy is device memory
-            back_start[swp] = self.save_op[swp]
-        packed_end = back_start[comp]
-        packed_end[packed_end == n] = n - 1
-        starts = [self.producer, back_start, self.save_op[comp]]
-        ends = [end_a, self.free_keep, packed_end]
-        sizes = [self.size, self.size, packed[comp]]
-        for rc in region_costs:  # Rule 11: regenerated copies, held arguments
-            starts.append(rc.intervals[0])
-            ends.append(rc.intervals[1])
-            sizes.append(rc.intervals[2])
+        # Rule 2: candidate intervals, as changes to keep-all's (each candidate [producer, free_op]), in one
+        # bincount of +size where an interval starts and -size after it ends. An interval that ends before it
+        # starts holds nothing: its end moves to just before its start (``_*_end``: one past the end so moved).
+        nk = cands[~keep_mask]
+        if len(nk):
+            z = self._size_f[nk]
+            at_l = [self._keep_end[nk], self._drop_end[nk]]  # not kept: storage until free_if_dropped_op
+            w_l = [z, -z]
+            if copies:  # ... a swapped one's until its release point, if later (Rule 4)
+                z = self._size_f[swp]
+                late = np.maximum(np.maximum(self.drop[swp], release_op), self.producer[swp] - 1) + 1
+                at_l += [self._drop_end[swp], late]
+                w_l += [z, -z]
+            elif swapping:  # Rule 4 without copy engines: the copy is device memory, [save_op, free_op]
+                z = self._size_f[swp]
+                at_l += [self.save_op[swp], self._keep_end_from_save[swp]]
+                w_l += [z, -z]
+            if back:  # copied back, regenerated, unpacked: [op, free_op] (Rules 5, 7, 8)
+                made = np.array(back, dtype=np.int64).reshape(-1, 2)
+                if regions:
+                    made = made[~served[made[:, 0]]]  # regenerated by their regions (Rule 11)
+                bci, bop = made[:, 0], made[:, 1]
+                z = self._size_f[bci]
+                at_l += [bop, np.maximum(self.free_keep[bci], bop - 1) + 1]
+                w_l += [z, -z]
+            if len(comp):  # packed: [save_op, u], to the end if never unpacked (Rule 8; the end is past n)
+                pz = self._packed_f(options.compress_dtype, packed)
+                at_l.append(self.save_op[comp])
+                w_l.append(pz[comp])
+                if unpacked:
+                    made = np.array(unpacked, dtype=np.int64).reshape(-1, 2)
+                    uci, uop = made[:, 0], made[:, 1]
+                    at_l.append(np.maximum(uop, self.save_op[uci] - 1) + 1)
+                    w_l.append(-pz[uci])
+            if regions:  # Rule 11: regenerated copies, held arguments
+                at_l.append(view.interval_at)
+                w_l.append(view.interval_w)
+            delta = np.bincount(np.concatenate(at_l), weights=np.concatenate(w_l), minlength=n + 1)[:n]
+            live = self._live_keep + np.add.accumulate(delta.astype(np.int64))
+        else:
+            live = self._live_keep.copy()
+        for rc in region_costs:
             if rc.use < n and rc.transient > extra.get(rc.use, 0):
                 extra[rc.use] = rc.transient
-        s_all, e_all, z_all = np.concatenate(starts), np.concatenate(ends), np.concatenate(sizes)
-        ok = s_all <= e_all
-        z_ok = z_all[ok]
-        delta = np.bincount(
-            np.concatenate([s_all[ok], e_all[ok] + 1]), weights=np.concatenate([z_ok, -z_ok]), minlength=n + 1
-        )
-        live = self.base_live + np.cumsum(delta[:n].astype(np.int64))
         if extra:  # Rules 7, 11: the recompute runs before op u allocates its own outputs
             ops = np.fromiter(extra.keys(), dtype=np.int64, count=len(extra))
             held_b = np.fromiter(extra.values(), dtype=np.int64, count=len(extra))
-            live[ops] = np.maximum(live[ops], live[ops] - self.base_alloc[ops] - self.workspace[ops] + held_b)
+            live[ops] = np.maximum(live[ops], live[ops] - self._alloc_ws[ops] + held_b)
         peak_op = int(np.argmax(live))
         peak = int(live[peak_op])
         swapped_bytes = int(self.nbytes[swp].sum())
@@ -881,24 +935,17 @@ class Simulator:
             regions=len(regions),
         )
 
+    def _packed_f(self, dtype: str, packed: np.ndarray) -> np.ndarray:
+        """Rule 8's packed sizes as float64 weights (cached)."""
+        if dtype not in self._packed_w:
+            self._packed_w[dtype] = packed.astype(np.float64)
+        return self._packed_w[dtype]
+
     def _unpack_list(self, dtype: str, pack_s: np.ndarray) -> list[float]:
         """Rule 8's kernel seconds per candidate as a list, for the walk (cached)."""
         if dtype not in self._unpack_lists:
             self._unpack_lists[dtype] = pack_s.tolist()
         return self._unpack_lists[dtype]
-
-    def _recorded_ops(self, replayed: np.ndarray, frames: np.ndarray) -> np.ndarray:
-        """Rule 12: 1 for each forward op the recorder runs under, in ``frames`` (the replayed candidates')."""
-        n = self.n_ops
-        if not self.has_frames:
-            out = np.zeros(n)
-            fwd = self.w.phase_range(Phase.FORWARD)
-            out[fwd.start : fwd.stop] = 1.0
-            return out
-        first, last = self._frame_lo[frames].copy(), self._frame_hi[frames]
-        if len(frames) and frames[0] == 0:  # outside the model: from its end, or the whole forward if needed before
-            first[0] = 0 if self._loss_before_root[replayed].any() else self._root_last + 1
-        return _covered(n, first, last).astype(np.float64)
 
     def _optimizer_alone_s(self) -> float:
         """Rule 10: the optimizer ops on Rule 1's clocks from idle (no policy acts there)."""
