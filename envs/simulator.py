@@ -737,7 +737,10 @@ class Simulator:
             ci_l = uses_arr.tolist()
             kind_l = [3] * len(ci_l)
         pos_l = sorted_pos.tolist()
-        stops = [begin_at, *sorted(set(pos_l)), n]  # where the clocks are read: events, the end
+        # Where the clocks are read: the start, each op with events, the end.
+        firsts = np.ones(len(sorted_pos), dtype=bool)
+        np.not_equal(sorted_pos[1:], sorted_pos[:-1], out=firsts[1:])
+        stops = np.concatenate([[begin_at], sorted_pos[firsts], [n]])
         seg_max = np.maximum.reduceat(reach, stops[:-1]).tolist() if n > begin_at else [0.0]
         hcl, dcl = hcum[stops].tolist(), dcum[stops].tolist()
 
