@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune.units import format_bytes
+from envs.allocator import no_policy_stats
 from envs.simulator import peak_floor
 from runtime.hardware import Detection, HardwareProfile, op_times_s
 from runtime.workload import Phase, Workload, peak_report
@@ -77,6 +78,11 @@ def profile_report(
         "phase": at.phase.value if at else None,
         "module": at.module if at else None,
     }
+    # What PyTorch's CUDA caching allocator would reserve for the no-policy iteration (a model of it: NOTE
+    # [ CUDA caching allocator ] in envs/allocator.py); on the CPU there is no such cache.
+    cache = no_policy_stats(w) if hw.is_gpu else None
+    report["reserved_peak_bytes"] = cache.peak_reserved if cache else None
+    report["allocated_peak_bytes"] = cache.peak_allocated if cache else None
     if budget_bytes is not None:
         report["budget_bytes"] = budget_bytes
         report["fits"] = peak.peak_bytes <= budget_bytes
@@ -123,6 +129,13 @@ def render_profile(console: Console, r: dict[str, Any]) -> None:
         f"(forward {ph['forward'] * 1e3:.1f}, backward {ph['backward'] * 1e3:.1f}, "
         f"optimizer {ph['optimizer'] * 1e3:.1f}), {r['batch_size'] / r['iter_s']:.1f} samples/s"
     )
+    if r["reserved_peak_bytes"]:
+        over = r["reserved_peak_bytes"] / r["peak_bytes"] - 1
+        console.print(
+            f"PyTorch's CUDA caching allocator would reserve {format_bytes(r['reserved_peak_bytes'])} for it "
+            f"({over:+.1%}: cached blocks and unused block ends; a model of the allocator, not yet checked against "
+            "a GPU)"
+        )
     f = r["floor"]
     console.print(
         f"no policy can go below {format_bytes(f['bytes'])} ({100 * f['bytes'] / r['peak_bytes']:.0f}% of the "

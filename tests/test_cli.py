@@ -55,6 +55,9 @@ def test_profile_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     # What no policy goes below: at bn1's backward, as for every batch size of resnet18 (envs.simulator).
     assert d["floor"]["name"] == "aten.native_batch_norm_backward.default" and d["floor"]["module"] == "bn1"
     assert d["floor"]["bytes"] < d["peak_bytes"]
+    # The caching allocator's model (envs/allocator.py) on a GPU profile: it holds at least what is allocated,
+    # which counts whole blocks (>= the peak of the bytes asked for).
+    assert d["reserved_peak_bytes"] >= d["allocated_peak_bytes"] >= d["peak_bytes"]
     assert (tmp_path / "w.json").exists()
     code, out2, _ = run(
         capsys, "profile", "--model", "x", "--workload", str(tmp_path / "w.json"), "--gpu", "a100-40gb", "--json"
@@ -67,6 +70,7 @@ def test_profile_table_and_budget_echo(capsys: pytest.CaptureFixture[str]) -> No
     assert code == 0
     assert "6GiB = 6,442,450,944 bytes (6.00 GiB)" in err
     assert "fits" in out and "Largest" in out and "no policy can go below" in out
+    assert "caching allocator would reserve" in " ".join(out.split())  # a100-40gb, the default profile here
     code, out, _ = run(capsys, "profile", "--model", "resnet18", "--batch-size", "2", "--budget", "50MB")
     assert code == 0 and "below what any policy can reach" in " ".join(out.split())
 

@@ -1,0 +1,287 @@
+"""What PyTorch's CUDA caching allocator reserves for a sequence of allocations and frees.
+
+A run fails when the caching allocator cannot find a block, and that depends on the bytes it has reserved from
+the device (segments, cached free blocks, the unused ends of split blocks), not only on the bytes in use: the
+simulator's peak (envs/simulator.py) is the latter. This module replays a request sequence through a model of
+the allocator and reports both.
+
+NOTE [ CUDA caching allocator ] -- the rules, numbered, from PyTorch's c10/cuda/CUDACachingAllocator.cpp
+(DeviceCachingAllocator: malloc, get_free_block, should_split, get_allocation_size, free_block,
+release_cached_blocks; the same in torch 2.11-2.14), with the default configuration (no max_split_size, no
+roundup_power2_divisions, expandable_segments off, no garbage collection threshold).
+    A1. Sizes. A request is rounded up to a multiple of 512 bytes, and to 512 at least (``round_size``).
+    A2. Pools. Requests of at most 1 MiB go to the small pool, the others to the large pool; each pool keeps
+        its free blocks per stream, and a block freed on a stream is only reused by requests on that stream.
+    A3. Best fit. A request takes the smallest free block of its pool and stream that is at least its size;
+        among blocks of one size, the one at the lowest address (the pool's order: stream, size, address).
+    A4. Segments. With no such block the allocator reserves a new segment from the device (cudaMalloc): 2 MiB
+        for a small request, 20 MiB for a request under 10 MiB, otherwise the request rounded up to 2 MiB
+        (``segment_size``). Segments are never given back but by A7.
+    A5. Splits. A block larger than the request is split, the rest staying free in the pool, when that rest is
+        at least 512 bytes (small pool) or more than 1 MiB (large pool); otherwise the request gets the whole
+        block (its "allocated" bytes are the block's, as PyTorch counts them).
+    A6. Frees. A freed block merges with the free blocks next to it in its segment and returns to its pool.
+    A7. Out of memory. When a new segment would take the reserved bytes past the capacity (the device's memory,
+        or the fraction ``torch.cuda.set_per_process_memory_fraction`` allows), the allocator first gives
+        back every free segment that is whole (no part in use) and tries again; if the segment still does not
+        fit, the request fails (out of memory).
+    Addresses: a new segment is placed after every segment reserved before it (cudaMalloc's addresses are
+    the driver's; only the order among equal sizes in A3 depends on them).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from runtime.workload import Workload
+
+MIN_BLOCK = 512  # A1
+SMALL_SIZE = 1 << 20  # A2: the largest small request
+SMALL_BUFFER = 2 << 20  # A4: a small pool's segment
+LARGE_BUFFER = 20 << 20  # A4: a segment for requests under MIN_LARGE_ALLOC
+MIN_LARGE_ALLOC = 10 << 20
+ROUND_LARGE = 2 << 20
+
+
+def round_size(nbytes: int) -> int:
+    """A1: the bytes a request of ``nbytes`` asks for."""
+    return MIN_BLOCK if nbytes < MIN_BLOCK else -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+
+
+def segment_size(size: int) -> int:
+    """A4: the segment reserved for a (rounded) request of ``size`` bytes that no free block fits."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+class OutOfMemory(Exception):
+    """A7: a request the allocator cannot serve within the capacity."""
+
+
+@dataclass(eq=False)
+class _Block:
+    address: int
+    size: int
+    small: bool
+    stream: int
+    allocated: bool = False
+    prev: _Block | None = None  # neighbours in the segment (A5, A6)
+    next: _Block | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.size, self.address)
+
+
+@dataclass
+class AllocatorStats:
+    """Bytes as PyTorch's ``torch.cuda.memory_stats`` counts them: ``allocated`` (blocks in use, A5),
+    ``reserved`` (segments), their peaks, and ``requested`` (what the program asked for)."""
+
+    allocated: int = 0
+    reserved: int = 0
+    requested: int = 0
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    peak_requested: int = 0
+    segments: int = 0
+    retries: int = 0  # A7: times the allocator gave segments back to try again
+
+
+class CachingAllocator:
+    """The caching allocator of NOTE [ CUDA caching allocator ]; ``capacity_bytes`` None: no limit."""
+
+    def __init__(self, capacity_bytes: int | None = None) -> None:
+        self.capacity = capacity_bytes
+        self.stats = AllocatorStats()
+        self._free: dict[tuple[bool, int], list[tuple[int, int]]] = {}  # (small, stream) -> sorted (size, address)
+        self._by_address: dict[int, _Block] = {}  # free blocks
+        self._live: dict[int, tuple[_Block, int]] = {}  # handle -> (block, requested bytes)
+        self._next_address = 0
+        self._next_handle = 0
+
+    # -- the program's side ---------------------------------------------------------------------------------
+    def malloc(self, nbytes: int, stream: int = 0) -> int:
+        """A handle for ``nbytes`` on ``stream`` (A1-A5, A7); raises :class:`OutOfMemory`."""
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        block = self._best_fit(small, stream, size)
+        if block is None:
+            block = self._new_segment(small, stream, size)
+        rest = block.size - size
+        if (rest >= MIN_BLOCK) if small else (rest > SMALL_SIZE):  # A5
+            remaining = _Block(block.address + size, rest, small, stream, prev=block, next=block.next)
+            if block.next is not None:
+                block.next.prev = remaining
+            block.next, block.size = remaining, size
+            self._cache(remaining)
+        block.allocated = True
+        handle = self._next_handle
+        self._next_handle += 1
+        self._live[handle] = (block, nbytes)
+        s = self.stats
+        s.allocated += block.size
+        s.requested += nbytes
+        s.peak_allocated = max(s.peak_allocated, s.allocated)
+        s.peak_requested = max(s.peak_requested, s.requested)
+        return handle
+
+    def free(self, handle: int) -> None:
+        """A6: the block of ``handle`` back to its pool, merged with its free neighbours."""
+        block, nbytes = self._live.pop(handle)
+        self.stats.allocated -= block.size
+        self.stats.requested -= nbytes
+        block.allocated = False
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and not neighbour.allocated:
+                self._uncache(neighbour)
+                if neighbour is block.prev:
+                    block.address, block.prev = neighbour.address, neighbour.prev
+                    if block.prev is not None:
+                        block.prev.next = block
+                else:
+                    block.next = neighbour.next
+                    if block.next is not None:
+                        block.next.prev = block
+                block.size += neighbour.size
+        self._cache(block)
+
+    # -- the allocator's side -------------------------------------------------------------------------------
+    def _best_fit(self, small: bool, stream: int, size: int) -> _Block | None:
+        """A3."""
+        pool = self._free.get((small, stream))
+        if not pool:
+            return None
+        i = bisect.bisect_left(pool, (size, -1))
+        if i == len(pool):
+            return None
+        block = self._by_address[pool[i][1]]
+        self._uncache(block)
+        return block
+
+    def _new_segment(self, small: bool, stream: int, size: int) -> _Block:
+        """A4, and A7 when the capacity is reached."""
+        seg = segment_size(size)
+        s = self.stats
+        if self.capacity is not None and s.reserved + seg > self.capacity:
+            self._release_whole_segments()
+            s.retries += 1
+            if s.reserved + seg > self.capacity:
+                raise OutOfMemory(
+                    f"a {seg} B segment for a {size} B request: {s.reserved} B reserved ({s.allocated} B allocated) "
+                    f"of {self.capacity} B"
+                )
+        block = _Block(self._next_address, seg, small, stream)
+        self._next_address += seg
+        s.reserved += seg
+        s.segments += 1
+        s.peak_reserved = max(s.peak_reserved, s.reserved)
+        return block
+
+    def _release_whole_segments(self) -> None:
+        """A7: every free block that is a whole segment goes back to the device."""
+        for block in [b for b in self._by_address.values() if b.prev is None and b.next is None]:
+            self._uncache(block)
+            self.stats.reserved -= block.size
+            self.stats.segments -= 1
+
+    def _cache(self, block: _Block) -> None:
+        bisect.insort(self._free.setdefault((block.small, block.stream), []), block.key)
+        self._by_address[block.address] = block
+
+    def _uncache(self, block: _Block) -> None:
+        pool = self._free[(block.small, block.stream)]
+        del pool[bisect.bisect_left(pool, block.key)]
+        del self._by_address[block.address]
+
+
+# -- request sequences ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Request:
+    """One call the program makes: allocate ``nbytes`` for ``tensor`` (on ``stream``), or free it
+    (``nbytes`` None)."""
+
+    tensor: int
+    nbytes: int | None
+    stream: int = 0
+
+
+def replay(
+    requests: Iterable[Request], capacity_bytes: int | None = None, *, repeat: Sequence[Request] = (), times: int = 0
+) -> AllocatorStats:
+    """The allocator's stats after ``requests``, then ``repeat`` ``times`` over (the iterations of a training
+    run after what lives through all of them: parameters, optimizer state). Raises :class:`OutOfMemory` when a
+    request does not fit ``capacity_bytes``."""
+    alloc = CachingAllocator(capacity_bytes)
+    handles: dict[int, int] = {}
+    for r in itertools.chain(requests, *(repeat for _ in range(times))):
+        if r.nbytes is None:
+            alloc.free(handles.pop(r.tensor))
+        else:
+            handles[r.tensor] = alloc.malloc(r.nbytes, r.stream)
+    return dataclasses.replace(alloc.stats)
+
+
+def workload_requests(w: Workload) -> tuple[list[Request], list[Request]]:
+    """The requests of ``w``'s iteration with no policy, as (setup, iteration): setup allocates what exists
+    before the iteration starts (NOTE [ Steady state ] in runtime/trace.py); each op allocates its outputs,
+    then its workspace, frees the workspace, then frees what it was the last to use (NOTE [ Op indices and
+    lifetimes ] in runtime/workload.py). So that iterations can follow each other, what the iteration frees
+    of the setup is allocated again at its end, and what it leaves allocated is freed there."""
+    n = len(w.ops)
+    setup: list[Request] = []
+    allocs: list[list[Request]] = [[] for _ in range(n)]
+    frees: list[list[Request]] = [[] for _ in range(n)]
+    end: list[Request] = []
+    for t in w.tensors:
+        if t.alloc_op >= n or (t.free_op is not None and t.free_op < max(t.alloc_op, 0)):
+            continue  # allocated and released outside any recorded op (memory_timeline leaves it out too)
+        if t.alloc_op < 0:
+            setup.append(Request(t.id, t.nbytes))
+        else:
+            allocs[t.alloc_op].append(Request(t.id, t.nbytes))
+        if t.free_op is not None:
+            frees[t.free_op].append(Request(t.id, None))
+        if t.alloc_op < 0 and t.free_op is not None:
+            end.append(Request(t.id, t.nbytes))
+        elif t.alloc_op >= 0 and t.free_op is None:
+            end.append(Request(t.id, None))
+    workspace = -1 - max((t.id for t in w.tensors), default=0)  # an id no tensor has
+    iteration: list[Request] = []
+    for op in w.ops:
+        iteration += allocs[op.index]
+        if op.workspace_bytes:
+            iteration += [Request(workspace, op.workspace_bytes), Request(workspace, None)]
+        iteration += frees[op.index]
+    return setup, [*iteration, *end]
+
+
+def no_policy_stats(w: Workload, iterations: int = 3) -> AllocatorStats:
+    """The caching allocator's stats over ``iterations`` iterations of ``w`` with no policy (reserved bytes
+    only grow, A4: by the second iteration the cache holds what every iteration asks for)."""
+    setup, iteration = workload_requests(w)
+    return replay(setup, repeat=iteration, times=iterations)
+
+
+__all__ = [
+    "LARGE_BUFFER",
+    "MIN_BLOCK",
+    "SMALL_BUFFER",
+    "SMALL_SIZE",
+    "AllocatorStats",
+    "CachingAllocator",
+    "OutOfMemory",
+    "Request",
+    "no_policy_stats",
+    "replay",
+    "round_size",
+    "segment_size",
+    "workload_requests",
+]

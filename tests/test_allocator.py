@@ -1,0 +1,131 @@
+"""The caching allocator model (envs/allocator.py): each rule of NOTE [ CUDA caching allocator ] on request
+sequences whose reserved and allocated bytes are computed by hand, and a workload's request sequence against
+its no-policy memory timeline."""
+
+from __future__ import annotations
+
+import pytest
+
+from envs.allocator import (
+    CachingAllocator,
+    OutOfMemory,
+    Request,
+    no_policy_stats,
+    replay,
+    round_size,
+    segment_size,
+    workload_requests,
+)
+from runtime.workload import peak_report
+from tests.synthetic import chain_workload, diamond_workload
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def test_a1_sizes_round_up_to_512_bytes() -> None:
+    assert [round_size(n) for n in (1, 511, 512, 513, 1000)] == [512, 512, 512, 1024, 1024]
+
+
+def test_a4_segment_sizes() -> None:
+    """2 MiB for small requests, 20 MiB under 10 MiB, else the request rounded up to 2 MiB."""
+    assert segment_size(512) == segment_size(MIB) == 2 * MIB
+    assert segment_size(MIB + 512) == segment_size(10 * MIB - 512) == 20 * MIB
+    assert segment_size(10 * MIB) == 10 * MIB
+    assert segment_size(10 * MIB + 512) == 12 * MIB
+
+
+def test_a2_a5_small_requests_share_a_2_mib_segment() -> None:
+    """Four 500 KB requests split one 2 MiB segment (what is left each time is >= 512 B); the fifth does not
+    fit the 49,152 B left and takes a new segment."""
+    a = CachingAllocator()
+    for _ in range(4):
+        a.malloc(512_000)
+    assert (a.stats.reserved, a.stats.allocated, a.stats.segments) == (2 * MIB, 2_048_000, 1)
+    a.malloc(512_000)
+    assert (a.stats.reserved, a.stats.segments) == (4 * MIB, 2)
+
+
+def test_a5_a_large_block_is_not_split_for_a_rest_of_1_mib_or_less() -> None:
+    """3 MiB takes a 20 MiB segment and leaves 17 MiB (split: more than 1 MiB); 16.5 MiB then takes those 17 MiB
+    whole (0.5 MiB would be left): allocated counts the block, 20 MiB, for 19.5 MiB requested."""
+    a = CachingAllocator()
+    a.malloc(3 * MIB)
+    a.malloc(16 * MIB + 512 * KIB)
+    assert (a.stats.reserved, a.stats.allocated, a.stats.requested) == (20 * MIB, 20 * MIB, 19 * MIB + 512 * KIB)
+
+
+def test_a3_a4_a_free_block_too_small_stays_reserved() -> None:
+    """A 12 MiB block freed and cached cannot serve 14 MiB: a new segment, 26 MiB reserved for 14 MiB in use."""
+    a = CachingAllocator()
+    a.free(a.malloc(12 * MIB))
+    a.malloc(14 * MIB)
+    assert (a.stats.reserved, a.stats.allocated, a.stats.peak_reserved) == (26 * MIB, 14 * MIB, 26 * MIB)
+
+
+def test_a3_best_fit_takes_the_smallest_block_that_fits() -> None:
+    """Free 12 MiB and 10 MiB blocks: a 10 MiB request takes the 10 MiB one, so 12 MiB still fit after it."""
+    a = CachingAllocator()
+    x, y = a.malloc(12 * MIB), a.malloc(10 * MIB)
+    a.free(x)
+    a.free(y)
+    a.malloc(10 * MIB)
+    a.malloc(12 * MIB)
+    assert (a.stats.reserved, a.stats.segments) == (22 * MIB, 2)
+
+
+def test_a6_frees_merge_with_free_neighbours() -> None:
+    """Two 3 MiB blocks and the 14 MiB rest of one 20 MiB segment merge back into it once both are freed, and
+    19 MiB then fits without a new segment; with one of them still in use it does not."""
+    a = CachingAllocator()
+    x, y = a.malloc(3 * MIB), a.malloc(3 * MIB)
+    a.free(y)
+    a.malloc(19 * MIB)  # 3 + 14 MiB free around y's place: not enough beside x
+    assert a.stats.reserved == 40 * MIB
+    b = CachingAllocator()
+    x, y = b.malloc(3 * MIB), b.malloc(3 * MIB)
+    b.free(x)
+    b.free(y)
+    b.malloc(19 * MIB)
+    assert (b.stats.reserved, b.stats.allocated) == (20 * MIB, 20 * MIB)  # the 1 MiB rest is not split off
+
+
+def test_a2_a_block_freed_on_one_stream_serves_only_that_stream() -> None:
+    a = CachingAllocator()
+    a.free(a.malloc(MIB, stream=0))
+    a.malloc(MIB, stream=1)
+    assert a.stats.reserved == 4 * MIB
+    a.malloc(MIB, stream=0)
+    assert a.stats.reserved == 4 * MIB
+
+
+def test_a7_whole_free_segments_go_back_before_out_of_memory() -> None:
+    """Within 24 MiB: 14 MiB after a cached 12 MiB segment fits once that segment is given back; 12 MiB more
+    does not (14 + 12 > 24, and nothing whole is free)."""
+    a = CachingAllocator(capacity_bytes=24 * MIB)
+    a.free(a.malloc(12 * MIB))
+    a.malloc(14 * MIB)
+    assert (a.stats.reserved, a.stats.retries, a.stats.peak_reserved) == (14 * MIB, 1, 14 * MIB)
+    with pytest.raises(OutOfMemory, match="14680064 B reserved"):
+        a.malloc(12 * MIB)
+
+
+def test_replay_runs_the_iteration_again_and_again() -> None:
+    """What the first iteration reserved serves the next ones: the peak does not grow after it."""
+    setup = [Request(0, 12 * MIB)]
+    iteration = [Request(1, 3 * MIB), Request(2, 5 * MIB), Request(1, None), Request(2, None)]
+    once, three = replay(setup, repeat=iteration, times=1), replay(setup, repeat=iteration, times=3)
+    assert once.peak_reserved == three.peak_reserved == 32 * MIB  # the 12 MiB segment and one of 20 MiB
+    assert three.allocated == 12 * MIB
+
+
+@pytest.mark.parametrize("build", [lambda: chain_workload(8, 3 * MIB, 1e-3), lambda: diamond_workload(700 * KIB, 1e-3)])
+def test_a_workloads_requests_peak_where_its_memory_timeline_does(build) -> None:  # type: ignore[no-untyped-def]
+    """The requests in flight at their peak are the no-policy timeline's peak (bytes as asked, before A1)."""
+    w = build()
+    setup, iteration = workload_requests(w)
+    assert all(r.nbytes is not None for r in setup)
+    assert sum(r.nbytes is None for r in iteration) == sum(r.nbytes is not None for r in iteration)  # balanced
+    stats = no_policy_stats(w)
+    assert stats.peak_requested == peak_report(w, 1).peak_bytes
+    assert stats.requested == sum(t.nbytes for t in w.tensors if t.alloc_op < 0)  # as each iteration found it
+    assert stats.peak_reserved >= stats.peak_allocated >= stats.peak_requested
