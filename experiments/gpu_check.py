@@ -19,7 +19,10 @@ In order, each step bounded in time, the whole run meant to fit in 8 minutes on 
    in runtime/target.py) and of a real-mode CUDA trace against the allocator's, and their saved keys: the
    keys one has and the other lacks are printed, and ``traces.json`` keeps, per model, the real trace's
    peak, op count and every saved key with its size (the fixture tests/test_target.py compares fake traces
-   with, on a machine without a GPU).
+   with, on a machine without a GPU). The same run records every request the caching allocator got (a
+   memory snapshot, kept as JSON in ``traces.json``) and its reserved peak (``max_memory_reserved``), and
+   prints the allocator's model (envs/allocator.py) replaying those requests, and on the fake and real
+   traces, against it.
 
 Figures go to stdout and, as JSON fixtures, to ``--out`` (default ``$OUT``, else ``gpu-check/``).
 """
@@ -131,6 +134,7 @@ def end_to_end(model: str, batch: int, seq: int | None, budget: str, out: Path, 
 def fake_vs_allocator(model: str, batch: int, seq: int | None) -> dict[str, Any]:
     from autotune.models import build_model
     from autotune.workloads import TraceRequest, trace_model
+    from envs.allocator import no_policy_stats
     from runtime.hardware import detect
     from runtime.measure import run_iterations
     from runtime.trace import make_optimizer
@@ -143,14 +147,34 @@ def fake_vs_allocator(model: str, batch: int, seq: int | None) -> dict[str, Any]
           f"priority {[int(b) for b in order]})", flush=True)  # fmt: skip
     fake, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq, target=hw))
     real, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq, mode="real", device="cuda"))
-    entry = build_model(model, batch_size=batch, seq_len=seq, device="cuda")
-    opt = make_optimizer("sgd", entry.module.parameters())
-    measured = run_iterations(entry.module, entry.batch, entry.loss_fn, opt, steps=2, batch_size=batch)[-1]
+    # The allocator from a clean cache, every request recorded (NOTE [ CUDA caching allocator ]: its model
+    # replays them, envs/allocator.py); the traces above left blocks cached.
+    torch.cuda.empty_cache()
+    torch.cuda.memory._record_memory_history(context=None, stacks="python", max_entries=1_000_000)  # no stacks: fast
+    try:
+        entry = build_model(model, batch_size=batch, seq_len=seq, device="cuda")
+        opt = make_optimizer("sgd", entry.module.parameters())
+        measured = run_iterations(entry.module, entry.batch, entry.loss_fn, opt, steps=2, batch_size=batch)[-1]
+        reserved = torch.cuda.max_memory_reserved()  # over the last step, after the warm-up's
+        requests = allocator_requests(torch.cuda.memory._snapshot())
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
     row: dict[str, Any] = {"model": model, "batch": batch, "seq_len": seq, "profile": hw.name if hw else None,
-                           "torch": torch.__version__, "allocator_peak_bytes": measured.peak_bytes}  # fmt: skip
+                           "torch": torch.__version__, "allocator_peak_bytes": measured.peak_bytes,
+                           "allocator_reserved_peak_bytes": reserved, "requests": requests}  # fmt: skip
+    replayed = replay_requests(requests)
+    print(
+        f"   reserved: allocator {reserved / 2**30:.3f} GiB; its model replaying the {len(requests)} recorded "
+        f"requests {replayed.peak_reserved / 2**30:.3f} GiB ({(replayed.peak_reserved - reserved) / reserved:+.1%})",
+        flush=True,
+    )
     for name, w in (("fake", fake), ("real", real)):
         p = peak_report(w, g).peak_bytes
-        row[name] = {"peak_bytes": p, "ops": len(w.ops), "saved": {c.key: c.nbytes for c in w.candidates}}
+        modelled = no_policy_stats(w).peak_reserved
+        row[name] = {"peak_bytes": p, "ops": len(w.ops), "saved": {c.key: c.nbytes for c in w.candidates},
+                     "reserved_peak_bytes": modelled}  # fmt: skip
+        print(f"   reserved, the allocator's model on the {name} trace: {modelled / 2**30:.3f} GiB "
+              f"({(modelled - reserved) / reserved:+.1%})", flush=True)  # fmt: skip
         print(
             f"   no-policy peak, {name} trace: {p / 2**30:.3f} GiB; allocator {measured.peak_bytes / 2**30:.3f} GiB "
             f"({(p - measured.peak_bytes) / measured.peak_bytes:+.1%}); {len(w.ops)} ops, {len(w.candidates)} saved",
@@ -164,6 +188,33 @@ def fake_vs_allocator(model: str, batch: int, seq: int | None) -> dict[str, Any]
     row["real_plain_host_s"] = real.meta.get("plain_host_s")
     row["real_plain_iter_s"] = real.meta.get("plain_iter_s")
     return row
+
+
+def allocator_requests(snapshot: dict[str, Any]) -> list[list[Any]]:
+    """The program's requests in a memory snapshot's trace, in order: ["alloc", address, bytes asked, stream]
+    and ["free", address, 0, stream] (when the block returns to the allocator)."""
+    out: list[list[Any]] = []
+    for e in snapshot["device_traces"][0]:
+        if e["action"] in ("alloc", "free_completed"):
+            out.append(["alloc" if e["action"] == "alloc" else "free", e["addr"], e["size"], e["stream"]])
+    return out
+
+
+def replay_requests(requests: list[list[Any]]) -> Any:
+    """The model of envs/allocator.py over recorded requests (their first frees may be of blocks allocated
+    before the recording: left out)."""
+    from envs.allocator import Request, replay
+
+    live: set[int] = set()
+    seq: list[Any] = []
+    for kind, addr, size, stream in requests:
+        if kind == "alloc":
+            live.add(addr)
+            seq.append(Request(addr, size, stream))
+        elif addr in live:
+            live.discard(addr)
+            seq.append(Request(addr, None, stream))
+    return replay(seq)
 
 
 def main() -> None:
