@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune.units import format_bytes
-from envs.allocator import no_policy_stats
+from envs.allocator import no_policy_stats, plan_offsets, workload_intervals
 from envs.simulator import peak_floor
 from runtime.hardware import Detection, HardwareProfile, op_times_s
 from runtime.workload import Phase, Workload, peak_report
@@ -83,6 +83,8 @@ def profile_report(
     cache = no_policy_stats(w) if hw.is_gpu else None
     report["reserved_peak_bytes"] = cache.peak_reserved if cache else None
     report["allocated_peak_bytes"] = cache.peak_allocated if cache else None
+    # ... and one arena planned from the lifetimes (seed 003's pool, envs.allocator.plan_offsets)
+    report["planned_pool_bytes"] = plan_offsets(workload_intervals(w)).arena_bytes if cache else None
     if budget_bytes is not None:
         report["budget_bytes"] = budget_bytes
         report["fits"] = peak.peak_bytes <= budget_bytes
@@ -134,7 +136,8 @@ def render_profile(console: Console, r: dict[str, Any]) -> None:
         console.print(
             f"PyTorch's CUDA caching allocator would reserve {format_bytes(r['reserved_peak_bytes'])} for it "
             f"({over:+.1%}: cached blocks and unused block ends; a model of the allocator, not yet checked against "
-            "a GPU)"
+            "a GPU); one arena planned from the lifetimes would hold it in "
+            f"{format_bytes(r['planned_pool_bytes'])} ({r['planned_pool_bytes'] / r['reserved_peak_bytes'] - 1:+.1%})"
         )
     f = r["floor"]
     console.print(

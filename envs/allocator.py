@@ -37,6 +37,8 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from runtime.workload import Workload
 
 MIN_BLOCK = 512  # A1
@@ -263,6 +265,54 @@ def workload_requests(w: Workload) -> tuple[list[Request], list[Request]]:
     return setup, [*iteration, *end]
 
 
+# -- a static plan (seed 003) ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OffsetPlan:
+    """Where each interval's bytes sit in one arena (``offsets``, in the order given) and the arena's size."""
+
+    offsets: tuple[int, ...]
+    arena_bytes: int
+
+
+def plan_offsets(intervals: Sequence[tuple[int, int, int]], align: int = MIN_BLOCK) -> OffsetPlan:
+    """Offsets in one arena for ``intervals`` of (first op, last op, bytes), so that no two live at one op
+    share an address: the memory pool of "Efficient Memory Management for GPU-based Deep Learning Systems"
+    (seed 003), which knows every lifetime from the iteration's regularity. Its problem (dynamic storage
+    allocation) is NP-complete; this is the greedy heuristic by size: largest first (longest-lived first
+    among equal sizes), each at the lowest offset where it overlaps, in time, nothing placed. The arena is
+    at least the peak of the live bytes (each size rounded up to ``align``)."""
+    n = len(intervals)
+    start = np.array([s for s, _, _ in intervals], dtype=np.int64)
+    end = np.array([e for _, e, _ in intervals], dtype=np.int64)
+    size = np.array([-(-z // align) * align for _, _, z in intervals], dtype=np.int64)
+    order = np.lexsort((start, -(end - start), -size))
+    offset = np.zeros(n, dtype=np.int64)
+    placed = np.zeros(n, dtype=bool)
+    for i in order.tolist():
+        clash = np.flatnonzero(placed & (start <= end[i]) & (end >= start[i]))
+        at = 0
+        for j in clash[np.argsort(offset[clash], kind="stable")].tolist():  # first fit, from the bottom
+            if offset[j] >= at + size[i]:
+                break
+            at = max(at, int(offset[j] + size[j]))
+        offset[i], placed[i] = at, True
+    return OffsetPlan(tuple(offset.tolist()), int((offset + size).max()) if n else 0)
+
+
+def workload_intervals(w: Workload) -> list[tuple[int, int, int]]:
+    """(first op, last op, bytes) of each storage of ``w``'s iteration with no policy, and of each op's
+    workspace (NOTE [ Op indices and lifetimes ] in runtime/workload.py; what exists before the iteration or
+    outlives it spans it whole)."""
+    n = len(w.ops)
+    out = []
+    for t in w.tensors:
+        first, last = max(t.alloc_op, 0), n - 1 if t.free_op is None else t.free_op
+        if first <= last and t.alloc_op < n:
+            out.append((first, last, t.nbytes))
+    out += [(op.index, op.index, op.workspace_bytes) for op in w.ops if op.workspace_bytes]
+    return out
+
+
 def no_policy_stats(w: Workload, iterations: int = 3) -> AllocatorStats:
     """The caching allocator's stats over ``iterations`` iterations of ``w`` with no policy (reserved bytes
     only grow, A4: by the second iteration the cache holds what every iteration asks for)."""
@@ -277,11 +327,14 @@ __all__ = [
     "SMALL_SIZE",
     "AllocatorStats",
     "CachingAllocator",
+    "OffsetPlan",
     "OutOfMemory",
     "Request",
     "no_policy_stats",
+    "plan_offsets",
     "replay",
     "round_size",
     "segment_size",
+    "workload_intervals",
     "workload_requests",
 ]

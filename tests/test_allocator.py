@@ -4,13 +4,17 @@ its no-policy memory timeline."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from envs.allocator import (
     CachingAllocator,
+    OffsetPlan,
     OutOfMemory,
     Request,
     no_policy_stats,
+    plan_offsets,
     replay,
     round_size,
     segment_size,
@@ -116,6 +120,31 @@ def test_replay_runs_the_iteration_again_and_again() -> None:
     once, three = replay(setup, repeat=iteration, times=1), replay(setup, repeat=iteration, times=3)
     assert once.peak_reserved == three.peak_reserved == 32 * MIB  # the 12 MiB segment and one of 20 MiB
     assert three.allocated == 12 * MIB
+
+
+def test_plan_offsets_by_hand() -> None:
+    """Three 4 KiB tensors, each living two ops, the next born when the last dies: two slots, the first reused.
+    Then 6 KiB over ops 0-1, 2 KiB at op 0, 4 KiB at op 1: largest first, 6 at 0, 4 above it, 2 above it too
+    (it meets 6 at op 0): 10 KiB, op 1's peak."""
+    plan = plan_offsets([(0, 1, 4 * KIB), (1, 2, 4 * KIB), (2, 3, 4 * KIB)])
+    assert plan == OffsetPlan((0, 4 * KIB, 0), 8 * KIB)
+    plan = plan_offsets([(0, 1, 6 * KIB), (0, 0, 2 * KIB), (1, 1, 4 * KIB)])
+    assert plan == OffsetPlan((0, 6 * KIB, 6 * KIB), 10 * KIB)
+
+
+def test_a_planned_pool_never_overlaps_live_tensors_and_holds_at_least_the_peak() -> None:
+    rng = random.Random(0)
+    intervals = []
+    for _ in range(300):
+        s = rng.randrange(50)
+        intervals.append((s, s + rng.randrange(20), rng.choice([512, 4 * KIB, MIB, 3 * MIB + 7])))
+    plan = plan_offsets(intervals)
+    sized = [(s, e, o, -(-z // 512) * 512) for (s, e, z), o in zip(intervals, plan.offsets, strict=True)]
+    for i, (s1, e1, o1, z1) in enumerate(sized):
+        for s2, e2, o2, z2 in sized[i + 1 :]:
+            assert not (s1 <= e2 and s2 <= e1 and o1 < o2 + z2 and o2 < o1 + z1)  # alive together: apart
+    peak = max(sum(z for s, e, _, z in sized if s <= t <= e) for t in range(70))
+    assert peak <= plan.arena_bytes == max(o + z for _, _, o, z in sized)
 
 
 @pytest.mark.parametrize("build", [lambda: chain_workload(8, 3 * MIB, 1e-3), lambda: diamond_workload(700 * KIB, 1e-3)])

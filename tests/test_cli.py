@@ -58,6 +58,7 @@ def test_profile_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     # The caching allocator's model (envs/allocator.py) on a GPU profile: it holds at least what is allocated,
     # which counts whole blocks (>= the peak of the bytes asked for).
     assert d["reserved_peak_bytes"] >= d["allocated_peak_bytes"] >= d["peak_bytes"]
+    assert d["planned_pool_bytes"] >= d["peak_bytes"]  # one arena planned from the lifetimes (seed 003)
     assert (tmp_path / "w.json").exists()
     code, out2, _ = run(
         capsys, "profile", "--model", "x", "--workload", str(tmp_path / "w.json"), "--gpu", "a100-40gb", "--json"
