@@ -293,6 +293,13 @@ def search(
     ] = None,
     milp: Annotated[bool, typer.Option(help="Also run the MILP solver (exact on a coarsened model).")] = False,
     reserve: ReserveOpt = None,
+    budget_kind: Annotated[
+        str,
+        typer.Option(
+            help="allocated: the policy's tensors fit the budget; reserved: it also runs within the budget on a "
+            "model of PyTorch's CUDA caching allocator (cached blocks and split ends; GPU profiles, without --measure)."
+        ),
+    ] = "allocated",
     allow_compress: Annotated[bool, typer.Option(help="Let searchers propose compression (lossy).")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
@@ -333,6 +340,9 @@ def search(
     from agents.base import get_searcher
 
     get_searcher(searcher)  # unknown names fail before tracing
+    from autotune.reserved import check_kind, new_pool
+
+    check_kind(budget_kind)
     hw, note = resolve_profile(gpu)
     here = sr.plan_device(hw, device)
     k = sr.measure_count(measure, here, hw)
@@ -364,7 +374,9 @@ def search(
         w = backend.workload
     else:
         w, _ = _trace(req)
+    reserved = budget_kind == "reserved" and hw.is_gpu and not k  # NOTE [ Reserved budget ]
     finalists = Finalists(plan.planned_bytes, capacity=4 * k) if k else None
+    finalists = new_pool(plan.planned_bytes) if reserved else finalists
     problem = sr.planned_problem(w, hw, plan, allow_compress=allow_compress, finalists=finalists)
     # The portfolio keeps the name its studies always had; another searcher gets its own, so that two
     # searchers on one problem never share a study (their trials' parameters can differ).
@@ -402,6 +414,9 @@ def search(
                 progress=lambda msg: status.update(msg),
             )  # fmt: skip
         sr.take_measured(outcome, measured)
+    if hw.is_gpu and not k and outcome.found.feasible and not outcome.interrupted:
+        with err.status("checking the reserved bytes (the caching allocator's model)…", spinner="dots"):
+            outcome = sr.fit_reserved(outcome, searcher, err, quiet=False, enforce=reserved)
     sr.write_answer(outcome)
     if as_json:
         print(sr.dumps(outcome))

@@ -19,6 +19,7 @@ from agents.base import Problem, SearchContext, SearchResult, Status, baseline_n
 from agents.finalists import Finalists
 from autotune.budget import Budget, record_budget
 from autotune.measured import ANSWER, MeasuredSearch, answer_policy
+from autotune.reserved import ROUNDS, ReservedFit, as_result, fit_one, new_pool, scaled_budget
 from autotune.units import format_bytes
 from envs.simulator import Floor, SimResult, peak_floor, uniform_actions
 from runtime.errors import AutotuneError
@@ -42,6 +43,7 @@ class SearchOutcome:
     notes: list[str] = field(default_factory=list)
     measured: MeasuredSearch | None = None  # --measure: the finalists as trained (NOTE [ Measured search ])
     written: bool = False  # the answer is in policy_path (write_answer)
+    reserved: ReservedFit | None = None  # --budget-kind reserved on a GPU profile (NOTE [ Reserved budget ])
 
 
 # -- the device the plan is for ------------------------------------------------------------------------------
@@ -269,6 +271,60 @@ def run_search(
     )
 
 
+def fit_reserved(
+    outcome: SearchOutcome, searcher: str, err: Console, quiet: bool, enforce: bool = True
+) -> SearchOutcome:
+    """NOTE [ Reserved budget ] (autotune/reserved.py): the answer, a finalist, or a new search for fewer
+    allocated bytes, that runs within the planned budget on the caching allocator's model; the outcome marked
+    as not fitting when none does in ``ROUNDS`` searches. ``enforce`` False: the answer checked, not changed."""
+    budget = outcome.problem.budget_bytes
+    if not enforce:
+        _, fit = fit_one(dataclasses.replace(outcome.problem, finalists=None), outcome.found, budget)
+        fit.enforced, fit.planned = False, [budget]
+        outcome.reserved = fit
+        return outcome
+    current, planned, checked = outcome, [budget], 0
+    lowest: ReservedFit | None = None
+    wall = outcome.wall_s
+    for n in range(1, ROUNDS + 1):
+        chosen, fit = fit_one(current.problem, current.found, budget)
+        checked += fit.checked
+        if chosen is not None:
+            if fit.source == "finalist":
+                current.found = as_result(current.problem, current.found, chosen)
+            fit.source = fit.source if n == 1 else f"{fit.source} of search {n}"
+            fit.checked, fit.planned = checked, planned
+            current.reserved, current.wall_s = fit, wall
+            return current
+        if lowest is None or fit.lowest_peak_bytes < lowest.lowest_peak_bytes:
+            lowest = fit
+        nxt = scaled_budget(current.problem.budget_bytes)
+        if n == ROUNDS or current.interrupted or nxt < budget_floor(current.problem):
+            break
+        err.print(
+            f"none of {fit.checked} policies runs within {format_bytes(budget)} on the caching allocator's model "
+            f"(cached blocks and split ends): searching again for {format_bytes(nxt)} of tensors "
+            "(--budget-kind allocated plans for tensors alone)",
+            highlight=False,
+        )
+        p = current.problem
+        tighter = Problem(p.workload, p.hardware, nxt, options=p.options, allow_compress=p.allow_compress,
+                          finalists=new_pool(nxt))  # fmt: skip
+        ctx = outcome.ctx.derive(storage=None, study_name=None)  # the user's study keeps its own budget
+        again = run_search(tighter, ctx, searcher, out=outcome.policy_path, milp=False, milp_time_s=0.0, err=err,
+                           quiet=quiet, user_budget_bytes=outcome.found.policy.budget_bytes)  # fmt: skip
+        wall += again.wall_s
+        planned.append(nxt)
+        if not again.found.feasible:
+            break
+        current = again
+    assert lowest is not None
+    lowest.checked, lowest.planned, lowest.fits = checked, planned, False
+    outcome.reserved, outcome.wall_s = lowest, wall
+    outcome.found = dataclasses.replace(outcome.found, status=Status.INFEASIBLE, note="reserved bytes over budget")
+    return outcome
+
+
 def write_answer(outcome: SearchOutcome) -> bool:
     """Write the answer's policy file, atomically; a policy that does not fit is not an answer: nothing is
     written (False)."""
@@ -344,6 +400,8 @@ def to_json(outcome: SearchOutcome) -> dict[str, Any]:
         "written": outcome.written,
         "measured": _measured_json(outcome),
         "finalists": outcome.measured.to_dict() if outcome.measured is not None else None,
+        "budget_kind": "reserved" if outcome.reserved is not None and outcome.reserved.enforced else "allocated",
+        "reserved": outcome.reserved.to_dict() if outcome.reserved is not None else None,
     }
 
 
@@ -407,6 +465,25 @@ def render(out: Console, outcome: SearchOutcome) -> None:
     )
     if outcome.measured is not None:
         render_measured(out, outcome.measured)
+    rf = outcome.reserved
+    if rf is not None and not rf.enforced and not rf.fits:
+        out.print(
+            f"[yellow]warning:[/] on a model of PyTorch's CUDA caching allocator (cached blocks and split ends; not "
+            f"yet checked on a GPU) this policy runs out of memory within {format_bytes(rf.planned[0])}: "
+            "--budget-kind reserved plans for that",
+            highlight=False,
+        )
+    elif rf is not None and rf.fits and rf.reserved_peak_bytes is not None:
+        how = "the answer" if rf.source == "answer" else f"the {rf.source} (the first answer does not)"
+        again = f"; tensors planned for {format_bytes(rf.planned[-1])}" if len(rf.planned) > 1 else ""
+        given = f", {rf.retries} time(s) giving cached blocks back" if rf.retries else ""
+        out.print(
+            f"reserved: {how} runs within {format_bytes(rf.planned[0])} on a model of PyTorch's CUDA caching "
+            f"allocator, {format_bytes(rf.reserved_peak_bytes)} reserved at most{given} (the model is not yet "
+            f"checked on a GPU; {rf.checked} policies checked{again}; --budget-kind allocated plans for tensors "
+            "alone)",
+            highlight=False,
+        )
     if outcome.written:
         converged = "; converged, stopped before the time limit" if outcome.ctx.state.converged_s is not None else ""
         out.print(
@@ -459,6 +536,14 @@ def no_answer(outcome: SearchOutcome) -> str:
             f"no policy fits {format_bytes(budget)} when trained: the lowest measured peak of {len(m.rows)} "
             f"finalists is {format_bytes(low)}; nothing written to {outcome.policy_path}; raise --budget to at "
             f"least {format_bytes(low)} or lower --batch-size"
+        )
+    rf = outcome.reserved
+    if rf is not None and not rf.fits:
+        return (
+            f"no policy runs within {format_bytes(rf.planned[0])} on the caching allocator's model ({len(rf.planned)} "
+            f"searches, {rf.checked} policies checked, the lowest tensor peak {format_bytes(rf.lowest_peak_bytes)}): "
+            f"nothing written to {outcome.policy_path}; raise --budget, lower --batch-size, or plan for tensors "
+            "alone with --budget-kind allocated"
         )
     floor = budget_floor(p)
     return (

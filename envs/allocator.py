@@ -36,9 +36,12 @@ import dataclasses
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from runtime.hardware import HardwareProfile
+from runtime.policy import PolicyOptions
 from runtime.workload import Workload
 
 MIN_BLOCK = 512  # A1
@@ -313,6 +316,47 @@ def workload_intervals(w: Workload) -> list[tuple[int, int, int]]:
     return out
 
 
+def policy_requests(
+    w: Workload, hw: HardwareProfile, actions: Sequence[int] | np.ndarray, options: PolicyOptions | None = None
+) -> tuple[list[Request], list[Request]]:
+    """The requests of ``w``'s iteration under a policy, as (setup, iteration) like :func:`workload_requests`:
+    every storage of the simulator's memory accounting (NOTE [ Simulator semantics ], Rule 2: kept, copied
+    back, regenerated, packed, a recompute's held bytes, workspaces), allocated and freed in the order the
+    op-by-op simulator (envs/simulator_reference.py) makes them, on one stream (copies back are allocated on
+    the compute stream: runtime R4). Their live bytes reach the simulator's peak exactly."""
+    from envs.simulator_reference import simulate_reference
+
+    log: list[Any] = []
+    simulate_reference(w, hw, [int(a) for a in actions], options=options, allocations=log)
+    setup = [Request(a.handle, a.nbytes) for a in log if a.op < 0]
+    iteration = [Request(a.handle, a.nbytes) for a in log if a.op >= 0]
+    sizes = {r.tensor: r.nbytes for r in setup}
+    live = dict(sizes)
+    for r in iteration:
+        if r.nbytes is None:
+            live.pop(r.tensor)
+        else:
+            live[r.tensor] = r.nbytes
+    end = [Request(h, None) for h in live if h not in sizes]  # allocated by the iteration and left
+    end += [Request(h, z) for h, z in sizes.items() if h not in live]  # of the setup, freed by the iteration
+    return setup, [*iteration, *end]
+
+
+def policy_stats(
+    w: Workload,
+    hw: HardwareProfile,
+    actions: Sequence[int] | np.ndarray,
+    options: PolicyOptions | None = None,
+    iterations: int = 3,
+    capacity_bytes: int | None = None,
+) -> AllocatorStats:
+    """The caching allocator's stats over ``iterations`` iterations of ``w`` under a policy (one simulation
+    op by op: for a few policies, such as a search's finalists, not for every one it scores); raises
+    :class:`OutOfMemory` when a request does not fit ``capacity_bytes``."""
+    setup, iteration = policy_requests(w, hw, actions, options)
+    return replay(setup, capacity_bytes, repeat=iteration, times=iterations)
+
+
 def no_policy_stats(w: Workload, iterations: int = 3) -> AllocatorStats:
     """The caching allocator's stats over ``iterations`` iterations of ``w`` with no policy (reserved bytes
     only grow, A4: by the second iteration the cache holds what every iteration asks for)."""
@@ -332,6 +376,8 @@ __all__ = [
     "Request",
     "no_policy_stats",
     "plan_offsets",
+    "policy_requests",
+    "policy_stats",
     "replay",
     "round_size",
     "segment_size",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -29,7 +30,10 @@ def simulate_reference(
     *,
     budget_bytes: int | None = None,
     options: PolicyOptions | None = None,
+    allocations: list[Allocation] | None = None,
 ):  # type: ignore[no-untyped-def]
+    """One iteration under ``actions``. ``allocations``, when given, receives every allocation and free of
+    Rule 2's accounting in the order the walk makes them (envs.allocator.policy_requests replays them)."""
     from envs.simulator import SimResult  # the result type only
 
     options = options or PolicyOptions()
@@ -212,12 +216,14 @@ def simulate_reference(
     h2d_end: dict[int, float] = {}
     fetched: dict[int, int] = {}
     materialized: dict[int, int] = {}
-    live: dict[tuple[str, int], int] = {}
+    cur = [0]  # the op the walk is at, for the allocations' record
+    live: dict[tuple[str, int], int] = _Live(allocations, cur)
     ends: dict[tuple[str, int], int] = {}  # entries of live with their last op
     timeline: list[int] = []
     starts: list[float] = []
     held = 0
     transient = 0
+    held_parts: list[int] = []  # the storages of ``held``, for the allocations' record
 
     def block(host_s: float, device_s: float) -> None:
         """Work issued at once at this point (Rule 7's replays, Rule 8's unpacks, copies back)."""
@@ -249,7 +255,7 @@ def simulate_reference(
         block(hc.swap_s, 0.0)
 
     def materialize(ci: int, i: int) -> None:
-        nonlocal held, overhead
+        nonlocal held, overhead, held_parts
         if ci in materialized:
             return
         materialized[ci] = i
@@ -269,7 +275,9 @@ def simulate_reference(
             for dep in sorted(needed):
                 if act[dep] != KEEP:
                     materialize(dep, i)
-            held += sum(size[x] for x in {x for j in ran for x in w.ops[j].outputs} - {c.tensor})
+            parts = [size[x] for x in sorted({x for j in ran for x in w.ops[j].outputs} - {c.tensor})]
+            held += sum(parts)
+            held_parts = held_parts + parts
             seconds = sum(op_s[j] for j in ran)
             host = sum(host_op[j] for j in ran) + len(ran) * hc.replay_op_s
             overhead += len(ran) * hc.replay_op_s
@@ -285,7 +293,9 @@ def simulate_reference(
         for tid, last in info["held"]:
             extended[tid] = max(extended.get(tid, -1), last)
     for i, op in enumerate(w.ops):
+        cur[0] = i
         transient = 0
+        transient_parts: list[int] = []
         for ci in sorted(k for k, c in enumerate(cands) if gpu and act[k] == SWAP and c.save_op + 1 == i):
             begin = max(clock["dev"], clock["d2h"])  # Rule 4: the copy out, after op save_op
             clock["d2h"] = d2h_end[ci] = begin + cands[ci].nbytes / hw.d2h_bytes_per_s
@@ -295,19 +305,27 @@ def simulate_reference(
             if ci not in fetched:
                 fetch(ci, i)
         for ci in uses.get(i, []):
-            held = 0
+            held, held_parts = 0, []
             materialize(ci, i)
-            transient = max(transient, held)
+            if held > transient:
+                transient, transient_parts = held, held_parts
         for info in region_info:
             if info["use"] == i:  # Rule 11: the regenerated copies, and the recompute's own peak
                 for ci, last in info["ends"].items():
                     add("r", ci, size[cands[ci].tensor], last)
-                transient = max(transient, info["transient"])
+                if info["transient"] > transient:
+                    transient, transient_parts = info["transient"], info["transient_parts"]
         if i == 0:
+            cur[0] = -1  # what exists before the iteration
             for t in w.tensors:
                 if t.alloc_op < 0 and (t.free_op is None or t.free_op >= 0):
                     live[("t", t.id)] = size[t.id]
+            cur[0] = 0
         recomputing = sum(live.values()) + transient  # Rules 7, 11: before op i allocates its outputs
+        if allocations is not None and transient:  # held during the recompute, given back before op i
+            handles = [-2 - 2 * n - j for j in range(len(transient_parts))]  # freed at once: reused next op
+            allocations += [Allocation(i, h, z) for h, z in zip(handles, transient_parts, strict=True)]
+            allocations += [Allocation(i, h, None) for h in handles]
         for tid in op.outputs:
             if w.tensors[tid].alloc_op == i:
                 live[("t", tid)] = size[tid]
@@ -328,6 +346,8 @@ def simulate_reference(
         if not gpu:
             clock["host"] = clock["dev"]
         timeline.append(max(sum(live.values()) + op.workspace_bytes, recomputing))  # workspace: during the op
+        if allocations is not None and op.workspace_bytes:
+            allocations += [Allocation(i, -2 - n - i, op.workspace_bytes), Allocation(i, -2 - n - i, None)]
 
         # Releases after op i.
         for t in w.tensors:
@@ -379,6 +399,37 @@ def simulate_reference(
     )
 
 
+class Allocation(NamedTuple):
+    """One allocation (``nbytes``) or free (None) of the walk's accounting at op ``op``; ``handle`` names the
+    storage (negative: a recompute's transient bytes or an op's workspace, allocated and freed at once)."""
+
+    op: int
+    handle: int
+    nbytes: int | None
+
+
+class _Live(dict[tuple[str, int], int]):
+    """The walk's live set, telling ``sink`` (when given) each storage that enters and leaves it."""
+
+    def __init__(self, sink: list[Allocation] | None, cur: list[int]) -> None:
+        super().__init__()
+        self.sink, self.cur = sink, cur
+        self.handles: dict[tuple[str, int], int] = {}
+        self.next = 0
+
+    def __setitem__(self, key: tuple[str, int], nbytes: int) -> None:
+        if self.sink is not None and key not in self:
+            self.handles[key] = self.next
+            self.sink.append(Allocation(self.cur[0], self.next, nbytes))
+            self.next += 1
+        super().__setitem__(key, nbytes)
+
+    def pop(self, key: tuple[str, int], default: Any = None) -> Any:  # type: ignore[override]
+        if self.sink is not None and key in self:
+            self.sink.append(Allocation(self.cur[0], self.handles.pop(key), None))
+        return super().pop(key, default)
+
+
 def _closure(w, ci, cand_of, first_use, writers):  # type: ignore[no-untyped-def]
     """Rule 7: the ops re-run for candidate ``ci`` and its candidate inputs, walking its inputs now."""
     c = w.candidates[ci]
@@ -401,6 +452,20 @@ def _closure(w, ci, cand_of, first_use, writers):  # type: ignore[no-untyped-def
         ran.update(chain)
         pending.extend(x for op in chain for x in w.ops[op].inputs)
     return ran, needed
+
+
+def _parts(sizes: list[int], total: int) -> list[int]:
+    """Storages (largest first) summing to ``total``: the temporaries live at a recompute's peak less the
+    regenerated bytes not made yet, taken from the smallest."""
+    out, left = [], total
+    for z in sizes:
+        if left <= 0:
+            break
+        out.append(min(z, left))
+        left -= out[-1]
+    if left > 0:
+        out.append(left)
+    return out
 
 
 def _region(w, r, mine, within, size, op_s, host_op, hc):  # type: ignore[no-untyped-def]
@@ -431,6 +496,7 @@ def _region(w, r, mine, within, size, op_s, host_op, hc):  # type: ignore[no-unt
     made = 0
     temps: dict[int, int] = {}  # tensor -> bytes, live during the re-run
     peak = 0
+    at_peak: tuple[int, list[int]] = (0, [])  # (regenerated bytes made, temporaries' bytes) at the peak
     for j in rerun:
         for tid in w.ops[j].outputs:
             t = w.tensors[tid]
@@ -440,7 +506,8 @@ def _region(w, r, mine, within, size, op_s, host_op, hc):  # type: ignore[no-unt
                 made += size[tid]
             elif tid not in cand_tensors and (t.free_op is None or t.free_op >= j):
                 temps[tid] = size[tid]
-        peak = max(peak, made + sum(temps.values()))
+        if made + sum(temps.values()) > peak:
+            peak, at_peak = made + sum(temps.values()), (made, sorted(temps.values(), reverse=True))
         for tid in [tid for tid in temps if w.tensors[tid].free_op == j]:
             del temps[tid]
     total = sum(size[w.candidates[ci].tensor] for ci, _ in regenerated)
@@ -458,6 +525,7 @@ def _region(w, r, mine, within, size, op_s, host_op, hc):  # type: ignore[no-unt
         "rerun_host_s": sum(host_op[j] for j in rerun),
         "own_s": own_s,
         "transient": max(0, peak - total),
+        "transient_parts": _parts(at_peak[1], max(0, peak - total)),
         "regenerated": regenerated,
         "held": held,
     }

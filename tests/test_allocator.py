@@ -158,3 +158,79 @@ def test_a_workloads_requests_peak_where_its_memory_timeline_does(build) -> None
     assert stats.peak_requested == peak_report(w, 1).peak_bytes
     assert stats.requested == sum(t.nbytes for t in w.tensors if t.alloc_op < 0)  # as each iteration found it
     assert stats.peak_reserved >= stats.peak_allocated >= stats.peak_requested
+
+
+# -- a policy's requests (autotune/reserved.py, NOTE [ Reserved budget ]) ------------------------------------
+def _in_flight_peak(requests: list[Request]) -> int:
+    live: dict[int, int] = {}
+    peak = 0
+    for r in requests:
+        if r.nbytes is None:
+            del live[r.tensor]
+        else:
+            assert r.tensor not in live  # every storage allocated once before it is freed
+            live[r.tensor] = r.nbytes
+        peak = max(peak, sum(live.values()))
+    assert not live or all(h >= 0 for h in live)
+    return peak
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["synthetic/a100-40gb", "synthetic/cpu", "framed/host costs", "chain/slow link"],
+)
+def test_a_policys_requests_peak_where_the_simulator_does(case: str) -> None:
+    """Every storage of the simulator's accounting as requests (kept, copied back, regenerated, packed, a
+    recompute's temporaries, workspaces), replayed in the op-by-op simulator's order: the bytes in flight
+    peak at the simulator's peak, exactly, on 40 random policies and options per workload and profile; each
+    iteration frees what it allocates."""
+    from envs.allocator import policy_requests
+    from envs.simulator import Simulator
+    from runtime.hardware import get_profile
+    from runtime.policy import PolicyOptions
+    from runtime.synthetic import synthetic_workload
+    from tests.synthetic import fixed_profile, framed_chain_workload
+    from tests.test_search import _PROFILES, TAU, S
+
+    name, profile = case.split("/")
+    w = synthetic_workload() if name == "synthetic" else (
+        framed_chain_workload(6, S, TAU, block=2) if name == "framed" else chain_workload(7, S, TAU))  # fmt: skip
+    hw = get_profile(profile) if name == "synthetic" else fixed_profile(**_PROFILES[profile])  # type: ignore[arg-type]
+    sim = Simulator(w, hw)
+    rng = random.Random(0)
+    for i in range(40):
+        density = rng.random()
+        actions = [rng.randrange(4) if rng.random() < density and i else 0 for _ in range(sim.k)]
+        opts = PolicyOptions(prefetch_lookahead=rng.randrange(5), release_after=rng.choice([1, 2, 4]), lossy=True)
+        setup, iteration = policy_requests(w, hw, actions, opts)
+        assert _in_flight_peak([*setup, *iteration]) == sim.run(actions, options=opts).peak_bytes
+        assert sum(r.nbytes is None for r in iteration) == sum(r.nbytes is not None for r in iteration)
+
+
+def test_keeping_everything_requests_what_the_workload_does() -> None:
+    """With every candidate kept the policy's requests reserve what the no-policy sequence reserves (the same
+    storages; bytes rounded to the profile's 512 B)."""
+    from envs.allocator import policy_stats
+    from runtime.hardware import get_profile
+    from runtime.synthetic import synthetic_workload
+
+    w, hw = synthetic_workload(), get_profile("a100-40gb")
+    kept = policy_stats(w, hw, [0] * len(w.candidates))
+    alone = no_policy_stats(w)
+    assert (kept.peak_reserved, kept.peak_allocated) == (alone.peak_reserved, alone.peak_allocated)
+
+
+def test_a_capped_device_gives_cached_segments_back_or_fails() -> None:
+    """A7 on a policy's requests: capped at its uncapped reserved peak it runs as before (no retry); capped
+    below its allocated peak it fails (the giving back itself: test_a7_whole_free_segments_go_back_...)."""
+    from envs.allocator import policy_stats
+    from runtime.hardware import get_profile
+    from runtime.synthetic import synthetic_workload
+
+    w, hw = synthetic_workload(), get_profile("a100-40gb")
+    actions = [0, 2, 0, 2, 0, 0, 0, 0, 0]
+    free = policy_stats(w, hw, actions)
+    assert free.peak_reserved > free.peak_allocated  # cached blocks and split ends: something to give back
+    assert policy_stats(w, hw, actions, capacity_bytes=free.peak_reserved) == free
+    with pytest.raises(OutOfMemory):
+        policy_stats(w, hw, actions, capacity_bytes=free.peak_allocated - 1)

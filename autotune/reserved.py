@@ -1,0 +1,165 @@
+"""The budget in the bytes that run out: what PyTorch's CUDA caching allocator reserves for a policy.
+
+NOTE [ Reserved budget ]
+A run fails when the caching allocator cannot reserve another segment, so on a GPU profile `autotune search`
+(``--budget-kind reserved``, the default) answers with a policy whose *reserved* peak fits the planned budget
+(the budget less ``--reserve``), not only its allocated peak (the simulator's). The reserved peak comes from a
+model of the allocator (NOTE [ CUDA caching allocator ] in envs/allocator.py) replaying the policy's
+allocations (``envs.allocator.policy_stats``: the op-by-op simulator's accounting, three iterations): about
+half a second a policy on ResNet-101 at batch 64, so it is computed for the answer and a few rivals, not for
+every policy a search scores. In order:
+  1. the search's answer, when three iterations of it run on the model with the device capped at the planned
+     budget (``torch.cuda.set_per_process_memory_fraction``, as `autotune train` caps it: the allocator gives
+     cached segments back before a request fails, A7);
+  2. else the fastest of its finalists (NOTE [ Finalists ], every tier, fastest first) that runs so, at most
+     ``CHECKS`` of them;
+  3. else a new search for ``SHRINK`` of the allocated bytes the last one planned for, again 1-2, at most
+     ``ROUNDS`` searches in all; no answer when none runs.
+``--budget-kind allocated`` (the default until the model is checked against the real allocator on a GPU:
+issue "Memory as the allocator holds it", item 3) plans for the simulator's peak alone, and step 1 only
+reports whether the answer runs within the budget on the model (a warning when it does not). On the CPU there
+is no caching allocator and neither is done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from agents.base import Problem, SearchResult
+from agents.finalists import MARGINS, Finalist, Finalists
+from envs.allocator import AllocatorStats, OutOfMemory, policy_stats
+from runtime.errors import AutotuneError
+from runtime.policy import Policy, PolicyOptions, Prediction
+
+BUDGET_KINDS = ("reserved", "allocated")
+CHECKS = 8  # finalists whose reserved peak is computed per search (NOTE [ Reserved budget ], step 2)
+ROUNDS = 3  # searches at most (step 3)
+POOL = 8  # finalists kept per tier for step 2
+SHRINK = 0.95  # step 3: the next search plans for this share of the allocated bytes of the last
+
+
+def check_kind(kind: str) -> str:
+    if kind not in BUDGET_KINDS:
+        raise AutotuneError(
+            f"invalid --budget-kind {kind!r}: expected one of {', '.join(BUDGET_KINDS)} (reserved: what PyTorch's "
+            "caching allocator holds, which is what runs out; allocated: the tensors alone)"
+        )
+    return kind
+
+
+def applies(kind: str, problem: Problem) -> bool:
+    """Whether the reserved bytes are checked: a GPU profile and ``--budget-kind reserved``."""
+    return kind == "reserved" and problem.hardware.is_gpu
+
+
+def reserved_stats(
+    problem: Problem, actions: np.ndarray, options: PolicyOptions, capacity_bytes: int | None = None
+) -> AllocatorStats | None:
+    """The allocator's stats over three iterations under the policy, with the device capped at
+    ``capacity_bytes`` (A7: cached segments given back before a request fails); None when a request fails."""
+    try:
+        return policy_stats(problem.workload, problem.hardware, actions, options, capacity_bytes=capacity_bytes)
+    except OutOfMemory:
+        return None
+
+
+@dataclass
+class ReservedFit:
+    """What step 1-3 of NOTE [ Reserved budget ] did."""
+
+    reserved_peak_bytes: int | None  # the answer's, the device capped at the budget (None: none fits)
+    allocated_peak_bytes: int | None  # the allocator's allocated peak for it (blocks, rounded)
+    fits: bool
+    retries: int = 0  # A7: times the capped allocator gave cached segments back
+    lowest_peak_bytes: int = 0  # when none fits: the lowest simulated peak among the policies checked
+    enforced: bool = True  # --budget-kind reserved: the answer had to fit; else only checked and reported
+    checked: int = 0  # policies whose reserved peak was computed
+    planned: list[int] = field(default_factory=list)  # the allocated budget of each search
+    source: str = "answer"  # "answer", "finalist", or "search N"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "reserved_peak_bytes": self.reserved_peak_bytes,
+            "allocated_peak_bytes": self.allocated_peak_bytes,
+            "fits": self.fits,
+            "retries": self.retries,
+            "checked": self.checked,
+            "planned_bytes": self.planned,
+            "source": self.source,
+            "enforced": self.enforced,
+        }
+
+
+def _distinct_finalists(pool: Finalists | None) -> list[Finalist]:
+    if pool is None:
+        return []
+    seen: set[bytes] = set()
+    out: list[Finalist] = []
+    for m in MARGINS:
+        for f in pool.ranked(m):
+            if f.key not in seen:
+                seen.add(f.key)
+                out.append(f)
+    out.sort(key=lambda f: -f.result.samples_per_s)
+    return out
+
+
+def fit_one(problem: Problem, found: SearchResult, budget_bytes: int) -> tuple[Finalist | None, ReservedFit]:
+    """Steps 1-2 for one search: the answer or the fastest finalist that runs three iterations on the
+    allocator's model with the device capped at ``budget_bytes`` (None when none of them does)."""
+    w = problem.workload
+    first = Finalist(found.policy.to_vector(w), found.policy.options, found.result)
+    rivals = [f for f in _distinct_finalists(problem.finalists) if f.key != first.key]
+    candidates = [first, *rivals[:CHECKS]]
+    for i, f in enumerate(candidates):
+        st = reserved_stats(problem, f.actions, f.options, capacity_bytes=budget_bytes)
+        if st is not None:
+            fit = ReservedFit(st.peak_reserved, st.peak_allocated, True, retries=st.retries, checked=i + 1)
+            fit.source = "answer" if i == 0 else "finalist"
+            return f, fit
+    low = min(f.result.peak_bytes for f in candidates)
+    return None, ReservedFit(None, None, False, checked=len(candidates), lowest_peak_bytes=low)
+
+
+def as_result(problem: Problem, found: SearchResult, f: Finalist) -> SearchResult:
+    """A finalist as the search's answer (its policy recorded like the answer's)."""
+    policy = Policy.from_vector(
+        problem.workload,
+        f.actions,
+        hardware=problem.hardware.name,
+        budget_bytes=found.policy.budget_bytes,
+        options=f.options,
+        predicted=Prediction(f.result.peak_bytes, f.result.iter_s, f.result.samples_per_s),
+    )
+    policy.provenance = found.policy.provenance
+    policy.parameter_fingerprint = found.policy.parameter_fingerprint
+    return SearchResult(found.searcher, policy, f.result, found.status, found.wall_s, found.evaluations,
+                        note=(found.note + "; " if found.note else "") + "reserved bytes fit")  # fmt: skip
+
+
+def scaled_budget(planned_bytes: int) -> int:
+    """Step 3: the allocated budget of the next search."""
+    return int(planned_bytes * SHRINK)
+
+
+def new_pool(budget_bytes: int) -> Finalists:
+    return Finalists(budget_bytes, capacity=POOL)
+
+
+__all__ = [
+    "BUDGET_KINDS",
+    "CHECKS",
+    "POOL",
+    "ROUNDS",
+    "ReservedFit",
+    "applies",
+    "as_result",
+    "check_kind",
+    "fit_one",
+    "new_pool",
+    "reserved_stats",
+    "scaled_budget",
+]
