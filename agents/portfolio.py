@@ -5,6 +5,11 @@
    pass (agents/pretrained.py, under a second on ResNet-101) joins them.
 2. Per-tensor refinement (agents/refine.py) of the best seed (repairing the seeds in turn while nothing
    fits): early, since it finds most of what a long search adds to the seeds, in seconds.
+2b. The exact yardstick (agents/solvers/exact.py) with the best so far as its incumbent: over every policy
+   where there are at most ``EXACT_SMALL`` candidates, over ``EXACT_UNITS`` blocks decided together
+   otherwise, for ``EXACT_SHARE`` of the time; what it finds better is refined per tensor (a restart from
+   the exact solution of a coarsened problem). Refinement's moves stall where the better policy is several
+   changes away at once (swap one tensor *and* keep another: the framed 8-chain at 70-80%).
 3. Optuna over the parametric rule (agents/optuna_search.py) for most of the remaining time (or
    ``SearchContext.trials`` trials): NSGA-II from keep-all alone, then TPE whose starts are the seeds (one trial
    per feasible seed enqueued first). Study names: the context's (or the problem's), suffixed ``.explore`` and
@@ -27,6 +32,8 @@ import numpy as np
 from agents.base import Problem, Proposal, SearchContext, Searcher, SearchResult, baseline_names, get_searcher, register
 from agents.optuna_search import OptunaNSGA2, OptunaSearcher, OptunaTPE, _Best, remaining, study_name
 from agents.refine import refine
+from agents.solvers.exact import solve_exact
+from agents.solvers.milp.data import decision_units
 from runtime.errors import AutotuneError
 from runtime.vocab import KEEP, RECOMPUTE, SWAP
 
@@ -40,6 +47,9 @@ EARLY_STOP = True
 IMPROVEMENT = 1e-3  # relative: smaller gains are taken but do not keep the search going
 STALE_MIN_S = 3.0
 OPTUNA_SHARE = 0.75  # of the time left after the baselines and the first refinement; the rest: refinement, perturbation
+EXACT_SMALL = 16  # candidates at most for the exact phase to decide each one (step 2b)
+EXACT_UNITS = 10  # blocks decided together by the exact phase on larger problems
+EXACT_SHARE = (0.5, 0.08)  # of the time limit for the exact phase: small problems, larger ones
 Seeds = tuple[SearchResult, ...]
 
 
@@ -90,6 +100,10 @@ class Portfolio(Searcher):
         # refinement after 45 s of Optuna, within a few seconds of its start).
         if self._refined(problem, ctx, best, deadline, repair=seeds):
             winner += " + refine"
+        if self._exact(problem, ctx, best, deadline, limit):
+            winner = "exact"
+            if self._refined(problem, ctx, best, deadline):
+                winner += " + refine"
         # Optuna twice: NSGA-II from keep-all alone (TPE, given the seeds as starts, settles on the best seed
         # and stops exploring; NSGA-II alone beat TPE alone in most cells of experiments/bench_quality.py),
         # then TPE from the seeds. Two studies, since their ``start`` choices differ.
@@ -145,6 +159,32 @@ class Portfolio(Searcher):
                     break
         except KeyboardInterrupt:
             ctx.interrupt()
+        return best.result is not before
+
+    @staticmethod
+    def _exact(problem: Problem, ctx: SearchContext, best: _Best, deadline: float, limit: float) -> bool:
+        """Step 2b: True when the exact phase found a better policy."""
+        left = remaining(deadline) or 0.0
+        if ctx.interrupted or left == 0 or best.result is None or not best.result.feasible:
+            return False
+        small = problem.n <= EXACT_SMALL
+        units = None if small else decision_units(problem, EXACT_UNITS)
+        before = best.result
+        ctx.report("exact", best.result)
+        try:
+            assert best.actions is not None and best.options is not None
+            found = solve_exact(
+                problem,
+                units,
+                time_limit_s=min(left, limit * EXACT_SHARE[0 if small else 1]),
+                incumbent=(best.actions, best.options),
+                stop=lambda: ctx.interrupted,
+            )
+        except KeyboardInterrupt:
+            ctx.interrupt()
+            return False
+        if found.actions is not None and found.options is not None and found.result is not None:
+            best.offer(found.actions, found.options, found.result)
         return best.result is not before
 
 
