@@ -291,6 +291,13 @@ class Simulator:
         self.closures = [self._closure_cost(ci, cl.ops, cl.deps) for ci, cl in enumerate(closures)]
         self._closure_host = [float(self.host_op_s[sorted(ops)].sum()) for ops in self.closure_ops]
         self._closure_len = [len(ops) for ops in self.closure_ops]
+        # ... as lists for the walk: (seconds, bytes, candidate inputs), the host's seconds (h_i and the replay's
+        # own per op, Rule 12) and their runtime part.
+        self._rec_device = [device for device, _, _ in self.closures]
+        self._rec_transient = [transient for _, transient, _ in self.closures]
+        self._deps_list = [deps for _, _, deps in self.closures]
+        self._rec_own_list = [length * hw.host.replay_op_s for length in self._closure_len]
+        self._rec_host_list = [h + own for h, own in zip(self._closure_host, self._rec_own_list, strict=True)]
         self._compress_cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         needed = np.flatnonzero(self.first_use < n)
         self._need_order = needed[np.lexsort((needed, self.first_use[needed]))]
@@ -748,16 +755,15 @@ class Simulator:
         d2h_free = 0.0
         h2d_free = 0.0
         h2d_end: dict[int, float] = {}
-        mat_op = [-1] * k
-        fetch_op = [-1] * k
+        mat_op = [False] * k  # materialized (Rules 6-8)
+        fetched = [False] * k  # its copy back issued (Rule 5)
         back: list[int] = []  # candidate, op, ...: made again in backward (Rules 5, 7, 8)
         unpacked: list[int] = []  # candidate, op, ...: compressed ones unpacked (Rule 8)
         extra: dict[int, int] = {}
-        held = 0
         actl = act.tolist()
-        closures = self.closures
-        closure_host = self._closure_host
-        closure_len = self._closure_len
+        deps_of = self._deps_list
+        rec_device, rec_transient = self._rec_device, self._rec_transient
+        rec_own, rec_host = self._rec_own_list, self._rec_host_list
         unpack_cost = self._unpack_list(options.compress_dtype, pack_s)
         h2d_dur = self._h2d_list
         d2h_dur = self._d2h_list
@@ -766,60 +772,19 @@ class Simulator:
         own_dyn = 0.0  # the runtime's own part of it (copies back, replays)
         h_op = hc.op_s if hw.is_gpu else 0.0
         swap_host = hc.swap_s
-        replay_host = hc.replay_op_s
 
-        def issue_h2d(ci: int, op: int) -> None:
-            nonlocal h2d_free, own_dyn, host_dyn, ih
-            own_dyn += swap_host
-            fetch_op[ci] = op
-            back.extend((ci, op))
-            begin = max(ed, h2d_free, d2h_end[ci])
-            h2d_free = h2d_end[ci] = begin + h2d_dur[ci]
-            host_dyn += swap_host  # spent as a block of no device work (not on the CPU: no copies there)
-            ih += swap_host
-
-        def materialize(ci: int, op: int) -> None:
-            """Rules 6-8 at op: dynamic work issued as one block (Rule 12), the device running it after."""
-            nonlocal recompute_s, compress_s, own_dyn, host_dyn, stall_s, held, ih, ed
-            if mat_op[ci] >= 0:
-                return
-            mat_op[ci] = op  # first, so that a cycle through in-place writers cannot recurse forever
-            a = actl[ci]
-            if a == SWAP:
-                if sync:
-                    return  # Rule 4: no copy back without copy engines
-                if fetch_op[ci] < 0:
-                    issue_h2d(ci, op)
-                until = h2d_end[ci]
-                if until > ed:
-                    stall_s += until - ed
-                    ed = until
-                return
-            if a == COMPRESS:
-                host, device = h_op, unpack_cost[ci]
-                compress_s += device
-                unpacked.extend((ci, op))
-            elif a == RECOMPUTE:
-                device, transient, deps = closures[ci]
-                for d in deps:
-                    if actl[d] != KEEP:
-                        materialize(d, op)
-                own = closure_len[ci] * replay_host
-                own_dyn += own
-                host = closure_host[ci] + own
-                recompute_s += device
-                held += transient  # nested recomputations hold theirs until the outer one is done
-            else:
-                return
-            back.extend((ci, op))
-            host_dyn += host
-            if sync:
-                ed += host + device
-                ih = ed
-            else:
-                ih += host
-                if device:  # the device runs the block once the host has issued it
-                    ed = max(ed, ih) + device
+        def expand(ci: int, out: list[int]) -> None:
+            """Rule 7: what materializing recomputed ``ci`` materializes, in order: its candidate inputs that
+            are not kept (recursively, in candidate order), then itself."""
+            mat_op[ci] = True  # first, so that a cycle through in-place writers cannot recurse forever
+            for d in deps_of[ci]:
+                if not mat_op[d] and actl[d] != KEEP:
+                    if actl[d] == RECOMPUTE:
+                        expand(d, out)
+                    else:
+                        mat_op[d] = True
+                        out.append(d)
+            out.append(ci)
 
         prev, seg_i, at = begin_at, 0, -1
         for x, kind, ci in zip(pos_l, kind_l, ci_l, strict=True):
@@ -835,17 +800,114 @@ class Simulator:
                         ih, ed = ih + hn - hp, dn + max(ed - dp, ih - hp + seg_max[seg_i])
                 seg_i += 1
                 prev = at = x
-            if kind == 3:
-                if actl[ci] == RECOMPUTE:
-                    held = 0
-                    materialize(ci, x)
-                    if held > extra.get(x, 0):  # separate recomputations at one op run one after the other
-                        extra[x] = held
-                else:
-                    materialize(ci, x)
+            if kind == 3:  # Rules 6-8 at x: dynamic work issued as blocks (Rule 12), the device running each after
+                if mat_op[ci]:
+                    continue
+                a = actl[ci]
+                if a == SWAP:
+                    mat_op[ci] = True
+                    if sync:
+                        continue  # Rule 4: no copy back without copy engines
+                    if not fetched[ci]:
+                        own_dyn += swap_host
+                        fetched[ci] = True
+                        back.extend((ci, x))
+                        begin = max(ed, h2d_free, d2h_end[ci])
+                        h2d_free = h2d_end[ci] = begin + h2d_dur[ci]
+                        host_dyn += swap_host
+                        ih += swap_host
+                    until = h2d_end[ci]
+                    if until > ed:
+                        stall_s += until - ed
+                        ed = until
+                    continue
+                if a == COMPRESS:
+                    mat_op[ci] = True
+                    device = unpack_cost[ci]
+                    compress_s += device
+                    unpacked.extend((ci, x))
+                    back.extend((ci, x))
+                    host_dyn += h_op
+                    if sync:
+                        ed += h_op + device
+                        ih = ed
+                    else:
+                        ih += h_op
+                        if device:  # the device runs the block once the host has issued it
+                            ed = max(ed, ih) + device
+                    continue
+                for d in deps_of[ci]:
+                    if not mat_op[d] and actl[d] != KEEP:
+                        break
+                else:  # recomputed, its candidate inputs kept or there already
+                    mat_op[ci] = True
+                    device = rec_device[ci]
+                    own_dyn += rec_own[ci]
+                    recompute_s += device
+                    back.extend((ci, x))
+                    host = rec_host[ci]
+                    host_dyn += host
+                    if sync:
+                        ed += host + device
+                        ih = ed
+                    else:
+                        ih += host
+                        if device:
+                            ed = max(ed, ih) + device
+                    if rec_transient[ci] > extra.get(x, 0):  # separate recomputations at one op run one after the other
+                        extra[x] = rec_transient[ci]
+                    continue
+                items: list[int] = []
+                expand(ci, items)
+                held = 0  # nested recomputations hold theirs until the outer one is done
+                for c in items:
+                    a = actl[c]
+                    if a == SWAP:
+                        if sync:
+                            continue
+                        if not fetched[c]:
+                            own_dyn += swap_host
+                            fetched[c] = True
+                            back.extend((c, x))
+                            begin = max(ed, h2d_free, d2h_end[c])
+                            h2d_free = h2d_end[c] = begin + h2d_dur[c]
+                            host_dyn += swap_host
+                            ih += swap_host
+                        until = h2d_end[c]
+                        if until > ed:
+                            stall_s += until - ed
+                            ed = until
+                        continue
+                    if a == COMPRESS:
+                        host, device = h_op, unpack_cost[c]
+                        compress_s += device
+                        unpacked.extend((c, x))
+                    else:
+                        device = rec_device[c]
+                        own_dyn += rec_own[c]
+                        host = rec_host[c]
+                        recompute_s += device
+                        held += rec_transient[c]
+                    back.extend((c, x))
+                    host_dyn += host
+                    if sync:
+                        ed += host + device
+                        ih = ed
+                    else:
+                        ih += host
+                        if device:
+                            ed = max(ed, ih) + device
+                if held > extra.get(x, 0):
+                    extra[x] = held
             elif kind == 2:
-                if fetch_op[ci] < 0:
-                    issue_h2d(ci, x)
+                if not fetched[ci]:  # Rule 5: the copy back, issued as a block of no device work
+                    own_dyn += swap_host
+                    fetched[ci] = True
+                    back.extend((ci, x))
+                    begin = max(ed, h2d_free, d2h_end[ci])
+                    h2d_free = h2d_end[ci] = begin + h2d_dur[ci]
+                    host_dyn += swap_host  # (not on the CPU: no copies there)
+                    ih += swap_host
             elif kind == 1:
                 until = d2h_end[ci]
                 if until > ed:
