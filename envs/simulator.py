@@ -227,12 +227,14 @@ class _RegionView:
     interval_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # Rule 2, in run's form
     interval_w: np.ndarray = field(default_factory=lambda: np.zeros(0))
     _triggers: dict[int, np.ndarray] = field(default_factory=dict)
+    _up_pos: tuple[np.ndarray, np.ndarray] | None = None  # the points and the end; each first use's position
 
     def triggers(self, lookahead: int) -> np.ndarray:
         """Rule 5: the op before which each candidate's H2D copy is issued (cached)."""
         if lookahead not in self._triggers:
-            up = np.append(self.points, self.n_ops)
-            pos = np.searchsorted(self.points, self.first_use)
+            if self._up_pos is None:
+                self._up_pos = np.append(self.points, self.n_ops), np.searchsorted(self.points, self.first_use)
+            up, pos = self._up_pos
             self._triggers[lookahead] = up[np.maximum(0, pos - lookahead)]
         return self._triggers[lookahead]
 
@@ -550,18 +552,26 @@ class Simulator:
             if len(self._views) >= 256:
                 self._views.pop(next(iter(self._views)))
             served = self.planner.served(list(regions))
+            costs = [self.region_cost(f) for f in regions]
+            at_l: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
+            w_l: list[np.ndarray] = [np.zeros(0)]
+            for rc in costs:  # +size at each start, -size one past each end (or at the start: none)
+                s0, e0, z0 = rc.intervals
+                at_l += [s0, np.maximum(e0, s0 - 1) + 1]
+                w_l += [z0, -z0]
+            # The unpack points of the candidates no region serves (sorted, distinct), from a mask over ops.
+            at_use = np.zeros(self.n_ops + 1, dtype=bool)
+            at_use[self.first_use[~served]] = True
             view = _RegionView(
                 served=served,
                 outside=~self.planner.inside(list(regions)),
-                costs=[self.region_cost(f) for f in regions],
-                points=np.unique(self.first_use[~served & (self.first_use < self.n_ops)]),
+                costs=costs,
+                points=np.flatnonzero(at_use[: self.n_ops]),
                 first_use=self.first_use,
                 n_ops=self.n_ops,
+                interval_at=np.concatenate(at_l),
+                interval_w=np.concatenate(w_l),
             )
-            for rc in view.costs:  # +size at each start, -size one past each end (or at the start: none)
-                s0, e0, z0 = rc.intervals
-                view.interval_at = np.concatenate([view.interval_at, s0, np.maximum(e0, s0 - 1) + 1])
-                view.interval_w = np.concatenate([view.interval_w, z0, -z0])
             self._views[regions] = view
         return view
 

@@ -79,6 +79,7 @@ class RegionPlanner:
             if f.parent >= 0:
                 end[f.parent] = max(end[f.parent], end[f.index])
         self.end = end
+        self._end_list: list[int] = end.tolist()
         calls: dict[str, int] = {}
         for f in frames:
             calls[f.path] = calls.get(f.path, 0) + 1
@@ -215,10 +216,11 @@ class RegionPlanner:
     def _outermost(self, ok: np.ndarray) -> list[int]:
         chosen: list[int] = []
         covered = -1
+        end = self._end_list
         for f in np.flatnonzero(ok).tolist():
             if f > covered:  # not inside a region chosen already
                 chosen.append(f)
-                covered = int(self.end[f])
+                covered = end[f]
         return chosen
 
     def served(self, regions: list[int]) -> np.ndarray:
@@ -230,11 +232,10 @@ class RegionPlanner:
 
     def inside(self, regions: list[int]) -> np.ndarray:
         """Boolean mask over frames: one of ``regions`` or inside one (their packs go to checkpoint)."""
-        delta = np.zeros(self.n_frames + 1, dtype=np.int64)
+        mask = np.zeros(self.n_frames, dtype=bool)
         for f in regions:
-            delta[f] += 1
-            delta[self.end[f] + 1] -= 1
-        return np.cumsum(delta[:-1]) > 0
+            mask[f : self._end_list[f] + 1] = True
+        return mask
 
     def region(self, f: int) -> Region:
         """The policy file's record of region ``f``."""
