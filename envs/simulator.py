@@ -461,6 +461,18 @@ class Simulator:
         self._other_first_op, self._other_bwd_op = self._frame_first_op[other], self._frame_bwd_op[other]
         self._other_pack_s = self._noncand_packs[other] * hc.pack_s
         self._other_unpack_s = self._noncand_packs[other] * hc.unpack_s
+        # ... the four as one list of (frame observed, op, seconds), in that order: packs, their unpacks, the packs
+        # of tensors that are not candidates, their unpacks; and the frame of each candidate's first pack.
+        n_packs = len(self._pack_op)
+        self._pack_cost_frame = np.concatenate([self._pack_frame, self._pack_frame, other, other])
+        self._pack_cost_at = np.concatenate(
+            [self._pack_after, self._pack_unpack_op, self._other_first_op, self._other_bwd_op]
+        )
+        self._pack_cost_s = np.concatenate(
+            [np.full(n_packs, hc.pack_s), np.full(n_packs, hc.unpack_s), self._other_pack_s, self._other_unpack_s]
+        )
+        self._first_pack_frame = self._pack_frame[self._first_pack]
+        self._frame_s_full = np.full(nf, hc.frame_s)
 
     def region_cost(self, f: int) -> _RegionCost:
         """Rule 11 for frame ``f`` as a region (cached)."""
@@ -633,13 +645,11 @@ class Simulator:
             obs_frame = np.maximum.accumulate(self._frame_reach * hooked) > self._frame_index
             if regions:
                 obs_frame &= view.outside
-            obs_pack = obs_frame[self._pack_frame]
-            point = obs_pack[self._first_pack]
-            hxa.add(self._pack_after[obs_pack], hc.pack_s)  # each observed pack's cost after its op ...
-            hxa.add(self._pack_unpack_op[obs_pack], hc.unpack_s)  # ... its unpack's at its tensor's first use
-            others = obs_frame[self._other_frames]  # ... and those of the packs of tensors that are not candidates
-            hxa.add(self._other_first_op[others], self._other_pack_s[others])
-            hxa.add(self._other_bwd_op[others], self._other_unpack_s[others])
+            point = obs_frame[self._first_pack_frame]
+            # Each observed pack's cost after its op, its unpack's at its tensor's first use, and those of the
+            # packs of tensors that are not candidates.
+            obs_cost = obs_frame[self._pack_cost_frame]
+            hxa.add(self._pack_cost_at[obs_cost], self._pack_cost_s[obs_cost])
             n_observed = int(self._frame_packs @ obs_frame)
             if len(replayed):  # the frames the recorder runs in: those of the replayed candidates' closure ops
                 replayed_l = replayed.tolist()
@@ -652,7 +662,7 @@ class Simulator:
             called = np.zeros(self._n_paths, dtype=bool)
             called[self._frame_path[hooked]] = True
             call_ops = self._frame_first_op[called[self._frame_path]]
-            hxa.add(call_ops, hc.frame_s)
+            hxa.add(call_ops, self._frame_s_full[: len(call_ops)])
             frame_calls = len(call_ops)
         else:  # one pack per candidate, after save_op, every one observed
             hxa.add(self._pack_after, hc.pack_s)
