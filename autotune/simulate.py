@@ -6,6 +6,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -15,7 +16,7 @@ from autotune.units import format_bytes, format_size_echo, parse_size
 from autotune.workloads import TraceRequest
 from envs.simulator import SimResult, Simulator, uniform_actions
 from runtime.errors import AutotuneError
-from runtime.hardware import resolve_profile
+from runtime.hardware import HardwareProfile, resolve_profile
 from runtime.policy import ACTIONS, Action, Policy, PolicyOptions, Prediction, Provenance, load_policy
 from runtime.workload import Workload
 
@@ -96,6 +97,7 @@ def run_simulate(
     result = sim.run(policy, budget_bytes=budget_bytes, timeline=timeline is not None)
     elapsed = time.perf_counter() - started
     baseline = sim.run([0] * len(w.candidates), budget_bytes=budget_bytes, timeline=timeline is not None)
+    cache = _cache(w, hw, policy, budget_bytes) if hw.is_gpu else None
 
     if save_policy is not None:
         policy.predicted = Prediction(result.peak_bytes, result.iter_s, result.samples_per_s)
@@ -122,14 +124,44 @@ def run_simulate(
             },
             policy_path=str(save_policy) if save_policy else None,
             timeline_path=str(timeline) if timeline else None,
+            **(cache or {}),
         )
         print(json.dumps(d))
         return
     _render(out, w, hw.name, policy, result, baseline)
+    if cache is not None:
+        over = cache["reserved_peak_bytes"] / result.peak_bytes - 1
+        within = cache["runs_within_budget"]
+        verdict = "" if within is None else "; within the budget it " + ("runs" if within else "[red]runs out[/]")
+        out.print(
+            f"PyTorch's CUDA caching allocator (a model, not yet checked on a GPU) reserves "
+            f"{format_bytes(cache['reserved_peak_bytes'])} for it ({over:+.1%}: cached blocks and split ends){verdict}"
+        )
     if save_policy is not None:
         out.print(f"policy written to {save_policy}")
     if timeline is not None:
         out.print(f"memory timeline written to {timeline}")
+
+
+def _cache(w: Workload, hw: HardwareProfile, policy: Policy, budget_bytes: int | None) -> dict[str, Any]:
+    """The caching allocator's model over three iterations of the policy (NOTE [ Reserved budget ]): its
+    reserved and allocated peaks, and whether it runs with the device capped at the budget."""
+    from envs.allocator import OutOfMemory, policy_stats
+
+    actions = policy.to_vector(w)
+    free = policy_stats(w, hw, actions, policy.options)
+    within: bool | None = None
+    if budget_bytes is not None:
+        try:
+            policy_stats(w, hw, actions, policy.options, capacity_bytes=budget_bytes)
+            within = True
+        except OutOfMemory:
+            within = False
+    return {
+        "reserved_peak_bytes": free.peak_reserved,
+        "allocated_peak_bytes": free.peak_allocated,
+        "runs_within_budget": within,
+    }
 
 
 def _parse_action(text: str) -> Action:

@@ -102,6 +102,19 @@ def test_simulate_actions_and_policy_roundtrip(capsys: pytest.CaptureFixture[str
         assert again[key] == swap[key], key
     text = html.read_text()
     assert "plotly" in text and "cdn.plot.ly" not in text.split("<body>")[0]  # self-contained
+    # The caching allocator's model: keeping everything reserves what the no-policy iteration does; capped at
+    # that the policy runs, capped one byte under its allocated peak it runs out (A7).
+    from autotune.workloads import TraceRequest, trace_model
+    from envs.allocator import no_policy_stats
+    from runtime.hardware import get_profile
+
+    w, _ = trace_model(TraceRequest(model="resnet18", batch_size=4, target=get_profile("a100-40gb")))
+    alone = no_policy_stats(w)
+    assert (keep["reserved_peak_bytes"], keep["allocated_peak_bytes"]) == (alone.peak_reserved, alone.peak_allocated)
+    assert keep["runs_within_budget"] is None and rec["reserved_peak_bytes"] >= rec["peak_bytes"]
+    for budget, runs in ((keep["reserved_peak_bytes"], True), (keep["allocated_peak_bytes"] - 1, False)):
+        d = json.loads(run(capsys, *base, "--action", "keep", "--budget", str(budget))[1])
+        assert d["runs_within_budget"] is runs, budget
 
 
 BAD_INPUTS = [
