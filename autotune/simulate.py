@@ -135,7 +135,8 @@ def run_simulate(
         verdict = "" if within is None else "; within the budget it " + ("runs" if within else "[red]runs out[/]")
         out.print(
             f"PyTorch's CUDA caching allocator (a model, not yet checked on a GPU) reserves "
-            f"{format_bytes(cache['reserved_peak_bytes'])} for it ({over:+.1%}: cached blocks and split ends){verdict}"
+            f"{format_bytes(cache['reserved_peak_bytes'])} for it ({over:+.1%}: cached blocks and split ends)"
+            f"{verdict}; one arena planned from its lifetimes: {format_bytes(cache['planned_pool_bytes'])}"
         )
     if save_policy is not None:
         out.print(f"policy written to {save_policy}")
@@ -146,10 +147,12 @@ def run_simulate(
 def _cache(w: Workload, hw: HardwareProfile, policy: Policy, budget_bytes: int | None) -> dict[str, Any]:
     """The caching allocator's model over three iterations of the policy (NOTE [ Reserved budget ]): its
     reserved and allocated peaks, and whether it runs with the device capped at the budget."""
-    from envs.allocator import OutOfMemory, policy_stats
+    from envs.allocator import OutOfMemory, plan_offsets, policy_requests, policy_stats, request_intervals
 
     actions = policy.to_vector(w)
     free = policy_stats(w, hw, actions, policy.options)
+    setup, iteration = policy_requests(w, hw, actions, policy.options)
+    planned = plan_offsets(request_intervals([*setup, *iteration])).arena_bytes  # seed 003's pool
     within: bool | None = None
     if budget_bytes is not None:
         try:
@@ -160,6 +163,7 @@ def _cache(w: Workload, hw: HardwareProfile, policy: Policy, budget_bytes: int |
     return {
         "reserved_peak_bytes": free.peak_reserved,
         "allocated_peak_bytes": free.peak_allocated,
+        "planned_pool_bytes": planned,
         "runs_within_budget": within,
     }
 

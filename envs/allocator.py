@@ -357,6 +357,22 @@ def policy_stats(
     return replay(setup, capacity_bytes, repeat=iteration, times=iterations)
 
 
+def request_intervals(requests: Sequence[Request]) -> list[tuple[int, int, int]]:
+    """(first, last, bytes) of each allocation in ``requests``, in positions of the sequence (so that what
+    is freed before another is allocated never shares its time, even within one op); what is never freed
+    lives to the end. :func:`plan_offsets` of them places the sequence in one arena."""
+    opened: dict[int, tuple[int, int]] = {}
+    out: list[tuple[int, int, int]] = []
+    for i, r in enumerate(requests):
+        if r.nbytes is None:
+            first, nbytes = opened.pop(r.tensor)
+            out.append((first, i - 1, nbytes))
+        else:
+            opened[r.tensor] = (i, r.nbytes)
+    out += [(first, len(requests), nbytes) for first, nbytes in opened.values()]
+    return out
+
+
 def no_policy_stats(w: Workload, iterations: int = 3) -> AllocatorStats:
     """The caching allocator's stats over ``iterations`` iterations of ``w`` with no policy (reserved bytes
     only grow, A4: by the second iteration the cache holds what every iteration asks for)."""
@@ -379,6 +395,7 @@ __all__ = [
     "policy_requests",
     "policy_stats",
     "replay",
+    "request_intervals",
     "round_size",
     "segment_size",
     "workload_intervals",

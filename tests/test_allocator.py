@@ -234,3 +234,16 @@ def test_a_capped_device_gives_cached_segments_back_or_fails() -> None:
     assert policy_stats(w, hw, actions, capacity_bytes=free.peak_reserved) == free
     with pytest.raises(OutOfMemory):
         policy_stats(w, hw, actions, capacity_bytes=free.peak_allocated - 1)
+
+
+def test_request_intervals_share_no_time_when_one_is_freed_before_the_other() -> None:
+    """a and b live together, then b and c, then c and d (never freed); a is freed before c is asked for and b
+    before d, so c takes a's place and d b's: two blocks of 512 B (each request rounded up), the most in flight
+    at once."""
+    from envs.allocator import request_intervals
+
+    seq = [Request(0, 100), Request(1, 200), Request(0, None), Request(2, 100), Request(1, None), Request(3, 50)]
+    intervals = request_intervals(seq)
+    assert sorted(intervals) == [(0, 1, 100), (1, 3, 200), (3, 6, 100), (5, 6, 50)]
+    plan = plan_offsets(intervals)
+    assert plan.arena_bytes == 2 * 512 and plan.offsets[0] == plan.offsets[2] != plan.offsets[1] == plan.offsets[3]

@@ -112,6 +112,7 @@ def test_simulate_actions_and_policy_roundtrip(capsys: pytest.CaptureFixture[str
     alone = no_policy_stats(w)
     assert (keep["reserved_peak_bytes"], keep["allocated_peak_bytes"]) == (alone.peak_reserved, alone.peak_allocated)
     assert keep["runs_within_budget"] is None and rec["reserved_peak_bytes"] >= rec["peak_bytes"]
+    assert keep["planned_pool_bytes"] >= keep["peak_bytes"] and rec["planned_pool_bytes"] >= rec["peak_bytes"]
     for budget, runs in ((keep["reserved_peak_bytes"], True), (keep["allocated_peak_bytes"] - 1, False)):
         d = json.loads(run(capsys, *base, "--action", "keep", "--budget", str(budget))[1])
         assert d["runs_within_budget"] is runs, budget
