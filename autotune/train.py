@@ -38,15 +38,19 @@ class TrainReport:
     def medians(self) -> dict[str, float]:
         if not self.steps:
             return {}
-        return {
+        out = {
             "peak_bytes": statistics.median(s.peak_bytes for s in self.steps),
             "iter_s": statistics.median(s.iter_s for s in self.steps),
             "samples_per_s": statistics.median(s.samples_per_s for s in self.steps),
         }
+        reserved = [s.reserved_bytes for s in self.steps if s.reserved_bytes is not None]
+        if reserved:  # CUDA: the caching allocator's reserved peak
+            out["reserved_bytes"] = statistics.median(reserved)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         measured = self.medians()
-        error = {k: (self.predicted[k] - v) / v for k, v in measured.items() if v}
+        error = {k: (self.predicted[k] - v) / v for k, v in measured.items() if v and k in self.predicted}
         return {
             "model": self.model,
             "batch_size": self.batch_size,
@@ -143,6 +147,11 @@ def run_policy(
         },
         [],
     )
+    if device.startswith("cuda") and hw.is_gpu:  # the caching allocator's model (NOTE [ Reserved budget ])
+        from envs.allocator import policy_stats
+
+        vec = policy.to_vector(w)
+        report.predicted["reserved_bytes"] = policy_stats(w, hw, vec, policy.options).peak_reserved
     if device.startswith("cuda") and policy.budget_bytes is not None:
         index = torch.device(device).index
         index = torch.cuda.current_device() if index is None else index  # "cuda" alone: the current device
@@ -193,5 +202,10 @@ def render(out: Console, report: TrainReport) -> None:
     if e:
         table.add_row("error", f"{e['peak_bytes']:+.1%}", f"{e['iter_s']:+.1%}", f"{e['samples_per_s']:+.1%}")
     out.print(table)
+    if "reserved_bytes" in m and "reserved_bytes" in p:
+        out.print(
+            f"reserved by PyTorch's caching allocator: {format_bytes(m['reserved_bytes'])} measured, "
+            f"{format_bytes(p['reserved_bytes'])} by its model ({e.get('reserved_bytes', 0.0):+.1%})"
+        )
     if report.unknown_keys:
         out.print(f"[yellow]{len(report.unknown_keys)} saved tensors not in the policy were kept[/]")

@@ -109,6 +109,7 @@ class IterationMeasurement:
     peak_bytes: int  # peak device memory during the iteration, persistent state included
     iter_s: float
     samples_per_s: float
+    reserved_bytes: int | None = None  # CUDA: the caching allocator's reserved peak (max_memory_reserved)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,11 +152,11 @@ def run_iterations(
     step = TrainStep(precision, device.type, grad_accum=grad_accum)
     results: list[IterationMeasurement] = []
     for i in range(warmup + steps):
-        peak, elapsed = _one_step(model, batch, loss_fn, opt, step, ctx, device, track=cuda)
+        peak, elapsed, reserved = _one_step(model, batch, loss_fn, opt, step, ctx, device, track=cuda)
         if i >= warmup:
-            results.append(IterationMeasurement(peak, elapsed, batch_size * grad_accum / elapsed))
+            results.append(IterationMeasurement(peak, elapsed, batch_size * grad_accum / elapsed, reserved))
     if not cuda:
-        peak, _ = _one_step(model, batch, loss_fn, opt, step, ctx, device, track=True)
+        peak, _, _ = _one_step(model, batch, loss_fn, opt, step, ctx, device, track=True)
         for r in results:
             r.peak_bytes = peak
     opt.zero_grad(set_to_none=True)
@@ -171,7 +172,7 @@ def _one_step(
     ctx: Callable[[], contextlib.AbstractContextManager[Any]],
     device: torch.device,
     track: bool,
-) -> tuple[int, float]:
+) -> tuple[int, float, int | None]:
     opt.zero_grad(set_to_none=True)
     state = [*training_state(model, batch, opt), *step.state()]
     meter_cm = _peak_meter(device, state) if track else contextlib.nullcontext(_Meter())
@@ -185,11 +186,12 @@ def _one_step(
         step.step(opt)
         _sync(device)
         elapsed = time.perf_counter() - start
-    return meter.peak_bytes, elapsed
+    return meter.peak_bytes, elapsed, meter.reserved_bytes
 
 
 class _Meter:
     peak_bytes = 0
+    reserved_bytes: int | None = None
 
 
 @contextlib.contextmanager
@@ -201,6 +203,7 @@ def _peak_meter(device: torch.device, state: list[torch.Tensor]) -> Iterator[_Me
         yield meter
         torch.cuda.synchronize(device)
         meter.peak_bytes = torch.cuda.max_memory_allocated(device)
+        meter.reserved_bytes = torch.cuda.max_memory_reserved(device)
         return
     tracker = StorageTracker()
     tracker.track(state)

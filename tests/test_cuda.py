@@ -99,6 +99,7 @@ def test_allocator_peak_matches_the_simulator(name: str, kwargs: dict) -> None: 
         rt = PolicyRuntime(policy, model)
         measured = run_iterations(model, batch, loss_fn, opt, steps=2, batch_size=1, around_step=rt.step)[-1]
         peak = measured.peak_bytes - before
+        assert measured.reserved_bytes is not None and measured.reserved_bytes >= measured.peak_bytes
         misses[label] = (predicted, peak, (predicted - peak) / peak)
         del model, batch, loss_fn, opt, rt
     assert all(abs(m[2]) <= 0.03 for m in misses.values()), misses
