@@ -1,9 +1,9 @@
 """The budget in the bytes that run out: what PyTorch's CUDA caching allocator reserves for a policy.
 
 NOTE [ Reserved budget ]
-A run fails when the caching allocator cannot reserve another segment, so on a GPU profile `autotune search`
-(``--budget-kind reserved``, the default) answers with a policy whose *reserved* peak fits the planned budget
-(the budget less ``--reserve``), not only its allocated peak (the simulator's). The reserved peak comes from a
+A run fails when the caching allocator cannot reserve another segment, so on a GPU profile `autotune search
+--budget-kind reserved` answers with a policy whose *reserved* bytes fit the planned budget (the budget less
+``--reserve``), not only its allocated peak (the simulator's). The reserved peak comes from a
 model of the allocator (NOTE [ CUDA caching allocator ] in envs/allocator.py) replaying the policy's
 allocations (``envs.allocator.policy_stats``: the op-by-op simulator's accounting, three iterations): about
 half a second a policy on ResNet-101 at batch 64, so it is computed for the answer and a few rivals, not for
@@ -18,7 +18,8 @@ every policy a search scores. In order:
 ``--budget-kind allocated`` (the default until the model is checked against the real allocator on a GPU:
 issue "Memory as the allocator holds it", item 3) plans for the simulator's peak alone, and step 1 only
 reports whether the answer runs within the budget on the model (a warning when it does not). On the CPU there
-is no caching allocator and neither is done.
+is no caching allocator and neither is done. `autotune simulate` reports the model's peaks for any policy, and
+`autotune train --device cuda` the measured ``max_memory_reserved`` beside the model's prediction.
 """
 
 from __future__ import annotations
@@ -48,11 +49,6 @@ def check_kind(kind: str) -> str:
             "caching allocator holds, which is what runs out; allocated: the tensors alone)"
         )
     return kind
-
-
-def applies(kind: str, problem: Problem) -> bool:
-    """Whether the reserved bytes are checked: a GPU profile and ``--budget-kind reserved``."""
-    return kind == "reserved" and problem.hardware.is_gpu
 
 
 def reserved_stats(
@@ -155,7 +151,6 @@ __all__ = [
     "POOL",
     "ROUNDS",
     "ReservedFit",
-    "applies",
     "as_result",
     "check_kind",
     "fit_one",
