@@ -195,19 +195,28 @@ def measure(
     return out
 
 
-def answer_policy(problem: Problem, chosen: Measured, found: SearchResult, budget_bytes: int) -> Policy:
-    """The chosen finalist as a policy file: planned figures, the measurement, the search's provenance."""
-    f, r = chosen.finalist, chosen.finalist.result
-    policy = Policy.from_vector(
+def finalist_policy(
+    problem: Problem, f: Finalist, found: SearchResult, budget_bytes: int | None, searcher: str
+) -> Policy:
+    """A finalist as a policy file in place of the search's answer: its planned figures, the search's
+    provenance under ``searcher``."""
+    r = f.result
+    return Policy.from_vector(
         problem.workload,
         f.actions,
         hardware=problem.hardware.name,
         budget_bytes=budget_bytes,
         options=f.options,
-        searcher=found.searcher if chosen.label == ANSWER else f"{found.searcher} (measured)",
+        searcher=searcher,
         trials=problem.evaluations,
         predicted=Prediction(r.peak_bytes, r.iter_s, r.samples_per_s),
         wall_s=found.wall_s,
     )
+
+
+def answer_policy(problem: Problem, chosen: Measured, found: SearchResult, budget_bytes: int) -> Policy:
+    """The chosen finalist as a policy file: planned figures, the measurement, the search's provenance."""
+    searcher = found.searcher if chosen.label == ANSWER else f"{found.searcher} (measured)"
+    policy = finalist_policy(problem, chosen.finalist, found, budget_bytes, searcher)
     policy.measured = Prediction(chosen.peak_bytes, chosen.iter_s, chosen.samples_per_s)
     return policy

@@ -31,9 +31,10 @@ import numpy as np
 
 from agents.base import Problem, SearchResult
 from agents.finalists import MARGINS, Finalist, Finalists
+from autotune.measured import finalist_policy
 from envs.allocator import AllocatorStats, OutOfMemory, policy_stats
 from runtime.errors import AutotuneError
-from runtime.policy import Policy, PolicyOptions, Prediction
+from runtime.policy import PolicyOptions
 
 BUDGET_KINDS = ("reserved", "allocated")
 CHECKS = 8  # finalists whose reserved peak is computed per search (NOTE [ Reserved budget ], step 2)
@@ -103,13 +104,15 @@ def _distinct_finalists(pool: Finalists | None) -> list[Finalist]:
     return out
 
 
-def fit_one(problem: Problem, found: SearchResult, budget_bytes: int) -> tuple[Finalist | None, ReservedFit]:
-    """Steps 1-2 for one search: the answer or the fastest finalist that runs three iterations on the
-    allocator's model with the device capped at ``budget_bytes`` (None when none of them does)."""
+def fit_one(
+    problem: Problem, found: SearchResult, budget_bytes: int, rivals: int = CHECKS
+) -> tuple[Finalist | None, ReservedFit]:
+    """Steps 1-2 for one search: the answer or the fastest of up to ``rivals`` finalists that runs three
+    iterations on the allocator's model with the device capped at ``budget_bytes`` (None when none does)."""
     w = problem.workload
     first = Finalist(found.policy.to_vector(w), found.policy.options, found.result)
-    rivals = [f for f in _distinct_finalists(problem.finalists) if f.key != first.key]
-    candidates = [first, *rivals[:CHECKS]]
+    others = [f for f in _distinct_finalists(problem.finalists) if f.key != first.key] if rivals else []
+    candidates = [first, *others[:rivals]]
     for i, f in enumerate(candidates):
         st = reserved_stats(problem, f.actions, f.options, capacity_bytes=budget_bytes)
         if st is not None:
@@ -122,16 +125,7 @@ def fit_one(problem: Problem, found: SearchResult, budget_bytes: int) -> tuple[F
 
 def as_result(problem: Problem, found: SearchResult, f: Finalist) -> SearchResult:
     """A finalist as the search's answer (its policy recorded like the answer's)."""
-    policy = Policy.from_vector(
-        problem.workload,
-        f.actions,
-        hardware=problem.hardware.name,
-        budget_bytes=found.policy.budget_bytes,
-        options=f.options,
-        predicted=Prediction(f.result.peak_bytes, f.result.iter_s, f.result.samples_per_s),
-    )
-    policy.provenance = found.policy.provenance
-    policy.parameter_fingerprint = found.policy.parameter_fingerprint
+    policy = finalist_policy(problem, f, found, found.policy.budget_bytes, found.searcher)
     return SearchResult(found.searcher, policy, f.result, found.status, found.wall_s, found.evaluations,
                         note=(found.note + "; " if found.note else "") + "reserved bytes fit")  # fmt: skip
 

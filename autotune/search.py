@@ -279,7 +279,7 @@ def fit_reserved(
     as not fitting when none does in ``ROUNDS`` searches. ``enforce`` False: the answer checked, not changed."""
     budget = outcome.problem.budget_bytes
     if not enforce:
-        _, fit = fit_one(dataclasses.replace(outcome.problem, finalists=None), outcome.found, budget)
+        _, fit = fit_one(outcome.problem, outcome.found, budget, rivals=0)
         fit.enforced, fit.planned = False, [budget]
         outcome.reserved = fit
         return outcome

@@ -147,16 +147,15 @@ def run_simulate(
 def _cache(w: Workload, hw: HardwareProfile, policy: Policy, budget_bytes: int | None) -> dict[str, Any]:
     """The caching allocator's model over three iterations of the policy (NOTE [ Reserved budget ]): its
     reserved and allocated peaks, and whether it runs with the device capped at the budget."""
-    from envs.allocator import OutOfMemory, plan_offsets, policy_requests, policy_stats, request_intervals
+    from envs.allocator import ITERATIONS, OutOfMemory, plan_offsets, policy_requests, replay, request_intervals
 
-    actions = policy.to_vector(w)
-    free = policy_stats(w, hw, actions, policy.options)
-    setup, iteration = policy_requests(w, hw, actions, policy.options)
+    setup, iteration = policy_requests(w, hw, policy.to_vector(w), policy.options)  # one op-by-op simulation
+    free = replay(setup, repeat=iteration, times=ITERATIONS)
     planned = plan_offsets(request_intervals([*setup, *iteration])).arena_bytes  # seed 003's pool
     within: bool | None = None
     if budget_bytes is not None:
         try:
-            policy_stats(w, hw, actions, policy.options, capacity_bytes=budget_bytes)
+            replay(setup, budget_bytes, repeat=iteration, times=ITERATIONS)
             within = True
         except OutOfMemory:
             within = False

@@ -50,6 +50,7 @@ SMALL_BUFFER = 2 << 20  # A4: a small pool's segment
 LARGE_BUFFER = 20 << 20  # A4: a segment for requests under MIN_LARGE_ALLOC
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
+ITERATIONS = 3  # iterations replayed: reserved bytes only grow (A4), and by the second the cache holds them
 
 
 def round_size(nbytes: int) -> int:
@@ -347,7 +348,7 @@ def policy_stats(
     hw: HardwareProfile,
     actions: Sequence[int] | np.ndarray,
     options: PolicyOptions | None = None,
-    iterations: int = 3,
+    iterations: int = ITERATIONS,
     capacity_bytes: int | None = None,
 ) -> AllocatorStats:
     """The caching allocator's stats over ``iterations`` iterations of ``w`` under a policy (one simulation
@@ -373,7 +374,7 @@ def request_intervals(requests: Sequence[Request]) -> list[tuple[int, int, int]]
     return out
 
 
-def no_policy_stats(w: Workload, iterations: int = 3) -> AllocatorStats:
+def no_policy_stats(w: Workload, iterations: int = ITERATIONS) -> AllocatorStats:
     """The caching allocator's stats over ``iterations`` iterations of ``w`` with no policy (reserved bytes
     only grow, A4: by the second iteration the cache holds what every iteration asks for)."""
     setup, iteration = workload_requests(w)
@@ -381,6 +382,7 @@ def no_policy_stats(w: Workload, iterations: int = 3) -> AllocatorStats:
 
 
 __all__ = [
+    "ITERATIONS",
     "LARGE_BUFFER",
     "MIN_BLOCK",
     "SMALL_BUFFER",

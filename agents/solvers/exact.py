@@ -101,35 +101,24 @@ class Bounds:
     def __init__(self, problem: Problem) -> None:
         sim = problem.simulator
         w, n = problem.workload, sim.n_ops
-        self.n, self.k = n, sim.k
-        self.budget = problem.budget_bytes
+        self.n = n
         self.is_gpu = not sim.sync_copies
         hw = problem.hardware
-        # B1: per candidate, the intervals kept and at least (as [start, end] pairs of inclusive ops).
+        # B1: the live bytes with every candidate at its minimum, to which a kept one adds the rest of its
+        # traced life; each interval [lo, hi] of inclusive ops, clipped to that life.
         self.size = sim.size.astype(np.int64)
-        self.keep_span = np.stack([sim.producer, sim.free_keep], axis=1)
-        bwd_first = np.array([min(c.bwd_uses) if c.bwd_uses else n for c in w.candidates], dtype=np.int64)
-        bwd_last = np.array([max(c.bwd_uses) if c.bwd_uses else -1 for c in w.candidates], dtype=np.int64)
-        self.min_spans: list[list[tuple[int, int]]] = []
-        for c in range(self.k):
-            lo, hi = int(sim.producer[c]), int(sim.free_keep[c])
-            spans = [(lo, min(int(sim.drop[c]), hi))]
-            if bwd_first[c] < n:
-                spans.append((max(int(bwd_first[c]), lo), min(int(bwd_last[c]), hi)))
-            self.min_spans.append([(a, b) for a, b in spans if a <= b])
-        # The live bytes with every candidate at its minimum (B1), to which a kept one adds the rest.
         floor = sim.base_live.astype(np.int64).copy()
         self.extra_if_kept: list[tuple[np.ndarray, np.ndarray]] = []  # (ops, bytes) kept adds over the minimum
-        for c in range(self.k):
-            mask = np.zeros(n, dtype=bool)
-            for a, b in self.min_spans[c]:
-                mask[a : b + 1] = True
-            floor[mask] += self.size[c]
+        for c, cand in enumerate(w.candidates):
+            lo, hi = int(sim.producer[c]), int(sim.free_keep[c])
+            least = np.zeros(n, dtype=bool)
+            least[lo : min(int(sim.drop[c]), hi) + 1] = True
+            if cand.bwd_uses:
+                least[max(min(cand.bwd_uses), lo) : min(max(cand.bwd_uses), hi) + 1] = True
+            floor[least] += self.size[c]
             kept = np.zeros(n, dtype=bool)
-            lo, hi = self.keep_span[c]
-            if lo <= hi:
-                kept[lo : hi + 1] = True
-            ops = np.flatnonzero(kept & ~mask)
+            kept[lo : hi + 1] = True
+            ops = np.flatnonzero(kept & ~least)
             self.extra_if_kept.append((ops, np.full(len(ops), self.size[c], dtype=np.int64)))
         self.floor = floor
         # B2.
@@ -169,10 +158,11 @@ class Bounds:
             else:
                 t = max(t, self.host_s + self.swap_s * len(s))
                 out_end = self.dcum[self.save_op[s] + 1] + self.d2h_s[s]
-                used = s[self.first_use[s] < n]
+                read = self.first_use[s] < n  # copied back: read in backward
+                used = s[read]
                 if len(used):
                     ue = self.first_use[used]
-                    chain = out_end[self.first_use[s] < n] + self.h2d_s[used] + (self.compute_s - self.dcum[ue])
+                    chain = out_end[read] + self.h2d_s[used] + (self.compute_s - self.dcum[ue])
                     t = max(t, float(chain.max()))
                     back_from = float(out_end.min())
                     t = max(t, back_from + float(self.h2d_s[used].sum()) + self.compute_s - self.dcum[int(ue.max())])
@@ -232,7 +222,8 @@ def solve_exact(
     def out_of_time() -> bool:
         return time.perf_counter() - started > time_limit_s or (stop is not None and stop())
 
-    kept: list[int] = [c for c in range(sim.k) if not any(c in u for u in unit_list)]
+    decided = {c for u in unit_list for c in u}
+    kept: list[int] = [c for c in range(sim.k) if c not in decided]
     swapped: list[int] = []
     recomputed: list[int] = []
     compressed: list[int] = []
