@@ -136,6 +136,55 @@ def profile(
         out.print(f"workload saved to {out_file}")
 
 
+def parse_partition_option(text: str | None) -> tuple[Any, ...]:
+    """``--partition features/4,layer2/2`` as runtime.partition.Partition records."""
+    from runtime.partition import Partition
+
+    if not text:
+        return ()
+    out = []
+    for item in text.split(","):
+        module, sep, chunks = item.strip().rpartition("/")
+        if not sep or not module or not chunks.isdigit():
+            raise AutotuneError(
+                f"invalid --partition {item.strip()!r}: expected MODULE/SLICES with a module path and a whole number "
+                "of slices, e.g. --partition features/4"
+            )
+        out.append(Partition(module, int(chunks)))
+    return tuple(out)
+
+
+def _choose_partition(w: Any, hw: Any, budget_bytes: int, req: Any) -> Any:
+    """--allow-partition: NOTE [ Choosing a partition ] in autotune/partitions.py, said on stderr."""
+    import dataclasses
+
+    from autotune import search as sr
+    from autotune.partitions import choose
+    from autotune.workloads import trace_model
+
+    with err.status("choosing a partition…", spinner="dots") as status:
+        choice = choose(
+            w,
+            hw,
+            budget_bytes,
+            lambda ps: trace_model(dataclasses.replace(req, partitions=ps))[0],
+            progress=lambda msg: status.update(msg),
+        )
+    tried = "; ".join(
+        f"{p}: floor {sr.format_bytes(f)}, frugal policy {sr.format_bytes(g)}" for p, f, g in choice.tried
+    )
+    if choice.partitions:
+        err.print(
+            f"partition: {', '.join(str(p) for p in choice.partitions)} (unpartitioned: floor "
+            f"{sr.format_bytes(choice.floor_bytes)}, frugal policy {sr.format_bytes(choice.frugal_bytes)}; "
+            f"tried {tried})",
+            highlight=False,
+        )
+    elif choice.tried:
+        err.print(f"partition: none lowers the floor enough (tried {tried})", highlight=False)
+    return choice.workload
+
+
 def _trace(req: Any) -> tuple[Any, float]:
     """Trace with a spinner on stderr (a ResNet-101 takes a few seconds)."""
     from autotune.workloads import trace_model
@@ -301,6 +350,20 @@ def search(
         ),
     ] = "allocated",
     allow_compress: Annotated[bool, typer.Option(help="Let searchers propose compression (lossy).")] = False,
+    partition: Annotated[
+        str | None,
+        typer.Option(
+            help="Run these submodules on slices of the batch, MODULE/SLICES comma-separated (e.g. features/4): "
+            "gradients then differ from unpartitioned training by rounding (runtime/partition.py)."
+        ),
+    ] = None,
+    allow_partition: Annotated[
+        bool,
+        typer.Option(
+            help="Let the search partition a submodule where the budget lies below what no unpartitioned policy "
+            "reaches (gradients then differ by rounding; autotune/partitions.py)."
+        ),
+    ] = False,
     seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
     precision: PrecisionOpt = "fp32",
@@ -345,7 +408,14 @@ def search(
     check_kind(budget_kind)
     hw, note = resolve_profile(gpu)
     here = sr.plan_device(hw, device)
-    k = sr.measure_count(measure, here, hw)
+    parts = parse_partition_option(partition)
+    sliced = bool(parts) or allow_partition
+    if sliced and measure:
+        raise AutotuneError(
+            f"--measure {measure} with partitions: measured searches do not partition yet; drop --measure (the "
+            "plan is simulated) or the partition options"
+        )
+    k = 0 if sliced else sr.measure_count(measure, here, hw)
     plan = plan_budget(budget, reserve, hw)
     req = TraceRequest(
         model=model,
@@ -357,6 +427,7 @@ def search(
         mode="real" if here is not None else "fake",
         device=here or "cpu",
         target=hw,
+        partitions=parts,
     )
     req.validate()
     check_storage(storage)
@@ -374,6 +445,8 @@ def search(
         w = backend.workload
     else:
         w, _ = _trace(req)
+    if allow_partition and not parts:
+        w = _choose_partition(w, hw, plan.planned_bytes, req)
     reserved = budget_kind == "reserved" and hw.is_gpu and not k  # NOTE [ Reserved budget ]
     finalists = Finalists(plan.planned_bytes, capacity=4 * k) if k else None
     finalists = new_pool(plan.planned_bytes) if reserved else finalists

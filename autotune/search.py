@@ -114,19 +114,26 @@ def floor_detail(problem: Problem, f: Floor) -> str:
 DESCENT_S = 3.0  # seconds of descent on the peak for the budget an impossible-budget error suggests
 
 
+FRUGAL_OPTIONS = PolicyOptions(prefetch_lookahead=1)
+
+
+def frugal_starts(w: Workload) -> dict[str, np.ndarray]:
+    """The uniform policies that hold least, by what they do: where a search for a low budget starts."""
+    return {
+        "recompute everything": np.full(len(w.candidates), RECOMPUTE, dtype=np.int8),
+        "recompute every block's inside": uniform_actions(w, Action.RECOMPUTE),
+        "swap everything": uniform_actions(w, Action.SWAP),
+    }
+
+
 def smallest_known_budget(problem: Problem) -> tuple[int, str]:
     """A budget autotune can certainly meet: the lowest peak among the most memory-frugal uniform policies
     and the descents on the peak from each of them and from no policy (single moves, DESCENT_S seconds in
     all)."""
     from agents.refine import _repair
 
-    w = problem.workload
-    tries = {
-        "recompute everything": np.full(problem.n, RECOMPUTE, dtype=np.int8),
-        "recompute every block's inside": uniform_actions(w, Action.RECOMPUTE),
-        "swap everything": uniform_actions(w, Action.SWAP),
-    }
-    opts = PolicyOptions(prefetch_lookahead=1)
+    tries = frugal_starts(problem.workload)
+    opts = FRUGAL_OPTIONS
     best = min((problem.simulator.run(a, options=opts).peak_bytes, k) for k, a in tries.items())
     tries["no policy"] = problem.keep_all()
     for how, start in tries.items():  # a share of the time each
@@ -152,8 +159,17 @@ def check_budget(problem: Problem, budget: Budget | None = None) -> None:
             f"budget {format_bytes(given)} is below the {format_bytes(floor + reserve)} that any policy "
             f"needs ({floor_detail(problem, f)}{kept}): no policy can meet it; autotune can meet "
             f"{format_bytes(smallest + reserve)} ({how}): raise --budget to at least that, or lower "
-            "--batch-size"
+            f"--batch-size{_partition_hint(problem.workload, f.op)}"
         )
+
+
+def _partition_hint(w: Workload, op: int) -> str:
+    """Where a partitionable submodule runs the floor's op (autotune/partitions.py, C2), say so."""
+    from autotune.partitions import candidate_frames
+
+    if w.meta.get("partitions") or not candidate_frames(w, op):
+        return ""
+    return ", or let the search run a submodule on slices of the batch (--allow-partition)"
 
 
 def planned_problem(
@@ -166,7 +182,8 @@ def planned_problem(
         w,
         hw,
         budget.planned_bytes,
-        options=PolicyOptions(lossy=allow_compress),
+        # A partitioned workload was traced with the user's consent (--partition, --allow-partition).
+        options=PolicyOptions(lossy=allow_compress, allow_partition=bool(w.meta.get("partitions"))),
         allow_compress=allow_compress,
         finalists=finalists,
     )

@@ -74,6 +74,7 @@ def run_simulate(
             precision=precision or "fp32",
             grad_accum=grad_accum or 1,
             target=hw,
+            partitions=loaded.partitions if loaded is not None else (),
         )
     )
     if loaded is not None:

@@ -98,6 +98,7 @@ def train(
         device=device,
         precision=precision or policy.precision,
         grad_accum=grad_accum or policy.grad_accum,
+        partitions=policy.partitions,
     )
     req.validate()
     check_structure(policy, req, source=str(policy_path))

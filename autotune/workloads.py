@@ -10,6 +10,7 @@ import torch
 from autotune.models import build_model
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
+from runtime.partition import Partition
 from runtime.precision import check_grad_accum, check_precision
 from runtime.trace import OPTIMIZERS, capture
 from runtime.workload import Workload
@@ -32,6 +33,8 @@ class TraceRequest:
     # The profile the plan is for: a fake trace for a GPU takes its device-dependent choices (fused attention,
     # foreach optimizers; NOTE [ GPU-faithful fake traces ] in runtime/target.py). Real traces ignore it.
     target: HardwareProfile | None = None
+    # Submodules run on slices of the batch (runtime/partition.py): the trace is taken with them in place.
+    partitions: tuple[Partition, ...] = ()
 
     def validate(self) -> None:
         self.precision = check_precision(self.precision)
@@ -84,6 +87,7 @@ def trace_model(req: TraceRequest) -> tuple[Workload, float]:
         precision=req.precision,
         grad_accum=req.grad_accum,
         target=req.target if req.mode == "fake" else None,
+        partitions=req.partitions,
     )
     w.seq_len = built.get("seq_len")
     w.batch_size = built["batch_size"] or 0

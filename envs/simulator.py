@@ -89,6 +89,12 @@ Rule 13 (observed packs). The runtime's saved-tensor hooks see a pack when one o
     packs of the handled candidates (swapped, compressed, replayed) and of the carriers, the candidates whose
     first backward use is U[max(0, p - L)] for a swapped candidate at U[p] when L > 0 (Rule 5). A workload
     traced without frames has every pack observed.
+Rule 14 (partition). A workload traced with partitions (runtime/partition.py, NOTE [ Partition ]; runtime
+    R13) holds each slice's ops, tensors and frames as the runtime runs them: a partitioned call's submodule
+    calls once per slice, the slices' saved tensors as candidates of their own, the split views and the
+    concatenation, and backward slice by slice in the engine's order. No rule changes for it: Rules 1-13
+    apply to those ops and candidates, and a partitioned submodule's calls, running once per slice, are never
+    regions (P1 of runtime/plan.py).
 
 Two implementations share these rules: :class:`Simulator` (vectorised where it can be, an event walk where it
 cannot, for search) and :func:`simulate_reference` (op by op with explicit clocks and a live set, for tests).

@@ -80,6 +80,10 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         (runtime.keys.parameter_fingerprint); a model with other ones is refused when the runtime is made,
         before anything runs, unless ``strict=False`` (the keys that still match are then applied, the
         others kept and reported, R1).
+    R13. Partition (Rule 14; NOTE [ Partition ] in runtime/partition.py). For the step, each submodule the
+        policy partitions runs its forward once per slice of the batch, outputs concatenated, as when its
+        workload was traced: the keys, ops and backward order are the trace's. Only with the policy's
+        ``allow_partition`` option (runtime.policy refuses the file otherwise).
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from runtime.errors import AutotuneError
 from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, parameter_fingerprint
+from runtime.partition import partitioned
 from runtime.plan import Region
 from runtime.policy import Action, Policy
 from runtime.precision import check_active
@@ -284,7 +289,7 @@ class PolicyRuntime:
         """One forward and its backward under the policy. ``force_hooks`` observes every pack from the
         second step on, keep included (to measure the hooks' cost)."""
         self.stats = RuntimeStats()
-        with self._precision_checked():
+        with self._precision_checked(), partitioned(self.model, self.policy.partitions):
             hooks = self.needs_hooks or force_hooks
             if not (hooks or self.regions):
                 yield self.stats

@@ -9,6 +9,10 @@ backward, named by its stable key), what the runtime does with it between forwar
 - ``recompute``: free it and re-run its producer chain in backward;
 - ``compress``: keep it in ``options.compress_dtype``; lossy, so only with ``options.lossy: true``.
 
+and, for the whole policy, ``partitions``: submodules that run on slices of the batch (NOTE [ Partition ] in
+runtime/partition.py), which change the gradients' summation order, so only with
+``options.allow_partition: true``; the keys are then those of the partitioned trace.
+
 File format ``autotune.policy/v1`` (JSON, sorted keys; schema in ``runtime/policy.schema.json``; every
 field is explained in docs/policy-format.md)::
 
@@ -58,6 +62,7 @@ import numpy as np
 
 from runtime.errors import AutotuneError
 from runtime.fileio import atomic_write
+from runtime.partition import Partition, parse_partitions
 from runtime.plan import Region, regions_for
 from runtime.precision import check_grad_accum, check_precision
 from runtime.vocab import ACTIONS, Action
@@ -77,6 +82,8 @@ class PolicyOptions:
     # Pack points after its own at which a swapped tensor's device bytes are let go, the compute stream
     # waiting for its copy there (simulator Rule 4, runtime R3): more holds memory longer, fewer may stall.
     release_after: int = 4
+    # The user's consent to partitions (runtime/partition.py), which change the order gradients are summed in.
+    allow_partition: bool = False
 
     def __post_init__(self) -> None:
         if self.compress_dtype not in COMPRESS_DTYPES:
@@ -172,10 +179,20 @@ class Policy:
     measured: Prediction | None = None
     provenance: Provenance
     schedule: Schedule | None = None
+    # Submodules run on slices of the batch (runtime/partition.py); the workload was traced with them.
+    partitions: tuple[Partition, ...] = ()
 
     def __post_init__(self) -> None:
         self.precision = check_precision(self.precision)
         self.grad_accum = check_grad_accum(self.grad_accum)
+        self.partitions = parse_partitions(self.partitions)
+        if self.partitions and not self.options.allow_partition:
+            raise AutotuneError(
+                f"options.allow_partition is false but the policy partitions "
+                f"{', '.join(str(p) for p in self.partitions)}: partition changes the order gradients are "
+                "summed in (NOTE [ Partition ] Q4 in runtime/partition.py), so it must be allowed with "
+                '"allow_partition": true in the file\'s options (PolicyOptions(allow_partition=True) in code)'
+            )
         compressed = [k for k, a in self.actions.items() if a == Action.COMPRESS]
         if compressed and not self.options.lossy:
             raise AutotuneError(
@@ -232,6 +249,7 @@ class Policy:
             predicted=predicted,
             provenance=Provenance.now(searcher, trials, wall_s),
             schedule=Schedule.of(workload, codes),
+            partitions=parse_partitions(workload.meta.get("partitions")),
         )
 
     @classmethod
@@ -280,6 +298,13 @@ class Policy:
 
         See NOTE [ Policies are tied to a shape ]. ``source`` (the file name) starts every message.
         """
+        traced = parse_partitions(workload.meta.get("partitions"))
+        if self.partitions != traced:
+            raise AutotuneError(
+                f"{source}: policy was made for {self.model} with {_partitions(self.partitions)} but the workload "
+                f"was traced with {_partitions(traced)} (runtime/partition.py): its keys name other tensors; trace "
+                "the workload with the policy's partitions"
+            )
         if self.fingerprint != workload.fingerprint:
             same = (
                 " (same name, other structure: the model changed after the search)"
@@ -356,6 +381,8 @@ class Policy:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)  # Action is a str enum: json writes its value
         d["actions"] = {k: a.value for k, a in self.actions.items()}
+        if not self.partitions:
+            del d["partitions"]  # files without partitions stay as they were
         d["format"] = FORMAT
         return d
 
@@ -392,6 +419,7 @@ class Policy:
                 measured=Prediction(**meas) if meas is not None else None,
                 provenance=Provenance(**d["provenance"]),
                 schedule=_schedule(d["schedule"]) if d.get("schedule") is not None else None,
+                partitions=parse_partitions(d.get("partitions")),
             )
         except AutotuneError as e:  # the lossy check: say which file
             raise AutotuneError(f"{source}: {e}") from None
@@ -425,6 +453,10 @@ def load_policy(
 
 
 # -- helpers -------------------------------------------------------------------------------------------------
+def _partitions(parts: Sequence[Partition]) -> str:
+    return "partitions " + ", ".join(str(p) for p in parts) if parts else "no partition"
+
+
 def _schedule(d: dict[str, Any]) -> Schedule:
     return Schedule(**{**d, "regions": [Region.from_dict(r) for r in d.get("regions", [])]})
 

@@ -68,6 +68,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
 from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, block_paths, parameter_fingerprint
+from runtime.partition import Partition, partitioned
 from runtime.precision import TrainStep
 from runtime.target import fake_trace_choices, trace_key
 from runtime.vocab import Batch, LossFn
@@ -420,17 +421,20 @@ def capture(
     precision: str = "fp32",
     grad_accum: int = 1,
     target: HardwareProfile | None = None,
+    partitions: Sequence[Partition] = (),
 ) -> Workload:
     """Trace one steady-state training iteration (NOTE [ Steady state ]) and return its Workload;
     ``precision`` fp32, or bf16/fp16 under torch.autocast (NOTE [ Precision ] in runtime.precision);
     ``grad_accum`` micro-batches per optimizer step (NOTE [ Gradient accumulation ]); ``target``, for a
     fake trace, the profile the plan is for: a GPU's takes that GPU's device-dependent choices (NOTE
-    [ GPU-faithful fake traces ] in runtime/target.py)."""
+    [ GPU-faithful fake traces ] in runtime/target.py); ``partitions``, submodules that run on slices of the
+    batch (NOTE [ Partition ] in runtime/partition.py: the trace is taken as the runtime runs them)."""
     mode: contextlib.AbstractContextManager[Any] = FakeTensorMode() if fake else contextlib.nullcontext()
     gpu = fake and trace_key(target)[0]
-    with mode, fake_trace_choices(target) if fake else contextlib.nullcontext():
+    with mode, fake_trace_choices(target) if fake else contextlib.nullcontext(), contextlib.ExitStack() as stack:
         model, batch, loss_fn = build()
         model.train()
+        stack.enter_context(partitioned(model, partitions))
         opt = make_optimizer(optimizer, model.parameters(), foreach=True if gpu else None)
         step = TrainStep(precision, torch.device(device).type, fake=fake, grad_accum=grad_accum)
         _warm_up(model, batch, loss_fn, opt, step, full=not fake)
@@ -467,6 +471,9 @@ def capture(
     w.meta["plain_iter_s"] = None if plain is None else plain[0]
     w.meta["plain_host_s"] = None if plain is None else plain[1]
     w.meta["parameter_fingerprint"] = parameter_fingerprint(model)
+    if partitions:
+        w.meta["partitions"] = [p.to_dict() for p in partitions]
+        w.compute_fingerprints()  # they are part of the structure
     return w
 
 

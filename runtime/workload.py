@@ -226,6 +226,9 @@ class Workload:
         for t in self.tensors:
             if t.kind == TensorKind.PARAMETER:
                 h.update(f"P{t.shape}{t.dtype};".encode())
+        # A partitioned trace (runtime/partition.py) runs the same modules on other tensors: another plan.
+        for p in self.meta.get("partitions", ()):
+            h.update(f"Q{p['module']}/{p['chunks']};".encode())
         self.fingerprint = h.hexdigest()[:16]
         h2 = hashlib.sha256(self.fingerprint.encode())
         h2.update(f"B{self.batch_size},{self.seq_len};".encode())

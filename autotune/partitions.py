@@ -1,0 +1,116 @@
+"""Which submodule to partition, and into how many slices, when a budget lies below what no policy of the
+unpartitioned model can reach (runtime/partition.py, NOTE [ Partition ]; shared/seeds/002, MegTaiChi).
+
+NOTE [ Choosing a partition ]
+    C1. When. Only with the user's consent (``--allow-partition``), and only where the budget is below 1.1x
+        the unpartitioned floor (``envs.simulator.peak_floor``): above it a policy of keep, swap, recompute
+        and compress has room, and slices cost time (smaller kernels, the concatenation).
+    C2. Where. The floor is set at one op; the submodule calls that run it (its frame and the frames
+        enclosing it, from the outermost) are the candidates, if partitionable by the workload's own record:
+        a submodule (not the model, not the loss) called once per forward, with no BatchNorm inside (Q3 of
+        NOTE [ Partition ]; frames record it), whose first tensor argument carries the batch (first
+        dimension = batch size).
+    C3. How many. For each candidate, outermost first, 2, 4 and 8 slices (at most the batch size): the
+        model is traced with that partition, and the first one where a frugal uniform policy (recompute
+        everything, every block's inside, swap everything: ``autotune.search.frugal_starts``) fits the budget
+        is chosen: the fewest slices that a policy certainly fits in. The floor is no guide (admissible, not
+        reachable: a residual CNN's two slices lowered it 30% while no policy came within 10% of the budget).
+        None fits: the one whose frugal policy holds least, if below the unpartitioned one's.
+    Traces are fake (seconds each); at most 3 per candidate, 2 candidates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from envs.simulator import Simulator, peak_floor
+from runtime.hardware import HardwareProfile
+from runtime.keys import OUTSIDE, ROOT
+from runtime.partition import Partition
+from runtime.workload import Frame, Workload
+
+WHEN_BELOW = 1.1  # C1: partitions are tried where the budget is below this times the floor
+SLICES = (2, 4, 8)  # C3
+CANDIDATES = 2  # C3: frames tried, outermost first
+
+
+@dataclass
+class Choice:
+    """What :func:`choose` traced and took (``partitions`` empty: none was needed or none helped)."""
+
+    workload: Workload
+    partitions: tuple[Partition, ...]
+    tried: list[tuple[Partition, int, int]]  # (partition, its floor, its frugal peak: bytes), in the order traced
+    floor_bytes: int  # the unpartitioned floor
+    frugal_bytes: int  # the unpartitioned frugal peak (C3)
+
+
+def candidate_frames(w: Workload, op: int) -> list[Frame]:
+    """C2: the partitionable submodule calls that run op ``op`` (a backward op: its forward module's call),
+    outermost first."""
+    frames = w.frames
+    calls: dict[str, int] = {}
+    for f in frames:
+        calls[f.path] = calls.get(f.path, 0) + 1
+    o = w.ops[op]
+    inner = o.frame
+    if inner < 0:  # a backward or optimizer op: the call of its forward module, where that is one call
+        owned = [f.index for f in frames if f.path == o.module]
+        inner = owned[0] if len(owned) == 1 else -1
+    chain: list[Frame] = []
+    while inner >= 0:
+        chain.append(frames[inner])
+        inner = frames[inner].parent
+    norm_paths = [f.path for f in frames if f.norm]
+    out = []
+    for f in reversed(chain):
+        if f.path in (ROOT, OUTSIDE) or calls[f.path] != 1:
+            continue
+        if any(p == f.path or p.startswith(f.path + ".") for p in norm_paths):
+            continue
+        first = f.args[0] if f.args else -1
+        if first < 0 or not w.tensors[first].shape or w.tensors[first].shape[0] != w.batch_size:
+            continue
+        out.append(f)
+    return out
+
+
+def choose(
+    w: Workload,
+    hw: HardwareProfile,
+    budget_bytes: int,
+    trace: Callable[[tuple[Partition, ...]], Workload],
+    progress: Callable[[str], None] = lambda _msg: None,
+) -> Choice:
+    """NOTE [ Choosing a partition ]: ``w`` unpartitioned, ``trace`` traces the same model with partitions."""
+    floor = peak_floor(w, hw)
+    choice = Choice(w, (), [], floor.bytes, frugal_bytes(w, hw))
+    if budget_bytes >= WHEN_BELOW * floor.bytes:
+        return choice
+    best: tuple[int, Workload, Partition] | None = None
+    for frame in candidate_frames(w, floor.op)[:CANDIDATES]:
+        for k in SLICES:
+            if k > w.batch_size:
+                break
+            p = Partition(frame.path, k)
+            progress(f"tracing {w.model} with {frame.path} in {k} slices")
+            pw = trace((p,))
+            frugal = frugal_bytes(pw, hw)
+            choice.tried.append((p, peak_floor(pw, hw).bytes, frugal))
+            if best is None or frugal < best[0]:
+                best = (frugal, pw, p)
+            if frugal <= budget_bytes:
+                choice.workload, choice.partitions = pw, (p,)
+                return choice
+    if best is not None and best[0] < choice.frugal_bytes:
+        choice.workload, choice.partitions = best[1], (best[2],)
+    return choice
+
+
+def frugal_bytes(w: Workload, hw: HardwareProfile) -> int:
+    """C3: the least peak of the frugal uniform policies."""
+    from autotune.search import FRUGAL_OPTIONS, frugal_starts
+
+    sim = Simulator(w, hw)
+    return min(sim.run(a, options=FRUGAL_OPTIONS).peak_bytes for a in frugal_starts(w).values())

@@ -1,0 +1,272 @@
+"""Tensor partition (runtime/partition.py, NOTE [ Partition ]; simulator Rule 14, runtime R13): a submodule
+run on slices of the batch. Gradients bit-identical to plain training with the same partition under every
+policy; off by rounding only from unpartitioned training, within the bound NOTE Q4 derives; the simulators
+agree exactly on partitioned workloads; the measured CPU peak matches the plan; the floor goes down; and the
+main flow from the CLI (search --allow-partition, simulate, train, policy.applied in a plain loop)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agents.base import Problem, SearchContext, get_searcher
+from autotune.models import build_model
+from envs.simulator import Simulator, peak_floor
+from envs.simulator_reference import simulate_reference
+from runtime.apply import PolicyRuntime
+from runtime.errors import AutotuneError
+from runtime.hardware import get_profile
+from runtime.measure import run_iterations
+from runtime.partition import Partition, partitioned
+from runtime.policy import Policy, PolicyOptions, load_policy
+from runtime.trace import capture, make_optimizer
+from tests.test_apply import _check_done, _policies
+from tests.test_cli import run, user_error
+from tests.test_simulator import _assert_same
+
+CNN = "experiments.user_models:groupnorm_cnn"  # GroupNorm: per sample, so its blocks can be partitioned
+
+
+def _cnn(batch_size: int = 4, image_size: int = 32, norm: bool = False):  # type: ignore[no-untyped-def]
+    """A VGG-like stack (``features``, no BatchNorm unless ``norm``) and a linear head."""
+
+    def build():  # type: ignore[no-untyped-def]
+        g = torch.Generator().manual_seed(0)
+        torch.manual_seed(0)
+        features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16) if norm else nn.Identity(),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+        )
+        model = nn.Sequential()
+        model.add_module("features", features)
+        model.add_module("pool", nn.AdaptiveAvgPool2d(1))
+        model.add_module("flat", nn.Flatten())
+        model.add_module("head", nn.Linear(32, 10))
+        x = torch.randn(batch_size, 3, image_size, image_size, generator=g)
+        y = torch.randint(0, 10, (batch_size,), generator=g)
+        return model, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1])
+
+    return build
+
+
+def _step(build, policy: Policy | None, parts: tuple[Partition, ...]):  # type: ignore[no-untyped-def]
+    """One forward and backward: with the policy, or with the partition alone (no policy)."""
+    model, batch, loss_fn = build()
+    ctx = policy.applied(model) if policy is not None else partitioned(model, parts)
+    with ctx as stats:
+        loss = loss_fn(model, batch)
+        loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()], stats
+
+
+@pytest.mark.parametrize("chunks", [2, 3])  # 3 slices of a batch of 4: 2, 1 and 1 samples
+def test_gradients_bit_identical_to_the_same_partition_without_a_policy(chunks: int) -> None:
+    build = _cnn()
+    parts = (Partition("features", chunks),)
+    w = capture(build, name="cnn", batch_size=4, partitions=parts)
+    plain = capture(build, name="cnn", batch_size=4)
+    # Each slice's saved tensors are candidates of their own, named by the slice's submodule calls.
+    assert len(w.candidates) > len(plain.candidates)
+    assert any(c.key.startswith("features.2#1.") for c in w.candidates)  # the second slice's first ReLU
+    assert w.fingerprint != plain.fingerprint and w.meta["partitions"] == [{"module": "features", "chunks": chunks}]
+    ref_loss, ref_grads, _ = _step(build, None, parts)
+    for label, vec in _policies(w).items():
+        policy = Policy.from_vector(w, vec, hardware="cpu", options=PolicyOptions(allow_partition=True))
+        assert policy.partitions == parts
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # every saved tensor known by key
+            loss, grads, stats = _step(build, policy, ())
+        assert torch.equal(loss, ref_loss), label
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True)), label
+        _check_done(w, vec, stats, label)
+
+
+def _products(build) -> dict[str, tuple[torch.Tensor, int]]:  # type: ignore[no-untyped-def]
+    """For each convolution's weight: sum over the batch (and positions) of |input| x |output gradient|,
+    in float64, and how many products that is: NOTE [ Partition ] Q4's sum of |x_b|."""
+    model, (x, y), loss_fn = build()
+    model = model.double()
+    for m in model.modules():  # the same values; the backward hooks below refuse in-place ops on outputs
+        if isinstance(m, nn.ReLU):
+            m.inplace = False
+    seen: dict[str, list[torch.Tensor]] = {}
+    convs = {name: m for name, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+    for name, m in convs.items():
+        m.register_forward_hook(lambda mod, i, o, name=name: seen.setdefault(name, []).append(i[0].detach()))
+        m.register_full_backward_hook(lambda mod, gi, go, name=name: seen[name].append(go[0].detach()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the first convolution's input needs no gradient: said, and fine here
+        loss_fn(model, (x.double(), y)).backward()
+    out = {}
+    for name, m in convs.items():
+        inp, grad_out = seen[name]
+        sums = torch.nn.grad.conv2d_weight(inp.abs(), m.weight.shape, grad_out.abs(), padding=m.padding)
+        out[name] = (sums, grad_out.shape[0] * grad_out.shape[2] * grad_out.shape[3])  # batch x positions
+    return out
+
+
+def test_gradients_differ_from_unpartitioned_training_by_rounding_only() -> None:
+    """Q4: per convolution weight, |g_partitioned - g| <= 2 gamma(n) sum |x_b| with n the products summed
+    (batch x positions), u = 2^-24 (float32). A partition that changed what is computed (a slice dropped,
+    statistics over a slice) would be off by the gradient's own size."""
+    build = _cnn(batch_size=8)
+    parts = (Partition("features", 4),)
+    _, plain_grads, _ = _step(build, None, ())
+    _, part_grads, _ = _step(build, None, parts)
+    model, _, _ = build()
+    grads = dict(zip([n for n, _ in model.named_parameters()], zip(plain_grads, part_grads, strict=True), strict=True))
+    u = 2.0**-24
+    differs = 0
+    for name, (sums, n) in _products(build).items():
+        a, b = grads[f"{name}.weight"]
+        gamma = n * u / (1 - n * u)
+        diff = (a.double() - b.double()).abs()
+        assert torch.all(diff <= 2 * gamma * sums), (name, float((diff / (2 * gamma * sums)).max()))
+        differs += int(not torch.equal(a, b))
+    assert differs > 0  # the summation order did change: this is not bit-identity by accident
+    # And the samples are the samples: the loss (a mean over per-sample losses of identical logits) agrees.
+    model, batch, _ = build()
+    with torch.no_grad(), partitioned(model, parts):
+        sliced = model(batch[0])
+    assert torch.allclose(sliced, model(batch[0]).detach(), rtol=0, atol=1e-5)
+
+
+def test_batch_norm_and_bad_partitions_are_refused() -> None:
+    model, _, _ = _cnn(norm=True)()
+    refused = {
+        r"features.*BatchNorm in training mode": (Partition("features", 2),),
+        r"no such submodule": (Partition("stem", 2),),
+        r"cannot nest": (Partition("features", 2), Partition("features.0", 2)),
+        r"partition a submodule": (Partition("", 2),),
+    }
+    for match, parts in refused.items():
+        with pytest.raises(AutotuneError, match=match), partitioned(model, parts):
+            pass
+    with pytest.raises(AutotuneError, match=r"at least 2"):
+        Partition("features", 1)
+    model, (x, _), _ = _cnn(batch_size=2, norm=False)()
+    with (
+        pytest.raises(AutotuneError, match=r"batch has 2 samples; use at most 2"),
+        partitioned(model, (Partition("features", 4),)),
+    ):
+        model(x)
+    assert "forward" not in model.features.__dict__  # restored on the way out
+
+
+def test_policy_file_needs_consent_and_a_matching_trace(tmp_path: Path) -> None:
+    build = _cnn()
+    parts = (Partition("features", 2),)
+    w = capture(build, name="cnn", batch_size=4, partitions=parts)
+    policy = Policy.from_vector(w, _policies(w)["mixed-1"], hardware="cpu", options=PolicyOptions(allow_partition=True))
+    policy.save(tmp_path / "p.json")
+    d = json.loads((tmp_path / "p.json").read_text())
+    assert d["partitions"] == [{"module": "features", "chunks": 2}] and d["options"]["allow_partition"] is True
+    assert load_policy(tmp_path / "p.json").partitions == parts
+    d["options"]["allow_partition"] = False
+    (tmp_path / "q.json").write_text(json.dumps(d))
+    with pytest.raises(AutotuneError, match=r"allow_partition is false but the policy partitions features/2"):
+        load_policy(tmp_path / "q.json")
+    with pytest.raises(AutotuneError, match=r"with partitions features/2 but the workload was traced with no part"):
+        policy.check_against(capture(build, name="cnn", batch_size=4))
+    plain = capture(build, name="cnn", batch_size=4)
+    assert "partitions" not in Policy.from_vector(plain, _policies(plain)["keep"], hardware="cpu").to_dict()
+
+
+@pytest.mark.parametrize("profile", ["a100-40gb", "cpu"])
+def test_simulators_agree_on_a_partitioned_workload(profile: str) -> None:
+    """Rule 14: nothing new to simulate, so the vectorised simulator equals the op-by-op reference."""
+    w = capture(_cnn(batch_size=6), name="cnn", batch_size=6, partitions=(Partition("features", 3),))
+    hw = get_profile(profile)
+    sim = Simulator(w, hw)
+    rng = np.random.default_rng(1)
+    for _ in range(25):
+        acts = rng.integers(0, 3, len(w.candidates)).astype(np.int8)
+        opts = PolicyOptions(prefetch_lookahead=int(rng.integers(0, 4)), release_after=int(rng.integers(1, 6)))
+        _assert_same(sim.run(acts, options=opts), simulate_reference(w, hw, acts, options=opts))
+
+
+@pytest.mark.slow
+def test_floor_drops_and_a_searched_policy_runs_at_its_plan() -> None:
+    """On this CPU (real-mode traces, the calibrated cpu profile): slicing the features in 4 lowers the floor
+    below the unpartitioned one; a policy searched for a budget between the two fits there, and training
+    under it measures the planned peak within 3% (the storage tracker, swapped bytes counted: on the CPU the
+    host store is the same memory)."""
+    batch, build, hw = 8, _cnn(batch_size=8, image_size=64), get_profile("cpu")
+    parts = (Partition("features", 4),)
+    plain = capture(build, name="cnn", batch_size=batch, fake=False)
+    w = capture(build, name="cnn", batch_size=batch, fake=False, partitions=parts)
+    base, floor = peak_floor(plain, hw).bytes, peak_floor(w, hw).bytes
+    assert floor < 0.6 * base, (floor, base)
+    budget = (floor + base) // 2  # below anything the unpartitioned model can reach
+    problem = Problem(w, hw, budget, options=PolicyOptions(allow_partition=True))
+    found = get_searcher("portfolio").search(problem, SearchContext(time_limit_s=6))
+    assert found.feasible and found.result.peak_bytes <= budget
+    policy = found.policy
+    assert policy.partitions == parts
+    model, data, loss_fn = build()
+    opt = make_optimizer("sgd", model.parameters())
+    rt = PolicyRuntime(policy, model)
+    measured = run_iterations(model, data, loss_fn, opt, steps=1, batch_size=batch, around_step=rt.step)[0].peak_bytes
+    planned = Simulator(w, hw).run(policy).peak_bytes
+    assert abs(measured - planned) <= 0.03 * planned, (measured, planned)
+    assert measured < base
+
+
+@pytest.mark.slow
+def test_search_simulate_train_applied_with_partition_from_the_cli(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The main flow, as a user types it, at a budget below the unpartitioned floor: refused (exit 2, with the
+    hint) without --allow-partition; with it the search partitions a stage, and simulate, train and a plain
+    loop under policy.applied follow the file."""
+    code, out, err = run(capsys, "profile", "--model", CNN, "--gpu", "cpu", "--json")
+    assert code == 0, err
+    budget = str(int(json.loads(out)["peak_bytes"] * 0.5))
+    path, store = tmp_path / "p.json", f"sqlite:///{tmp_path / 's.db'}"
+    line = user_error(capsys, "search", "--model", CNN, "--budget", budget, "--gpu", "cpu", "--out", str(path))
+    assert "--allow-partition" in line
+    code, stdout, err = run(capsys, "search", "--model", CNN, "--budget", budget, "--gpu", "cpu", "--timeout", "8",
+                            "--allow-partition", "--out", str(path), "--storage", store, "--json")  # fmt: skip
+    assert code == 0, err
+    assert "partition: blocks/" in err
+    found = json.loads(stdout)
+    assert found["feasible"] and found["written"] and found["peak_bytes"] <= int(budget)
+    policy = load_policy(path)
+    assert policy.partitions and policy.options.allow_partition
+    code, stdout, err = run(capsys, "simulate", "--policy", str(path), "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["peak_bytes"] == found["peak_bytes"]  # traced again with the file's partition
+    code, stdout, err = run(capsys, "train", "--policy", str(path), "--steps", "1", "--json")
+    assert code == 0, err
+    trained = json.loads(stdout)
+    assert trained["unknown_keys"] == [] and trained["out_of_memory"] is None
+    peak, planned = trained["measured"]["peak_bytes"], trained["predicted"]["peak_bytes"]
+    assert abs(peak - planned) <= 0.03 * planned, (peak, planned)
+    # A plain loop: the losses of two SGD steps under policy.applied equal those of the same partition alone.
+    losses: dict[bool, list[float]] = {False: [], True: []}
+    for use in (False, True):
+        entry = build_model(CNN)
+        opt = torch.optim.SGD(entry.module.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            ctx = policy.applied(entry.module) if use else partitioned(entry.module, policy.partitions)
+            with ctx:
+                loss = entry.loss_fn(entry.module, entry.batch)
+                loss.backward()
+            opt.step()
+            losses[use].append(loss.item())
+    assert losses[True] == losses[False]
