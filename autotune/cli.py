@@ -154,8 +154,9 @@ def parse_partition_option(text: str | None) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _choose_partition(w: Any, hw: Any, budget_bytes: int, req: Any) -> Any:
-    """--allow-partition: NOTE [ Choosing a partition ] in autotune/partitions.py, said on stderr."""
+def _choose_partition(w: Any, hw: Any, budget_bytes: int, req: Any) -> list[Any]:
+    """--allow-partition: NOTE [ Choosing a partition ] in autotune/partitions.py, said on stderr. The
+    workloads to search: the chosen one, then the unpartitioned one where the budget is above its floor."""
     import dataclasses
 
     from autotune import search as sr
@@ -182,7 +183,10 @@ def _choose_partition(w: Any, hw: Any, budget_bytes: int, req: Any) -> Any:
         )
     elif choice.tried:
         err.print(f"partition: none lowers the floor enough (tried {tried})", highlight=False)
-    return choice.workload
+    if choice.partitions and budget_bytes >= choice.floor_bytes:
+        err.print("searching both, each for half the time: the budget is above the unpartitioned floor too")
+        return [choice.workload, w]
+    return [choice.workload]
 
 
 def _trace(req: Any) -> tuple[Any, float]:
@@ -388,7 +392,7 @@ def search(
     as_json: JsonOpt = False,
 ) -> None:
     """Find the fastest policy within the budget and write it as a policy file (the main job)."""
-    from agents.base import SearchContext
+    from agents.base import SearchContext, better
     from agents.finalists import Finalists
     from agents.optuna_search import check_storage, existing_trials, study_name
     from autotune import search as sr
@@ -445,39 +449,53 @@ def search(
         w = backend.workload
     else:
         w, _ = _trace(req)
-    if allow_partition and not parts:
-        w = _choose_partition(w, hw, plan.planned_bytes, req)
+    rivals = [w]
+    if allow_partition and not parts:  # NOTE [ Choosing a partition ]: one workload, or two searched in turn
+        rivals = _choose_partition(w, hw, plan.planned_bytes, req)
     reserved = budget_kind == "reserved" and hw.is_gpu and not k  # NOTE [ Reserved budget ]
-    finalists = Finalists(plan.planned_bytes, capacity=4 * k) if k else None
-    finalists = new_pool(plan.planned_bytes) if reserved else finalists
-    problem = sr.planned_problem(w, hw, plan, allow_compress=allow_compress, finalists=finalists)
-    # The portfolio keeps the name its studies always had; another searcher gets its own, so that two
-    # searchers on one problem never share a study (their trials' parameters can differ).
-    name = study or study_name(problem, "optuna-tpe" if searcher == "portfolio" else searcher)
-    ctx = SearchContext(
-        time_limit_s=timeout,
-        seed=seed,
-        trials=trials if trials is not None else 0,
-        storage=storage,
-        study_name=name,
-        heartbeat_s=heartbeat,
-    )
-    resumed = existing_trials(storage, name)
-    if resumed:
-        more = f"up to {max(0, trials - resumed)} more (--trials is the study's total)" if trials else "more"
-        err.print(f"resuming study {name} in {storage}: {resumed} trials found, running {more}")
     path = out_path or Path(f"{w.model.replace(':', '_').replace('/', '_')}.policy.json")
-    outcome = sr.run_search(
-        problem,
-        ctx,
-        searcher,
-        out=path,
-        milp=milp,
-        milp_time_s=min(30.0, timeout / 2),
-        err=err,
-        quiet=False,
-        user_budget_bytes=plan.given_bytes,
-    )
+    outcome: Any = None
+    for wi in rivals:
+        finalists = Finalists(plan.planned_bytes, capacity=4 * k) if k else None
+        finalists = new_pool(plan.planned_bytes) if reserved else finalists
+        problem = sr.planned_problem(wi, hw, plan, allow_compress=allow_compress, finalists=finalists)
+        # The portfolio keeps the name its studies always had; another searcher gets its own, so that two
+        # searchers on one problem never share a study (their trials' parameters can differ).
+        name = study or study_name(problem, "optuna-tpe" if searcher == "portfolio" else searcher)
+        if study and len(rivals) > 1 and wi.meta.get("partitions"):
+            name = f"{study}.partitioned"  # its candidates are the slices' tensors: a study of its own
+        ctx = SearchContext(
+            time_limit_s=timeout / len(rivals),
+            seed=seed,
+            trials=trials if trials is not None else 0,
+            storage=storage,
+            study_name=name,
+            heartbeat_s=heartbeat,
+        )
+        resumed = existing_trials(storage, name)
+        if resumed:
+            more = f"up to {max(0, trials - resumed)} more (--trials is the study's total)" if trials else "more"
+            err.print(f"resuming study {name} in {storage}: {resumed} trials found, running {more}")
+        got = sr.run_search(
+            problem,
+            ctx,
+            searcher,
+            out=path,
+            milp=milp,
+            milp_time_s=min(30.0, timeout / 2),
+            err=err,
+            quiet=False,
+            user_budget_bytes=plan.given_bytes,
+        )
+        if len(rivals) > 1:
+            shown = ", ".join(str(p) for p in got.found.policy.partitions) or "no partition"
+            fits = "fits" if got.found.feasible else "does not fit"
+            err.print(f"{shown}: {got.found.result.samples_per_s:,.1f} samples/s ({fits})", highlight=False)
+        if outcome is None or better(got.found.result, outcome.found.result):
+            outcome = got
+        if got.interrupted:
+            break
+    problem, name = outcome.problem, outcome.ctx.study_name
     if backend is not None and outcome.found.feasible and not outcome.interrupted:
         from autotune.measured import measure as measure_finalists
 
