@@ -558,6 +558,14 @@ def train(
         int | None,
         typer.Option("--grad-accum", help="Micro-batches per optimizer step \\[default: the policy's]."),
     ] = None,
+    expandable_segments: Annotated[
+        bool,
+        typer.Option(
+            "--expandable-segments",
+            help="Run PyTorch's caching allocator with expandable_segments:True (appended to "
+            "PYTORCH_CUDA_ALLOC_CONF before CUDA initialises) and predict its reserved bytes so (--device cuda).",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Train N real iterations under a policy; measured peak and time beside the simulator's prediction."""
@@ -573,6 +581,7 @@ def train(
             device=device,
             precision=precision,
             grad_accum=grad_accum,
+            expandable_segments=expandable_segments,
         )
     d = report.to_dict()
     if as_json:

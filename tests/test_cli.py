@@ -216,3 +216,31 @@ def test_every_planning_command_keeps_the_same_reserve(capsys: pytest.CaptureFix
     assert cell["peak_bytes"] == found["peak_bytes"]  # Capuchin: the fastest baseline at this budget
     (written,) = (tmp_path / "sweep").glob("*.policy.json")
     assert load_policy(written).budget_bytes == 330_000_000
+
+
+def test_train_expandable_segments_is_set_before_cuda_initialises(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`autotune train --expandable-segments` appends expandable_segments:True to PYTORCH_CUDA_ALLOC_CONF (one
+    already there replaced; PYTORCH_ALLOC_CONF, which newer torch reads first, too where it is set); refused on
+    the CPU, and once CUDA is initialised in the process (the allocator has read its configuration then)."""
+    import torch
+
+    from autotune import train as tr
+
+    env = {tr.ALLOC_CONF: "max_split_size_mb:128,expandable_segments:False"}
+    tr.enable_expandable_segments("cuda", env)
+    assert env == {tr.ALLOC_CONF: "max_split_size_mb:128,expandable_segments:True"}
+    env = {tr.ALLOC_CONF_NEW: "garbage_collection_threshold:0.6"}
+    tr.enable_expandable_segments("cuda:0", env)
+    assert env == {
+        tr.ALLOC_CONF: "expandable_segments:True",
+        tr.ALLOC_CONF_NEW: "garbage_collection_threshold:0.6,expandable_segments:True",
+    }
+    for settings, effect in (("expandable_segments:True", True), ("max_split_size_mb:64", False), ("", False)):
+        monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda s=settings: s, raising=False)
+        assert tr.expandable_in_effect() is effect
+    args = ["train", "--policy", "missing.policy.json", "--expandable-segments"]
+    assert "use --device cuda" in user_error(capsys, *args, "--device", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert "CUDA is already initialised" in user_error(capsys, *args, "--device", "cuda")
