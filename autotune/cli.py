@@ -300,6 +300,14 @@ def search(
             "model of PyTorch's CUDA caching allocator (cached blocks and split ends; GPU profiles, without --measure)."
         ),
     ] = "allocated",
+    expandable_segments: Annotated[
+        bool,
+        typer.Option(
+            "--expandable-segments",
+            help="Check the reserved bytes on the allocator's model of expandable_segments:True (train the answer "
+            "with autotune train --expandable-segments).",
+        ),
+    ] = False,
     allow_compress: Annotated[bool, typer.Option(help="Let searchers propose compression (lossy).")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
@@ -416,7 +424,9 @@ def search(
         sr.take_measured(outcome, measured)
     if hw.is_gpu and not k and outcome.found.feasible and not outcome.interrupted:
         with err.status("checking the reserved bytes (the caching allocator's model)…", spinner="dots"):
-            outcome = sr.fit_reserved(outcome, searcher, err, quiet=False, enforce=reserved)
+            outcome = sr.fit_reserved(
+                outcome, searcher, err, quiet=False, enforce=reserved, expandable_segments=expandable_segments
+            )
     sr.write_answer(outcome)
     if as_json:
         print(sr.dumps(outcome))
