@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,10 +92,18 @@ def enable_expandable_segments(device: str, environ: MutableMapping[str, str] | 
             f"{ALLOC_CONF} already; call autotune train before anything uses CUDA, or set "
             f"{ALLOC_CONF}={EXPANDABLE} before the process starts"
         )
+    env.update(with_expandable_segments(env))
+
+
+def with_expandable_segments(env: Mapping[str, str]) -> dict[str, str]:
+    """The allocator variables of ``env`` with ``expandable_segments:True`` appended (for this process, or a
+    child process's environment)."""
+    out = {}
     for name in (ALLOC_CONF, ALLOC_CONF_NEW):
         if name == ALLOC_CONF or name in env:
             kept = [kv for kv in env.get(name, "").split(",") if kv.strip() and not _is_expandable_setting(kv)]
-            env[name] = ",".join([*kept, EXPANDABLE])
+            out[name] = ",".join([*kept, EXPANDABLE])
+    return out
 
 
 def _is_expandable_setting(kv: str) -> bool:
