@@ -17,7 +17,8 @@ every policy a search scores. In order:
      ``ROUNDS`` searches in all; no answer when none runs.
 ``--budget-kind allocated`` (the default until the model is checked against the real allocator on a GPU:
 issue "Memory as the allocator holds it", item 3) plans for the simulator's peak alone, and step 1 only
-reports whether the answer runs within the budget on the model (a warning when it does not). On the CPU there
+reports whether the answer runs within the budget on the model (a warning when it does not, which says
+whether ``expandable_segments:True`` alone would make it run: the cheaper lever, no search). On the CPU there
 is no caching allocator and neither is done. `autotune simulate` reports the model's peaks for any policy, and
 `autotune train --device cuda` the measured ``max_memory_reserved`` beside the model's prediction.
 ``autotune search --expandable-segments`` plans all of this for PyTorch's ``expandable_segments:True`` (the
@@ -86,6 +87,9 @@ class ReservedFit:
     planned: list[int] = field(default_factory=list)  # the allocated budget of each search
     source: str = "answer"  # "answer", "finalist", or "search N"
     expandable_segments: bool = False  # the model of expandable_segments:True (A8-A11), not the default's
+    # only checked, not enforced, and over on the default's model: the answer's reserved peak on the model of
+    # expandable_segments:True when it runs there (the cheaper lever), 0 when it runs out there too
+    expandable_peak_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -98,6 +102,7 @@ class ReservedFit:
             "source": self.source,
             "enforced": self.enforced,
             "expandable_segments": self.expandable_segments,
+            "expandable_peak_bytes": self.expandable_peak_bytes,
         }
 
 

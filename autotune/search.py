@@ -287,6 +287,9 @@ def fit_reserved(
     if not enforce:
         _, fit = fit_one(outcome.problem, outcome.found, budget, rivals=0, expandable_segments=expandable_segments)
         fit.enforced, fit.planned = False, [budget]
+        if not fit.fits and not expandable_segments:  # does the allocator's setting alone make it run?
+            _, grown = fit_one(outcome.problem, outcome.found, budget, rivals=0, expandable_segments=True)
+            fit.expandable_peak_bytes = grown.reserved_peak_bytes or 0
         outcome.reserved = fit
         return outcome
     current, planned, checked = outcome, [budget], 0
@@ -329,6 +332,21 @@ def fit_reserved(
     outcome.reserved, outcome.wall_s = lowest, wall
     outcome.found = dataclasses.replace(outcome.found, status=Status.INFEASIBLE, note="reserved bytes over budget")
     return outcome
+
+
+def _expandable_lever(rf: ReservedFit) -> str:
+    """What expandable_segments:True alone would do for an answer that runs out on the default's model."""
+    if rf.expandable_peak_bytes is None:
+        return ""
+    if rf.expandable_peak_bytes == 0:
+        return "; with expandable_segments:True it runs out too"
+    past = rf.expandable_peak_bytes - rf.planned[0]
+    how = f", {format_bytes(past)} past the budget (A10: the cap is checked before pages are mapped)"
+    how = how if past > 0 else ""
+    return (
+        f"; with expandable_segments:True it runs, {format_bytes(rf.expandable_peak_bytes)} reserved at most{how} "
+        "(autotune train --expandable-segments)"
+    )
 
 
 def write_answer(outcome: SearchOutcome) -> bool:
@@ -477,7 +495,7 @@ def render(out: Console, outcome: SearchOutcome) -> None:
         out.print(
             f"[yellow]warning:[/] on a model of PyTorch's CUDA caching allocator{es} (cached blocks and split ends; "
             f"not yet checked on a GPU) this policy runs out of memory within {format_bytes(rf.planned[0])}: "
-            "--budget-kind reserved plans for that",
+            "--budget-kind reserved plans for that" + _expandable_lever(rf),
             highlight=False,
         )
     elif rf is not None and rf.fits and rf.reserved_peak_bytes is not None:

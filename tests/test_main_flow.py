@@ -578,6 +578,21 @@ def test_budget_kind_reserved_plans_for_what_the_caching_allocator_holds(
     plain = json.loads(stdout)
     assert plain["budget_kind"] == "allocated" and plain["peak_bytes"] <= plain["planned_budget_bytes"]
     assert plain["reserved"]["enforced"] is False and plain["reserved"]["fits"] is False
+    # ... and whether expandable_segments:True alone would make it run (the allocator's model of it, A8-A11)
+    from autotune.workloads import TraceRequest, trace_model
+    from envs.allocator import OutOfMemory, policy_stats
+    from runtime.hardware import get_profile
+    from runtime.policy import load_policy
+
+    hw = get_profile("a100-40gb")
+    w, _ = trace_model(TraceRequest(model="resnet18", batch_size=4, target=hw))
+    answer = load_policy(tmp_path / "a.json")
+    try:
+        grown = policy_stats(w, hw, answer.to_vector(w), answer.options, capacity_bytes=plain["planned_budget_bytes"],
+                             expandable_segments=True).peak_reserved  # fmt: skip
+    except OutOfMemory:
+        grown = 0
+    assert plain["reserved"]["expandable_peak_bytes"] == grown
     code, stdout, err = run(capsys, *common, "--budget-kind", "reserved", "--out", str(tmp_path / "r.json"),
                             "--storage", f"sqlite:///{tmp_path / 'r.db'}")  # fmt: skip
     assert code == 0, err
