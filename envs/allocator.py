@@ -28,7 +28,7 @@ roundup_power2_divisions, expandable_segments off, no garbage collection thresho
     Addresses: a new segment is placed after every segment reserved before it (cudaMalloc's addresses are
     the driver's; only the order among equal sizes in A3 depends on them).
 With ``expandable_segments:True`` in ``PYTORCH_CUDA_ALLOC_CONF`` (``CachingAllocator(expandable_segments=True)``)
-A1-A3 and A6 hold as they are; A4, A5 and A7 become A8-A11 (the same file: ExpandableSegment, get_free_block,
+A1, A2 and A6 hold as they are; A3-A5 and A7 become A8-A11 (the same file: ExpandableSegment, get_free_block,
 should_split, alloc_block, find_expandable_block, try_allocate_expandable_block, map_block, release_blocks,
 unmap_block), read at PyTorch commit 001074d, from before the allocator's settings moved to
 c10/core/AllocatorConfig.h. The 2.14 headers show one change here: the large pool's 20 MiB is now the setting
