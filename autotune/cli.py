@@ -353,6 +353,14 @@ def search(
             "model of PyTorch's CUDA caching allocator (cached blocks and split ends; GPU profiles, without --measure)."
         ),
     ] = "allocated",
+    expandable_segments: Annotated[
+        bool,
+        typer.Option(
+            "--expandable-segments",
+            help="Check the reserved bytes on the allocator's model of expandable_segments:True (train the answer "
+            "with autotune train --expandable-segments).",
+        ),
+    ] = False,
     allow_compress: Annotated[bool, typer.Option(help="Let searchers propose compression (lossy).")] = False,
     partition: Annotated[
         str | None,
@@ -507,7 +515,9 @@ def search(
         sr.take_measured(outcome, measured)
     if hw.is_gpu and not k and outcome.found.feasible and not outcome.interrupted:
         with err.status("checking the reserved bytes (the caching allocator's model)…", spinner="dots"):
-            outcome = sr.fit_reserved(outcome, searcher, err, quiet=False, enforce=reserved)
+            outcome = sr.fit_reserved(
+                outcome, searcher, err, quiet=False, enforce=reserved, expandable_segments=expandable_segments
+            )
     sr.write_answer(outcome)
     if as_json:
         print(sr.dumps(outcome))
@@ -649,6 +659,14 @@ def train(
         int | None,
         typer.Option("--grad-accum", help="Micro-batches per optimizer step \\[default: the policy's]."),
     ] = None,
+    expandable_segments: Annotated[
+        bool,
+        typer.Option(
+            "--expandable-segments",
+            help="Run PyTorch's caching allocator with expandable_segments:True (appended to "
+            "PYTORCH_CUDA_ALLOC_CONF before CUDA initialises) and predict its reserved bytes so (--device cuda).",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Train N real iterations under a policy; measured peak and time beside the simulator's prediction."""
@@ -664,6 +682,7 @@ def train(
             device=device,
             precision=precision,
             grad_accum=grad_accum,
+            expandable_segments=expandable_segments,
         )
     d = report.to_dict()
     if as_json:

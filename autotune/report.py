@@ -83,6 +83,10 @@ def profile_report(
     cache = no_policy_stats(w) if hw.is_gpu else None
     report["reserved_peak_bytes"] = cache.peak_reserved if cache else None
     report["allocated_peak_bytes"] = cache.peak_allocated if cache else None
+    # ... and with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (A8-A11), which `autotune train
+    # --expandable-segments` sets
+    grown = no_policy_stats(w, expandable_segments=True) if hw.is_gpu else None
+    report["expandable_reserved_peak_bytes"] = grown.peak_reserved if grown else None
     # ... and one arena planned from the lifetimes (seed 003's pool, envs.allocator.plan_offsets)
     report["planned_pool_bytes"] = plan_offsets(workload_intervals(w)).arena_bytes if cache else None
     if budget_bytes is not None:
@@ -133,11 +137,13 @@ def render_profile(console: Console, r: dict[str, Any]) -> None:
     )
     if r["reserved_peak_bytes"]:
         over = r["reserved_peak_bytes"] / r["peak_bytes"] - 1
+        grown = r["expandable_reserved_peak_bytes"]
         console.print(
             f"PyTorch's CUDA caching allocator would reserve {format_bytes(r['reserved_peak_bytes'])} for it "
             f"({over:+.1%}: cached blocks and unused block ends; a model of the allocator, not yet checked against "
-            "a GPU); one arena planned from the lifetimes would hold it in "
-            f"{format_bytes(r['planned_pool_bytes'])} ({r['planned_pool_bytes'] / r['reserved_peak_bytes'] - 1:+.1%})"
+            f"a GPU), {format_bytes(grown)} with expandable_segments:True ({grown / r['peak_bytes'] - 1:+.1%}); "
+            f"one arena planned from the lifetimes would hold it in {format_bytes(r['planned_pool_bytes'])} "
+            f"({r['planned_pool_bytes'] / r['reserved_peak_bytes'] - 1:+.1%})"
         )
     f = r["floor"]
     console.print(

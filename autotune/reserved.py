@@ -17,9 +17,12 @@ every policy a search scores. In order:
      ``ROUNDS`` searches in all; no answer when none runs.
 ``--budget-kind allocated`` (the default until the model is checked against the real allocator on a GPU:
 issue "Memory as the allocator holds it", item 3) plans for the simulator's peak alone, and step 1 only
-reports whether the answer runs within the budget on the model (a warning when it does not). On the CPU there
+reports whether the answer runs within the budget on the model (a warning when it does not, which says
+whether ``expandable_segments:True`` alone would make it run: the cheaper lever, no search). On the CPU there
 is no caching allocator and neither is done. `autotune simulate` reports the model's peaks for any policy, and
 `autotune train --device cuda` the measured ``max_memory_reserved`` beside the model's prediction.
+``autotune search --expandable-segments`` plans all of this for PyTorch's ``expandable_segments:True`` (the
+model's A8-A11), the setting ``autotune train --expandable-segments`` trains the answer with.
 """
 
 from __future__ import annotations
@@ -53,12 +56,19 @@ def check_kind(kind: str) -> str:
 
 
 def reserved_stats(
-    problem: Problem, actions: np.ndarray, options: PolicyOptions, capacity_bytes: int | None = None
+    problem: Problem,
+    actions: np.ndarray,
+    options: PolicyOptions,
+    capacity_bytes: int | None = None,
+    expandable_segments: bool = False,
 ) -> AllocatorStats | None:
     """The allocator's stats over three iterations under the policy, with the device capped at
-    ``capacity_bytes`` (A7: cached segments given back before a request fails); None when a request fails."""
+    ``capacity_bytes`` (A7: cached segments given back before a request fails) and ``expandable_segments`` or
+    not (A8-A11); None when a request fails."""
+    w, hw = problem.workload, problem.hardware
     try:
-        return policy_stats(problem.workload, problem.hardware, actions, options, capacity_bytes=capacity_bytes)
+        return policy_stats(w, hw, actions, options, capacity_bytes=capacity_bytes,
+                            expandable_segments=expandable_segments)  # fmt: skip
     except OutOfMemory:
         return None
 
@@ -76,6 +86,10 @@ class ReservedFit:
     checked: int = 0  # policies whose reserved peak was computed
     planned: list[int] = field(default_factory=list)  # the allocated budget of each search
     source: str = "answer"  # "answer", "finalist", or "search N"
+    expandable_segments: bool = False  # the model of expandable_segments:True (A8-A11), not the default's
+    # only checked, not enforced, and over on the default's model: the answer's reserved peak on the model of
+    # expandable_segments:True when it runs there (the cheaper lever), 0 when it runs out there too
+    expandable_peak_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -87,6 +101,8 @@ class ReservedFit:
             "planned_bytes": self.planned,
             "source": self.source,
             "enforced": self.enforced,
+            "expandable_segments": self.expandable_segments,
+            "expandable_peak_bytes": self.expandable_peak_bytes,
         }
 
 
@@ -105,22 +121,25 @@ def _distinct_finalists(pool: Finalists | None) -> list[Finalist]:
 
 
 def fit_one(
-    problem: Problem, found: SearchResult, budget_bytes: int, rivals: int = CHECKS
+    problem: Problem, found: SearchResult, budget_bytes: int, rivals: int = CHECKS, expandable_segments: bool = False
 ) -> tuple[Finalist | None, ReservedFit]:
     """Steps 1-2 for one search: the answer or the fastest of up to ``rivals`` finalists that runs three
-    iterations on the allocator's model with the device capped at ``budget_bytes`` (None when none does)."""
+    iterations on the allocator's model (``expandable_segments`` or not) with the device capped at
+    ``budget_bytes`` (None when none does)."""
     w = problem.workload
     first = Finalist(found.policy.to_vector(w), found.policy.options, found.result)
     others = [f for f in _distinct_finalists(problem.finalists) if f.key != first.key] if rivals else []
     candidates = [first, *others[:rivals]]
     for i, f in enumerate(candidates):
-        st = reserved_stats(problem, f.actions, f.options, capacity_bytes=budget_bytes)
+        st = reserved_stats(problem, f.actions, f.options, budget_bytes, expandable_segments)
         if st is not None:
             fit = ReservedFit(st.peak_reserved, st.peak_allocated, True, retries=st.retries, checked=i + 1)
             fit.source = "answer" if i == 0 else "finalist"
+            fit.expandable_segments = expandable_segments
             return f, fit
     low = min(f.result.peak_bytes for f in candidates)
-    return None, ReservedFit(None, None, False, checked=len(candidates), lowest_peak_bytes=low)
+    return None, ReservedFit(None, None, False, checked=len(candidates), lowest_peak_bytes=low,
+                             expandable_segments=expandable_segments)  # fmt: skip
 
 
 def as_result(problem: Problem, found: SearchResult, f: Finalist) -> SearchResult:

@@ -289,22 +289,31 @@ def run_search(
 
 
 def fit_reserved(
-    outcome: SearchOutcome, searcher: str, err: Console, quiet: bool, enforce: bool = True
+    outcome: SearchOutcome,
+    searcher: str,
+    err: Console,
+    quiet: bool,
+    enforce: bool = True,
+    expandable_segments: bool = False,
 ) -> SearchOutcome:
     """NOTE [ Reserved budget ] (autotune/reserved.py): the answer, a finalist, or a new search for fewer
-    allocated bytes, that runs within the planned budget on the caching allocator's model; the outcome marked
-    as not fitting when none does in ``ROUNDS`` searches. ``enforce`` False: the answer checked, not changed."""
+    allocated bytes, that runs within the planned budget on the caching allocator's model (of
+    ``expandable_segments:True`` or not); the outcome marked as not fitting when none does in ``ROUNDS``
+    searches. ``enforce`` False: the answer checked, not changed."""
     budget = outcome.problem.budget_bytes
     if not enforce:
-        _, fit = fit_one(outcome.problem, outcome.found, budget, rivals=0)
+        _, fit = fit_one(outcome.problem, outcome.found, budget, rivals=0, expandable_segments=expandable_segments)
         fit.enforced, fit.planned = False, [budget]
+        if not fit.fits and not expandable_segments:  # does the allocator's setting alone make it run?
+            _, grown = fit_one(outcome.problem, outcome.found, budget, rivals=0, expandable_segments=True)
+            fit.expandable_peak_bytes = grown.reserved_peak_bytes or 0
         outcome.reserved = fit
         return outcome
     current, planned, checked = outcome, [budget], 0
     lowest: ReservedFit | None = None
     wall = outcome.wall_s
     for n in range(1, ROUNDS + 1):
-        chosen, fit = fit_one(current.problem, current.found, budget)
+        chosen, fit = fit_one(current.problem, current.found, budget, expandable_segments=expandable_segments)
         checked += fit.checked
         if chosen is not None:
             if fit.source == "finalist":
@@ -340,6 +349,21 @@ def fit_reserved(
     outcome.reserved, outcome.wall_s = lowest, wall
     outcome.found = dataclasses.replace(outcome.found, status=Status.INFEASIBLE, note="reserved bytes over budget")
     return outcome
+
+
+def _expandable_lever(rf: ReservedFit) -> str:
+    """What expandable_segments:True alone would do for an answer that runs out on the default's model."""
+    if rf.expandable_peak_bytes is None:
+        return ""
+    if rf.expandable_peak_bytes == 0:
+        return "; with expandable_segments:True it runs out too"
+    past = rf.expandable_peak_bytes - rf.planned[0]
+    how = f", {format_bytes(past)} past the budget (A10: the cap is checked before pages are mapped)"
+    how = how if past > 0 else ""
+    return (
+        f"; with expandable_segments:True it runs, {format_bytes(rf.expandable_peak_bytes)} reserved at most{how} "
+        "(autotune train --expandable-segments)"
+    )
 
 
 def write_answer(outcome: SearchOutcome) -> bool:
@@ -483,11 +507,12 @@ def render(out: Console, outcome: SearchOutcome) -> None:
     if outcome.measured is not None:
         render_measured(out, outcome.measured)
     rf = outcome.reserved
+    es = " with expandable_segments:True" if rf is not None and rf.expandable_segments else ""
     if rf is not None and not rf.enforced and not rf.fits:
         out.print(
-            f"[yellow]warning:[/] on a model of PyTorch's CUDA caching allocator (cached blocks and split ends; not "
-            f"yet checked on a GPU) this policy runs out of memory within {format_bytes(rf.planned[0])}: "
-            "--budget-kind reserved plans for that",
+            f"[yellow]warning:[/] on a model of PyTorch's CUDA caching allocator{es} (cached blocks and split ends; "
+            f"not yet checked on a GPU) this policy runs out of memory within {format_bytes(rf.planned[0])}: "
+            "--budget-kind reserved plans for that" + _expandable_lever(rf),
             highlight=False,
         )
     elif rf is not None and rf.fits and rf.reserved_peak_bytes is not None:
@@ -496,9 +521,9 @@ def render(out: Console, outcome: SearchOutcome) -> None:
         given = f", {rf.retries} time(s) giving cached blocks back" if rf.retries else ""
         out.print(
             f"reserved: {how} runs within {format_bytes(rf.planned[0])} on a model of PyTorch's CUDA caching "
-            f"allocator, {format_bytes(rf.reserved_peak_bytes)} reserved at most{given} (the model is not yet "
+            f"allocator{es}, {format_bytes(rf.reserved_peak_bytes)} reserved at most{given} (the model is not yet "
             f"checked on a GPU; {rf.checked} policies checked{again}; --budget-kind allocated plans for tensors "
-            "alone)",
+            "alone)" + ("; train it with autotune train --expandable-segments" if es else ""),
             highlight=False,
         )
     if outcome.written:
@@ -557,10 +582,12 @@ def no_answer(outcome: SearchOutcome) -> str:
     rf = outcome.reserved
     if rf is not None and not rf.fits:
         return (
-            f"no policy runs within {format_bytes(rf.planned[0])} on the caching allocator's model ({len(rf.planned)} "
-            f"searches, {rf.checked} policies checked, the lowest tensor peak {format_bytes(rf.lowest_peak_bytes)}): "
-            f"nothing written to {outcome.policy_path}; raise --budget, lower --batch-size, or plan for tensors "
-            "alone with --budget-kind allocated"
+            f"no policy runs within {format_bytes(rf.planned[0])} on the caching allocator's model"
+            f"{' with expandable_segments:True' if rf.expandable_segments else ''} ({len(rf.planned)} searches, "
+            f"{rf.checked} policies checked, the lowest tensor peak {format_bytes(rf.lowest_peak_bytes)}): "
+            f"nothing written to {outcome.policy_path}; raise --budget, lower --batch-size, "
+            + ("" if rf.expandable_segments else "try --expandable-segments, ")
+            + "or plan for tensors alone with --budget-kind allocated"
         )
     floor = budget_floor(p)
     return (

@@ -131,13 +131,18 @@ def run_simulate(
         return
     _render(out, w, hw.name, policy, result, baseline)
     if cache is not None:
+
+        def verdict(within: bool | None) -> str:
+            return "" if within is None else ", within the budget it " + ("runs" if within else "[red]runs out[/]")
+
         over = cache["reserved_peak_bytes"] / result.peak_bytes - 1
-        within = cache["runs_within_budget"]
-        verdict = "" if within is None else "; within the budget it " + ("runs" if within else "[red]runs out[/]")
+        grown = cache["expandable_reserved_peak_bytes"]
         out.print(
             f"PyTorch's CUDA caching allocator (a model, not yet checked on a GPU) reserves "
             f"{format_bytes(cache['reserved_peak_bytes'])} for it ({over:+.1%}: cached blocks and split ends)"
-            f"{verdict}; one arena planned from its lifetimes: {format_bytes(cache['planned_pool_bytes'])}"
+            f"{verdict(cache['runs_within_budget'])}; with expandable_segments:True {format_bytes(grown)} "
+            f"({grown / result.peak_bytes - 1:+.1%}){verdict(cache['expandable_runs_within_budget'])}; one arena "
+            f"planned from its lifetimes: {format_bytes(cache['planned_pool_bytes'])}"
         )
     if save_policy is not None:
         out.print(f"policy written to {save_policy}")
@@ -151,21 +156,22 @@ def _cache(w: Workload, hw: HardwareProfile, policy: Policy, budget_bytes: int |
     from envs.allocator import ITERATIONS, OutOfMemory, plan_offsets, policy_requests, replay, request_intervals
 
     setup, iteration = policy_requests(w, hw, policy.to_vector(w), policy.options)  # one op-by-op simulation
-    free = replay(setup, repeat=iteration, times=ITERATIONS)
     planned = plan_offsets(request_intervals([*setup, *iteration])).arena_bytes  # seed 003's pool
-    within: bool | None = None
-    if budget_bytes is not None:
-        try:
-            replay(setup, budget_bytes, repeat=iteration, times=ITERATIONS)
-            within = True
-        except OutOfMemory:
-            within = False
-    return {
-        "reserved_peak_bytes": free.peak_reserved,
-        "allocated_peak_bytes": free.peak_allocated,
-        "planned_pool_bytes": planned,
-        "runs_within_budget": within,
-    }
+    out: dict[str, Any] = {}
+    for prefix, expandable in (("", False), ("expandable_", True)):  # expandable_segments:True: A8-A11
+        free = replay(setup, repeat=iteration, times=ITERATIONS, expandable_segments=expandable)
+        within: bool | None = None
+        if budget_bytes is not None:
+            try:
+                replay(setup, budget_bytes, repeat=iteration, times=ITERATIONS, expandable_segments=expandable)
+                within = True
+            except OutOfMemory:
+                within = False
+        out[f"{prefix}reserved_peak_bytes"] = free.peak_reserved
+        out[f"{prefix}allocated_peak_bytes"] = free.peak_allocated
+        out[f"{prefix}runs_within_budget"] = within
+    out["planned_pool_bytes"] = planned
+    return out
 
 
 def _parse_action(text: str) -> Action:

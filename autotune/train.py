@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,8 @@ class TrainReport:
     predicted: dict[str, float]
     unknown_keys: list[str]
     out_of_memory: str | None = None
+    expandable_segments: bool = False  # --expandable-segments: the allocator's setting, and the model's (A8-A11)
+    expandable_in_effect: bool | None = None  # what the allocator reports it runs with (None: not known)
 
     def medians(self) -> dict[str, float]:
         if not self.steps:
@@ -62,7 +66,58 @@ class TrainReport:
             "iterations": [s.to_dict() for s in self.steps],
             "unknown_keys": self.unknown_keys,
             "out_of_memory": self.out_of_memory,
+            "expandable_segments": self.expandable_segments,
+            "expandable_in_effect": self.expandable_in_effect,
         }
+
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_CONF_NEW = "PYTORCH_ALLOC_CONF"  # read first by newer torch (2.14) where it is set
+EXPANDABLE = "expandable_segments:True"
+
+
+def enable_expandable_segments(device: str, environ: MutableMapping[str, str] | None = None) -> None:
+    """``expandable_segments:True`` appended to ``PYTORCH_CUDA_ALLOC_CONF`` (an ``expandable_segments`` setting
+    already there replaced; ``PYTORCH_ALLOC_CONF`` too where it is set, since newer torch reads it first). The
+    caching allocator reads its configuration once, when CUDA initialises: so this must come before."""
+    env = os.environ if environ is None else environ
+    if not device.startswith("cuda"):
+        raise AutotuneError(
+            f"--expandable-segments with --device {device}: it is a setting of PyTorch's CUDA caching allocator; "
+            "use --device cuda (or drop --expandable-segments)"
+        )
+    if torch.cuda.is_initialized():
+        raise AutotuneError(
+            "--expandable-segments: CUDA is already initialised in this process, so the caching allocator has read "
+            f"{ALLOC_CONF} already; call autotune train before anything uses CUDA, or set "
+            f"{ALLOC_CONF}={EXPANDABLE} before the process starts"
+        )
+    env.update(with_expandable_segments(env))
+
+
+def with_expandable_segments(env: Mapping[str, str]) -> dict[str, str]:
+    """The allocator variables of ``env`` with ``expandable_segments:True`` appended (for this process, or a
+    child process's environment)."""
+    out = {}
+    for name in (ALLOC_CONF, ALLOC_CONF_NEW):
+        if name == ALLOC_CONF or name in env:
+            kept = [kv for kv in env.get(name, "").split(",") if kv.strip() and not _is_expandable_setting(kv)]
+            out[name] = ",".join([*kept, EXPANDABLE])
+    return out
+
+
+def _is_expandable_setting(kv: str) -> bool:
+    return kv.split(":", 1)[0].strip() == "expandable_segments"
+
+
+def expandable_in_effect() -> bool | None:
+    """Whether the caching allocator runs with expandable segments, from its settings where this torch says
+    (``torch._C._accelerator_getAllocatorSettings``, 2.14); None where it does not."""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if get is None:
+        return None
+    values = [kv.split(":", 1)[1].strip().lower() for kv in str(get()).split(",") if _is_expandable_setting(kv)]
+    return bool(values) and values[-1] == "true"
 
 
 def _profile_for(device: str) -> HardwareProfile:
@@ -83,10 +138,15 @@ def train(
     device: str,
     precision: str | None = None,
     grad_accum: int | None = None,
+    expandable_segments: bool = False,
 ) -> TrainReport:
-    """``precision`` and ``grad_accum`` None: the policy's; other ones are refused by the policy check."""
+    """``precision`` and ``grad_accum`` None: the policy's; other ones are refused by the policy check.
+    ``expandable_segments``: the caching allocator runs with ``expandable_segments:True`` (set here, before
+    CUDA initialises) and the reserved bytes are predicted with the matching model (A8-A11)."""
     if steps <= 0:
         raise AutotuneError(f"invalid --steps {steps}: expected a positive number of iterations, e.g. --steps 3")
+    if expandable_segments:
+        enable_expandable_segments(device)
     policy = load_policy(policy_path)
     name = model or policy.model
     batch = batch_size or policy.batch_size
@@ -107,7 +167,9 @@ def train(
     w, _ = trace_model(req)
     policy.check_against(w, source=str(policy_path))
     hw = _profile_for(device)
-    return run_policy(policy, w, hw, name=name, batch=batch, steps=steps, device=device)
+    return run_policy(
+        policy, w, hw, name=name, batch=batch, steps=steps, device=device, expandable_segments=expandable_segments
+    )
 
 
 def check_structure(policy: Policy, req: TraceRequest, *, source: str) -> None:
@@ -129,9 +191,19 @@ def check_structure(policy: Policy, req: TraceRequest, *, source: str) -> None:
 
 
 def run_policy(
-    policy: Policy, w: Workload, hw: HardwareProfile, *, name: str, batch: int, steps: int, device: str
+    policy: Policy,
+    w: Workload,
+    hw: HardwareProfile,
+    *,
+    name: str,
+    batch: int,
+    steps: int,
+    device: str,
+    expandable_segments: bool = False,
 ) -> TrainReport:
     predicted = Simulator(w, hw).run(policy)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # what the trace left cached: the reserved bytes measured are the training's
     entry = build_model(name, batch_size=batch, seq_len=policy.seq_len, device=device)
     opt = make_optimizer(w.optimizer, entry.module.parameters())
     rt = PolicyRuntime(policy, entry.module)
@@ -147,12 +219,16 @@ def run_policy(
             "samples_per_s": predicted.samples_per_s,
         },
         [],
+        expandable_segments=expandable_segments,
     )
     if device.startswith("cuda") and hw.is_gpu:  # the caching allocator's model (NOTE [ Reserved budget ])
         from envs.allocator import policy_stats
 
         vec = policy.to_vector(w)
-        report.predicted["reserved_bytes"] = policy_stats(w, hw, vec, policy.options).peak_reserved
+        stats = policy_stats(w, hw, vec, policy.options, expandable_segments=expandable_segments)
+        report.predicted["reserved_bytes"] = stats.peak_reserved
+    if expandable_segments:
+        report.expandable_in_effect = expandable_in_effect()
     if device.startswith("cuda") and policy.budget_bytes is not None:
         index = torch.device(device).index
         index = torch.cuda.current_device() if index is None else index  # "cuda" alone: the current device
@@ -204,9 +280,12 @@ def render(out: Console, report: TrainReport) -> None:
         table.add_row("error", f"{e['peak_bytes']:+.1%}", f"{e['iter_s']:+.1%}", f"{e['samples_per_s']:+.1%}")
     out.print(table)
     if "reserved_bytes" in m and "reserved_bytes" in p:
+        how = " with expandable_segments:True" if report.expandable_segments else ""
         out.print(
-            f"reserved by PyTorch's caching allocator: {format_bytes(m['reserved_bytes'])} measured, "
+            f"reserved by PyTorch's caching allocator{how}: {format_bytes(m['reserved_bytes'])} measured, "
             f"{format_bytes(p['reserved_bytes'])} by its model ({e.get('reserved_bytes', 0.0):+.1%})"
         )
+    if report.expandable_in_effect is False:
+        out.print("[yellow]the caching allocator reports expandable_segments off: this torch or platform ignored it[/]")
     if report.unknown_keys:
         out.print(f"[yellow]{len(report.unknown_keys)} saved tensors not in the policy were kept[/]")

@@ -27,6 +27,40 @@ roundup_power2_divisions, expandable_segments off, no garbage collection thresho
         fit, the request fails (out of memory).
     Addresses: a new segment is placed after every segment reserved before it (cudaMalloc's addresses are
     the driver's; only the order among equal sizes in A3 depends on them).
+With ``expandable_segments:True`` in ``PYTORCH_CUDA_ALLOC_CONF`` (``CachingAllocator(expandable_segments=True)``)
+A1, A2 and A6 hold as they are; A3-A5 and A7 become A8-A11 (the same file: ExpandableSegment, get_free_block,
+should_split, alloc_block, find_expandable_block, try_allocate_expandable_block, map_block, release_blocks,
+unmap_block), read at PyTorch commit 001074d, from before the allocator's settings moved to
+c10/core/AllocatorConfig.h. The 2.14 headers show one change here: the large pool's 20 MiB is now the setting
+``large_segment_size_mb``, default 20 MiB. That 2.11-2.14 keep these function bodies is an assumption until a
+GPU run compares them (experiments/gpu_check.py):
+    A8. One growing segment per pool and stream. A pool's first request on a stream reserves address space
+        only (``find_expandable_block``: 1 1/8 of the device's memory; here ``ADDRESS_SPACE``, every later
+        segment above it), no memory. Physical memory is mapped into it in pages, 2 MiB (``SMALL_BUFFER``) in
+        the small pool and 20 MiB (``LARGE_BUFFER``) in the large one (``ExpandableSegment``: one
+        cuMemCreate per page); reserved bytes, and so ``max_memory_reserved``, count the mapped pages
+        (``map_block``, ``unmap_block``), never the address space.
+    A9. Best fit and splits. A3 still picks the free block, but a block that ends where unmapped space begins
+        counts as its size plus that space (``get_free_block``'s ``expandable_size``): from the smallest
+        block that fits the search moves on to the next larger one while that one's counted size is smaller,
+        so a free block in the middle of the segment is taken before the growing end. Any block, in either
+        pool, is split when the rest is at least 512 bytes (``should_split``: A5's 1 MiB rule is off).
+    A10. Growing. With no free block that fits, the allocator maps pages at the lowest address where the free
+        and unmapped space that follows (a free block just before it included) holds the request
+        (``find_expandable_block``, ``try_allocate_expandable_block``): normally the segment's end, so the
+        free block at the end and the new pages, merged (``map_block``: A6 for mapped neighbours), serve it;
+        only the pages the request still needs are mapped. The capacity check of A7 is made before, with
+        A4's segment size for the request (``alloc_block``: ``total_allocated_memory + alloc_size``), not the
+        pages mapped after it: a mapping can take the reserved bytes past the capacity by less than a page.
+    A11. Frees and giving back. A freed block stays mapped (A6); reserved bytes do not fall. Pages are unmapped
+        only where A7 gives memory back (``release_cached_blocks`` on the way to out of memory, or
+        ``torch.cuda.empty_cache``): every whole page inside a free block is unmapped, the block's ends that
+        share a page with a block in use stay mapped and free (``unmap_block``), and a segment left with
+        nothing mapped is given back whole (``release_blocks``). The next growth fills the lowest unmapped
+        gap that fits first (A10).
+    Not modelled: a request that no address space can hold (A8's space is larger than the device), and the
+    driver running out of pages before the capacity (cuMemCreate failing): the capacity here is the fraction
+    ``set_per_process_memory_fraction`` allows, which is how the budget is enforced.
 """
 
 from __future__ import annotations
@@ -51,6 +85,13 @@ LARGE_BUFFER = 20 << 20  # A4: a segment for requests under MIN_LARGE_ALLOC
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
 ITERATIONS = 3  # iterations replayed: reserved bytes only grow (A4), and by the second the cache holds them
+ADDRESS_SPACE = 1 << 48  # A8: address space per expandable segment (PyTorch: 1 1/8 of the device; only its
+# order against the gaps of A11 matters, and a device's memory is far below it)
+
+
+def page_size(small: bool) -> int:
+    """A8: the bytes mapped at a time into an expandable segment of the small or the large pool."""
+    return SMALL_BUFFER if small else LARGE_BUFFER
 
 
 def round_size(nbytes: int) -> int:
@@ -80,6 +121,8 @@ class _Block:
     allocated: bool = False
     prev: _Block | None = None  # neighbours in the segment (A5, A6)
     next: _Block | None = None
+    mapped: bool = True  # A8: False for an expandable segment's address space with no pages behind it
+    base: int = -1  # A8: the address where its expandable segment starts (-1: not in one)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -97,33 +140,38 @@ class AllocatorStats:
     peak_allocated: int = 0
     peak_reserved: int = 0
     peak_requested: int = 0
-    segments: int = 0
+    segments: int = 0  # segments held: cudaMalloc'd ones, and expandable ones (A8), which PyTorch's own
+    # ``segment`` statistic leaves out
     retries: int = 0  # A7: times the allocator gave segments back to try again
 
 
 class CachingAllocator:
-    """The caching allocator of NOTE [ CUDA caching allocator ]; ``capacity_bytes`` None: no limit."""
+    """The caching allocator of NOTE [ CUDA caching allocator ]; ``capacity_bytes`` None: no limit;
+    ``expandable_segments``: PyTorch's ``expandable_segments:True`` (A8-A11)."""
 
-    def __init__(self, capacity_bytes: int | None = None) -> None:
+    def __init__(self, capacity_bytes: int | None = None, *, expandable_segments: bool = False) -> None:
         self.capacity = capacity_bytes
+        self.expandable = expandable_segments
         self.stats = AllocatorStats()
         self._free: dict[tuple[bool, int], list[tuple[int, int]]] = {}  # (small, stream) -> sorted (size, address)
         self._by_address: dict[int, _Block] = {}  # free blocks
+        self._unmapped: dict[tuple[bool, int], list[int]] = {}  # A8: (small, stream) -> sorted addresses
+        self._unmapped_at: dict[int, _Block] = {}  # A8: address space with no pages behind it
         self._live: dict[int, tuple[_Block, int]] = {}  # handle -> (block, requested bytes)
         self._next_address = 0
         self._next_handle = 0
 
     # -- the program's side ---------------------------------------------------------------------------------
     def malloc(self, nbytes: int, stream: int = 0) -> int:
-        """A handle for ``nbytes`` on ``stream`` (A1-A5, A7); raises :class:`OutOfMemory`."""
+        """A handle for ``nbytes`` on ``stream`` (A1-A5, A7; A8-A10); raises :class:`OutOfMemory`."""
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
         block = self._best_fit(small, stream, size)
         if block is None:
-            block = self._new_segment(small, stream, size)
+            block = self._grow(small, stream, size) if self.expandable else self._new_segment(small, stream, size)
         rest = block.size - size
-        if (rest >= MIN_BLOCK) if small else (rest > SMALL_SIZE):  # A5
-            remaining = _Block(block.address + size, rest, small, stream, prev=block, next=block.next)
+        if (rest >= MIN_BLOCK) if small or self.expandable else (rest > SMALL_SIZE):  # A5, A9
+            remaining = _Block(block.address + size, rest, small, stream, prev=block, next=block.next, base=block.base)
             if block.next is not None:
                 block.next.prev = remaining
             block.next, block.size = remaining, size
@@ -140,14 +188,169 @@ class CachingAllocator:
         return handle
 
     def free(self, handle: int) -> None:
-        """A6: the block of ``handle`` back to its pool, merged with its free neighbours."""
+        """A6: the block of ``handle`` back to its pool, merged with its free neighbours (A11: still mapped)."""
         block, nbytes = self._live.pop(handle)
         self.stats.allocated -= block.size
         self.stats.requested -= nbytes
         block.allocated = False
+        self._cache(self._merge(block, mapped=True))
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache``: what A7 gives back before a request fails (A11: the free pages of
+        expandable segments)."""
+        self._release_cached()
+
+    # -- the allocator's side -------------------------------------------------------------------------------
+    def _best_fit(self, small: bool, stream: int, size: int) -> _Block | None:
+        """A3; A9 with expandable segments."""
+        pool = self._free.get((small, stream))
+        if not pool:
+            return None
+        i = bisect.bisect_left(pool, (size, -1))
+        if i == len(pool):
+            return None
+        if self.expandable:  # A9: past a block at the growing end while the next larger one counts less
+            while i + 1 < len(pool) and self._reach(pool[i + 1][1]) < self._reach(pool[i][1]):
+                i += 1
+        block = self._by_address[pool[i][1]]
+        self._uncache(block)
+        return block
+
+    def _reach(self, address: int) -> int:
+        """A9: a free block's size, and the unmapped space right after it."""
+        block = self._by_address[address]
+        after = block.next
+        return block.size + (after.size if after is not None and not after.mapped else 0)
+
+    def _make_room(self, seg: int, size: int) -> None:
+        """A7 (and A10, with A4's ``seg``): give cached memory back when ``seg`` more bytes would pass the
+        capacity; raise :class:`OutOfMemory` when that is not enough."""
+        s = self.stats
+        if self.capacity is not None and s.reserved + seg > self.capacity:
+            self._release_cached()
+            s.retries += 1
+            if s.reserved + seg > self.capacity:
+                raise OutOfMemory(
+                    f"a {seg} B segment for a {size} B request: {s.reserved} B reserved ({s.allocated} B allocated) "
+                    f"of {self.capacity} B"
+                )
+
+    def _new_segment(self, small: bool, stream: int, size: int) -> _Block:
+        """A4, and A7 when the capacity is reached."""
+        seg = segment_size(size)
+        self._make_room(seg, size)
+        s = self.stats
+        block = _Block(self._next_address, seg, small, stream)
+        self._next_address += seg
+        s.reserved += seg
+        s.segments += 1
+        s.peak_reserved = max(s.peak_reserved, s.reserved)
+        return block
+
+    def _grow(self, small: bool, stream: int, size: int) -> _Block:
+        """A10: a free block of at least ``size`` bytes made by mapping pages (A7's check first)."""
+        self._make_room(segment_size(size), size)
+        block = self._expandable_start(small, stream, size)
+        if not block.mapped:
+            block = self._map(block, min(block.size, size))
+        while block.size < size:  # a free block at the end: the pages after it
+            after = block.next
+            assert after is not None and not after.mapped
+            block = self._map(after, min(size - block.size, after.size))
+        self._uncache(block)
+        return block
+
+    def _expandable_start(self, small: bool, stream: int, size: int) -> _Block:
+        """A10: the lowest unmapped block (or the free block just before it) where free and unmapped space
+        holds ``size``; A8: a new segment's address space when none does."""
+        for address in self._unmapped.get((small, stream), []):
+            start = self._unmapped_at[address]
+            if start.prev is not None and not start.prev.allocated:
+                start = start.prev
+            room = 0
+            after: _Block | None = start
+            while room < size and after is not None and not after.allocated:
+                room += after.size
+                after = after.next
+            if room >= size:
+                return start
+        span = -(-ADDRESS_SPACE // page_size(small)) * page_size(small)
+        block = _Block(self._next_address, span, small, stream, mapped=False, base=self._next_address)
+        self._next_address += span
+        self.stats.segments += 1
+        self._cache_unmapped(block)
+        return block
+
+    def _map(self, block: _Block, nbytes: int) -> _Block:
+        """A8, A10: pages for the first ``nbytes`` of unmapped ``block`` (its rest stays unmapped); the pages
+        merge with the free blocks next to them. Returns the free block they are part of."""
+        mapped = min(-(-nbytes // page_size(block.small)) * page_size(block.small), block.size)
+        self._uncache_unmapped(block)
+        block.mapped = True
+        if mapped < block.size:
+            rest = _Block(block.address + mapped, block.size - mapped, block.small, block.stream, prev=block,
+                          next=block.next, mapped=False, base=block.base)  # fmt: skip
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, mapped
+            self._cache_unmapped(rest)
+        block = self._merge(block, mapped=True)
+        self._cache(block)
+        s = self.stats
+        s.reserved += mapped
+        s.peak_reserved = max(s.peak_reserved, s.reserved)
+        return block
+
+    def _release_cached(self) -> None:
+        """A7: every free block that is a whole segment goes back to the device; A11: every whole page inside
+        a free block of an expandable segment is unmapped."""
+        for block in list(self._by_address.values()):
+            if block.base >= 0:
+                self._unmap(block)
+            elif block.prev is None and block.next is None:
+                self._uncache(block)
+                self.stats.reserved -= block.size
+                self.stats.segments -= 1
+
+    def _unmap(self, block: _Block) -> None:
+        """A11: the whole pages inside free ``block`` unmapped; its ends stay mapped and free. An expandable
+        segment left with nothing mapped is given back."""
+        page = page_size(block.small)
+        end = block.address + block.size
+        first = block.base + -(-(block.address - block.base) // page) * page
+        last = block.base + (end - block.base) // page * page
+        if first >= last:
+            return
+        self._uncache(block)
+        if first > block.address:
+            before = _Block(block.address, first - block.address, block.small, block.stream, prev=block.prev,
+                            next=block, base=block.base)  # fmt: skip
+            if block.prev is not None:
+                block.prev.next = before
+            block.prev = before
+            self._cache(before)
+        if end > last:
+            after = _Block(last, end - last, block.small, block.stream, prev=block, next=block.next, base=block.base)
+            if block.next is not None:
+                block.next.prev = after
+            block.next = after
+            self._cache(after)
+        block.address, block.size, block.mapped = first, last - first, False
+        block = self._merge(block, mapped=False)
+        self.stats.reserved -= last - first
+        if block.prev is None and block.next is None:
+            self.stats.segments -= 1  # the segment's address space goes back too
+        else:
+            self._cache_unmapped(block)
+
+    def _merge(self, block: _Block, *, mapped: bool) -> _Block:
+        """A6: ``block`` with the neighbours in its segment that are free and ``mapped`` as it is."""
         for neighbour in (block.prev, block.next):
-            if neighbour is not None and not neighbour.allocated:
-                self._uncache(neighbour)
+            if neighbour is not None and not neighbour.allocated and neighbour.mapped == mapped:
+                if mapped:
+                    self._uncache(neighbour)
+                else:
+                    self._uncache_unmapped(neighbour)
                 if neighbour is block.prev:
                     block.address, block.prev = neighbour.address, neighbour.prev
                     if block.prev is not None:
@@ -157,46 +360,7 @@ class CachingAllocator:
                     if block.next is not None:
                         block.next.prev = block
                 block.size += neighbour.size
-        self._cache(block)
-
-    # -- the allocator's side -------------------------------------------------------------------------------
-    def _best_fit(self, small: bool, stream: int, size: int) -> _Block | None:
-        """A3."""
-        pool = self._free.get((small, stream))
-        if not pool:
-            return None
-        i = bisect.bisect_left(pool, (size, -1))
-        if i == len(pool):
-            return None
-        block = self._by_address[pool[i][1]]
-        self._uncache(block)
         return block
-
-    def _new_segment(self, small: bool, stream: int, size: int) -> _Block:
-        """A4, and A7 when the capacity is reached."""
-        seg = segment_size(size)
-        s = self.stats
-        if self.capacity is not None and s.reserved + seg > self.capacity:
-            self._release_whole_segments()
-            s.retries += 1
-            if s.reserved + seg > self.capacity:
-                raise OutOfMemory(
-                    f"a {seg} B segment for a {size} B request: {s.reserved} B reserved ({s.allocated} B allocated) "
-                    f"of {self.capacity} B"
-                )
-        block = _Block(self._next_address, seg, small, stream)
-        self._next_address += seg
-        s.reserved += seg
-        s.segments += 1
-        s.peak_reserved = max(s.peak_reserved, s.reserved)
-        return block
-
-    def _release_whole_segments(self) -> None:
-        """A7: every free block that is a whole segment goes back to the device."""
-        for block in [b for b in self._by_address.values() if b.prev is None and b.next is None]:
-            self._uncache(block)
-            self.stats.reserved -= block.size
-            self.stats.segments -= 1
 
     def _cache(self, block: _Block) -> None:
         bisect.insort(self._free.setdefault((block.small, block.stream), []), block.key)
@@ -206,6 +370,15 @@ class CachingAllocator:
         pool = self._free[(block.small, block.stream)]
         del pool[bisect.bisect_left(pool, block.key)]
         del self._by_address[block.address]
+
+    def _cache_unmapped(self, block: _Block) -> None:
+        bisect.insort(self._unmapped.setdefault((block.small, block.stream), []), block.address)
+        self._unmapped_at[block.address] = block
+
+    def _uncache_unmapped(self, block: _Block) -> None:
+        pool = self._unmapped[(block.small, block.stream)]
+        del pool[bisect.bisect_left(pool, block.address)]
+        del self._unmapped_at[block.address]
 
 
 # -- request sequences ---------------------------------------------------------------------------------------
@@ -220,12 +393,17 @@ class Request:
 
 
 def replay(
-    requests: Iterable[Request], capacity_bytes: int | None = None, *, repeat: Sequence[Request] = (), times: int = 0
+    requests: Iterable[Request],
+    capacity_bytes: int | None = None,
+    *,
+    repeat: Sequence[Request] = (),
+    times: int = 0,
+    expandable_segments: bool = False,
 ) -> AllocatorStats:
     """The allocator's stats after ``requests``, then ``repeat`` ``times`` over (the iterations of a training
-    run after what lives through all of them: parameters, optimizer state). Raises :class:`OutOfMemory` when a
-    request does not fit ``capacity_bytes``."""
-    alloc = CachingAllocator(capacity_bytes)
+    run after what lives through all of them: parameters, optimizer state), with ``expandable_segments`` or
+    not (A8-A11). Raises :class:`OutOfMemory` when a request does not fit ``capacity_bytes``."""
+    alloc = CachingAllocator(capacity_bytes, expandable_segments=expandable_segments)
     handles: dict[int, int] = {}
     for r in itertools.chain(requests, *(repeat for _ in range(times))):
         if r.nbytes is None:
@@ -350,12 +528,14 @@ def policy_stats(
     options: PolicyOptions | None = None,
     iterations: int = ITERATIONS,
     capacity_bytes: int | None = None,
+    expandable_segments: bool = False,
 ) -> AllocatorStats:
     """The caching allocator's stats over ``iterations`` iterations of ``w`` under a policy (one simulation
-    op by op: for a few policies, such as a search's finalists, not for every one it scores); raises
-    :class:`OutOfMemory` when a request does not fit ``capacity_bytes``."""
+    op by op: for a few policies, such as a search's finalists, not for every one it scores), with
+    ``expandable_segments`` or not (A8-A11); raises :class:`OutOfMemory` when a request does not fit
+    ``capacity_bytes``."""
     setup, iteration = policy_requests(w, hw, actions, options)
-    return replay(setup, capacity_bytes, repeat=iteration, times=iterations)
+    return replay(setup, capacity_bytes, repeat=iteration, times=iterations, expandable_segments=expandable_segments)
 
 
 def request_intervals(requests: Sequence[Request]) -> list[tuple[int, int, int]]:
@@ -374,14 +554,16 @@ def request_intervals(requests: Sequence[Request]) -> list[tuple[int, int, int]]
     return out
 
 
-def no_policy_stats(w: Workload, iterations: int = ITERATIONS) -> AllocatorStats:
+def no_policy_stats(w: Workload, iterations: int = ITERATIONS, *, expandable_segments: bool = False) -> AllocatorStats:
     """The caching allocator's stats over ``iterations`` iterations of ``w`` with no policy (reserved bytes
-    only grow, A4: by the second iteration the cache holds what every iteration asks for)."""
+    only grow, A4 and A11: by the second iteration the cache holds what every iteration asks for), with
+    ``expandable_segments`` or not (A8-A11)."""
     setup, iteration = workload_requests(w)
-    return replay(setup, repeat=iteration, times=iterations)
+    return replay(setup, repeat=iteration, times=iterations, expandable_segments=expandable_segments)
 
 
 __all__ = [
+    "ADDRESS_SPACE",
     "ITERATIONS",
     "LARGE_BUFFER",
     "MIN_BLOCK",
@@ -393,6 +575,7 @@ __all__ = [
     "OutOfMemory",
     "Request",
     "no_policy_stats",
+    "page_size",
     "plan_offsets",
     "policy_requests",
     "policy_stats",

@@ -27,6 +27,11 @@ In order, each step bounded in time, the whole run meant to fit in 8 minutes on 
    ``max_memory_allocated``, and the allocator's model under the policy (``envs.allocator.policy_stats``,
    NOTE [ Reserved budget ]) against ``max_memory_reserved`` (target: within 3%), the requests kept in
    ``traces.json`` (issue "Memory as the allocator holds it", item 3).
+6. Expandable segments: in a fresh process (the allocator reads ``PYTORCH_CUDA_ALLOC_CONF`` when CUDA
+   initialises) with ``expandable_segments:True`` appended to it, ResNet-50 b64 under keep and a random mix as
+   in step 5: the allocator's model of that setting (A8-A11 in envs/allocator.py) against
+   ``max_memory_reserved``, and the model replaying the recorded requests, in ``expandable.json``. The same
+   child runs on the CPU as a dry run of its code (``--expandable-child resnet18 --batch 2 --device cpu``).
 
 Figures go to stdout and, as JSON fixtures, to ``--out`` (default ``$OUT``, else ``gpu-check/``).
 """
@@ -51,6 +56,7 @@ E2E = [  # model, batch, seq_len, budget
     ("gpt2", 8, 1024, "8GB"),
 ]
 TRACED = [(m, b, s) for m, b, s, _ in E2E] + [("bert-base", 8, 512), ("vit_b_16", 32, None)]
+EXPANDABLE = ("resnet50", 64, None)  # step 6: model, batch, seq_len
 
 
 class Clock:
@@ -61,10 +67,12 @@ class Clock:
         return self.budget_s - (time.perf_counter() - self.start)
 
 
-def run(cmd: list[str], timeout: float, out: Path | None = None) -> subprocess.CompletedProcess[str] | None:
+def run(
+    cmd: list[str], timeout: float, out: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str] | None:
     print(f"\n$ {' '.join(cmd)}", flush=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, timeout=max(5.0, timeout), capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=max(5.0, timeout), capture_output=True, text=True, env=env)
     except subprocess.TimeoutExpired as e:
         print((e.stdout or b"").decode() if isinstance(e.stdout, bytes) else e.stdout or "", flush=True)
         print(f"(stopped after {timeout:.0f} s)", flush=True)
@@ -196,11 +204,21 @@ def fake_vs_allocator(model: str, batch: int, seq: int | None) -> dict[str, Any]
     return row
 
 
-def policy_allocator(model: str, batch: int, seq: int | None, w: Any, hw: Any, device: str = "cuda") -> dict[str, Any]:
-    """Under keep, swap, recompute and a random mix (the runtime applying each, planned on ``w``): the
-    simulator's peak against the allocator's, and the caching allocator's model under the policy against the
-    reserved peak, from a clean cache over two steps after the runtime's learning step. On ``device`` "cpu"
-    (a dry run of this code) nothing is recorded."""
+def policy_allocator(
+    model: str,
+    batch: int,
+    seq: int | None,
+    w: Any,
+    hw: Any,
+    device: str = "cuda",
+    labels: tuple[str, ...] = ("keep", "swap", "recompute", "mixed"),
+    expandable_segments: bool = False,
+) -> dict[str, Any]:
+    """Under keep, swap, recompute and a random mix (the runtime applying each, planned on ``w``; ``labels``
+    of them): the simulator's peak against the allocator's, and the caching allocator's model under the policy
+    (of ``expandable_segments:True`` or not, as the allocator runs) against the reserved peak, from a clean
+    cache over two steps after the runtime's learning step. On ``device`` "cpu" (a dry run of this code)
+    nothing is recorded."""
     import numpy as np
 
     from autotune.models import build_model
@@ -221,7 +239,7 @@ def policy_allocator(model: str, batch: int, seq: int | None, w: Any, hw: Any, d
     }
     sim = Simulator(w, hw)
     out: dict[str, Any] = {}
-    for label, vec in vectors.items():
+    for label, vec in ((k, v) for k, v in vectors.items() if k in labels):
         policy = Policy.from_vector(w, vec, hardware=hw.name, options=PolicyOptions())
         entry = build_model(model, batch_size=batch, seq_len=seq, device=device)
         opt = make_optimizer("sgd", entry.module.parameters())
@@ -242,7 +260,7 @@ def policy_allocator(model: str, batch: int, seq: int | None, w: Any, hw: Any, d
             if cuda:
                 torch.cuda.memory._record_memory_history(enabled=None)
         planned = sim.run(vec, options=policy.options)
-        modelled = policy_stats(w, hw, vec, policy.options)
+        modelled = policy_stats(w, hw, vec, policy.options, expandable_segments=expandable_segments)
         out[label] = {"planned_peak_bytes": planned.peak_bytes, "allocator_peak_bytes": measured.peak_bytes,
                       "model_reserved_peak_bytes": modelled.peak_reserved,
                       "model_allocated_peak_bytes": modelled.peak_allocated,
@@ -270,9 +288,49 @@ def allocator_requests(snapshot: dict[str, Any]) -> list[list[Any]]:
     return out
 
 
-def replay_requests(requests: list[list[Any]]) -> Any:
+def expandable_child(model: str, batch: int, seq: int | None, device: str = "cuda") -> dict[str, Any]:
+    """Step 6, in the process started with expandable_segments:True: keep and a random mix, the allocator's
+    model of that setting against ``max_memory_reserved`` and against the recorded requests replayed. On
+    ``device`` "cpu" a dry run (the h200 profile, nothing recorded)."""
+    from autotune.train import expandable_in_effect
+    from autotune.workloads import TraceRequest, trace_model
+    from runtime.hardware import detect, get_profile
+
+    cuda = device == "cuda"
+    hw = detect().profile if cuda else get_profile("h200")
+    if hw is None:
+        return {"error": "no built-in profile for this GPU"}
+    w, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq, mode="real", device=device))
+    effect = expandable_in_effect() if cuda else None
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    print(f"== expandable segments: {model} batch {batch}" + (f" x {seq}" if seq else "") + f" (profile {hw.name}; "
+          f"PYTORCH_CUDA_ALLOC_CONF={conf!r}, in effect: {effect})", flush=True)  # fmt: skip
+    rows = policy_allocator(model, batch, seq, w, hw, device, labels=("keep", "mixed"), expandable_segments=True)
+    for label, row in rows.items():
+        reserved = row["allocator_reserved_peak_bytes"]
+        replayed = replay_requests(row["requests"], expandable_segments=True).peak_reserved if row["requests"] else 0
+        row["replayed_reserved_peak_bytes"] = replayed
+        err = (replayed - reserved) / reserved if reserved else float("nan")
+        print(f"   {label:9s} reserved: the model replaying the {len(row['requests'])} recorded requests "
+              f"{replayed / 2**30:.3f} GiB ({err:+.1%})", flush=True)  # fmt: skip
+    return {"model": model, "batch": batch, "seq_len": seq, "profile": hw.name, "torch": torch.__version__,
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "in_effect": effect, "policies": rows}  # fmt: skip
+
+
+def expandable_run(out: Path, clock: Clock) -> None:
+    """Step 6: :func:`expandable_child` in a fresh process with expandable_segments:True appended to the
+    allocator's configuration."""
+    from autotune.train import with_expandable_segments
+
+    model, batch, seq = EXPANDABLE
+    cmd = [sys.executable, "experiments/gpu_check.py", "--expandable-child", model, "--batch", str(batch),
+           "--out", str(out)] + (["--seq-len", str(seq)] if seq else [])  # fmt: skip
+    run(cmd, min(180.0, clock.left()), env={**os.environ, **with_expandable_segments(os.environ)})
+
+
+def replay_requests(requests: list[list[Any]], expandable_segments: bool = False) -> Any:
     """The model of envs/allocator.py over recorded requests (their first frees may be of blocks allocated
-    before the recording: left out)."""
+    before the recording: left out), with ``expandable_segments`` or not (A8-A11)."""
     from envs.allocator import Request, replay
 
     live: set[int] = set()
@@ -284,7 +342,7 @@ def replay_requests(requests: list[list[Any]]) -> Any:
         elif addr in live:
             live.discard(addr)
             seq.append(Request(addr, None, stream))
-    return replay(seq)
+    return replay(seq, expandable_segments=expandable_segments)
 
 
 def main() -> None:
@@ -292,7 +350,19 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-check")
     ap.add_argument("--quick", action="store_true", help="the CUDA tests and the host costs only")
     ap.add_argument("--budget-s", type=float, default=450.0, help="stop starting new steps after this")
+    ap.add_argument("--expandable-child", metavar="MODEL", help="step 6 only, in this process (set the allocator's "
+                    "configuration first); with --device cpu a dry run")  # fmt: skip
+    ap.add_argument("--batch", type=int, default=64, help="--expandable-child's batch size")
+    ap.add_argument("--seq-len", type=int, default=None, help="--expandable-child's tokens per sample")
+    ap.add_argument("--device", default="cuda", help="--expandable-child's device: cuda, or cpu for a dry run")
     args = ap.parse_args()
+    if args.expandable_child:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            sys.exit("gpu_check: no CUDA device here; --expandable-child --device cpu is the dry run")
+        row = expandable_child(args.expandable_child, args.batch, args.seq_len, args.device)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "expandable.json").write_text(json.dumps(row, indent=2))
+        return
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device here; run it on a GPU machine")
     out = Path(args.out)
@@ -337,6 +407,10 @@ def main() -> None:
             except Exception:
                 print(traceback.format_exc(), flush=True)
         (out / "traces.json").write_text(json.dumps(traces, indent=2))
+        if clock.left() >= 90:
+            expandable_run(out, clock)
+        else:
+            print("(no time left for the expandable-segments run)", flush=True)
     print(f"\ngpu_check: {time.perf_counter() - clock.start:.0f} s; failures: {failures or 'none'}", flush=True)
     sys.exit(1 if failures else 0)
 

@@ -58,6 +58,7 @@ def test_profile_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     # The caching allocator's model (envs/allocator.py) on a GPU profile: it holds at least what is allocated,
     # which counts whole blocks (>= the peak of the bytes asked for).
     assert d["reserved_peak_bytes"] >= d["allocated_peak_bytes"] >= d["peak_bytes"]
+    assert d["expandable_reserved_peak_bytes"] >= d["peak_bytes"]  # expandable_segments:True (A8-A11)
     assert d["planned_pool_bytes"] >= d["peak_bytes"]  # one arena planned from the lifetimes (seed 003)
     assert (tmp_path / "w.json").exists()
     code, out2, _ = run(
@@ -71,7 +72,8 @@ def test_profile_table_and_budget_echo(capsys: pytest.CaptureFixture[str]) -> No
     assert code == 0
     assert "6GiB = 6,442,450,944 bytes (6.00 GiB)" in err
     assert "fits" in out and "Largest" in out and "no policy can go below" in out
-    assert "caching allocator would reserve" in " ".join(out.split())  # a100-40gb, the default profile here
+    text = " ".join(out.split())
+    assert "caching allocator would reserve" in text and "with expandable_segments:True" in text  # a100-40gb
     code, out, _ = run(capsys, "profile", "--model", "resnet18", "--batch-size", "2", "--budget", "50MB")
     assert code == 0 and "below what any policy can reach" in " ".join(out.split())
 
@@ -116,6 +118,14 @@ def test_simulate_actions_and_policy_roundtrip(capsys: pytest.CaptureFixture[str
     for budget, runs in ((keep["reserved_peak_bytes"], True), (keep["allocated_peak_bytes"] - 1, False)):
         d = json.loads(run(capsys, *base, "--action", "keep", "--budget", str(budget))[1])
         assert d["runs_within_budget"] is runs, budget
+    # ... and with expandable_segments:True (A8-A11): the same requests, so the same no-policy replay
+    grown = no_policy_stats(w, expandable_segments=True)
+    assert (keep["expandable_reserved_peak_bytes"], keep["expandable_allocated_peak_bytes"]) == (
+        grown.peak_reserved,
+        grown.peak_allocated,
+    )
+    d = json.loads(run(capsys, *base, "--action", "keep", "--budget", str(grown.peak_allocated - 1))[1])
+    assert d["expandable_runs_within_budget"] is False and d["runs_within_budget"] is False
 
 
 BAD_INPUTS = [
@@ -206,3 +216,31 @@ def test_every_planning_command_keeps_the_same_reserve(capsys: pytest.CaptureFix
     assert cell["peak_bytes"] == found["peak_bytes"]  # Capuchin: the fastest baseline at this budget
     (written,) = (tmp_path / "sweep").glob("*.policy.json")
     assert load_policy(written).budget_bytes == 330_000_000
+
+
+def test_train_expandable_segments_is_set_before_cuda_initialises(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`autotune train --expandable-segments` appends expandable_segments:True to PYTORCH_CUDA_ALLOC_CONF (one
+    already there replaced; PYTORCH_ALLOC_CONF, which newer torch reads first, too where it is set); refused on
+    the CPU, and once CUDA is initialised in the process (the allocator has read its configuration then)."""
+    import torch
+
+    from autotune import train as tr
+
+    env = {tr.ALLOC_CONF: "max_split_size_mb:128,expandable_segments:False"}
+    tr.enable_expandable_segments("cuda", env)
+    assert env == {tr.ALLOC_CONF: "max_split_size_mb:128,expandable_segments:True"}
+    env = {tr.ALLOC_CONF_NEW: "garbage_collection_threshold:0.6"}
+    tr.enable_expandable_segments("cuda:0", env)
+    assert env == {
+        tr.ALLOC_CONF: "expandable_segments:True",
+        tr.ALLOC_CONF_NEW: "garbage_collection_threshold:0.6,expandable_segments:True",
+    }
+    for settings, effect in (("expandable_segments:True", True), ("max_split_size_mb:64", False), ("", False)):
+        monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda s=settings: s, raising=False)
+        assert tr.expandable_in_effect() is effect
+    args = ["train", "--policy", "missing.policy.json", "--expandable-segments"]
+    assert "use --device cuda" in user_error(capsys, *args, "--device", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert "CUDA is already initialised" in user_error(capsys, *args, "--device", "cuda")

@@ -108,3 +108,15 @@ def test_train_agent_end_to_end_writes_a_loadable_agent(tmp_path: Path) -> None:
     _png(tmp_path / "res" / "agent_curves.png")
     assert "second_choice" in (tmp_path / "res" / "agent_train.csv").read_text().splitlines()[0]
     assert "one pass >= best heuristic" in done.stdout
+
+
+def test_gpu_check_expandable_child_dry_run_on_the_cpu() -> None:
+    """experiments/gpu_check.py's step 6 runs its code on the CPU (nothing recorded): keep and the mix, each with
+    the allocator's model of expandable_segments:True (A8-A11) beside the simulator's peak."""
+    import gpu_check
+
+    row = gpu_check.expandable_child("tests.fixtures_models:make_wide", 4, None, device="cpu")
+    assert set(row["policies"]) == {"keep", "mixed"} and row["in_effect"] is None
+    for r in row["policies"].values():
+        assert r["model_reserved_peak_bytes"] >= r["model_allocated_peak_bytes"] >= r["planned_peak_bytes"] > 0
+        assert r["allocator_reserved_peak_bytes"] == r["replayed_reserved_peak_bytes"] == 0 and r["requests"] == []

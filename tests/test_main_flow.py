@@ -578,6 +578,21 @@ def test_budget_kind_reserved_plans_for_what_the_caching_allocator_holds(
     plain = json.loads(stdout)
     assert plain["budget_kind"] == "allocated" and plain["peak_bytes"] <= plain["planned_budget_bytes"]
     assert plain["reserved"]["enforced"] is False and plain["reserved"]["fits"] is False
+    # ... and whether expandable_segments:True alone would make it run (the allocator's model of it, A8-A11)
+    from autotune.workloads import TraceRequest, trace_model
+    from envs.allocator import OutOfMemory, policy_stats
+    from runtime.hardware import get_profile
+    from runtime.policy import load_policy
+
+    hw = get_profile("a100-40gb")
+    w, _ = trace_model(TraceRequest(model="resnet18", batch_size=4, target=hw))
+    answer = load_policy(tmp_path / "a.json")
+    try:
+        grown = policy_stats(w, hw, answer.to_vector(w), answer.options, capacity_bytes=plain["planned_budget_bytes"],
+                             expandable_segments=True).peak_reserved  # fmt: skip
+    except OutOfMemory:
+        grown = 0
+    assert plain["reserved"]["expandable_peak_bytes"] == grown
     code, stdout, err = run(capsys, *common, "--budget-kind", "reserved", "--out", str(tmp_path / "r.json"),
                             "--storage", f"sqlite:///{tmp_path / 'r.db'}")  # fmt: skip
     assert code == 0, err
@@ -594,3 +609,30 @@ def test_budget_kind_reserved_plans_for_what_the_caching_allocator_holds(
     assert d["samples_per_s"] <= plain["samples_per_s"]
     code, _, err = run(capsys, *common, "--budget-kind", "cached", "--out", str(tmp_path / "x.json"))
     assert code == 2 and "invalid --budget-kind 'cached'" in err and not (tmp_path / "x.json").exists()
+
+
+def test_budget_kind_reserved_plans_for_expandable_segments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`--expandable-segments`: the same as above on the allocator's model of expandable_segments:True (A8-A11):
+    the answer's reserved peak is that model's, three iterations with the device capped at the planned budget,
+    and the summary says how to train it."""
+    from autotune.workloads import TraceRequest, trace_model
+    from envs.allocator import policy_stats
+    from runtime.hardware import get_profile
+    from runtime.policy import load_policy
+
+    out = tmp_path / "e.json"
+    code, stdout, err = run(capsys, "search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb",
+                            "--budget", "240MB", "--reserve", "8MiB", "--timeout", "10", "--budget-kind", "reserved",
+                            "--expandable-segments", "--out", str(out), "--storage", f"sqlite:///{tmp_path / 'e.db'}",
+                            "--json")  # fmt: skip
+    assert code == 0, err
+    r = json.loads(stdout)["reserved"]
+    assert r["fits"] and r["enforced"] and r["expandable_segments"] is True
+    hw = get_profile("a100-40gb")
+    w, _ = trace_model(TraceRequest(model="resnet18", batch_size=4, target=hw))
+    policy = load_policy(out)
+    st = policy_stats(w, hw, policy.to_vector(w), policy.options, capacity_bytes=r["planned_bytes"][0],
+                      expandable_segments=True)  # fmt: skip
+    assert st.peak_reserved == r["reserved_peak_bytes"]
+    code, stdout, _ = run(capsys, "simulate", "--policy", str(out), "--budget", str(r["planned_bytes"][0]), "--json")
+    assert code == 0 and json.loads(stdout)["expandable_runs_within_budget"] is True
