@@ -182,8 +182,7 @@ def planned_problem(
         w,
         hw,
         budget.planned_bytes,
-        # A partitioned workload was traced with the user's consent (--partition, --allow-partition).
-        options=PolicyOptions(lossy=allow_compress, allow_partition=bool(w.meta.get("partitions"))),
+        options=PolicyOptions(lossy=allow_compress),  # allow_partition follows the workload (envs.problem)
         allow_compress=allow_compress,
         finalists=finalists,
     )

@@ -38,6 +38,12 @@ class Problem:
     _sim: Simulator | None = field(default=None, repr=False, kw_only=True)
     _results: dict[tuple[object, ...], SimResult] = field(default_factory=dict, repr=False, kw_only=True)
 
+    def __post_init__(self) -> None:
+        # A workload traced with partitions (runtime/partition.py) was traced so with the user's consent:
+        # every policy for it carries allow_partition, whoever makes it.
+        if self.workload.meta.get("partitions") and not self.options.allow_partition:
+            self.options = dataclasses.replace(self.options, allow_partition=True)
+
     @property
     def simulator(self) -> Simulator:
         if self._sim is None:

@@ -3,6 +3,7 @@
     python experiments/bench_quality.py [--models resnet50,...|heldout] [--profiles a100-40gb,v100-16gb]
         [--fractions 0.8,0.6,0.45,0.3] [--search-s 10] [--portfolio-s 20] [--milp-s 10] [--csv FILE]
         [--precision fp32|bf16|fp16] [--agent] [--skip milp,portfolio,exact] [--exact-s 60] [--exact-units 12]
+        [--allow-partition]
 
 For each cell (budget = fraction of the model's no-policy peak on that profile) it prints samples/s of: no
 policy (the ceiling, over budget), the best heuristic (exact solvers excluded), the MILP (and whether it
@@ -31,6 +32,10 @@ models never used in training, their batch sizes, profiles and budgets); the REA
     python experiments/bench_quality.py --models heldout --agent --skip milp,optuna-nsga2,refine \
         --search-s 8 --portfolio-s 16 --csv experiments/results/agent_heldout.csv
 
+With ``--allow-partition`` a cell whose budget lies below 1.1x the model's floor is run, every column, on the
+model traced with the partition `autotune search --allow-partition` would choose (autotune/partitions.py; the
+``partition`` column), the ceiling staying the unpartitioned no-policy speed.
+
 The ceiling is the no-policy speed, not the optimum at the budget: a cell can be far below it with no
 better policy existing. Searchers run with their seeds fixed; the time limits make runs on a busy machine
 find less.
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import statistics
 import sys
 import time
@@ -50,8 +56,10 @@ from agents.base import Problem, SearchContext, SearchResult, baseline_names, ge
 from agents.solvers.exact import solve_exact
 from agents.solvers.milp.data import decision_units
 from autotune.models import default_batch_size
+from autotune.partitions import choose
 from autotune.workloads import TraceRequest, trace_model
 from runtime.hardware import HardwareProfile, get_profile
+from runtime.partition import Partition, parse_partitions
 from runtime.target import trace_key
 from runtime.workload import Workload, peak_report
 
@@ -83,6 +91,7 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32", help="fp32, or bf16/fp16 under torch.autocast")
     ap.add_argument("--agent", action="store_true", help="add the pretrained agent's columns and targets")
     ap.add_argument("--skip", default="", help="columns not to run: milp, portfolio, or searchers run alone")
+    ap.add_argument("--allow-partition", action="store_true", help="partition where the budget is below the floor")
     args = ap.parse_args()
     skip = {x.strip() for x in args.skip.split(",") if x.strip()}
     alone = [s for s in (*ALONE, *(AGENT_ALONE if args.agent else ())) if s in list_searchers() and s not in skip]
@@ -100,6 +109,7 @@ def main() -> None:
     rows: list[dict[str, object]] = []
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     header = ["model", "batch", "precision", "profile", "budget", "ceiling", "best_heuristic", "heuristic"]
+    header[5:5] = ["partition"] if args.allow_partition else []
     header += [] if "milp" in skip else ["milp", "milp_status"]
     header += ["ppo-onepass", "onepass_s"] if args.agent else []
     header += [*alone] + ([] if "portfolio" in skip else ["portfolio", "portfolio_vs_heuristic", "portfolio_s"])
@@ -116,8 +126,17 @@ def main() -> None:
             w = traces[trace_key(hw)]
             peak = peak_report(w, hw.alloc_granularity_bytes).peak_bytes
             for fraction in (float(f) for f in args.fractions.split(",")):
-                row = cell(w, hw, int(peak * fraction), alone, args, skip)
+                budget = int(peak * fraction)
+                on = w
+                if args.allow_partition:
+                    retrace = functools.partial(_trace, model, kw, batch, args.precision, hw)
+                    on = choose(w, hw, budget, retrace).workload
+                row = cell(on, hw, budget, alone, args, skip)
+                if on is not w:  # the unpartitioned model's no-policy speed
+                    plain = Problem(w, hw, budget)
+                    row["ceiling"] = plain.simulator.run(plain.keep_all()).samples_per_s
                 row.update(model=model, batch=w.batch_size, precision=w.precision, profile=profile)
+                row["partition"] = ",".join(str(p) for p in parse_partitions(on.meta.get("partitions"))) or "-"
                 row["budget"] = f"{fraction:.0%}"
                 rows.append(row)
                 print(" | ".join(_fmt(row.get(h)) for h in header), flush=True)
@@ -130,13 +149,22 @@ def main() -> None:
         summarize_agent(rows)
 
 
-def _trace(model: str, kw: dict[str, object], batch: int | None, precision: str, hw: HardwareProfile) -> Workload:
+def _trace(
+    model: str,
+    kw: dict[str, object],
+    batch: int | None,
+    precision: str,
+    hw: HardwareProfile,
+    partitions: tuple[Partition, ...] = (),
+) -> Workload:
     """``model``'s fake trace for ``hw``'s kernels, as `autotune search` traces it (runtime/target.py)."""
     started = time.perf_counter()
     b = batch or default_batch_size(model)
-    w, _ = trace_model(TraceRequest(model=model, batch_size=b, precision=precision, target=hw, **kw))  # type: ignore[arg-type]
+    req = TraceRequest(model=model, batch_size=b, precision=precision, target=hw, partitions=partitions, **kw)  # type: ignore[arg-type]
+    w, _ = trace_model(req)
     took = time.perf_counter() - started
-    print(f"# {model} batch {w.batch_size} {w.precision} for {hw.name}: traced in {took:.1f} s", flush=True)
+    sliced = f" with {', '.join(str(p) for p in partitions)}" if partitions else ""
+    print(f"# {model} batch {w.batch_size} {w.precision} for {hw.name}{sliced}: traced in {took:.1f} s", flush=True)
     return w
 
 

@@ -31,6 +31,7 @@ replay does not count), we keep evicting at the simulated peak by the same score
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,8 +92,13 @@ def h_dtr(
     return cost_s / (max(1, nbytes) * max(staleness_s, _MIN_STALENESS_S))
 
 
-def dtr_replay(sim: Simulator, cap_bytes: int) -> list[Eviction]:
-    """Replay the iteration op by op under ``cap_bytes`` (DTR, Algorithm 1) and return its evictions."""
+# score(candidate, op, now_s, evicted, last_access_s) -> the lower, the sooner evicted
+Score = Callable[[int, int, float, np.ndarray, np.ndarray], float]
+
+
+def dtr_replay(sim: Simulator, cap_bytes: int, score: Score | None = None) -> list[Eviction]:
+    """Replay the iteration op by op under ``cap_bytes`` (DTR, Algorithm 1) and return its evictions;
+    ``score`` replaces h_DTR as the eviction order (agents/heuristics/megtaichi.py)."""
     feats = sim.features
     dependents = _dependents(feats)
     w, n, k = sim.w, sim.n_ops, sim.k
@@ -140,7 +146,12 @@ def dtr_replay(sim: Simulator, cap_bytes: int) -> list[Eviction]:
             ]
             if not pool:
                 break  # over the cap with nothing evictable: DTR would fail here; the search reports it
-            scores = {c: h_dtr(feats, dependents, evicted, c, now_s - last_access_s[c], int(sim.size[c])) for c in pool}
+            if score is None:
+                scores = {
+                    c: h_dtr(feats, dependents, evicted, c, now_s - last_access_s[c], int(sim.size[c])) for c in pool
+                }
+            else:
+                scores = {c: score(c, i, now_s, evicted, last_access_s) for c in pool}
             victim = min(pool, key=lambda c: (scores[c], c))
             evicted[victim], counted[victim] = True, False
             live -= int(sim.size[victim])
