@@ -189,6 +189,20 @@ def _choose_partition(w: Any, hw: Any, budget_bytes: int, req: Any) -> list[Any]
     return [choice.workload]
 
 
+def _partitioner(hw: Any, budget_bytes: int, req: Any) -> Any:
+    """maxbatch --allow-partition: each size's workload, partitioned where NOTE [ Choosing a partition ] says."""
+    import dataclasses
+
+    from autotune.partitions import choose
+    from autotune.workloads import trace_model
+
+    def partition(w: Any) -> Any:
+        size = dataclasses.replace(req, batch_size=w.batch_size)
+        return choose(w, hw, budget_bytes, lambda ps: trace_model(dataclasses.replace(size, partitions=ps))[0]).workload
+
+    return partition
+
+
 def _trace(req: Any) -> tuple[Any, float]:
     """Trace with a spinner on stderr (a ResNet-101 takes a few seconds)."""
     from autotune.workloads import trace_model
@@ -562,6 +576,13 @@ def maxbatch(
     device: Annotated[
         str | None, typer.Option(help="Where to measure: cpu, cuda or cuda:N \\[default: the planned one].")
     ] = None,
+    allow_partition: Annotated[
+        bool,
+        typer.Option(
+            help="Let each size partition a submodule where the budget lies below what no unpartitioned policy "
+            "reaches (as search --allow-partition)."
+        ),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Find the largest batch that trains within the budget, with the best policy found for it."""
@@ -578,7 +599,11 @@ def maxbatch(
         raise AutotuneError(f"invalid --per-size {per_size}: expected a positive number of seconds, e.g. 10")
     hw, note = resolve_profile(gpu)
     here = sr.plan_device(hw, device)
-    k = sr.measure_count(measure, here, hw)
+    if allow_partition and measure:
+        raise AutotuneError(
+            f"--measure {measure} with --allow-partition: measured searches do not partition yet; drop one of them"
+        )
+    k = 0 if allow_partition else sr.measure_count(measure, here, hw)
     plan = plan_budget(budget, reserve, hw)
     budget_bytes = plan.given_bytes
     if plan.planned_bytes == 0:
@@ -611,6 +636,7 @@ def maxbatch(
             max_slowdown=max_slowdown,
             seed=seed,
             progress=lambda msg: status.update(f"maxbatch: {msg}"),
+            partition=_partitioner(hw, plan.planned_bytes, req) if allow_partition else None,
         )
         outcome = search.run(start_batch)
         if k and outcome.max_batch:

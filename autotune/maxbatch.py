@@ -154,12 +154,17 @@ class MaxBatch:
         max_slowdown: float | None,
         seed: int = 0,
         progress: Callable[[str], None] | None = None,
+        partition: Callable[[Workload], Workload] | None = None,
     ) -> None:
+        """``partition``: the workload to plan a size on, from the unpartitioned one (--allow-partition:
+        autotune/partitions.py); no policy is always the unpartitioned model's."""
         self.trace, self.hw, self.planned = trace, hw, planned_bytes
+        self.partition = partition
         self.per_size_s, self.max_slowdown, self.seed = per_size_s, max_slowdown, seed
         self.progress = progress or (lambda _msg: None)
         self.results: dict[int, SizeResult] = {}
-        self._workloads: dict[int, Workload] = {}
+        self._workloads: dict[int, Workload] = {}  # what each size is planned on
+        self._plain: dict[int, Workload] = {}  # unpartitioned: what no policy runs
         self._problems: dict[int, Problem] = {}
         self._baselines: dict[int, tuple[SimResult, list[SearchResult]]] = {}  # per size: no policy, baselines
         self._last_fit: SizeResult | None = None
@@ -167,12 +172,22 @@ class MaxBatch:
     def workload(self, b: int) -> Workload:
         if b not in self._workloads:
             self.progress(f"tracing batch {b}")
-            self._workloads[b] = self.trace(b)
+            self._plain[b] = self._workloads[b] = self.trace(b)
+            if self.partition is not None:
+                self._workloads[b] = self.partition(self._plain[b])
         return self._workloads[b]
 
+    def no_policy(self, b: int) -> SimResult:
+        """No policy at ``b``, on the unpartitioned model."""
+        self.workload(b)
+        problem = self._problem(b)
+        if self._plain[b] is not problem.workload:
+            problem = Problem(self._plain[b], self.hw, self.planned)
+        return problem.simulator.run(problem.keep_all(), budget_bytes=self.planned)
+
     def no_policy_fits(self, b: int) -> bool:
-        w = self.workload(b)
-        return peak_report(w, self.hw.alloc_granularity_bytes).peak_bytes <= self.planned
+        self.workload(b)
+        return peak_report(self._plain[b], self.hw.alloc_granularity_bytes).peak_bytes <= self.planned
 
     def _problem(self, b: int) -> Problem:
         if b not in self._problems:  # one per size, so its simulator is built once
@@ -190,7 +205,7 @@ class MaxBatch:
         the budget: ``autotune.search.budget_floor``)."""
         if b not in self._baselines:
             problem = self._problem(b)
-            no_policy = problem.simulator.run(problem.keep_all(), budget_bytes=self.planned)
+            no_policy = self.no_policy(b)
             seeds: list[SearchResult] = []
             if budget_floor(problem) <= self.planned:
                 self.progress(f"baselines at batch {b}")
@@ -222,11 +237,12 @@ class MaxBatch:
         else:
             self.progress(f"searching batch {b}")
             seeds = list(baselines)
-            if self._last_fit is not None and self._last_fit.found is not None:
-                prev = self._last_fit.found
-                vec = prev.policy.to_vector(self.workload(self._last_fit.batch_size))
+            last = self._last_fit
+            if last is not None and last.found is not None and _same_slicing(self.workload(last.batch_size), w):
+                prev = last.found
+                vec = prev.policy.to_vector(self.workload(last.batch_size))
                 policy = Policy.from_vector(w, vec, hardware=self.hw.name, options=prev.policy.options)
-                seeds.append(_as_seed(problem, policy, f"batch-{self._last_fit.batch_size}"))
+                seeds.append(_as_seed(problem, policy, f"batch-{last.batch_size}"))
             found = get_searcher("portfolio").search(problem, self.ctx.derive(seeds=tuple(seeds)))
             slowdown = no_policy.samples_per_s / found.result.samples_per_s - 1 if found.feasible else None
             fits = self._fits(no_policy, found)
@@ -245,8 +261,7 @@ class MaxBatch:
         no_policy = _largest(start, self.no_policy_fits, rel_tol)
         for b in self._workloads:  # sizes not searched (baselines or no policy only): record them too
             if b not in self.results:
-                p = self._problem(b)
-                r = p.simulator.run(p.keep_all(), budget_bytes=self.planned)
+                r = self.no_policy(b)
                 s = SizeResult(b, False, r.feasible, r, None, None, searched=False)
                 if b in self._baselines:
                     s.baseline, s.baseline_fits = self._best_baseline(b), self.baseline_fits(b)
@@ -297,6 +312,12 @@ class MaxBatch:
             outcome.measured = MeasuredSize(b, answer, m)
             break
         return outcome
+
+
+def _same_slicing(a: Workload, b: Workload) -> bool:
+    """A policy for one size seeds another only where both were traced with the same partitions: other
+    slices are other candidates."""
+    return a.meta.get("partitions") == b.meta.get("partitions") and len(a.candidates) == len(b.candidates)
 
 
 def _as_seed(problem: Problem, policy: Policy, name: str) -> SearchResult:

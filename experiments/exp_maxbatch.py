@@ -40,6 +40,7 @@ from headline_common import (
 
 from autotune.budget import DEFAULT_GPU_RESERVE
 from autotune.maxbatch import MaxBatch
+from autotune.partitions import choose
 from runtime.hardware import get_profile
 
 HEADER = [
@@ -58,6 +59,7 @@ HEADER = [
     "slowdown",
     "heuristic_slowdown",
     "sizes_tried",
+    "partition",
     "wall_s",
     "measured_peak_bytes",
     "measured_samples_per_s",
@@ -71,6 +73,12 @@ def main() -> None:
     ap.add_argument("--max-slowdown", type=float, default=0.2)
     ap.add_argument("--per-size", type=float, default=6.0, help="seconds of portfolio search per batch size")
     ap.add_argument("--rel-tol", type=float, default=0.02)
+    ap.add_argument(
+        "--allow-partition",
+        action="store_true",
+        help="each size partitions a submodule where the budget is below its floor (maxbatch --allow-partition); "
+        "the heuristics then plan the same partitioned model",
+    )
     args = ap.parse_args()
     draw = functools.partial(plot, max_slowdown=args.max_slowdown)
     if args.replot:
@@ -110,8 +118,17 @@ def main() -> None:
 
 def run_cell(model: str, hw, planned: int, args: argparse.Namespace) -> dict[str, object]:  # type: ignore[no-untyped-def]
     started = time.perf_counter()
+
+    def partition(w):  # type: ignore[no-untyped-def]
+        return choose(w, hw, planned, lambda ps: trace(model, hw, w.batch_size, ps)).workload
+
     search = MaxBatch(
-        lambda b: trace(model, hw, b), hw, planned, per_size_s=args.per_size, max_slowdown=args.max_slowdown
+        lambda b: trace(model, hw, b),
+        hw,
+        planned,
+        per_size_s=args.per_size,
+        max_slowdown=args.max_slowdown,
+        partition=partition if args.allow_partition else None,
     )
     out = search.run(MODELS[model]["start"], rel_tol=args.rel_tol)
     by_size = {t.batch_size: t for t in out.tried}
@@ -137,6 +154,7 @@ def run_cell(model: str, hw, planned: int, args: argparse.Namespace) -> dict[str
         "slowdown": ours.slowdown if ours else None,
         "heuristic_slowdown": heur.baseline_slowdown if heur else None,
         "sizes_tried": len(out.tried),
+        "partition": ",".join(str(p) for p in ours.found.policy.partitions) if ours and ours.found else None,
         "wall_s": time.perf_counter() - started,
         **trained(ours.found.policy if ours and ours.found else None, hw),
     }

@@ -60,12 +60,12 @@ def show(
     plot(rows, out.with_suffix(".png"))
 
 
-def trace(model: str, target: HardwareProfile, batch: int | None = None) -> Workload:
+def trace(model: str, target: HardwareProfile, batch: int | None = None, partitions: tuple[Any, ...] = ()) -> Workload:
     """``model``'s fake trace for ``target``, as `autotune search` traces it (a GPU profile's kernels:
-    runtime/target.py)."""
+    runtime/target.py), with ``partitions`` (runtime/partition.py) if any."""
     spec = MODELS.get(model, {"kw": {}, "batch": None})
     b = batch or spec["batch"]
-    w, _ = trace_model(TraceRequest(model=model, batch_size=b, target=target, **spec["kw"]))
+    w, _ = trace_model(TraceRequest(model=model, batch_size=b, target=target, partitions=partitions, **spec["kw"]))
     return w
 
 

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from agents.base import Problem, SearchContext, get_searcher
+from autotune.maxbatch import MaxBatch
 from autotune.models import build_model
+from autotune.partitions import choose
 from envs.simulator import Simulator, peak_floor
 from envs.simulator_reference import simulate_reference
 from runtime.apply import PolicyRuntime
@@ -27,6 +29,7 @@ from runtime.measure import run_iterations
 from runtime.partition import Partition, partitioned
 from runtime.policy import Policy, PolicyOptions, load_policy
 from runtime.trace import capture, make_optimizer
+from runtime.workload import Workload
 from tests.test_apply import _check_done, _policies
 from tests.test_cli import run, user_error
 from tests.test_simulator import _assert_same
@@ -270,3 +273,25 @@ def test_search_simulate_train_applied_with_partition_from_the_cli(
             opt.step()
             losses[use].append(loss.item())
     assert losses[True] == losses[False]
+
+
+@pytest.mark.slow
+def test_maxbatch_with_partition_trains_larger_batches() -> None:
+    """maxbatch --allow-partition's search (autotune/maxbatch.py with autotune/partitions.py) on the small CNN
+    within 8 MiB on a100-40gb: without partition the floor stops it, with it each size is traced sliced where
+    its budget is below that floor, and the largest batch grows; no policy is the unpartitioned model's."""
+    hw, planned = get_profile("a100-40gb"), 8 << 20
+
+    def trace(b: int, parts: tuple[Partition, ...] = ()) -> Workload:
+        return capture(_cnn(batch_size=b, image_size=32), name="cnn", batch_size=b, partitions=parts)
+
+    def partition(w: Workload) -> Workload:
+        return choose(w, hw, planned, lambda ps: trace(w.batch_size, ps)).workload
+
+    plain = MaxBatch(trace, hw, planned, per_size_s=0.5, max_slowdown=None).run(8)
+    sliced = MaxBatch(trace, hw, planned, per_size_s=0.5, max_slowdown=None, partition=partition).run(8)
+    assert sliced.max_batch_no_policy == plain.max_batch_no_policy
+    assert sliced.max_batch > 2 * plain.max_batch, (sliced.max_batch, plain.max_batch)
+    best = {r.batch_size: r for r in sliced.tried}[sliced.max_batch]
+    assert best.found is not None and best.found.policy.partitions and best.found.result.peak_bytes <= planned
+    assert peak_floor(trace(plain.max_batch + 1), hw).bytes > planned  # the floor, not the search, stopped it
