@@ -472,6 +472,8 @@ def search(
     else:
         w, _ = _trace(req)
     rivals = [w]
+    # No policy is the unpartitioned model's, whatever the answer partitions.
+    plain = _trace(dataclasses.replace(req, partitions=()))[0] if parts else w
     if allow_partition and not parts:  # NOTE [ Choosing a partition ]: one workload, or two searched in turn
         rivals = _choose_partition(w, hw, plan.planned_bytes, req)
     reserved = budget_kind == "reserved" and hw.is_gpu and not k  # NOTE [ Reserved budget ]
@@ -508,6 +510,7 @@ def search(
             err=err,
             quiet=False,
             user_budget_bytes=plan.given_bytes,
+            plain=plain,
         )
         if len(rivals) > 1:
             shown = ", ".join(str(p) for p in got.found.policy.partitions) or "no partition"

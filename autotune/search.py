@@ -21,7 +21,7 @@ from autotune.budget import Budget, record_budget
 from autotune.measured import ANSWER, MeasuredSearch, answer_policy
 from autotune.reserved import ROUNDS, ReservedFit, as_result, fit_one, new_pool, scaled_budget
 from autotune.units import format_bytes
-from envs.simulator import Floor, SimResult, peak_floor, uniform_actions
+from envs.simulator import Floor, SimResult, Simulator, peak_floor, uniform_actions
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
 from runtime.policy import Action, Policy, PolicyOptions
@@ -205,14 +205,17 @@ def run_search(
     err: Console,
     quiet: bool,
     user_budget_bytes: int | None = None,
+    plain: Workload | None = None,
 ) -> SearchOutcome:
     """Baselines, then ``searcher``; ``out`` is where the answer goes (:func:`write_answer`, once the caller
     has it: nothing is written for a policy that does not fit). ``problem.budget_bytes`` is what the search
     plans for; ``user_budget_bytes`` (the budget before the reserve) is what the policy file records, and
-    what `autotune train` caps the device at."""
+    what `autotune train` caps the device at. ``plain``: the model without partitions, where the problem's
+    workload has them (runtime/partition.py): no policy is that model's."""
     started = time.perf_counter()
     get_searcher(searcher)  # an unknown name fails before any work
-    no_policy = problem.simulator.run(problem.keep_all(), budget_bytes=problem.budget_bytes)
+    sim = problem.simulator if plain is None or plain is problem.workload else Simulator(plain, problem.hardware)
+    no_policy = sim.run(np.zeros(len(sim.w.candidates), dtype=np.int8), budget_bytes=problem.budget_bytes)
     limit = ctx.time_limit_s
     with Progress(
         TextColumn("{task.description}"),
@@ -226,7 +229,7 @@ def run_search(
         task = progress.add_task("baselines", total=limit or 1.0, best="")
         trials = [0]
         # Where stderr is no terminal (a pipe, a log file) the bar does not draw: a line every PLAIN_EVERY_S.
-        plain = not quiet and not err.is_terminal
+        lines = not quiet and not err.is_terminal
         last_line = [started]
 
         def report(phase: str, best: SimResult | None) -> None:
@@ -239,7 +242,7 @@ def run_search(
                 shown = f"best {best.samples_per_s:,.1f} samples/s, peak {format_bytes(best.peak_bytes)} ({fits})"
             now = time.perf_counter()
             progress.update(task, description=phase, completed=now - started, best=shown)
-            if plain and now - last_line[0] >= PLAIN_EVERY_S:
+            if lines and now - last_line[0] >= PLAIN_EVERY_S:
                 last_line[0] = now
                 err.print(f"{now - started:.0f} s: {phase}" + (f"; {shown}" if shown else ""), highlight=False)
 
