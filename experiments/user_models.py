@@ -160,9 +160,12 @@ def hf_causal_lm(batch_size: int = 4, seq_len: int = 32) -> tuple[nn.Module, dic
     ``labels`` (B, T): no loss_fn, so the loss is ``model(**batch).loss``, what the Trainer optimises."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    # No key/value cache, as the Trainer sets it for training (TrainingArguments.use_cache is False): a cache
+    # changes which tensors attention saves, so the trace and the training run must agree on it.
     config = GPT2Config(
-        n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=max(64, seq_len), bos_token_id=0, eos_token_id=0
-    )
+        n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=max(64, seq_len), bos_token_id=0, eos_token_id=0,
+        use_cache=False,
+    )  # fmt: skip
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=g, device="cpu")
     tokens = tokens.to(torch.get_default_device())
