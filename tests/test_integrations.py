@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from envs.simulator import uniform_actions
 from experiments.user_models import hf_causal_lm
@@ -98,6 +99,9 @@ class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
+_trainer_callbacks: list[Any] = []  # the latest _train_hf's, for a test whose training raised
+
+
 def _train_hf(
     tmp_path: Path, policy: Policy | None, ga: int = GA, trainer_cls: Any = None
 ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], list[RuntimeStats], Any]:
@@ -124,6 +128,7 @@ def _train_hf(
         use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
     )  # fmt: skip
     callbacks = [c for c in (cb, Watch()) if c is not None]
+    _trainer_callbacks[:] = callbacks
     trainer = (trainer_cls or Trainer)(model=model, args=args, train_dataset=_Tokens(), callbacks=callbacks)
     torch.manual_seed(0)  # the sampler's order: the same with and without the policy
     trainer.train()
@@ -162,6 +167,27 @@ def test_trainer_refuses_another_grad_accum(tmp_path: Path) -> None:
     assert "\n" not in msg
     assert "gradient_accumulation_steps=1" in msg and "planned for 2 micro-batches" in msg
     assert "--grad-accum 1" in msg
+
+
+def test_trainer_callback_closes_what_an_exception_left_open(tmp_path: Path) -> None:
+    """A callback sees no exception: a forward that raises leaves the micro-batch's saved-tensor hooks
+    installed; ``close()`` takes them and every dispatch mode the runtime entered away."""
+    from transformers import Trainer
+
+    class Failing(Trainer):  # type: ignore[misc]
+        def training_step(self, model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+            model.transformer.h[1].register_forward_pre_hook(lambda *_: 1 / 0)
+            return super().training_step(model, *args, **kwargs)  # type: ignore[no-any-return]
+
+    from runtime.integrations.hf import PolicyCallback
+
+    top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+    with pytest.raises(ZeroDivisionError):
+        _train_hf(tmp_path, _swap_and_recompute(_gpt2_workload()), trainer_cls=Failing)
+    cb = next(c for c in _trainer_callbacks if isinstance(c, PolicyCallback))
+    assert cb.steps.is_open and top_hooks(False) is not None  # the hazard the docstring names
+    cb.close()
+    assert not cb.steps.is_open and top_hooks(False) is None and _get_current_dispatch_mode_stack() == []
 
 
 def test_trainer_peak_is_lower_under_a_recompute_policy(tmp_path: Path) -> None:
@@ -224,7 +250,7 @@ def _net_workload() -> Workload:
 
 
 def _train_lightning(
-    policy: Policy | None, accumulate: int = GA
+    policy: Policy | None, accumulate: int = GA, fail: bool = False
 ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], list[RuntimeStats]]:
     import lightning.pytorch as pl
 
@@ -252,6 +278,8 @@ def _train_lightning(
                 done.extend(cb.stats)
 
     lit = Lit()
+    if fail:  # the second block's forward raises
+        lit.net.blocks[1].register_forward_pre_hook(lambda *_: 1 / 0)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_images()), batch_size=B)
     trainer = pl.Trainer(
         max_steps=STEPS, accumulate_grad_batches=accumulate, accelerator="cpu", devices=1, logger=False,
@@ -274,6 +302,13 @@ def test_lightning_callback_keeps_gradients_bit_identical() -> None:
     _did_it(policy, done)
     grads, _, _ = _train_lightning(_lossy(w))
     assert not _same(grads[0], ref_grads[0])
+
+
+def test_lightning_callback_closes_on_an_exception() -> None:
+    with pytest.raises(ZeroDivisionError):
+        _train_lightning(_swap_and_recompute(_net_workload()), fail=True)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert _get_current_dispatch_mode_stack() == []
 
 
 def test_lightning_refuses_another_accumulation() -> None:
