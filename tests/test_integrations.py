@@ -11,7 +11,7 @@ import importlib
 import json
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,19 @@ from tests.test_cli import run
 
 B, T, GA = 4, 32, 2  # micro-batch of 4 sequences of 32 tokens, 2 micro-batches per optimizer step
 STEPS = 2  # optimizer steps: the second runs on parameters the policy's gradients made
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    """accelerate keeps one state per process (its mixed precision included) that a later Accelerator may not
+    change, and the Trainer makes one too: each test starts from none, as a new process would."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 # -- policies --------------------------------------------------------------------------------------------------
@@ -82,8 +95,8 @@ def _trainer_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
     return model(**batch, num_items_in_batch=batch["labels"][:, 1:].ne(-100).sum()).loss  # type: ignore[no-any-return]
 
 
-def _gpt2_workload(loss_fn: Callable[..., torch.Tensor] = _trainer_loss) -> Workload:
-    return capture(lambda: (*_gpt2(), loss_fn), name="hf_causal_lm", batch_size=B, grad_accum=GA)
+def _gpt2_workload(loss_fn: Callable[..., torch.Tensor] = _trainer_loss, precision: str = "fp32") -> Workload:
+    return capture(lambda: (*_gpt2(), loss_fn), name="hf_causal_lm", batch_size=B, grad_accum=GA, precision=precision)
 
 
 class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -103,7 +116,12 @@ _trainer_callbacks: list[Any] = []  # the latest _train_hf's, for a test whose t
 
 
 def _train_hf(
-    tmp_path: Path, policy: Policy | None, ga: int = GA, trainer_cls: Any = None
+    tmp_path: Path,
+    policy: Policy | None,
+    ga: int = GA,
+    trainer_cls: Any = None,
+    bf16: bool = False,
+    close: bool = True,
 ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], list[RuntimeStats], Any]:
     """STEPS optimizer steps of the Trainer: the gradients before each, the parameters after the last, the
     runtime's stats of every micro-batch, and the trainer."""
@@ -125,13 +143,17 @@ def _train_hf(
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=B, gradient_accumulation_steps=ga,
         max_steps=STEPS, learning_rate=1e-2, report_to=[], save_strategy="no", logging_strategy="no",
-        use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0, bf16=bf16,
     )  # fmt: skip
     callbacks = [c for c in (cb, Watch()) if c is not None]
     _trainer_callbacks[:] = callbacks
     trainer = (trainer_cls or Trainer)(model=model, args=args, train_dataset=_Tokens(), callbacks=callbacks)
     torch.manual_seed(0)  # the sampler's order: the same with and without the policy
-    trainer.train()
+    if cb is None or not close:
+        trainer.train()
+    else:
+        with cb:  # a refusal inside a step must not leave its hooks on for the tests that follow
+            trainer.train()
     return grads, [p.detach().clone() for p in model.parameters()], done, trainer
 
 
@@ -150,6 +172,22 @@ def test_trainer_callback_keeps_gradients_bit_identical(tmp_path: Path) -> None:
 
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, PolicyCallback))
     assert not cb.steps.is_open and cb.steps.micro_batches == GA * STEPS
+
+
+@pytest.mark.slow
+def test_trainer_in_bf16(tmp_path: Path) -> None:
+    """bf16=True: the Trainer enters autocast inside the forward accelerate puts on the model, after the
+    model's own pre-hooks; the runtime checks the precision at its submodules' calls, where autocast is on."""
+    ref_grads, ref_params, _, _ = _train_hf(tmp_path, None, bf16=True)
+    policy = _swap_and_recompute(_gpt2_workload(precision="bf16"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="autotune")
+        grads, params, done, _ = _train_hf(tmp_path, policy, bf16=True)
+    assert all(_same(a, b) for a, b in zip(grads, ref_grads, strict=True)) and _same(params, ref_params)
+    _did_it(policy, done)
+    with pytest.raises(AutotuneError, match="made for fp32 training but this forward runs in bf16"):
+        _train_hf(tmp_path, _swap_and_recompute(_gpt2_workload()), bf16=True)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # closed by `with cb`
 
 
 def test_trainer_lossy_policy_changes_the_gradients(tmp_path: Path) -> None:
@@ -183,10 +221,11 @@ def test_trainer_callback_closes_what_an_exception_left_open(tmp_path: Path) -> 
 
     top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
     with pytest.raises(ZeroDivisionError):
-        _train_hf(tmp_path, _swap_and_recompute(_gpt2_workload()), trainer_cls=Failing)
+        _train_hf(tmp_path, _swap_and_recompute(_gpt2_workload()), trainer_cls=Failing, close=False)
     cb = next(c for c in _trainer_callbacks if isinstance(c, PolicyCallback))
     assert cb.steps.is_open and top_hooks(False) is not None  # the hazard the docstring names
-    cb.close()
+    with cb:  # as a context manager, it closes on the way out
+        pass
     assert not cb.steps.is_open and top_hooks(False) is None and _get_current_dispatch_mode_stack() == []
 
 
@@ -317,12 +356,14 @@ def test_lightning_refuses_another_accumulation() -> None:
 
 
 # -- accelerate -------------------------------------------------------------------------------------------------
-def _train_accelerate(policy: Policy | None, ga: int = GA) -> tuple[list[torch.Tensor], list[RuntimeStats]]:
+def _train_accelerate(
+    policy: Policy | None, ga: int = GA, mixed_precision: str = "no"
+) -> tuple[list[torch.Tensor], list[RuntimeStats]]:
     from accelerate import Accelerator
 
     from runtime.integrations.accelerate import applied
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ga)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ga, mixed_precision=mixed_precision)
     model, _ = _gpt2()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = torch.utils.data.DataLoader(_Tokens(B * GA * STEPS), batch_size=B)
@@ -341,14 +382,18 @@ def _train_accelerate(policy: Policy | None, ga: int = GA) -> tuple[list[torch.T
     return [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()], done
 
 
-def test_accelerate_keeps_parameters_bit_identical() -> None:
-    w = _gpt2_workload(lambda m, b: m(**b).loss)  # accelerate's loop: the model's own mean loss
-    ref, _ = _train_accelerate(None)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_accelerate_keeps_parameters_bit_identical(precision: str) -> None:
+    mixed = {"fp32": "no", "bf16": "bf16"}[precision]  # bf16: autocast inside the forward prepare() wraps
+    w = _gpt2_workload(lambda m, b: m(**b).loss, precision)  # accelerate's loop: the model's own mean loss
+    ref, _ = _train_accelerate(None, mixed_precision=mixed)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="autotune")
-        got, done = _train_accelerate(policy := _swap_and_recompute(w))
+        got, done = _train_accelerate(policy := _swap_and_recompute(w), mixed_precision=mixed)
     assert _same(got, ref)
     _did_it(policy, done)
+    if precision == "bf16":
+        return
     with pytest.raises(AutotuneError, match=r"gradient_accumulation_steps\)=1, but .* planned for 2"):
         _train_accelerate(policy, ga=1)
     got, _ = _train_accelerate(_lossy(w))

@@ -17,9 +17,13 @@ and closes at the next ``on_substep_end`` or at ``on_pre_optimizer_step``; ``on_
 ``gradient_accumulation_steps`` and makes the runtime, once, for ``self.model`` (the model the Trainer
 hands its callbacks, not a DDP or accelerate wrapper, as with DDP in plain PyTorch).
 
-A callback sees no exception: if ``trainer.train()`` raises inside a micro-batch, that micro-batch stays
-open (its saved-tensor hooks installed) until the next ``trainer.train()`` or ``callback.close()``; call
-the latter before using the model otherwise in the same process (a notebook).
+A callback sees no exception: if ``trainer.train()`` raises inside a micro-batch (the runtime's own
+refusal of a forward in another precision than the policy's included), that micro-batch stays open, its
+saved-tensor hooks installed for whatever runs next in the process, until the next ``trainer.train()`` or
+``callback.close()``. The callback is also a context manager that closes it on the way out::
+
+    with PolicyCallback("gpt2.policy.json") as cb:
+        Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb]).train()
 """
 
 from __future__ import annotations
@@ -60,6 +64,12 @@ class PolicyCallback(TrainerCallback):  # type: ignore[misc]
 
     def close(self) -> None:
         """Close a micro-batch left open (after ``trainer.train()`` raised)."""
+        self.steps.close()
+
+    def __enter__(self) -> PolicyCallback:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         self.steps.close()
 
     def on_train_begin(
