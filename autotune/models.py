@@ -36,7 +36,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from runtime.errors import AutotuneError
-from runtime.vocab import LossFn
+from runtime.vocab import Batch, LossFn, batch_tensors
 
 __all__ = ["LossFn", "ModelEntry", "build_model", "default_batch_size", "list_models"]
 
@@ -79,7 +79,7 @@ class ModelEntry:
     name: str
     family: str  # "torchvision", "gpt2", "bert" or "custom"
     module: nn.Module
-    batch: tuple[torch.Tensor, ...]
+    batch: Batch  # a tuple of tensors, or a mapping of keyword arguments (``module(**batch)``)
     loss_fn: LossFn
     batch_size: int
     seq_len: int | None
@@ -136,14 +136,17 @@ def build_model(
 
     A factory ``package.module:factory`` is imported and called with ``batch_size=`` if it has a parameter
     of that name (``seq_len=``, ``image_size=`` and ``config_overrides`` likewise, when given), else with no
-    arguments. It returns ``(module, batch)`` or ``(module, batch, loss_fn)``, where ``batch`` is a tensor
-    or a tuple of tensors and ``loss_fn(module, batch)`` returns a scalar tensor. Without ``loss_fn`` every
-    batch tensor is an input: the loss is ``module(*batch)`` (its first tensor if it returns several)
-    ``.float().square().mean()``, a stand-in whose backward, like a real loss's, sends a full-size gradient
-    into the output. With ``batch_size=None`` a factory gets its own ``batch_size`` default (8 if it has
-    none); one without a ``batch_size`` parameter decides the batch size itself, and an explicit
-    ``batch_size`` must then match its batch. The factory runs with ``device`` as default device and
-    ``dtype`` as default dtype; tensors it puts elsewhere are moved there (outside FakeTensorMode only).
+    arguments. It returns ``(module, batch)`` or ``(module, batch, loss_fn)``, where ``batch`` is a tensor,
+    a tuple of tensors or a dict of tensors (keyword arguments, as the Hugging Face Trainer feeds a model:
+    ``module(**batch)``), and ``loss_fn(module, batch)`` returns a scalar tensor. Without ``loss_fn`` every
+    batch tensor is an input. For a dict whose output has a ``loss`` (a transformers model given its
+    ``labels``), the loss is ``module(**batch).loss``. Otherwise it is the output (its first tensor if it
+    returns several) ``.float().square().mean()``, a stand-in whose backward, like a real loss's, sends a
+    full-size gradient into the output. With ``batch_size=None`` a factory gets its own ``batch_size``
+    default (8 if it has none); one without a ``batch_size`` parameter decides the batch size itself (the
+    first dimension of its batch's first tensor), and an explicit ``batch_size`` must then match its batch.
+    The factory runs with ``device`` as default device and ``dtype`` as default dtype; tensors it puts
+    elsewhere are moved there (outside FakeTensorMode only).
 
     Raises:
         AutotuneError: for an unknown name, a bad size, device or dtype, or a factory that cannot be
@@ -372,8 +375,12 @@ def _build_custom(
         ) from exc
     module, batch, loss_fn = _unpack_factory_result(path, result)
 
-    batch = tuple(t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device) for t in batch)
-    found = batch[0].shape[0] if batch[0].dim() > 0 else None
+    def moved(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+
+    batch = {k: moved(t) for k, t in batch.items()} if isinstance(batch, Mapping) else tuple(map(moved, batch))
+    first = batch_tensors(batch)[0]
+    found = first.shape[0] if first.dim() > 0 else None
     if batch_size is None:
         if found is None:
             raise AutotuneError(
@@ -421,7 +428,7 @@ def _load_factory(path: str) -> Callable[..., Any]:
     return factory  # type: ignore[no-any-return]
 
 
-def _unpack_factory_result(path: str, result: Any) -> tuple[nn.Module, tuple[torch.Tensor, ...], LossFn]:
+def _unpack_factory_result(path: str, result: Any) -> tuple[nn.Module, Batch, LossFn]:
     contract = "it must return (module, batch) or (module, batch, loss_fn)"
     if isinstance(result, nn.Module):
         raise AutotuneError(
@@ -438,10 +445,18 @@ def _unpack_factory_result(path: str, result: Any) -> tuple[nn.Module, tuple[tor
             "module an nn.Module"
         )
     batch = (batch,) if isinstance(batch, torch.Tensor) else batch
-    if not isinstance(batch, (tuple, list)) or not batch or not all(isinstance(t, torch.Tensor) for t in batch):
+    if isinstance(batch, Mapping):
+        bad = [k for k, t in batch.items() if not isinstance(k, str) or not isinstance(t, torch.Tensor)]
+        if not batch or bad:
+            raise AutotuneError(
+                f"the factory {path} returned a dict batch with {'no entries' if not batch else f'keys {bad}'}"
+                ": a dict batch must map argument names (str) to tensors, at least one"
+            )
+        batch = dict(batch)
+    elif not isinstance(batch, (tuple, list)) or not batch or not all(isinstance(t, torch.Tensor) for t in batch):
         raise AutotuneError(
-            f"the factory {path} returned a batch of type {type(batch).__name__}: batch must be a tensor or "
-            "a non-empty tuple of tensors"
+            f"the factory {path} returned a batch of type {type(batch).__name__}: batch must be a tensor, "
+            "a non-empty tuple of tensors or a dict of tensors"
         )
     loss_fn = rest[0] if rest else _default_loss
     if not callable(loss_fn):
@@ -449,7 +464,7 @@ def _unpack_factory_result(path: str, result: Any) -> tuple[nn.Module, tuple[tor
             f"the factory {path} returned a {type(loss_fn).__name__} as loss_fn: it must be a callable "
             "loss_fn(module, batch) -> scalar tensor"
         )
-    return module, tuple(batch), loss_fn
+    return module, batch if isinstance(batch, dict) else tuple(batch), loss_fn
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -485,13 +500,18 @@ def _masked_lm_loss(module: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=_IGNORE_INDEX)
 
 
-def _default_loss(module: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """``module(*batch)`` (its first tensor) ``.float().square().mean()``: a stand-in loss.
+def _default_loss(module: nn.Module, batch: Batch) -> torch.Tensor:
+    """``module(**batch).loss`` for a dict batch whose output has one (a transformers model given
+    ``labels``, what the Trainer trains on); otherwise ``module(*batch)`` (its first tensor)
+    ``.float().square().mean()``: a stand-in loss.
 
     Squared, not a plain mean, so the gradient reaching the output is a full tensor as with a real loss,
     not a broadcast scalar; the backward pass then keeps and frees what real training does.
     """
-    out = module(*batch)
+    out = module(**batch) if isinstance(batch, Mapping) else module(*batch)
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
     first = _first_tensor(out)
     if first is None or not first.is_floating_point():
         raise AutotuneError(

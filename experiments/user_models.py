@@ -4,9 +4,12 @@ the style of Llama (RMSNorm, SwiGLU, rotary positions, causal attention through 
 
     autotune search --model experiments.user_models:groupnorm_cnn --gpu cpu --budget 60MB --measure 3
     autotune search --model experiments.user_models:tiny_llama --gpu cpu --budget 40MB --measure 3
+    autotune search --model experiments.user_models:hf_causal_lm --gpu cpu --budget 4MB
 
-Each factory takes ``batch_size`` (and the decoder ``seq_len``) with defaults small enough for a CPU, and
-returns ``(module, (inputs, targets), loss_fn)``. Synthetic batches, seeded; nothing is downloaded.
+Each factory takes ``batch_size`` (and the decoders ``seq_len``) with defaults small enough for a CPU.
+``groupnorm_cnn`` and ``tiny_llama`` return ``(module, (inputs, targets), loss_fn)``; ``hf_causal_lm``
+returns a transformers model and a dict batch, the way the Hugging Face Trainer feeds one (``model(**batch)``,
+whose ``.loss`` is the loss). Synthetic batches, seeded; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -149,3 +152,22 @@ def tiny_llama(batch_size: int = 4, seq_len: int = 128) -> tuple[nn.Module, tupl
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 512, (batch_size, seq_len + 1), generator=g, device="cpu").to(torch.get_default_device())
     return TinyLlama(max_len=max(256, seq_len)), (tokens[:, :-1], tokens[:, 1:]), _cross_entropy
+
+
+# -- a transformers model, Trainer style ---------------------------------------------------------------------
+def hf_causal_lm(batch_size: int = 4, seq_len: int = 32) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A 2-layer GPT-2 (n_embd 64, 2 heads, vocabulary 128) from a config, with a dict batch ``input_ids`` and
+    ``labels`` (B, T): no loss_fn, so the loss is ``model(**batch).loss``, what the Trainer optimises."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    # No key/value cache, as the Trainer sets it for training (TrainingArguments.use_cache is False): a cache
+    # changes which tensors attention saves, so the trace and the training run must agree on it.
+    config = GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=max(64, seq_len), bos_token_id=0, eos_token_id=0,
+        use_cache=False,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=g, device="cpu")
+    tokens = tokens.to(torch.get_default_device())
+    # The model shifts the labels itself (position t predicts token t + 1).
+    return GPT2LMHeadModel(config), {"input_ids": tokens, "labels": tokens.clone()}

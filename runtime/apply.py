@@ -306,11 +306,17 @@ class PolicyRuntime:
 
     @contextlib.contextmanager
     def _precision_checked(self) -> Iterator[None]:
-        """At the step's first module call, refuse a forward in another precision than the policy's (NOTE
-        [ Precision ] in runtime.precision): one global pre-hook that removes itself."""
+        """At the step's first call of one of the model's submodules (the model itself when it has none),
+        refuse a forward in another precision than the policy's (NOTE [ Precision ] in runtime.precision):
+        one global pre-hook that removes itself. Not at the model's own call: accelerate's ``prepare`` (and
+        so the Hugging Face Trainer) puts a forward on the model that enters autocast, which runs after the
+        model's pre-hooks, before its submodules'."""
         handle: torch.utils.hooks.RemovableHandle | None = None
+        below = {id(m) for m in self.model.modules() if m is not self.model} or {id(self.model)}
 
-        def hook(_module: torch.nn.Module, _args: Any) -> None:
+        def hook(module: torch.nn.Module, _args: Any) -> None:
+            if id(module) not in below:
+                return
             assert handle is not None
             handle.remove()
             check_active(self.policy.precision, self.device.type)

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from runtime.precision import TrainStep
-from runtime.vocab import Batch, LossFn
+from runtime.vocab import Batch, LossFn, batch_tensors
 
 _ACTIVE: contextvars.ContextVar[StorageTracker | None] = contextvars.ContextVar("autotune_tracker", default=None)
 
@@ -117,7 +117,7 @@ class IterationMeasurement:
 
 def training_state(model: torch.nn.Module, batch: Batch, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Tensors alive between iterations: parameters, buffers, gradients, optimizer state and the batch."""
-    state: list[torch.Tensor] = [*model.parameters(), *model.buffers(), *batch]
+    state: list[torch.Tensor] = [*model.parameters(), *model.buffers(), *batch_tensors(batch)]
     state += [p.grad for p in model.parameters() if p.grad is not None]
     state += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return state

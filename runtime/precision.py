@@ -7,8 +7,9 @@ autocast until its region ends; fp32 inputs of matmuls), matmuls and convolution
 rate of their dtype (``runtime.hardware.compute_class_for`` reads each op's dtype), and fp16 needs a
 ``torch.amp.GradScaler`` (its loss scaling is one more op per step and its unscale one more pass over the
 gradients). The trace records all of it by running the iteration under the same autocast; a policy records
-its precision, and both ``Policy.check_against`` and the runtime (at the first saved tensor of each step,
-from autocast's state) refuse a run in another precision.
+its precision, and both ``Policy.check_against`` and the runtime (at the first call of one of the model's
+submodules in each step, from autocast's state: accelerate enters autocast inside the model's own forward)
+refuse a run in another precision.
 
 ``TrainStep`` is the one place the forward, backward and optimizer step of an iteration are written, for
 the tracer, the measurements and ``autotune train`` alike.

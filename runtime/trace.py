@@ -71,7 +71,7 @@ from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, block_paths, parameter
 from runtime.partition import Partition, partitioned
 from runtime.precision import TrainStep
 from runtime.target import fake_trace_choices, trace_key
-from runtime.vocab import Batch, LossFn
+from runtime.vocab import Batch, LossFn, batch_tensors
 from runtime.workload import Candidate, Frame, OpInfo, Phase, TensorInfo, TensorKind, Workload
 
 BuildFn = Callable[[], tuple[torch.nn.Module, Batch, LossFn]]
@@ -534,7 +534,7 @@ def _register_state(
         rec.register(p, TensorKind.PARAMETER)
     for b in model.buffers():
         rec.register(b, TensorKind.BUFFER)
-    for t in batch:
+    for t in batch_tensors(batch):
         rec.register(t, TensorKind.INPUT)
     for state in opt.state.values():
         for v in state.values():

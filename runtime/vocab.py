@@ -6,13 +6,24 @@ environment, the searchers and the model zoo take them from this module."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
-Batch = tuple[torch.Tensor, ...]
-LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
+Batch = tuple[torch.Tensor, ...] | Mapping[str, torch.Tensor]
+"""A tuple of tensors (``module(*batch)``), or a mapping of keyword arguments (``module(**batch)``, as the
+Hugging Face Trainer feeds a model)."""
+# The batch is Any here: each loss knows the one form of batch it is paired with (a tuple's loss unpacks it),
+# and a Callable taking the union would refuse every loss written for one form.
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``loss_fn(module, batch) -> scalar loss``: runs the forward pass and the loss, not the backward."""
+
+
+def batch_tensors(batch: Batch) -> list[torch.Tensor]:
+    """The batch's tensors, in order (a mapping's values in its order)."""
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    return [t for t in values if isinstance(t, torch.Tensor)]
 
 
 class Action(str, enum.Enum):
@@ -72,6 +83,7 @@ __all__ = [
     "Action",
     "Batch",
     "LossFn",
+    "batch_tensors",
     "compressible",
     "itemsize",
 ]

@@ -40,6 +40,26 @@ def make_triple(batch_size: int) -> tuple[nn.Module, tuple[torch.Tensor, ...], o
     return _mlp(), (x, y), cross_entropy_loss
 
 
+class _Keywords(nn.Module):
+    """An MLP called with keyword arguments, as the Trainer calls a model: ``module(x=...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)  # type: ignore[no-any-return]
+
+
+def make_dict(batch_size: int) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """(module, batch) with the batch a dict of keyword arguments; the output has no ``loss``."""
+    return _Keywords(), {"x": torch.randn(batch_size, IN_FEATURES)}
+
+
+def make_bad_dict() -> tuple[nn.Module, dict[str, object]]:
+    return _Keywords(), {"x": torch.randn(2, IN_FEATURES), "mask": [1, 1]}
+
+
 def make_fixed() -> tuple[nn.Module, torch.Tensor]:
     """No batch_size parameter: the factory decides the batch size."""
     return _mlp(), torch.randn(FIXED_BATCH_SIZE, IN_FEATURES)

@@ -315,6 +315,26 @@ def test_factory_under_fake_mode_and_in_bfloat16() -> None:
     assert entry.batch[0].dtype == torch.bfloat16 and entry.batch[1].dtype == torch.int64
 
 
+def test_factory_with_a_dict_batch_calls_the_module_with_keywords() -> None:
+    entry = build_model(f"{FIXTURES}:make_dict", batch_size=4)
+    assert entry.batch_size == 4 and list(entry.batch) == ["x"]
+    loss = train_step(entry)
+    torch.testing.assert_close(loss, entry.module(**entry.batch).float().square().mean())  # no .loss: stand-in
+
+
+def test_factory_with_a_dict_batch_and_a_loss_in_the_output_trains_on_that_loss() -> None:
+    """A transformers model given its labels, the Trainer's way: the loss is the output's ``.loss``."""
+    entry = build_model("experiments.user_models:hf_causal_lm", batch_size=2, seq_len=8)
+    assert entry.batch_size == 2 and {k: tuple(t.shape) for k, t in entry.batch.items()} == {
+        "input_ids": (2, 8),
+        "labels": (2, 8),
+    }
+    entry.module.eval()  # dropout off: two forwards compared
+    torch.testing.assert_close(train_step(entry), entry.module(**entry.batch).loss)
+    fake, loss = build_fake("experiments.user_models:hf_causal_lm", batch_size=2, seq_len=8)
+    assert isinstance(fake.batch["input_ids"], FakeTensor) and loss.shape == ()
+
+
 def test_default_loss_rejects_a_non_float_output() -> None:
     entry = build_model(f"{FIXTURES}:make_integer_output")
     with pytest.raises(AutotuneError, match=r"floating-point tensor output.*return \(module, batch, loss_fn\)"):
@@ -352,6 +372,7 @@ def test_default_loss_rejects_a_non_float_output() -> None:
         ),
         (f"{FIXTURES}:make_string", {}, ["make_string returned a str", "(module, batch)"]),
         (f"{FIXTURES}:make_bad_batch", {}, ["batch of type list", "tensor"]),
+        (f"{FIXTURES}:make_bad_dict", {}, ["dict batch with keys ['mask']", "argument names (str) to tensors"]),
         (f"{FIXTURES}:make_fixed", {"batch_size": 8}, ["batch_size=8", "batch of 3", "batch_size=3"]),
         (f"{FIXTURES}:make_fixed", {"seq_len": 4}, ["seq_len=4", "no seq_len parameter"]),
         (f"{FIXTURES}:make_pair", {"config_overrides": {"hidden": 3}}, ["hidden=3", "no hidden parameter"]),
