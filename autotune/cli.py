@@ -182,7 +182,7 @@ def _choose_partition(w: Any, hw: Any, budget_bytes: int, req: Any) -> list[Any]
             highlight=False,
         )
     elif choice.tried:
-        err.print(f"partition: none lowers the floor enough (tried {tried})", highlight=False)
+        err.print(f"partition: none lowers the floor (tried {tried})", highlight=False)
     if choice.partitions and budget_bytes >= choice.floor_bytes:
         err.print("searching both, each for half the time: the budget is above the unpartitioned floor too")
         return [choice.workload, w]

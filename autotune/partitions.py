@@ -19,7 +19,9 @@ NOTE [ Choosing a partition ]
         everything, every block's inside, swap everything: ``autotune.search.frugal_starts``) fits the budget
         is chosen: the fewest slices that a policy certainly fits in. The floor is no guide (admissible, not
         reachable: a residual CNN's two slices lowered it 30% while no policy came within 10% of the budget).
-        None fits: the one whose frugal policy holds least, if below the unpartitioned one's.
+        None fits: among those whose floor is within the budget (a search may still find a policy there), the
+        one whose frugal policy holds least; with none within it, the lowest floor, so that the budget check
+        names the least budget a partition reaches.
     Traces are fake (seconds each); at most 3 per candidate, 2 candidates.
 """
 
@@ -92,7 +94,7 @@ def choose(
     choice = Choice(w, (), [], floor.bytes, frugal_bytes(w, hw))
     if budget_bytes >= WHEN_BELOW * floor.bytes:
         return choice
-    best: tuple[int, Workload, Partition] | None = None
+    traced: list[tuple[int, int, Workload, Partition]] = []  # (floor, frugal peak, workload, partition)
     for frame in candidate_frames(w, floor.op)[:CANDIDATES]:
         for k in SLICES:
             if k > w.batch_size:
@@ -100,15 +102,16 @@ def choose(
             p = Partition(frame.path, k)
             progress(f"tracing {w.model} with {frame.path} in {k} slices")
             pw = trace((p,))
-            frugal = frugal_bytes(pw, hw)
-            choice.tried.append((p, peak_floor(pw, hw).bytes, frugal))
-            if best is None or frugal < best[0]:
-                best = (frugal, pw, p)
+            frugal, pfloor = frugal_bytes(pw, hw), peak_floor(pw, hw).bytes
+            choice.tried.append((p, pfloor, frugal))
+            traced.append((pfloor, frugal, pw, p))
             if frugal <= budget_bytes:
                 choice.workload, choice.partitions = pw, (p,)
                 return choice
-    if best is not None and best[0] < choice.frugal_bytes:
-        choice.workload, choice.partitions = best[1], (best[2],)
+    within = [t for t in traced if t[0] <= budget_bytes]
+    pick = min(within, key=lambda t: t[1]) if within else min(traced, key=lambda t: t[0], default=None)
+    if pick is not None and pick[0] < floor.bytes:
+        choice.workload, choice.partitions = pick[2], (pick[3],)
     return choice
 
 
