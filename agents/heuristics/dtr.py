@@ -38,7 +38,7 @@ import numpy as np
 
 from agents.base import Problem, Proposal, SearchContext, Searcher, register
 from envs.features import CandidateFeatures
-from envs.simulator import Simulator
+from envs.simulator import SimResult, Simulator
 from runtime.vocab import KEEP, RECOMPUTE
 
 _MIN_STALENESS_S = 1e-12  # a tensor touched by the previous op has staleness 0: h = cost / (m * 1e-12)
@@ -180,19 +180,26 @@ class DTR(Searcher):
         dependents = _dependents(feats)
         last_fwd = np.array([c.last_fwd_use for c in problem.workload.candidates], dtype=np.int64)
         last_access_s: list[float] = (sim.op_start_s[last_fwd] + sim.op_s[last_fwd]).tolist()
-        extra = 0
-        while not result.feasible:
-            p = result.peak_op
-            pool = np.flatnonzero((actions == KEEP) & (sim.drop < p) & (p < sim.first_use)).tolist()
-            if not pool:
-                break
-            evicted = actions == RECOMPUTE
+
+        def h_at(c: int, p: int) -> float:
             now_s = float(sim.op_start_s[p])
-            victim = min(
-                pool,
-                key=lambda c: (h_dtr(feats, dependents, evicted, c, now_s - last_access_s[c], int(sim.size[c])), c),
-            )
-            actions[victim] = RECOMPUTE
-            result = problem.evaluate(actions)
-            extra += 1
+            return h_dtr(feats, dependents, actions == RECOMPUTE, c, now_s - last_access_s[c], int(sim.size[c]))
+
+        extra = evict_at_peak(problem, actions, result, h_at)
         return Proposal(actions, note=f"{len(log)} evictions in the replay, {extra} after it")
+
+
+def evict_at_peak(problem: Problem, actions: np.ndarray, result: SimResult, score: Callable[[int, int], float]) -> int:
+    """Where a replay's static policy still exceeds the budget on the simulator, recompute one more kept
+    candidate at a time, the lowest ``score(candidate, peak op)`` among those evictable at the simulated peak,
+    until it fits or none is left. Changes ``actions`` in place; returns how many it added."""
+    sim, extra = problem.simulator, 0
+    while not result.feasible:
+        p = result.peak_op
+        pool = np.flatnonzero((actions == KEEP) & (sim.drop < p) & (p < sim.first_use)).tolist()
+        if not pool:
+            break
+        actions[min(pool, key=lambda c: (score(c, p), c))] = RECOMPUTE
+        result = problem.evaluate(actions)
+        extra += 1
+    return extra

@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 
 from agents.base import Problem, Proposal, SearchContext, Searcher, register
-from agents.heuristics.dtr import dtr_replay
-from runtime.vocab import KEEP, RECOMPUTE
+from agents.heuristics.dtr import dtr_replay, evict_at_peak
+from runtime.vocab import RECOMPUTE
 
 
 @register
@@ -49,17 +49,9 @@ class MegTaiChi(Searcher):
         log = dtr_replay(sim, problem.budget_bytes, score=furthest_next_access)
         actions = problem.keep_all()
         actions[[e.candidate for e in log]] = RECOMPUTE
-        result = problem.evaluate(actions)
         # The replay's reading can differ from the simulator's (closure intermediates held during a
         # recompute): keep evicting by the same rule at the simulated peak until it fits.
-        extra = 0
-        while not result.feasible:
-            p = result.peak_op
-            pool = np.flatnonzero((actions == KEEP) & (sim.drop < p) & (p < sim.first_use)).tolist()
-            if not pool:
-                break
-            victim = min(pool, key=lambda c: (furthest_next_access(c, p, 0.0, actions, actions), c))
-            actions[victim] = RECOMPUTE
-            result = problem.evaluate(actions)
-            extra += 1
+        extra = evict_at_peak(
+            problem, actions, problem.evaluate(actions), lambda c, p: furthest_next_access(c, p, 0.0, actions, actions)
+        )
         return Proposal(actions, note=f"{len(log)} evictions in the replay, {extra} after it")
