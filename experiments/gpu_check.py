@@ -32,6 +32,9 @@ In order, each step bounded in time, the whole run meant to fit in 8 minutes on 
    in step 5: the allocator's model of that setting (A8-A11 in envs/allocator.py) against
    ``max_memory_reserved``, and the model replaying the recorded requests, in ``expandable.json``. The same
    child runs on the CPU as a dry run of its code (``--expandable-child resnet18 --batch 2 --device cpu``).
+7. Partition (runtime/partition.py), as step 4 with ``--partition features/4``: VGG-16 b64 searched within
+   3 GB (below its unpartitioned floor) and trained on the GPU: the slices' planned peak and samples/s
+   against the allocator's and the clock's, in ``partition.json``.
 
 Figures go to stdout and, as JSON fixtures, to ``--out`` (default ``$OUT``, else ``gpu-check/``).
 """
@@ -57,6 +60,7 @@ E2E = [  # model, batch, seq_len, budget
 ]
 TRACED = [(m, b, s) for m, b, s, _ in E2E] + [("bert-base", 8, 512), ("vit_b_16", 32, None)]
 EXPANDABLE = ("resnet50", 64, None)  # step 6: model, batch, seq_len
+PARTITION = ("vgg16", 64, None, "3GB", ["--partition", "features/4"])  # step 7: as E2E, and search's options
 
 
 class Clock:
@@ -93,7 +97,9 @@ def host_costs(out: Path) -> None:
     (out / "host_costs.json").write_text(json.dumps(costs.__dict__, indent=2))
 
 
-def end_to_end(model: str, batch: int, seq: int | None, budget: str, out: Path, clock: Clock) -> dict[str, Any]:
+def end_to_end(
+    model: str, batch: int, seq: int | None, budget: str, out: Path, clock: Clock, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     from runtime.hardware import detect
 
     profile = detect().profile
@@ -105,6 +111,7 @@ def end_to_end(model: str, batch: int, seq: int | None, budget: str, out: Path, 
               "--storage", f"sqlite:///{Path(os.environ.get('TMPDIR', '/tmp')) / 'gpu-check-e2e.db'}"]  # fmt: skip
     if seq:
         search += ["--seq-len", str(seq)]
+    search += list(extra)
     found = run(search, min(120.0, clock.left()))
     if found is None or found.returncode != 0 or not policy.exists():
         return {"error": "search failed"}
@@ -411,6 +418,15 @@ def main() -> None:
             expandable_run(out, clock)
         else:
             print("(no time left for the expandable-segments run)", flush=True)
+        if clock.left() >= 90:
+            model, batch, seq, budget, extra = PARTITION
+            try:
+                row = end_to_end(model, batch, seq, budget, out, clock, tuple(extra))
+                (out / "partition.json").write_text(json.dumps(row, indent=2))
+            except Exception:
+                print(traceback.format_exc(), flush=True)
+        else:
+            print("(no time left for the partition run)", flush=True)
     print(f"\ngpu_check: {time.perf_counter() - clock.start:.0f} s; failures: {failures or 'none'}", flush=True)
     sys.exit(1 if failures else 0)
 
