@@ -295,12 +295,13 @@ def apply_until_fits(
 
 def better(a: SimResult, b: SimResult | None) -> bool:
     """Whether ``a`` beats ``b``: feasible beats infeasible; then higher throughput (both feasible) or
-    lower peak (both not); anything beats None. Strict, so that on ties the one found first stays."""
+    the smaller shortfall (both not: the peak, plus the swapped bytes a bounded host cannot pin); anything
+    beats None. Strict, so that on ties the one found first stays."""
     if b is None:
         return True
     if a.feasible != b.feasible:
         return a.feasible
-    return a.samples_per_s > b.samples_per_s if a.feasible else a.peak_bytes < b.peak_bytes
+    return a.samples_per_s > b.samples_per_s if a.feasible else a.shortfall_bytes < b.shortfall_bytes
 
 
 def best_of(results: Iterable[SearchResult]) -> SearchResult | None:

@@ -123,12 +123,12 @@ def _repair(
                 trial = best.copy()
                 trial[ci] = move
                 r = problem.evaluate(trial, options)
-                if r.peak_bytes < best_result.peak_bytes:
+                if r.shortfall_bytes < best_result.shortfall_bytes:
                     best, best_result, improved = trial, r, True
         for name, value in [("prefetch_lookahead", x) for x in LOOKAHEADS] + [("release_after", x) for x in RELEASES]:
             other = replace(options, **{name: value})  # type: ignore[arg-type]
             r = problem.evaluate(best, other)
-            if r.peak_bytes < best_result.peak_bytes:
+            if r.shortfall_bytes < best_result.shortfall_bytes:
                 options, best_result, improved = other, r, True
         if not improved:
             break

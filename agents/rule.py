@@ -133,7 +133,7 @@ def rule_actions(
         if r.feasible:
             hi, best, best_result = g, a, r
             break
-        if r.peak_bytes < best_result.peak_bytes:
+        if r.shortfall_bytes < best_result.shortfall_bytes:
             best, best_result = a, r
         lo = g
     if hi < 0:

@@ -66,6 +66,14 @@ PrecisionOpt = Annotated[
     str,
     typer.Option("--precision", help="fp32, or mixed precision under torch.autocast: bf16, fp16 (with a GradScaler)."),
 ]
+HostOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--host-memory",
+        help="Host memory swapped tensors may pin (one buffer each, kept across steps): a policy swapping more does "
+        "not fit \\[default: this machine's memory where the plan is for its GPU, else unbounded].",
+    ),
+]
 ReserveOpt = Annotated[
     str | None,
     typer.Option(
@@ -360,6 +368,7 @@ def search(
     ] = None,
     milp: Annotated[bool, typer.Option(help="Also run the MILP solver (exact on a coarsened model).")] = False,
     reserve: ReserveOpt = None,
+    host_memory: HostOpt = None,
     budget_kind: Annotated[
         str,
         typer.Option(
@@ -434,6 +443,7 @@ def search(
     check_kind(budget_kind)
     hw, note = resolve_profile(gpu)
     here = sr.plan_device(hw, device)
+    hw, host_note = sr.with_host_memory(hw, host_memory, here)
     parts = parse_partition_option(partition)
     sliced = bool(parts) or allow_partition
     if sliced and measure:
@@ -459,6 +469,8 @@ def search(
     check_storage(storage)
     plan.echo(err, hw)
     err.print(note)
+    if host_note:
+        err.print(host_note, highlight=False)
     backend = None
     if k:  # the environment's real backend traces the model it will train (NOTE [ Measured search ])
         from autotune.real_backend import real_backend
@@ -561,6 +573,7 @@ def maxbatch(
     start_batch: Annotated[int, typer.Option(help="First batch size tried (then doubled).")] = 16,
     per_size: Annotated[float, typer.Option(help="Seconds of search per batch size.")] = 10.0,
     reserve: ReserveOpt = None,
+    host_memory: HostOpt = None,
     out_path: Annotated[
         Path | None, typer.Option("--out", help="Policy file \\[default: <model>.b<batch>.policy.json].")
     ] = None,
@@ -602,6 +615,7 @@ def maxbatch(
         raise AutotuneError(f"invalid --per-size {per_size}: expected a positive number of seconds, e.g. 10")
     hw, note = resolve_profile(gpu)
     here = sr.plan_device(hw, device)
+    hw, host_note = sr.with_host_memory(hw, host_memory, here)
     if allow_partition and measure:
         raise AutotuneError(
             f"--measure {measure} with --allow-partition: measured searches do not partition yet; drop one of them"
@@ -616,6 +630,8 @@ def maxbatch(
         )
     plan.echo(err, hw)
     err.print(note)
+    if host_note:
+        err.print(host_note, highlight=False)
     req = TraceRequest(
         model=model,
         batch_size=start_batch,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +21,8 @@ from agents.finalists import Finalists
 from autotune.budget import Budget, record_budget
 from autotune.measured import ANSWER, MeasuredSearch, answer_policy
 from autotune.reserved import ROUNDS, ReservedFit, as_result, fit_one, new_pool, scaled_budget
-from autotune.units import format_bytes
-from envs.simulator import Floor, SimResult, Simulator, peak_floor, uniform_actions
+from autotune.units import format_bytes, format_size_echo, parse_size
+from envs.simulator import Floor, SimResult, Simulator, host_fits, peak_floor, uniform_actions
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
 from runtime.policy import Action, Policy, PolicyOptions
@@ -73,6 +74,26 @@ def plan_device(hw: HardwareProfile, device: str | None) -> str | None:
             f"runs: --gpu cpu for this CPU, or the detected GPU's profile (see `autotune hardware`)"
         )
     return device
+
+
+def with_host_memory(hw: HardwareProfile, text: str | None, here: str | None) -> tuple[HardwareProfile, str]:
+    """``--host-memory``: the host memory a plan may pin for swapped tensors (simulator Rule 2, runtime R3),
+    on GPU profiles. Default: this machine's physical memory where the plan is for its GPU, else unbounded
+    (another machine's host is not known). Returns the profile and a line for stderr (empty: nothing to say)."""
+    if not hw.is_gpu:
+        return hw, ""
+    if text is None:
+        if here is None or not here.startswith("cuda"):
+            return hw, ""
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return dataclasses.replace(hw, host_memory_bytes=total), (
+            f"swapped tensors may pin up to this machine's {format_bytes(total)} of host memory (--host-memory)"
+        )
+    try:
+        n = parse_size(text)
+    except AutotuneError as e:
+        raise AutotuneError(f"--host-memory: {e}") from None
+    return dataclasses.replace(hw, host_memory_bytes=n), f"swapped tensors may pin up to {format_size_echo(text, n)}"
 
 
 def measure_count(measure: int | None, device: str | None, hw: HardwareProfile) -> int:
@@ -478,7 +499,7 @@ def render(out: Console, outcome: SearchOutcome) -> None:
         t.add_row(
             label,
             format_bytes(r.peak_bytes),
-            "yes" if r.peak_bytes <= p.budget_bytes else "no",
+            "yes" if r.peak_bytes <= p.budget_bytes and host_fits(p.hardware, r.d2h_bytes) else "no",
             f"{r.iter_s * 1e3:.1f} ms",
             f"{r.samples_per_s:,.1f}",
             f"{base.samples_per_s / r.samples_per_s - 1:+.1%}",
@@ -592,6 +613,14 @@ def no_answer(outcome: SearchOutcome) -> str:
             + "or plan for tensors alone with --budget-kind allocated"
         )
     floor = budget_floor(p)
+    if f.result.peak_bytes <= p.budget_bytes and f.result.host_over_bytes:
+        host = p.hardware.host_memory_bytes or 0
+        return (
+            f"no policy found within {format_bytes(p.budget_bytes)} that swaps no more than the "
+            f"{format_bytes(host)} of host memory it may pin: the closest fits the device but swaps "
+            f"{format_bytes(f.result.d2h_bytes)} ({f.searcher}); nothing written to {outcome.policy_path}; raise "
+            "--host-memory if the host has more, search longer (--timeout), or lower --batch-size"
+        )
     return (
         f"no policy found within {format_bytes(p.budget_bytes)}: the lowest peak reached is "
         f"{format_bytes(f.result.peak_bytes)} ({f.searcher}; no policy can go below {format_bytes(floor)}); "

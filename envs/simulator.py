@@ -13,7 +13,9 @@ Rule 2 (memory). Memory is counted per op: the live bytes *during* op i are all 
     interval [first, last] contains i; every allocation is rounded up to ``alloc_granularity_bytes``. Tensors
     that are not candidates keep their traced intervals [alloc_op, free_op]. An op's workspace (cuDNN,
     cuBLAS; measured by real CUDA traces) is live during that op alone. The peak is the maximum over ops;
-    the policy is feasible when the peak is within the budget.
+    the policy is feasible when the peak is within the budget and, on a profile that bounds its host's
+    memory (``host_memory_bytes``), the swapped bytes are within that: the runtime keeps one pinned host
+    buffer per swapped tensor across iterations (runtime R3).
 Rule 3 (keep). A kept candidate lives [producer, free_op], as traced.
 Rule 4 (swap out). A swapped candidate's D2H copy is issued when op ``save_op`` ends (the pack hook: its
     value is final) and starts when the compute stream has finished that op and the D2H stream is free. Its
@@ -142,12 +144,30 @@ class SimResult:
     host_s: float = 0.0  # the host's busy time (Rule 12): issuing ops and the runtime's own work
     overhead_s: float = 0.0  # ... of which the runtime's own work (hooks, copies, regions, recorder, replays)
     regions: int = 0  # module calls recomputed under torch.utils.checkpoint (Rule 11)
+    host_over_bytes: int = 0  # swapped bytes beyond the profile's host_memory_bytes (Rule 2); 0 within it
+
+    @property
+    def shortfall_bytes(self) -> int:
+        """How far an infeasible policy is from fitting, for searches that compare them: its peak plus the
+        swapped bytes its host cannot pin (Rule 2)."""
+        return self.peak_bytes + self.host_over_bytes
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if self.timeline is None:
             d.pop("timeline")
         return d
+
+
+def host_over(hw: HardwareProfile, swapped_bytes: int) -> int:
+    """Rule 2's host side: the swapped tensors' pinned bytes beyond what the profile's host holds (0: fits)."""
+    if hw.host_memory_bytes is None or not hw.is_gpu:
+        return 0
+    return max(0, swapped_bytes - hw.host_memory_bytes)
+
+
+def host_fits(hw: HardwareProfile, swapped_bytes: int) -> bool:
+    return host_over(hw, swapped_bytes) == 0
 
 
 def _as_vector(w: Workload, policy: Policy | Sequence[int] | np.ndarray) -> np.ndarray:
@@ -1018,13 +1038,14 @@ class Simulator:
             stall_s=stall_s + (float(self.d2h_s[swp].sum()) if sync else 0.0),
             d2h_bytes=swapped_bytes,
             h2d_bytes=0 if sync else swapped_bytes,
-            feasible=budget_bytes is None or peak <= budget_bytes,
+            feasible=(budget_bytes is None or peak <= budget_bytes) and host_fits(hw, swapped_bytes),
             budget_bytes=budget_bytes,
             peak_op=peak_op,
             timeline=self._timeline(hx, dx, floors, live) if timeline else None,
             host_s=host_total,
             overhead_s=overhead_s,
             regions=len(regions),
+            host_over_bytes=host_over(hw, swapped_bytes),
         )
 
     def _packed_f(self, dtype: str, packed: np.ndarray) -> np.ndarray:

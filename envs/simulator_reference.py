@@ -34,7 +34,7 @@ def simulate_reference(
 ):  # type: ignore[no-untyped-def]
     """One iteration under ``actions``. ``allocations``, when given, receives every allocation and free of
     Rule 2's accounting in the order the walk makes them (envs.allocator.policy_requests replays them)."""
-    from envs.simulator import SimResult  # the result type only
+    from envs.simulator import SimResult, host_fits, host_over  # the result type and the host side of Rule 2
 
     options = options or PolicyOptions()
     n, g = len(w.ops), hw.alloc_granularity_bytes
@@ -389,13 +389,14 @@ def simulate_reference(
         stall_s=stats["stall"],
         d2h_bytes=swapped,
         h2d_bytes=swapped if gpu else 0,
-        feasible=budget_bytes is None or peak <= budget_bytes,
+        feasible=(budget_bytes is None or peak <= budget_bytes) and host_fits(hw, swapped),
         budget_bytes=budget_bytes,
         peak_op=timeline.index(peak),
         timeline={"op_start_s": starts, "live_bytes": [float(b) for b in timeline]},
         host_s=clock["busy"],
         overhead_s=overhead,
         regions=len(regions),
+        host_over_bytes=host_over(hw, swapped),
     )
 
 

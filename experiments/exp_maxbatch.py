@@ -19,6 +19,7 @@ to 7x for BERT; Checkmate up to 5.1x larger inputs). Simulator figures, on the p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 import tempfile
@@ -41,6 +42,7 @@ from headline_common import (
 from autotune.budget import DEFAULT_GPU_RESERVE
 from autotune.maxbatch import MaxBatch
 from autotune.partitions import choose
+from autotune.units import parse_size
 from runtime.hardware import get_profile
 
 HEADER = [
@@ -79,6 +81,9 @@ def main() -> None:
         help="each size partitions a submodule where the budget is below its floor (maxbatch --allow-partition); "
         "the heuristics then plan the same partitioned model",
     )
+    ap.add_argument(
+        "--host-memory", default=None, help="host memory swapped tensors may pin, e.g. 64GiB (default: unbounded)"
+    )
     args = ap.parse_args()
     draw = functools.partial(plot, max_slowdown=args.max_slowdown)
     if args.replot:
@@ -87,6 +92,8 @@ def main() -> None:
     rows: list[dict[str, object]] = []
     for profile in args.profiles.split(","):
         hw = get_profile(profile)
+        if args.host_memory:  # simulator Rule 2's host side
+            hw = dataclasses.replace(hw, host_memory_bytes=parse_size(args.host_memory))
         planned = hw.memory_bytes - DEFAULT_GPU_RESERVE
         for model in args.models:
             row = run_cell(model, hw, planned, args)

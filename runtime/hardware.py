@@ -117,6 +117,10 @@ class HardwareProfile:
     # CUDA compute capability (major, minor): which fused kernels the GPU runs, as a fake trace for it takes
     # them (NOTE [ GPU-faithful fake traces ] in runtime/target.py). None: not a GPU, or not known.
     compute_capability: tuple[int, int] | None = None
+    # Host memory the runtime may pin for swapped tensors: it keeps one pinned buffer per swapped key across
+    # iterations (runtime R3), so a policy swapping more bytes than this does not fit (simulator Rule 2).
+    # None: not bounded (a plan for another machine, whose host is not known).
+    host_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         # Profiles can come from a user's JSON file, so bad values are user errors, not assertions.
@@ -150,6 +154,11 @@ class HardwareProfile:
         object.__setattr__(self, "flops_per_s", types.MappingProxyType(rates))
         if not isinstance(self.is_gpu, bool):
             raise AutotuneError(f"{where}: is_gpu={self.is_gpu!r}, expected true or false")
+        host_bytes = self.host_memory_bytes
+        if host_bytes is not None and (type(host_bytes) is not int or host_bytes <= 0):
+            raise AutotuneError(
+                f"{where}: host_memory_bytes={host_bytes!r}, expected a positive whole number of bytes or null"
+            )
         if isinstance(self.host, Mapping):  # from a JSON file
             try:
                 object.__setattr__(self, "host", HostCosts(**self.host))

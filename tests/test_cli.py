@@ -244,3 +244,15 @@ def test_train_expandable_segments_is_set_before_cuda_initialises(
     assert "use --device cuda" in user_error(capsys, *args, "--device", "cpu")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert "CUDA is already initialised" in user_error(capsys, *args, "--device", "cuda")
+
+
+def test_host_memory_option(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--host-memory is checked before any work (exit 2, one line), and echoed where it bounds a GPU plan."""
+    line = user_error(capsys, "search", "--model", "resnet18", "--budget", "1GB", "--gpu", "a100-40gb",
+                      "--host-memory", "0", "--out", str(tmp_path / "p.json"))  # fmt: skip
+    assert line.startswith("error: --host-memory: invalid size '0'")
+    code, _, err = run(capsys, "search", "--model", "resnet18", "--batch-size", "2", "--budget", "10GB", "--gpu",
+                       "a100-40gb", "--host-memory", "8GB", "--timeout", "2", "--out", str(tmp_path / "p.json"),
+                       "--storage", f"sqlite:///{tmp_path / 's.db'}")  # fmt: skip
+    assert code == 0, err
+    assert "swapped tensors may pin up to 8GB = 8,000,000,000 bytes" in err

@@ -426,3 +426,14 @@ def test_calibration_does_not_take_a_slow_first_call_for_the_rate() -> None:
     assert _best_time_s(first_slow, 0.01) < 0.02 and len(calls) == 2
     slow: list[int] = []
     assert _best_time_s(lambda: (time.sleep(0.02), slow.append(1)), 0.01) >= 0.02 and len(slow) == 2
+
+
+def test_host_memory_bound_is_a_positive_size_or_none() -> None:
+    a100 = hardware.get_profile("a100-40gb")
+    assert a100.host_memory_bytes is None  # built-in profiles: another machine's host is not known
+    import dataclasses
+
+    assert dataclasses.replace(a100, host_memory_bytes=2**36).host_memory_bytes == 2**36
+    for bad in (0, -1, 1.5, True, "64GB"):
+        with pytest.raises(hardware.AutotuneError, match=r"host_memory_bytes=.*positive whole number of bytes or null"):
+            dataclasses.replace(a100, host_memory_bytes=bad)

@@ -3,9 +3,12 @@ no-policy peak of the trace. Rule numbers refer to NOTE [ Simulator semantics ] 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
+from agents.base import Problem, SearchContext, get_searcher
 from envs.simulator import Floor, Simulator, peak_floor, simulate, uniform_actions
 from envs.simulator_reference import simulate_reference
 from runtime.hardware import get_profile
@@ -250,7 +253,7 @@ def _random_policies(k: int, count: int, seed: int) -> list[tuple[np.ndarray, Po
 
 
 def _assert_same(fast, ref) -> None:  # type: ignore[no-untyped-def]
-    for name in ("peak_bytes", "peak_op", "d2h_bytes", "h2d_bytes", "regions"):
+    for name in ("peak_bytes", "peak_op", "d2h_bytes", "h2d_bytes", "regions", "host_over_bytes", "feasible"):
         assert getattr(fast, name) == getattr(ref, name), name
     for name in ("iter_s", "recompute_s", "compress_s", "stall_s", "host_s", "overhead_s"):
         assert getattr(fast, name) == pytest.approx(getattr(ref, name), rel=1e-9, abs=1e-15), name
@@ -353,3 +356,24 @@ def test_gradient_accumulation_runs_micro_batches_k_times_and_the_step_once(acti
     ref = simulate_reference(w, fixed_profile(), acts)
     assert ref.peak_bytes == r.peak_bytes
     assert (ref.iter_s, ref.samples_per_s) == pytest.approx((r.iter_s, r.samples_per_s), rel=1e-9)
+
+
+def test_swapped_bytes_beyond_the_host_memory_do_not_fit() -> None:
+    """Rule 2's host side: the runtime pins one host buffer per swapped tensor (R3), so on a profile bounding
+    its host memory a policy that swaps more is infeasible however low its device peak, by exactly the excess;
+    the reference agrees, a CPU profile (one memory) ignores the bound, and the search answers within it."""
+    w = chain_workload(8, 1000, 1e-3)
+    swap_all = [SWAP] * 8
+    hw = dataclasses.replace(fixed_profile(), host_memory_bytes=5000)
+    r = Simulator(w, hw).run(swap_all, budget_bytes=10**9)
+    assert r.d2h_bytes == 8000 and r.host_over_bytes == 3000 and not r.feasible
+    assert r.shortfall_bytes == r.peak_bytes + 3000
+    _assert_same(r, simulate_reference(w, hw, swap_all, budget_bytes=10**9))
+    unbounded = Simulator(w, fixed_profile()).run(swap_all, budget_bytes=10**9)
+    assert unbounded.feasible and unbounded.host_over_bytes == 0 and unbounded.peak_bytes == r.peak_bytes
+    cpu = dataclasses.replace(fixed_profile(is_gpu=False), host_memory_bytes=5000)
+    assert Simulator(w, cpu).run(swap_all, budget_bytes=10**9).feasible
+    # Five of eight swapped fit the host exactly; a search within a tight device budget stays within both.
+    budget = Simulator(w, hw).run([SWAP] * 5 + [RECOMPUTE] * 3, budget_bytes=10**9).peak_bytes
+    found = get_searcher("portfolio").search(Problem(w, hw, budget), SearchContext(time_limit_s=3))
+    assert found.feasible and found.result.d2h_bytes <= 5000 and found.result.peak_bytes <= budget

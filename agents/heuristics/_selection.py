@@ -60,15 +60,15 @@ def minor_outputs(w: Workload) -> np.ndarray:
 
 def better(a: Plan, b: Plan | None) -> bool:
     """Is ``a`` better than ``b``: feasible beats infeasible; among feasible plans the faster (then the
-    smaller peak); among infeasible ones the smaller peak. Ties keep ``b``, the earlier, so the choice is
-    deterministic."""
+    smaller peak); among infeasible ones the smaller shortfall (the peak, and host bytes over its bound). Ties
+    keep ``b``, the earlier, so the choice is deterministic."""
     if b is None:
         return True
     if a.result.feasible != b.result.feasible:
         return a.result.feasible
     if a.result.feasible:
         return (a.result.iter_s, a.result.peak_bytes) < (b.result.iter_s, b.result.peak_bytes)
-    return a.result.peak_bytes < b.result.peak_bytes
+    return a.result.shortfall_bytes < b.result.shortfall_bytes
 
 
 def best_plan(plans: Iterable[Plan]) -> Plan:
