@@ -296,6 +296,12 @@ def baselines(
     allow_compress: Annotated[bool, typer.Option(help="Let methods propose compression (lossy).")] = False,
     time_limit: Annotated[float, typer.Option(help="Seconds each exact solver may take.")] = 30.0,
     reserve: ReserveOpt = None,
+    partition: Annotated[
+        str | None, typer.Option(help="Run these submodules on slices of the batch, MODULE/SLICES (as search).")
+    ] = None,
+    allow_partition: Annotated[
+        bool, typer.Option(help="Partition where the budget lies below the unpartitioned floor (as search).")
+    ] = False,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
     precision: PrecisionOpt = "fp32",
     grad_accum: AccumOpt = 1,
@@ -312,20 +318,24 @@ def baselines(
     methods = bl.select_methods(only)
     hw, note = resolve_profile(gpu)
     plan = plan_budget(budget, reserve, hw)
+    parts = parse_partition_option(partition)
     if not as_json:
         plan.echo(err, hw)
         err.print(note)
-    w, _ = _trace(
-        TraceRequest(
-            model=model,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            optimizer=optimizer,
-            precision=precision,
-            grad_accum=grad_accum,
-            target=hw,
-        )
+    req = TraceRequest(
+        model=model,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        optimizer=optimizer,
+        precision=precision,
+        grad_accum=grad_accum,
+        target=hw,
+        partitions=parts,
     )
+    w, _ = _trace(req)
+    if allow_partition and not parts:
+        # The methods compare on one model: the unpartitioned one where the budget is above its floor.
+        w = _choose_partition(w, hw, plan.planned_bytes, req)[-1]
     problem = sr.planned_problem(w, hw, plan, allow_compress=allow_compress)
     results = bl.run_baselines(problem, SearchContext(time_limit_s=time_limit), methods, err)
     table = bl.rows(problem, results)

@@ -295,3 +295,17 @@ def test_maxbatch_with_partition_trains_larger_batches() -> None:
     best = {r.batch_size: r for r in sliced.tried}[sliced.max_batch]
     assert best.found is not None and best.found.policy.partitions and best.found.result.peak_bytes <= planned
     assert peak_floor(trace(plain.max_batch + 1), hw).bytes > planned  # the floor, not the search, stopped it
+
+
+def test_baselines_compare_on_the_chosen_partition(capsys: pytest.CaptureFixture[str]) -> None:
+    """autotune baselines --allow-partition: below the unpartitioned floor the methods run on the chosen slices
+    (said on stderr); the same budget without it is refused before any method runs (exit 2)."""
+    code, out, err = run(capsys, "profile", "--model", CNN, "--gpu", "a100-40gb", "--json")
+    assert code == 0, err
+    budget = str(int(json.loads(out)["peak_bytes"] * 0.5) + (128 << 20))  # half the peak, planned
+    args = ("baselines", "--model", CNN, "--gpu", "a100-40gb", "--budget", budget, "--only", "megtaichi,dtr")
+    assert "--allow-partition" in user_error(capsys, *args)
+    code, out, err = run(capsys, *args, "--allow-partition", "--json")
+    assert code == 0, err
+    assert "partition: blocks/" in err
+    assert {row["method"] for row in json.loads(out)} == {"megtaichi", "dtr"}
