@@ -165,20 +165,11 @@ def parse_partition_option(text: str | None) -> tuple[Any, ...]:
 def _choose_partition(w: Any, hw: Any, budget_bytes: int, req: Any) -> list[Any]:
     """--allow-partition: NOTE [ Choosing a partition ] in autotune/partitions.py, said on stderr. The
     workloads to search: the chosen one, then the unpartitioned one where the budget is above its floor."""
-    import dataclasses
-
     from autotune import search as sr
-    from autotune.partitions import choose
-    from autotune.workloads import trace_model
+    from autotune.partitions import choose, retracer
 
     with err.status("choosing a partition…", spinner="dots") as status:
-        choice = choose(
-            w,
-            hw,
-            budget_bytes,
-            lambda ps: trace_model(dataclasses.replace(req, partitions=ps))[0],
-            progress=lambda msg: status.update(msg),
-        )
+        choice = choose(w, hw, budget_bytes, retracer(req), progress=lambda msg: status.update(msg))
     tried = "; ".join(
         f"{p}: floor {sr.format_bytes(f)}, frugal policy {sr.format_bytes(g)}" for p, f, g in choice.tried
     )
@@ -199,14 +190,10 @@ def _choose_partition(w: Any, hw: Any, budget_bytes: int, req: Any) -> list[Any]
 
 def _partitioner(hw: Any, budget_bytes: int, req: Any) -> Any:
     """maxbatch --allow-partition: each size's workload, partitioned where NOTE [ Choosing a partition ] says."""
-    import dataclasses
-
-    from autotune.partitions import choose
-    from autotune.workloads import trace_model
+    from autotune.partitions import choose, retracer
 
     def partition(w: Any) -> Any:
-        size = dataclasses.replace(req, batch_size=w.batch_size)
-        return choose(w, hw, budget_bytes, lambda ps: trace_model(dataclasses.replace(size, partitions=ps))[0]).workload
+        return choose(w, hw, budget_bytes, retracer(dataclasses.replace(req, batch_size=w.batch_size))).workload
 
     return partition
 

@@ -165,6 +165,7 @@ class MaxBatch:
         self.results: dict[int, SizeResult] = {}
         self._workloads: dict[int, Workload] = {}  # what each size is planned on
         self._plain: dict[int, Workload] = {}  # unpartitioned: what no policy runs
+        self._no_policy: dict[int, SimResult] = {}
         self._problems: dict[int, Problem] = {}
         self._baselines: dict[int, tuple[SimResult, list[SearchResult]]] = {}  # per size: no policy, baselines
         self._last_fit: SizeResult | None = None
@@ -178,12 +179,14 @@ class MaxBatch:
         return self._workloads[b]
 
     def no_policy(self, b: int) -> SimResult:
-        """No policy at ``b``, on the unpartitioned model."""
-        self.workload(b)
-        problem = self._problem(b)
-        if self._plain[b] is not problem.workload:
-            problem = Problem(self._plain[b], self.hw, self.planned)
-        return problem.simulator.run(problem.keep_all(), budget_bytes=self.planned)
+        """No policy at ``b``, on the unpartitioned model (simulated once per size)."""
+        if b not in self._no_policy:
+            self.workload(b)
+            problem = self._problem(b)
+            if self._plain[b] is not problem.workload:
+                problem = Problem(self._plain[b], self.hw, self.planned)
+            self._no_policy[b] = problem.simulator.run(problem.keep_all(), budget_bytes=self.planned)
+        return self._no_policy[b]
 
     def no_policy_fits(self, b: int) -> bool:
         self.workload(b)

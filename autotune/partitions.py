@@ -27,14 +27,19 @@ NOTE [ Choosing a partition ]
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from envs.simulator import Simulator, peak_floor
 from runtime.hardware import HardwareProfile
 from runtime.keys import OUTSIDE, ROOT
 from runtime.partition import Partition
 from runtime.workload import Frame, Workload
+
+if TYPE_CHECKING:
+    from autotune.workloads import TraceRequest
 
 WHEN_BELOW = 1.1  # C1: partitions are tried where the budget is below this times the floor
 SLICES = (2, 4, 8)  # C3
@@ -113,6 +118,13 @@ def choose(
     if pick is not None and pick[0] < floor.bytes:
         choice.workload, choice.partitions = pick[2], (pick[3],)
     return choice
+
+
+def retracer(req: TraceRequest) -> Callable[[tuple[Partition, ...]], Workload]:
+    """``choose``'s ``trace`` for the commands: ``req``'s model traced again with the partitions asked for."""
+    from autotune.workloads import trace_model
+
+    return lambda parts: trace_model(dataclasses.replace(req, partitions=parts))[0]
 
 
 def frugal_bytes(w: Workload, hw: HardwareProfile) -> int:

@@ -22,7 +22,7 @@ from autotune.budget import Budget, record_budget
 from autotune.measured import ANSWER, MeasuredSearch, answer_policy
 from autotune.reserved import ROUNDS, ReservedFit, as_result, fit_one, new_pool, scaled_budget
 from autotune.units import format_bytes, format_size_echo, parse_size
-from envs.simulator import Floor, SimResult, Simulator, host_fits, peak_floor, uniform_actions
+from envs.simulator import Floor, SimResult, Simulator, peak_floor, uniform_actions
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
 from runtime.policy import Action, Policy, PolicyOptions
@@ -499,7 +499,7 @@ def render(out: Console, outcome: SearchOutcome) -> None:
         t.add_row(
             label,
             format_bytes(r.peak_bytes),
-            "yes" if r.peak_bytes <= p.budget_bytes and host_fits(p.hardware, r.d2h_bytes) else "no",
+            "yes" if r.peak_bytes <= p.budget_bytes and not r.host_over_bytes else "no",
             f"{r.iter_s * 1e3:.1f} ms",
             f"{r.samples_per_s:,.1f}",
             f"{base.samples_per_s / r.samples_per_s - 1:+.1%}",

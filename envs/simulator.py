@@ -166,10 +166,6 @@ def host_over(hw: HardwareProfile, swapped_bytes: int) -> int:
     return max(0, swapped_bytes - hw.host_memory_bytes)
 
 
-def host_fits(hw: HardwareProfile, swapped_bytes: int) -> bool:
-    return host_over(hw, swapped_bytes) == 0
-
-
 def _as_vector(w: Workload, policy: Policy | Sequence[int] | np.ndarray) -> np.ndarray:
     if isinstance(policy, Policy):
         return policy.to_vector(w)
@@ -1027,6 +1023,7 @@ class Simulator:
         peak_op = int(np.argmax(live))
         peak = int(live[peak_op])
         swapped_bytes = int(self.nbytes[swp].sum())
+        over = host_over(hw, swapped_bytes)
         host_total = hcl[-1] + host_dyn
         return SimResult(
             peak_bytes=peak,
@@ -1038,14 +1035,14 @@ class Simulator:
             stall_s=stall_s + (float(self.d2h_s[swp].sum()) if sync else 0.0),
             d2h_bytes=swapped_bytes,
             h2d_bytes=0 if sync else swapped_bytes,
-            feasible=(budget_bytes is None or peak <= budget_bytes) and host_fits(hw, swapped_bytes),
+            feasible=(budget_bytes is None or peak <= budget_bytes) and not over,
             budget_bytes=budget_bytes,
             peak_op=peak_op,
             timeline=self._timeline(hx, dx, floors, live) if timeline else None,
             host_s=host_total,
             overhead_s=overhead_s,
             regions=len(regions),
-            host_over_bytes=host_over(hw, swapped_bytes),
+            host_over_bytes=over,
         )
 
     def _packed_f(self, dtype: str, packed: np.ndarray) -> np.ndarray:

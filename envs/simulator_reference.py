@@ -34,7 +34,7 @@ def simulate_reference(
 ):  # type: ignore[no-untyped-def]
     """One iteration under ``actions``. ``allocations``, when given, receives every allocation and free of
     Rule 2's accounting in the order the walk makes them (envs.allocator.policy_requests replays them)."""
-    from envs.simulator import SimResult, host_fits, host_over  # the result type and the host side of Rule 2
+    from envs.simulator import SimResult, host_over  # the result type and the host side of Rule 2
 
     options = options or PolicyOptions()
     n, g = len(w.ops), hw.alloc_granularity_bytes
@@ -379,6 +379,7 @@ def simulate_reference(
     iter_s = end if w.grad_accum == 1 else w.grad_accum * (end - t_opt_dev) + t_opt_dev
     peak = max(timeline)
     swapped = sum(c.nbytes for ci, c in enumerate(cands) if act[ci] == SWAP)
+    over = host_over(hw, swapped)
     return SimResult(
         peak_bytes=peak,
         iter_s=iter_s,
@@ -389,14 +390,14 @@ def simulate_reference(
         stall_s=stats["stall"],
         d2h_bytes=swapped,
         h2d_bytes=swapped if gpu else 0,
-        feasible=(budget_bytes is None or peak <= budget_bytes) and host_fits(hw, swapped),
+        feasible=(budget_bytes is None or peak <= budget_bytes) and not over,
         budget_bytes=budget_bytes,
         peak_op=timeline.index(peak),
         timeline={"op_start_s": starts, "live_bytes": [float(b) for b in timeline]},
         host_s=clock["busy"],
         overhead_s=overhead,
         regions=len(regions),
-        host_over_bytes=host_over(hw, swapped),
+        host_over_bytes=over,
     )
 
 

@@ -80,11 +80,11 @@ def parse_partitions(items: Sequence[Any] | None) -> tuple[Partition, ...]:
 
 
 def batch_coupled(module: torch.nn.Module) -> str | None:
-    """The path (below ``module``) of a submodule whose output couples the samples of a batch in training
-    (Q3), or None."""
+    """The path below ``module`` ("" for itself) of a submodule whose output couples the samples of a batch
+    in training (Q3), or None."""
     for name, m in module.named_modules():
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training:
-            return name or "(itself)"
+            return name
     return None
 
 
@@ -115,8 +115,9 @@ def check_partitions(model: torch.nn.Module, partitions: Sequence[Partition]) ->
     for p in partitions:
         coupled = batch_coupled(model.get_submodule(p.module))
         if coupled is not None:
+            where = f"{p.module}.{coupled}" if coupled else p.module
             raise AutotuneError(
-                f"partition of {p.module!r}: {p.module}.{coupled} is a BatchNorm in training mode, whose "
+                f"partition of {p.module!r}: {where} is a BatchNorm in training mode, whose "
                 "statistics span the batch, so slices would change the results (NOTE [ Partition ] Q3); "
                 "partition a module without one"
             )

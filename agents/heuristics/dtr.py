@@ -181,25 +181,28 @@ class DTR(Searcher):
         last_fwd = np.array([c.last_fwd_use for c in problem.workload.candidates], dtype=np.int64)
         last_access_s: list[float] = (sim.op_start_s[last_fwd] + sim.op_s[last_fwd]).tolist()
 
-        def h_at(c: int, p: int) -> float:
-            now_s = float(sim.op_start_s[p])
-            return h_dtr(feats, dependents, actions == RECOMPUTE, c, now_s - last_access_s[c], int(sim.size[c]))
+        def h_at(p: int) -> Callable[[int], float]:
+            evicted, now_s = actions == RECOMPUTE, float(sim.op_start_s[p])
+            return lambda c: h_dtr(feats, dependents, evicted, c, now_s - last_access_s[c], int(sim.size[c]))
 
         extra = evict_at_peak(problem, actions, result, h_at)
         return Proposal(actions, note=f"{len(log)} evictions in the replay, {extra} after it")
 
 
-def evict_at_peak(problem: Problem, actions: np.ndarray, result: SimResult, score: Callable[[int, int], float]) -> int:
+def evict_at_peak(
+    problem: Problem, actions: np.ndarray, result: SimResult, scorer: Callable[[int], Callable[[int], float]]
+) -> int:
     """Where a replay's static policy still exceeds the budget on the simulator, recompute one more kept
-    candidate at a time, the lowest ``score(candidate, peak op)`` among those evictable at the simulated peak,
-    until it fits or none is left. Changes ``actions`` in place; returns how many it added."""
+    candidate at a time, the lowest ``scorer(peak op)(candidate)`` among those evictable at the simulated
+    peak, until it fits or none is left. Changes ``actions`` in place; returns how many it added."""
     sim, extra = problem.simulator, 0
     while not result.feasible:
         p = result.peak_op
         pool = np.flatnonzero((actions == KEEP) & (sim.drop < p) & (p < sim.first_use)).tolist()
         if not pool:
             break
-        actions[min(pool, key=lambda c: (score(c, p), c))] = RECOMPUTE
+        score = scorer(p)
+        actions[min(pool, key=lambda c: (score(c), c))] = RECOMPUTE
         result = problem.evaluate(actions)
         extra += 1
     return extra

@@ -41,10 +41,11 @@ class MegTaiChi(Searcher):
     def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         sim = problem.simulator
         cost_per_byte = np.asarray(sim.features.recompute_s, dtype=float) / np.maximum(1, sim.size)
+        tie = 1e-3 * cost_per_byte / (cost_per_byte.max() or 1.0)  # below one op of distance: breaks ties only
 
         def furthest_next_access(c: int, i: int, _now_s: float, _evicted: np.ndarray, _last: np.ndarray) -> float:
             # Lower is evicted sooner: the furthest first backward use, then the cheapest to recompute.
-            return -float(sim.first_use[c] - i) + 1e-3 * float(cost_per_byte[c] / (cost_per_byte.max() or 1.0))
+            return -float(sim.first_use[c] - i) + float(tie[c])
 
         log = dtr_replay(sim, problem.budget_bytes, score=furthest_next_access)
         actions = problem.keep_all()
@@ -52,6 +53,9 @@ class MegTaiChi(Searcher):
         # The replay's reading can differ from the simulator's (closure intermediates held during a
         # recompute): keep evicting by the same rule at the simulated peak until it fits.
         extra = evict_at_peak(
-            problem, actions, problem.evaluate(actions), lambda c, p: furthest_next_access(c, p, 0.0, actions, actions)
+            problem,
+            actions,
+            problem.evaluate(actions),
+            lambda p: lambda c: furthest_next_access(c, p, 0.0, actions, actions),
         )
         return Proposal(actions, note=f"{len(log)} evictions in the replay, {extra} after it")
