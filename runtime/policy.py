@@ -208,6 +208,14 @@ class Policy:
 
         return applied(self, model, strict=strict)
 
+    def compiled(self, model: Any, *, backend: Any = "inductor", strict: bool = True, **compile_kwargs: Any) -> Any:
+        """``torch.compile`` of ``model`` under this policy: keep and recompute through selective activation
+        checkpointing, decided when the compiler traces (runtime.compiled, NOTE [ Compiled policies ]). Swap,
+        compression and partitions are refused unless ``strict=False`` (then kept, and reported)."""
+        from runtime.compiled import CompiledModel
+
+        return CompiledModel(self, model, backend=backend, strict=strict, **compile_kwargs)
+
     # -- construction ------------------------------------------------------------------------------------
     @classmethod
     def from_vector(

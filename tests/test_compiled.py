@@ -1,0 +1,232 @@
+"""A policy under torch.compile (runtime/compiled.py, NOTE [ Compiled policies ]): keys mapped to the ops the
+compiler traces; gradients and BatchNorm statistics bit-identical to the compiled run without a policy; the
+compiled graph saves what the policy keeps; its measured peak equals the eager runtime's under the same
+policy; swap, compression and partitions refused with a one-line reason (or kept and reported). The CPU runs
+them with the ``aot_eager`` backend (AOTAutograd and the min-cut partitioner, the compiler's decisions on
+what to save, without inductor's code generation)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from autotune.models import build_model
+from runtime.apply import PolicyRuntime
+from runtime.compiled import _fold, op_name
+from runtime.errors import AutotuneError
+from runtime.measure import profiler_peak_bytes, training_state
+from runtime.partition import Partition
+from runtime.policy import Policy, PolicyOptions
+from runtime.trace import capture, make_optimizer
+from runtime.vocab import Action
+from runtime.workload import Workload
+
+BACKEND = "aot_eager"
+
+
+def _cnn(batch_size: int = 4):  # type: ignore[no-untyped-def]
+    """Conv-BatchNorm-ReLU(in place) twice, dropout, a linear head: the renamed BatchNorm, the in-place
+    ReLU and the CPU's four-op dropout of C4 in one small model."""
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.Flatten(),
+            nn.Dropout(0.25),
+            nn.Linear(8 * 16 * 16, 10),
+        )
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(batch_size, 3, 16, 16, generator=g)
+        y = torch.randint(0, 10, (batch_size,), generator=g)
+        return model, (x, y), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])
+
+    return build
+
+
+def _policy(w: Workload, rule: str) -> Policy:
+    recompute = {
+        "keep": lambda k: False,
+        "relu": lambda k: k.endswith(":Relu"),
+        "all": lambda k: True,
+    }[rule]
+    vec = np.array([Action.RECOMPUTE.code if recompute(c.key) else 0 for c in w.candidates], dtype=np.int8)
+    return Policy.from_vector(w, vec, hardware="cpu")
+
+
+def _saved_bytes(model: nn.Module, run) -> int:  # type: ignore[no-untyped-def]
+    """Bytes of the distinct storages autograd saves while ``run`` runs (the compiled graph's saved
+    tensors are saved through ctx.save_for_backward, so the hooks see them), parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    del out
+    return sum(seen.values())
+
+
+def _step(build, policy: Policy | None):  # type: ignore[no-untyped-def]
+    """One compiled training step: gradients, BatchNorm statistics, the saved bytes and the report."""
+    model, batch, loss_fn = build()
+    torch.manual_seed(2)  # the dropout mask
+    cm = policy.compiled(model, backend=BACKEND) if policy is not None else torch.compile(model, backend=BACKEND)
+    loss_fn(cm, batch).backward()
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    stats = [b.clone() for b in model.buffers()]
+    torch.manual_seed(2)
+    saved = _saved_bytes(model, lambda: loss_fn(cm, batch))
+    return grads, stats, saved, getattr(cm, "report", None)
+
+
+def test_op_names_fold_what_the_compiler_names_otherwise() -> None:
+    assert op_name(torch.ops.aten.relu_.default) == "aten.relu"
+    assert op_name(torch.ops.aten._native_batch_norm_legit.default) == "aten.native_batch_norm"
+    assert op_name(torch.ops.aten.native_batch_norm.default) == "aten.native_batch_norm"
+    assert op_name(torch.ops.aten.convolution.default) == "aten.convolution"
+    names = ["aten.addmm", "aten.empty_like", "aten.bernoulli", "aten.div", "aten.mul", "aten.relu"]
+    s = torch.UntypedStorage(4)
+    inputs = [[], [(0, s)], [(1, s)], [(2, s)], [(0, s), (3, s)], [(4, s)]]
+    folded, folded_inputs, new_of = _fold(names, inputs)  # type: ignore[arg-type]
+    assert folded == ["aten.addmm", "aten.native_dropout", "aten.relu"]
+    assert new_of == [0, 1, 1, 1, 1, 2]
+    # The folded dropout reads the addmm (twice: from empty_like and from mul), nothing of its own group.
+    assert [w for w, _ in folded_inputs[1]] == [0, 0]
+    assert [w for w, _ in folded_inputs[2]] == [1]
+
+
+@pytest.fixture(scope="module")
+def cnn_workload() -> Workload:
+    return capture(_cnn(), name="cnn", batch_size=4)
+
+
+@pytest.mark.parametrize("rule", ["keep", "relu", "all"])
+def test_gradients_and_statistics_equal_the_compiled_run_without_policy(cnn_workload: Workload, rule: str) -> None:
+    build = _cnn()
+    g0, s0, saved0, _ = _step(build, None)
+    policy = _policy(cnn_workload, rule)
+    g, s, saved, report = _step(build, policy)
+    assert all(torch.equal(a, b) for a, b in zip(g, g0, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(s, s0, strict=True))  # running statistics updated once
+    assert report is not None and not report.dropped  # every key's op found in the compiled trace
+    cand = {c.key: c.nbytes for c in cnn_workload.candidates}
+    if rule == "keep":  # on this model the compiler, left alone, saves what autograd saves
+        assert not report.changed
+        assert saved == saved0
+    elif rule == "relu":
+        # The two ReLUs recomputed from their BatchNorm (C3): the BatchNorms' saved statistics with them, and
+        # the compiled graph saves exactly those candidates' bytes less.
+        stats = {k for k in cand if k.startswith(("1#", "4#")) and k.endswith("nograd")}
+        assert set(report.changed) == stats
+        recomputed = stats | {k for k in cand if k.endswith(":Relu")}
+        assert saved0 - saved == sum(cand[k] for k in recomputed) == 2 * 4 * 8 * 16 * 16 * 4 + 4 * 8 * 4
+    else:
+        # Everything recomputed from what stays resident: the input batch, the BatchNorms' running
+        # statistics (the recompute's inputs), the CPU generator's state (5,056 bytes: dropout is replayed
+        # with the same mask) and, outside the model, cross_entropy's log-softmax (4x10 fp32), targets (4
+        # int64) and a scalar.
+        model, batch, _ = build()
+        running = sum(b.untyped_storage().nbytes() for n, b in model.named_buffers() if "running" in n)
+        assert saved == batch[0].untyped_storage().nbytes() + running + 5056 + (160 + 32 + 4)
+
+
+def test_peak_under_compile_equals_the_eager_runtimes_under_the_same_policy(cnn_workload: Workload) -> None:
+    """Both measured the same way (the CPU allocator's events: the storage tracker is a dispatch mode, under
+    which dynamo does not compile), after a warm-up step, with gradients and state held."""
+    policy = _policy(cnn_workload, "relu")
+
+    def peak(compiled: bool) -> int:
+        model, batch, loss_fn = _cnn()()
+        opt = make_optimizer("sgd", model.parameters())
+        cm = policy.compiled(model, backend=BACKEND) if compiled else None
+        rt = None if compiled else PolicyRuntime(policy, model)
+
+        def step() -> None:
+            torch.manual_seed(2)
+            if cm is not None:
+                loss_fn(cm, batch).backward()
+            else:
+                assert rt is not None
+                with rt.step():
+                    loss_fn(model, batch).backward()
+            opt.step()
+
+        step()
+        opt.zero_grad(set_to_none=True)
+        base = sum(t.untyped_storage().nbytes() for t in training_state(model, batch, opt))
+        return profiler_peak_bytes(step, base)
+
+    # Equal but for a few bytes: the compiled BatchNorm is functional, its new running statistics exist
+    # beside the buffers until they are copied back (64 bytes measured here; bounded by all four, 4 x 8 fp32).
+    assert 0 <= peak(compiled=True) - peak(compiled=False) <= 4 * 8 * 4
+
+
+def test_swap_is_refused_or_kept_and_reported(cnn_workload: Workload) -> None:
+    vec = np.array([Action.SWAP.code if k.endswith(":Relu") else 0 for k in (c.key for c in cnn_workload.candidates)])
+    policy = Policy.from_vector(cnn_workload, vec, hardware="cpu")
+    model, batch, loss_fn = _cnn()()
+    with pytest.raises(AutotuneError, match=r"only keep and recompute .* strict=False"):
+        loss_fn(policy.compiled(model, backend=BACKEND), batch)
+    cm = policy.compiled(model, backend=BACKEND, strict=False)
+    loss_fn(cm, batch).backward()
+    swapped = {k for k, a in policy.actions.items() if a == Action.SWAP}
+    assert set(cm.report.changed) == swapped
+    assert all(got == Action.KEEP for _, got, _ in cm.report.changed.values())
+
+
+def test_partitions_and_other_models_are_refused_before_compiling(cnn_workload: Workload) -> None:
+    policy = _policy(cnn_workload, "relu")
+    other = nn.Sequential(nn.Linear(3, 3))
+    with pytest.raises(AutotuneError, match="other parameters"):
+        policy.compiled(other, backend=BACKEND)
+    parted = Policy.from_vector(
+        cnn_workload,
+        policy.to_vector(cnn_workload),
+        hardware="cpu",
+        options=PolicyOptions(allow_partition=True),
+    )
+    parted.partitions = (Partition("0", 2),)
+    with pytest.raises(AutotuneError, match="cannot be compiled"):
+        parted.compiled(_cnn()()[0], backend=BACKEND)
+
+
+def test_gpt2_dropout_and_attention_align_and_recompute_bit_identically() -> None:
+    kwargs: dict[str, Any] = {
+        "batch_size": 2,
+        "seq_len": 32,
+        "config_overrides": {"n_layer": 1, "vocab_size": 256, "bos_token_id": 0, "eos_token_id": 0},
+    }
+
+    def build():  # type: ignore[no-untyped-def]
+        e = build_model("gpt2", **kwargs)
+        return e.module, e.batch, e.loss_fn
+
+    w = capture(build, name="gpt2", batch_size=2, seq_len=32)
+    g0, _, saved0, _ = _step(build, None)
+    g, _, saved, report = _step(build, _policy(w, "all"))
+    assert report is not None and not report.dropped
+    assert all(torch.equal(a, b) for a, b in zip(g, g0, strict=True))
+    assert saved < saved0
+
+
+def test_two_policies_for_one_model_class_compile_apart(cnn_workload: Workload) -> None:
+    """Dynamo caches on the code object and guards on the model's structure, not on the policy: without a
+    code object per CompiledModel the second policy ran the first one's graph."""
+    build = _cnn()
+    saved = [_step(build, _policy(cnn_workload, rule))[2] for rule in ("keep", "relu", "keep")]
+    assert saved[0] == saved[2] > saved[1]
