@@ -27,7 +27,11 @@ NOTE [ Compiled policies ] -- the eager twin is NOTE [ Runtime mechanics ] in ru
         inputs) whose output it reads: simulator Rule 7's producer chain, which the partitioner would save
         instead (it does not recompute a BatchNorm of its own accord). Where a chain runs through an op with
         kept keys, the op is recomputed and those keys are reported changed (a BatchNorm's saved statistics
-        recomputed with its output, as the eager replay does). Every other op: PREFER_SAVE.
+        recomputed with its output, as the eager replay does). Random ops (dropout) are never recomputed:
+        MUST_SAVE, their recomputed keys reported changed, and a chain stops at them. aot_eager replays them
+        with the generator's state and gets the same mask, but inductor on the CPU drew another one (torch
+        2.14.1: ResNet-like CNN with dropout, every candidate recomputed, gradients off by up to 1.08; PyTorch
+        issue 186572 reports the same class of difference). Every other op: PREFER_SAVE.
     C4. Alignment. The compiler traces after pre-dispatch and names a few ops differently (BatchNorm in
         training is ``_native_batch_norm_legit`` there), so names are compared after folding those and the
         in-place suffix. ``policy_fn`` walks the mapped sequence in step: an op equal to the next expected
@@ -72,6 +76,7 @@ if TYPE_CHECKING:
     from runtime.policy import Policy
 
 _SERIAL = itertools.count()
+_RANDOM = "a random op is not recomputed under torch.compile: inductor's recompute drew other numbers (C3)"
 #: How far ahead of the expected op ``policy_fn`` looks for the op the compiler traces (C4).
 LOOKAHEAD = 8
 #: Ops the compiler traces under another name than eager dispatch does (C4), folded to the eager name.
@@ -121,6 +126,7 @@ class _OpLog(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.names: list[str] = []
+        self.seeded: list[bool] = []  # random ops (C3)
         self.inputs: list[list[tuple[int | None, torch.UntypedStorage]]] = []
         self.writer: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> op index
 
@@ -136,6 +142,7 @@ class _OpLog(TorchDispatchMode):
         out = func(*args, **kwargs)
         i = len(self.names)
         self.names.append(op_name(func))
+        self.seeded.append(torch.Tag.nondeterministic_seeded in func.tags)
         self.inputs.append(ins)
         # A view names no new data: its storage keeps the op that wrote it (C2).
         views = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
@@ -155,7 +162,7 @@ def _fold(
     names: list[str], inputs: list[list[tuple[int | None, torch.UntypedStorage]]]
 ) -> tuple[list[str], list[list[tuple[int | None, torch.UntypedStorage]]], list[int]]:
     """Fold :data:`_COMPOSITES` into one op each (C4): the folded names, their inputs from outside their
-    group, and each raw op's folded index."""
+    group, and each raw op's folded index (a folded op is random where one of its ops is)."""
     new_of: list[int] = []
     out_names: list[str] = []
     groups: list[list[int]] = []
@@ -223,6 +230,9 @@ def plan_ops(policy: Policy, model: torch.nn.Module, args: tuple[Any, ...], kwar
     report = CompiledReport()
     actions = dict(policy.actions)
     names, inputs, new_of = _fold(log.names, log.inputs)
+    seeded = [False] * len(names)
+    for raw, folded in enumerate(new_of):
+        seeded[folded] = seeded[folded] or log.seeded[raw]
     in_model = {k: new_of[i] for k, i in op_of_key.items() if i is not None}
     effective: dict[str, Action] = {}
     unexpressible = [k for k, a in actions.items() if k in in_model and a in (Action.SWAP, Action.COMPRESS)]
@@ -255,10 +265,14 @@ def plan_ops(policy: Policy, model: torch.nn.Module, args: tuple[Any, ...], kwar
         keys_of_op.setdefault(i, []).append(k)
     for i, keys in keys_of_op.items():
         acts = {effective[k] for k in keys if k in effective}
-        if Action.KEEP in acts:
+        if Action.KEEP in acts or seeded[i]:
             decisions[i] = CheckpointPolicy.MUST_SAVE
         elif Action.RECOMPUTE in acts:
             decisions[i] = CheckpointPolicy.MUST_RECOMPUTE
+        if seeded[i]:
+            for k in keys:
+                if effective.get(k) == Action.RECOMPUTE:
+                    report.changed[k] = (actions[k], Action.KEEP, _RANDOM)
     # C3: the producer chain of each recomputed op, back to resident storage.
     todo = [i for i in range(n) if decisions[i] == CheckpointPolicy.MUST_RECOMPUTE]
     while todo:
@@ -270,6 +284,9 @@ def plan_ops(policy: Policy, model: torch.nn.Module, args: tuple[Any, ...], kwar
             if k is not None and effective.get(k) == Action.KEEP:
                 continue
             if decisions[w] == CheckpointPolicy.MUST_RECOMPUTE:
+                continue
+            if seeded[w]:
+                decisions[w] = CheckpointPolicy.MUST_SAVE  # its outputs stay resident
                 continue
             if decisions[w] == CheckpointPolicy.MUST_SAVE:
                 for kk in keys_of_op.get(w, []):

@@ -7,6 +7,7 @@ what to save, without inductor's code generation)."""
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 import numpy as np
@@ -81,11 +82,11 @@ def _saved_bytes(model: nn.Module, run) -> int:  # type: ignore[no-untyped-def]
     return sum(seen.values())
 
 
-def _step(build, policy: Policy | None):  # type: ignore[no-untyped-def]
+def _step(build, policy: Policy | None, backend: str = BACKEND):  # type: ignore[no-untyped-def]
     """One compiled training step: gradients, BatchNorm statistics, the saved bytes and the report."""
     model, batch, loss_fn = build()
     torch.manual_seed(2)  # the dropout mask
-    cm = policy.compiled(model, backend=BACKEND) if policy is not None else torch.compile(model, backend=BACKEND)
+    cm = policy.compiled(model, backend=backend) if policy is not None else torch.compile(model, backend=backend)
     loss_fn(cm, batch).backward()
     grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
     stats = [b.clone() for b in model.buffers()]
@@ -137,12 +138,14 @@ def test_gradients_and_statistics_equal_the_compiled_run_without_policy(cnn_work
         assert saved0 - saved == sum(cand[k] for k in recomputed) == 2 * 4 * 8 * 16 * 16 * 4 + 4 * 8 * 4
     else:
         # Everything recomputed from what stays resident: the input batch, the BatchNorms' running
-        # statistics (the recompute's inputs), the CPU generator's state (5,056 bytes: dropout is replayed
-        # with the same mask) and, outside the model, cross_entropy's log-softmax (4x10 fp32), targets (4
-        # int64) and a scalar.
+        # statistics (the recompute's inputs), dropout's output (4x2048 fp32) and mask (bool under compile),
+        # which a random op keeps (C3), and, outside the model, cross_entropy's log-softmax (4x10 fp32),
+        # targets (4 int64) and a scalar.
+        assert set(report.changed) == {"7#0.0:nograd", "8#0.0:Mul"} | {k for k in cand if k.startswith("<loss>")}
         model, batch, _ = build()
         running = sum(b.untyped_storage().nbytes() for n, b in model.named_buffers() if "running" in n)
-        assert saved == batch[0].untyped_storage().nbytes() + running + 5056 + (160 + 32 + 4)
+        dropout = 4 * 2048 * 4 + 4 * 2048
+        assert saved == batch[0].untyped_storage().nbytes() + running + dropout + (160 + 32 + 4)
 
 
 def test_peak_under_compile_equals_the_eager_runtimes_under_the_same_policy(cnn_workload: Workload) -> None:
@@ -230,3 +233,14 @@ def test_two_policies_for_one_model_class_compile_apart(cnn_workload: Workload) 
     build = _cnn()
     saved = [_step(build, _policy(cnn_workload, rule))[2] for rule in ("keep", "relu", "keep")]
     assert saved[0] == saved[2] > saved[1]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
+def test_inductor_recomputes_bit_identically(cnn_workload: Workload) -> None:
+    """The backend users train with. Dropout recomputed by inductor drew another mask (C3): kept instead."""
+    build = _cnn()
+    g0, s0, _, _ = _step(build, None, backend="inductor")
+    g, s, _, report = _step(build, _policy(cnn_workload, "all"), backend="inductor")
+    assert report is not None and not report.dropped
+    assert all(torch.equal(a, b) for a, b in zip(g, g0, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(s, s0, strict=True))
