@@ -14,7 +14,8 @@ Contract (checked for every registered searcher by tests/test_searchers_contract
 3. ``OPTIMAL`` is claimed only by exact solvers, and only when they proved it (for the model they solve;
    ``gap`` says how far the proof goes). ``TIMEOUT``: the time limit stopped the search; the result is the
    best incumbent.
-4. Compression (lossy) is proposed only when ``problem.allow_compress`` is set.
+4. Compression (lossy) is proposed only when ``problem.allow_compress`` is set. Where ``problem.allow_swap``
+   is not (a policy for torch.compile), a swap is simulated as keep and answered as keep.
 5. Deterministic for a given ``ctx.seed``.
 6. Budget-aware heuristics stop dropping memory once the budget holds (they do not trade throughput for
    memory the budget does not need): see :func:`apply_until_fits`.
@@ -167,6 +168,8 @@ class Searcher(abc.ABC):
         proposal = self._search(problem, SearchContext() if ctx is None else ctx)
         wall_s = time.perf_counter() - started
         actions = np.asarray(proposal.actions, dtype=np.int8)
+        if not problem.allow_swap:  # simulated as keep all along (envs.problem): answered so
+            actions = np.where(actions == SWAP, KEEP, actions).astype(np.int8)
         if not problem.allow_compress and np.any(actions == COMPRESS):
             raise AssertionError(f"{self.name} proposed compression without allow_compress")
         options = proposal.options or problem.options

@@ -154,6 +154,7 @@ def study_name(problem: Problem, searcher: str) -> str:
     fp = w.shape_fingerprint or "nofp"
     precision = f".{w.precision}" if w.precision != "fp32" else ""  # fp32 studies keep their old names
     precision += f".ga{w.grad_accum}" if w.grad_accum > 1 else ""
+    precision += "" if problem.allow_swap else ".noswap"  # a search for torch.compile: its trials differ
     return f"{w.model}.b{w.batch_size}{precision}.{fp}.{problem.hardware.name}.{problem.budget_bytes}.{searcher}"
 
 

@@ -396,6 +396,14 @@ def search(
             "reaches (gradients then differ by rounding; autotune/partitions.py)."
         ),
     ] = False,
+    compile_: Annotated[
+        bool,
+        typer.Option(
+            "--compile",
+            help="Plan for training under torch.compile (policy.compiled, autotune train --compile): keep and "
+            "recompute only.",
+        ),
+    ] = False,
     seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
     precision: PrecisionOpt = "fp32",
@@ -443,12 +451,23 @@ def search(
     hw, host_note = sr.with_host_memory(hw, host_memory, here)
     parts = parse_partition_option(partition)
     sliced = bool(parts) or allow_partition
+    if compile_ and (sliced or allow_compress):
+        what = "--allow-compress" if allow_compress else "--partition/--allow-partition"
+        raise AutotuneError(
+            f"--compile with {what}: under torch.compile a policy can only keep and recompute (NOTE [ Compiled "
+            f"policies ] C5 in runtime/compiled.py); drop {what} or --compile"
+        )
+    if compile_ and measure:
+        raise AutotuneError(
+            f"--compile with --measure {measure}: measured searches train eagerly; drop --measure (the plan is "
+            "simulated; autotune train --compile measures it)"
+        )
     if sliced and measure:
         raise AutotuneError(
             f"--measure {measure} with partitions: measured searches do not partition yet; drop --measure (the "
             "plan is simulated) or the partition options"
         )
-    k = 0 if sliced else sr.measure_count(measure, here, hw)
+    k = 0 if sliced or compile_ else sr.measure_count(measure, here, hw)
     plan = plan_budget(budget, reserve, hw)
     req = TraceRequest(
         model=model,
@@ -491,7 +510,9 @@ def search(
     for wi in rivals:
         finalists = Finalists(plan.planned_bytes, capacity=4 * k) if k else None
         finalists = new_pool(plan.planned_bytes) if reserved else finalists
-        problem = sr.planned_problem(wi, hw, plan, allow_compress=allow_compress, finalists=finalists)
+        problem = sr.planned_problem(
+            wi, hw, plan, allow_compress=allow_compress, finalists=finalists, allow_swap=not compile_
+        )
         # The portfolio keeps the name its studies always had; another searcher gets its own, so that two
         # searchers on one problem never share a study (their trials' parameters can differ).
         name = study or study_name(problem, "optuna-tpe" if searcher == "portfolio" else searcher)
@@ -709,6 +730,15 @@ def train(
             "PYTORCH_CUDA_ALLOC_CONF before CUDA initialises) and predict its reserved bytes so (--device cuda).",
         ),
     ] = False,
+    compile_: Annotated[
+        bool,
+        typer.Option(
+            "--compile",
+            help="Train under torch.compile, the policy through selective activation checkpointing at trace time "
+            "(keep and recompute only: search with --compile).",
+        ),
+    ] = False,
+    backend: Annotated[str, typer.Option(help="torch.compile's backend with --compile.")] = "inductor",
     as_json: JsonOpt = False,
 ) -> None:
     """Train N real iterations under a policy; measured peak and time beside the simulator's prediction."""
@@ -725,6 +755,7 @@ def train(
             precision=precision,
             grad_accum=grad_accum,
             expandable_segments=expandable_segments,
+            compile_backend=backend if compile_ else None,
         )
     d = report.to_dict()
     if as_json:

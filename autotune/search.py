@@ -194,7 +194,13 @@ def _partition_hint(w: Workload, op: int) -> str:
 
 
 def planned_problem(
-    w: Workload, hw: HardwareProfile, budget: Budget, *, allow_compress: bool, finalists: Finalists | None = None
+    w: Workload,
+    hw: HardwareProfile,
+    budget: Budget,
+    *,
+    allow_compress: bool,
+    finalists: Finalists | None = None,
+    allow_swap: bool = True,
 ) -> Problem:
     """The problem a planning command solves: ``w`` on ``hw`` within ``budget`` as planned for (its reserve
     kept back, NOTE [ Budget and reserve ]), compression (lossy) only where allowed; checked at once
@@ -205,6 +211,7 @@ def planned_problem(
         budget.planned_bytes,
         options=PolicyOptions(lossy=allow_compress),  # allow_partition follows the workload (envs.problem)
         allow_compress=allow_compress,
+        allow_swap=allow_swap,
         finalists=finalists,
     )
     check_budget(problem, budget)
@@ -358,7 +365,7 @@ def fit_reserved(
         )
         p = current.problem
         tighter = Problem(p.workload, p.hardware, nxt, options=p.options, allow_compress=p.allow_compress,
-                          finalists=new_pool(nxt))  # fmt: skip
+                          allow_swap=p.allow_swap, finalists=new_pool(nxt))  # fmt: skip
         ctx = outcome.ctx.derive(storage=None, study_name=None)  # the user's study keeps its own budget
         again = run_search(tighter, ctx, searcher, out=outcome.policy_path, milp=False, milp_time_s=0.0, err=err,
                            quiet=quiet, user_budget_bytes=outcome.found.policy.budget_bytes)  # fmt: skip

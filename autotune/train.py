@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 from collections.abc import Mapping, MutableMapping
@@ -23,6 +24,7 @@ from runtime.hardware import HardwareProfile, calibrate_cpu, detect
 from runtime.measure import IterationMeasurement, run_iterations
 from runtime.policy import Policy, load_policy
 from runtime.trace import make_optimizer
+from runtime.vocab import Action
 from runtime.workload import Workload
 
 
@@ -38,6 +40,8 @@ class TrainReport:
     out_of_memory: str | None = None
     expandable_segments: bool = False  # --expandable-segments: the allocator's setting, and the model's (A8-A11)
     expandable_in_effect: bool | None = None  # what the allocator reports it runs with (None: not known)
+    compiled: str | None = None  # --compile: the backend the policy ran under (runtime/compiled.py)
+    compile_report: dict[str, int] | None = None  # applied / changed / dropped decisions under compile
 
     def medians(self) -> dict[str, float]:
         if not self.steps:
@@ -68,6 +72,8 @@ class TrainReport:
             "out_of_memory": self.out_of_memory,
             "expandable_segments": self.expandable_segments,
             "expandable_in_effect": self.expandable_in_effect,
+            "compiled": self.compiled,
+            "compile_report": self.compile_report,
         }
 
 
@@ -139,15 +145,24 @@ def train(
     precision: str | None = None,
     grad_accum: int | None = None,
     expandable_segments: bool = False,
+    compile_backend: str | None = None,
 ) -> TrainReport:
     """``precision`` and ``grad_accum`` None: the policy's; other ones are refused by the policy check.
     ``expandable_segments``: the caching allocator runs with ``expandable_segments:True`` (set here, before
-    CUDA initialises) and the reserved bytes are predicted with the matching model (A8-A11)."""
+    CUDA initialises) and the reserved bytes are predicted with the matching model (A8-A11).
+    ``compile_backend``: the model runs under ``torch.compile`` with that backend and the policy through
+    ``policy.compiled`` (NOTE [ Compiled policies ]); the prediction is the simulator's for the decisions
+    the compiled graph applies."""
     if steps <= 0:
         raise AutotuneError(f"invalid --steps {steps}: expected a positive number of iterations, e.g. --steps 3")
     if expandable_segments:
         enable_expandable_segments(device)
     policy = load_policy(policy_path)
+    if compile_backend is not None:
+        from runtime.compiled import check_backend
+
+        check_backend(compile_backend)
+        refuse_uncompilable(policy, source=str(policy_path))
     name = model or policy.model
     batch = batch_size or policy.batch_size
     req = TraceRequest(
@@ -168,8 +183,33 @@ def train(
     policy.check_against(w, source=str(policy_path))
     hw = _profile_for(device)
     return run_policy(
-        policy, w, hw, name=name, batch=batch, steps=steps, device=device, expandable_segments=expandable_segments
+        policy,
+        w,
+        hw,
+        name=name,
+        batch=batch,
+        steps=steps,
+        device=device,
+        expandable_segments=expandable_segments,
+        compile_backend=compile_backend,
     )
+
+
+def refuse_uncompilable(policy: Policy, *, source: str) -> None:
+    """--compile: refuse before tracing a policy that swaps, compresses or partitions (C5 in
+    runtime/compiled.py), which only the eager runtime applies."""
+    if policy.partitions:
+        raise AutotuneError(
+            f"{source} partitions {', '.join(str(p) for p in policy.partitions)}, which torch.compile cannot apply: "
+            "train it without --compile, or search without --allow-partition"
+        )
+    counts = policy.counts()
+    if counts[Action.SWAP] or counts[Action.COMPRESS]:
+        raise AutotuneError(
+            f"{source} swaps {counts[Action.SWAP]} and compresses {counts[Action.COMPRESS]} tensors, which "
+            "torch.compile cannot apply (only keep and recompute): search with `autotune search --compile`, or "
+            "train it without --compile"
+        )
 
 
 def check_structure(policy: Policy, req: TraceRequest, *, source: str) -> None:
@@ -200,13 +240,15 @@ def run_policy(
     steps: int,
     device: str,
     expandable_segments: bool = False,
+    compile_backend: str | None = None,
 ) -> TrainReport:
     predicted = Simulator(w, hw).run(policy)
     if device.startswith("cuda"):
         torch.cuda.empty_cache()  # what the trace left cached: the reserved bytes measured are the training's
     entry = build_model(name, batch_size=batch, seq_len=policy.seq_len, device=device)
     opt = make_optimizer(w.optimizer, entry.module.parameters())
-    rt = PolicyRuntime(policy, entry.module)
+    rt = PolicyRuntime(policy, entry.module) if compile_backend is None else None
+    cm = policy.compiled(entry.module, backend=compile_backend) if compile_backend is not None else None
     report = TrainReport(
         name,
         batch,
@@ -234,21 +276,40 @@ def run_policy(
         index = torch.cuda.current_device() if index is None else index  # "cuda" alone: the current device
         total = torch.cuda.get_device_properties(index).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, policy.budget_bytes / total), index)
+    loss_fn = entry.loss_fn
+    if cm is not None:
+        report.compiled = str(compile_backend)
+
+        def loss_fn(_model: torch.nn.Module, b: Any) -> torch.Tensor:  # the compiled model, the same parameters
+            return entry.loss_fn(cm, b)
+
     try:
         report.steps = run_iterations(
             entry.module,
             entry.batch,
-            entry.loss_fn,
+            loss_fn,
             opt,
             steps=steps,
             batch_size=batch,
-            around_step=rt.step,
+            around_step=rt.step if rt is not None else None,
             precision=w.precision,
             grad_accum=w.grad_accum,
+            cpu_peak="tracker" if cm is None else "profiler",
         )
     except torch.OutOfMemoryError as e:  # over budget: a result, not a crash
         report.out_of_memory = str(e).splitlines()[0]
-    report.unknown_keys = list(rt.stats.unknown_keys)
+    report.unknown_keys = list(rt.stats.unknown_keys) if rt is not None else []
+    if cm is not None:  # predict what the compiled graph applies: the changed decisions, as changed
+        r = cm.report
+        report.compile_report = {"applied": len(r.applied), "changed": len(r.changed), "dropped": len(r.dropped)}
+        if r.changed:
+            actions = dict(policy.actions)
+            actions.update({k: got for k, (_, got, _) in r.changed.items()})
+            effective = dataclasses.replace(policy, actions=actions)
+            sim = Simulator(w, hw).run(effective)
+            report.predicted.update(
+                {"peak_bytes": sim.peak_bytes, "iter_s": sim.iter_s, "samples_per_s": sim.samples_per_s}
+            )
     return report
 
 
@@ -289,3 +350,9 @@ def render(out: Console, report: TrainReport) -> None:
         out.print("[yellow]the caching allocator reports expandable_segments off: this torch or platform ignored it[/]")
     if report.unknown_keys:
         out.print(f"[yellow]{len(report.unknown_keys)} saved tensors not in the policy were kept[/]")
+    if report.compiled is not None and report.compile_report is not None:
+        c = report.compile_report
+        out.print(
+            f"under torch.compile ({report.compiled}): {c['applied']} decisions applied, {c['changed']} changed "
+            f"(predicted as changed), {c['dropped']} dropped; peak from the CPU allocator's events on the CPU"
+        )

@@ -18,6 +18,7 @@ import numpy as np
 from envs.simulator import SimResult, Simulator
 from runtime.hardware import HardwareProfile
 from runtime.policy import PolicyOptions
+from runtime.vocab import KEEP, SWAP
 from runtime.workload import Workload
 
 CACHED_RESULTS = 50_000  # simulations ``Problem.evaluate`` remembers (about 1 KiB each on ResNet-101)
@@ -33,6 +34,9 @@ class Problem:
     budget_bytes: int
     options: PolicyOptions = field(default_factory=PolicyOptions)
     allow_compress: bool = False
+    # False for a search whose policy runs under torch.compile (runtime/compiled.py C5: keep and recompute
+    # only): a swap is simulated as the keep it would become, and Searcher.search answers keep for it.
+    allow_swap: bool = True
     evaluations: int = field(default=0, repr=False, kw_only=True)  # ``evaluate`` calls
     cached: int = field(default=0, repr=False, kw_only=True)  # evaluations answered from the cache
     _sim: Simulator | None = field(default=None, repr=False, kw_only=True)
@@ -63,6 +67,8 @@ class Problem:
         self.evaluations += 1
         options = options or self.options
         vec = np.asarray(actions, dtype=np.int8)
+        if not self.allow_swap and np.any(vec == SWAP):
+            vec = np.where(vec == SWAP, KEEP, vec).astype(np.int8)
         key = (vec.tobytes(), self.budget_bytes, *(getattr(options, f) for f in _OPTION_FIELDS))
         result = self._results.get(key)
         if result is None:

@@ -48,12 +48,15 @@ class Variant:
     """One way of training one model: a step function, its time and its peak."""
 
     def __init__(self, name: str, kwargs: dict[str, Any], wrap: Callable[[torch.nn.Module], torch.nn.Module] | None,
-                 policy: Policy | None = None) -> None:  # fmt: skip
+                 policy: Policy | None = None, compiled: str | None = None) -> None:  # fmt: skip
         self.entry = build_model(name, **kwargs)
         module = self.entry.module
         self.model = wrap(module) if wrap is not None else module
         self.opt = make_optimizer("sgd", module.parameters())
-        self.rt = PolicyRuntime(policy, module) if policy is not None else None
+        self.rt = PolicyRuntime(policy, module) if policy is not None and compiled is None else None
+        self.cm: Any = None
+        if policy is not None and compiled is not None:  # the policy under torch.compile (runtime/compiled.py)
+            self.model = self.cm = policy.compiled(module, backend=compiled, strict=False)
 
     def step(self) -> None:
         self.opt.zero_grad(set_to_none=True)
@@ -117,6 +120,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--inductor", action="store_true", help="compile with inductor (needs a C++ compiler)")
     ap.add_argument(
+        "--compiled",
+        action="store_true",
+        help="apply autotune's policy under torch.compile (policy.compiled, the peers' backend) instead of eagerly",
+    )
+    ap.add_argument(
         "--tries",
         type=int,
         default=3,
@@ -159,10 +167,13 @@ def main() -> None:
             budget = max(int(peak * scale), floor)
             tries = []
             for _ in range(args.tries):
-                problem = Problem(w, hw, budget_bytes=budget)
+                problem = Problem(w, hw, budget_bytes=budget, allow_swap=not args.compiled)
                 found = get_searcher("portfolio").search(problem, SearchContext(time_limit_s=args.search_s))
-                ours = Variant(name, kwargs, None, found.policy)
+                backend = ("inductor" if args.inductor else "aot_eager") if args.compiled else None
+                ours = Variant(name, kwargs, None, found.policy, compiled=backend)
                 ours.warm()
+                if ours.cm is not None:
+                    print(f"   compiled policy: {ours.cm.report.summary().splitlines()[0]}", flush=True)
                 ours_peak = ours.peak()
                 tries.append({"budget": budget, "status": found.status.value, "peak": ours_peak})
                 if ours_peak <= peak or budget - (ours_peak - peak) < floor:

@@ -331,6 +331,17 @@ class _Walk:
         return CheckpointPolicy.PREFER_SAVE
 
 
+def check_backend(backend: str | Callable[..., Any]) -> None:
+    """A backend name torch.compile knows (a callable is taken as it is)."""
+    if callable(backend):
+        return
+    known = sorted(torch._dynamo.list_backends(exclude_tags=()))
+    if backend not in known:
+        raise AutotuneError(
+            f"unknown torch.compile backend {backend!r}: expected one of {', '.join(known)} (e.g. --backend inductor)"
+        )
+
+
 class CompiledModel(torch.nn.Module):
     """``torch.compile`` of a model under a policy (NOTE [ Compiled policies ]); made by
     :meth:`runtime.policy.Policy.compiled`. Its parameters are the model's."""
@@ -346,6 +357,7 @@ class CompiledModel(torch.nn.Module):
                 "run per slice in Python and cannot be compiled (NOTE [ Compiled policies ] C5); apply it "
                 "eagerly with policy.applied(model), or search without --allow-partition"
             )
+        check_backend(backend)
         if strict:
             check_model(policy, model)
         if compile_kwargs.pop("fullgraph", True) is not True:

@@ -135,6 +135,7 @@ def run_iterations(
     warmup: int = 1,
     precision: str = "fp32",
     grad_accum: int = 1,
+    cpu_peak: str = "tracker",
 ) -> list[IterationMeasurement]:
     """Run ``warmup`` then ``steps`` training iterations (zero_grad, forward, loss, backward, step) and
     measure each one's peak device memory and wall time. ``around_step`` wraps forward and backward (the
@@ -145,7 +146,10 @@ def run_iterations(
 
     On CUDA the allocator's statistics cost nothing, so each step measures both. On the CPU the storage
     tracker is a dispatch mode that slows every op, so the timed steps run without it and one more step,
-    after them, measures the peak (the same for every step: the iteration is deterministic)."""
+    after them, measures the peak (the same for every step: the iteration is deterministic). ``cpu_peak``
+    "profiler" measures that step with the CPU allocator's events instead (``profiler_peak_bytes``): for
+    compiled code, which dynamo does not compile under the tracker's dispatch mode; kernel scratch is
+    counted there too."""
     device = next(model.parameters()).device
     ctx = around_step or contextlib.nullcontext
     cuda = device.type == "cuda"
@@ -155,7 +159,18 @@ def run_iterations(
         peak, elapsed, reserved = _one_step(model, batch, loss_fn, opt, step, ctx, device, track=cuda)
         if i >= warmup:
             results.append(IterationMeasurement(peak, elapsed, batch_size * grad_accum / elapsed, reserved))
-    if not cuda:
+    if not cuda and cpu_peak == "profiler":
+        opt.zero_grad(set_to_none=True)
+        held = [*training_state(model, batch, opt), *step.state()]
+        state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+
+        def measured() -> None:
+            _one_step(model, batch, loss_fn, opt, step, ctx, device, track=False)
+
+        peak = profiler_peak_bytes(measured, sum(state.values()))
+        for r in results:
+            r.peak_bytes = peak
+    elif not cuda:
         peak, _, _ = _one_step(model, batch, loss_fn, opt, step, ctx, device, track=True)
         for r in results:
             r.peak_bytes = peak
