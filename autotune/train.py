@@ -354,5 +354,10 @@ def render(out: Console, report: TrainReport) -> None:
         c = report.compile_report
         out.print(
             f"under torch.compile ({report.compiled}): {c['applied']} decisions applied, {c['changed']} changed "
-            f"(predicted as changed), {c['dropped']} dropped; peak from the CPU allocator's events on the CPU"
+            f"(predicted as changed), {c['dropped']} dropped"
         )
+        if report.device == "cpu":
+            out.print(
+                "the CPU peak of compiled code comes from the allocator's events: kernel scratch included, which "
+                "the plan leaves out (runtime.measure, NOTE [ Device memory on the CPU ])"
+            )

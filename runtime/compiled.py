@@ -22,10 +22,12 @@ NOTE [ Compiled policies ] -- the eager twin is NOTE [ Runtime mechanics ] in ru
         saved tensors as the tracer did, and a dispatch mode that numbers the aten ops SAC numbers (its
         ignored ops left out). A key's op is the last op that wrote its storage before its first pack (an
         in-place ReLU's key is the ReLU's, not the BatchNorm's that made the storage).
-    C3. Decisions per op. An op with a kept key: MUST_SAVE. An op whose keys are all recomputed:
-        MUST_RECOMPUTE, and so is every op between it and resident storage (kept keys, parameters, the
-        inputs) whose output it reads: simulator Rule 7's producer chain, which the partitioner would save
-        instead (it does not recompute a BatchNorm of its own accord). Where a chain runs through an op with
+    C3. Decisions per op. An op whose keys are all kept: MUST_SAVE; all recomputed: MUST_RECOMPUTE. SAC
+        decides per op, so an op with both (a GroupNorm whose output is recomputed and whose statistics are
+        kept) goes the way of the larger bytes and the other keys are reported changed. Every op between a
+        recomputed op and resident storage (kept keys, parameters, the inputs) whose output it reads is
+        recomputed too: simulator Rule 7's producer chain, which the partitioner would save instead (it does
+        not recompute a BatchNorm of its own accord). Where a chain runs through an op with
         kept keys, the op is recomputed and those keys are reported changed (a BatchNorm's saved statistics
         recomputed with its output, as the eager replay does). Random ops (dropout) are never recomputed:
         MUST_SAVE, their recomputed keys reported changed, and a chain stops at them. aot_eager replays them
@@ -76,6 +78,7 @@ if TYPE_CHECKING:
     from runtime.policy import Policy
 
 _SERIAL = itertools.count()
+_PER_OP = "SAC decides per op, not per output, and"
 _RANDOM = "a random op is not recomputed under torch.compile: inductor's recompute drew other numbers (C3)"
 #: How far ahead of the expected op ``policy_fn`` looks for the op the compiler traces (C4).
 LOOKAHEAD = 8
@@ -216,12 +219,14 @@ def plan_ops(policy: Policy, model: torch.nn.Module, args: tuple[Any, ...], kwar
     log = _OpLog()
     op_of_key: dict[str, int | None] = {}
     key_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> key
+    key_bytes: dict[str, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         named = keyer.key_for(t)
         if named.key is not None and named.first_pack:
             op_of_key[named.key] = log.writer.get(t.untyped_storage())
             key_of[t.untyped_storage()] = named.key
+            key_bytes[named.key] = t.untyped_storage().nbytes()
         return t
 
     with fake_mode, keyer.attached(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), log:
@@ -264,15 +269,22 @@ def plan_ops(policy: Policy, model: torch.nn.Module, args: tuple[Any, ...], kwar
     for k, i in in_model.items():
         keys_of_op.setdefault(i, []).append(k)
     for i, keys in keys_of_op.items():
-        acts = {effective[k] for k in keys if k in effective}
-        if Action.KEEP in acts or seeded[i]:
-            decisions[i] = CheckpointPolicy.MUST_SAVE
-        elif Action.RECOMPUTE in acts:
-            decisions[i] = CheckpointPolicy.MUST_RECOMPUTE
+        recomputed = [k for k in keys if effective[k] == Action.RECOMPUTE]
+        kept = [k for k in keys if effective[k] == Action.KEEP]
         if seeded[i]:
-            for k in keys:
-                if effective.get(k) == Action.RECOMPUTE:
-                    report.changed[k] = (actions[k], Action.KEEP, _RANDOM)
+            decisions[i] = CheckpointPolicy.MUST_SAVE
+            for k in recomputed:
+                report.changed[k] = (actions[k], Action.KEEP, _RANDOM)
+        elif not recomputed:
+            decisions[i] = CheckpointPolicy.MUST_SAVE
+        elif not kept or sum(key_bytes[k] for k in recomputed) >= sum(key_bytes[k] for k in kept):
+            decisions[i] = CheckpointPolicy.MUST_RECOMPUTE
+            for k in kept:
+                report.changed[k] = (actions[k], Action.RECOMPUTE, f"{_PER_OP} its larger outputs are recomputed")
+        else:
+            decisions[i] = CheckpointPolicy.MUST_SAVE
+            for k in recomputed:
+                report.changed[k] = (actions[k], Action.KEEP, f"{_PER_OP} its larger outputs are kept")
     # C3: the producer chain of each recomputed op, back to resident storage.
     todo = [i for i in range(n) if decisions[i] == CheckpointPolicy.MUST_RECOMPUTE]
     while todo:
