@@ -35,6 +35,10 @@ In order, each step bounded in time, the whole run meant to fit in 8 minutes on 
 7. Partition (runtime/partition.py), as step 4 with ``--partition features/4``: VGG-16 b64 searched within
    3 GB (below its unpartitioned floor) and trained on the GPU: the slices' planned peak and samples/s
    against the allocator's and the clock's, in ``partition.json``.
+8. torch.compile (runtime/compiled.py), as step 4 with ``--compile`` on ``search`` and ``train``: GPT-2 small
+   8 x 1024 planned for compiled training (keep and recompute), trained under inductor on the GPU: planned
+   against measured peak and samples/s, and how many decisions the compiled graph applied, in
+   ``compiled.json``.
 
 Figures go to stdout and, as JSON fixtures, to ``--out`` (default ``$OUT``, else ``gpu-check/``).
 """
@@ -61,6 +65,7 @@ E2E = [  # model, batch, seq_len, budget
 TRACED = [(m, b, s) for m, b, s, _ in E2E] + [("bert-base", 8, 512), ("vit_b_16", 32, None)]
 EXPANDABLE = ("resnet50", 64, None)  # step 6: model, batch, seq_len
 PARTITION = ("vgg16", 64, None, "3GB", ["--partition", "features/4"])  # step 7: as E2E, and search's options
+COMPILED = ("gpt2", 8, 1024, "8GB", ["--compile"])  # step 8: as E2E, search's and train's option
 
 
 class Clock:
@@ -98,7 +103,14 @@ def host_costs(out: Path) -> None:
 
 
 def end_to_end(
-    model: str, batch: int, seq: int | None, budget: str, out: Path, clock: Clock, extra: tuple[str, ...] = ()
+    model: str,
+    batch: int,
+    seq: int | None,
+    budget: str,
+    out: Path,
+    clock: Clock,
+    extra: tuple[str, ...] = (),
+    train_extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     from runtime.hardware import detect
 
@@ -117,7 +129,7 @@ def end_to_end(
         return {"error": "search failed"}
     plan = json.loads(found.stdout)
     train = [sys.executable, "-m", "autotune.cli", "train", "--policy", str(policy), "--device", "cuda",
-             "--steps", "6", "--json"]  # fmt: skip
+             "--steps", "6", "--json", *train_extra]  # fmt: skip
     trained = run(train, min(180.0, clock.left()))
     if trained is None or trained.returncode != 0:
         return {"error": "train failed", "planned": plan}
@@ -127,7 +139,7 @@ def end_to_end(
         "planned_peak_bytes": plan.get("peak_bytes"), "planned_samples_per_s": plan.get("samples_per_s"),
         "measured": got.get("measured"), "predicted": got.get("predicted"), "error": got.get("error"),
         "out_of_memory": got.get("out_of_memory"), "search_measured": plan.get("measured"),
-        "finalists": plan.get("finalists"),
+        "finalists": plan.get("finalists"), "compile_report": got.get("compile_report"),
     }  # fmt: skip
     f = plan.get("finalists") or {}
     if f.get("finalists"):
@@ -427,6 +439,15 @@ def main() -> None:
                 print(traceback.format_exc(), flush=True)
         else:
             print("(no time left for the partition run)", flush=True)
+        if clock.left() >= 120:
+            model, batch, seq, budget, extra = COMPILED
+            try:
+                row = end_to_end(model, batch, seq, budget, out, clock, tuple(extra), tuple(extra))
+                (out / "compiled.json").write_text(json.dumps(row, indent=2))
+            except Exception:
+                print(traceback.format_exc(), flush=True)
+        else:
+            print("(no time left for the compiled run)", flush=True)
     print(f"\ngpu_check: {time.perf_counter() - clock.start:.0f} s; failures: {failures or 'none'}", flush=True)
     sys.exit(1 if failures else 0)
 
