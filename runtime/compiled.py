@@ -404,7 +404,15 @@ class CompiledModel(torch.nn.Module):
         first = self._plan is None
         if first:
             self._plan = plan_ops(self.policy, self.model, args, kwargs, strict=self.strict)
-        out = self._compiled(*args, **kwargs)
+        try:
+            out = self._compiled(*args, **kwargs)
+        except torch._dynamo.exc.Unsupported as e:
+            reason = str(e).strip().splitlines()[0]
+            raise AutotuneError(
+                f"{type(self.model).__name__} does not compile as one graph ({reason}): policy.compiled needs "
+                "fullgraph=True (NOTE [ Compiled policies ] C1); torch.compile(model, fullgraph=True) shows where "
+                "it breaks, or apply the policy eagerly with policy.applied(model)"
+            ) from e
         if first or self._passes:
             self._settle()
         return out

@@ -314,3 +314,16 @@ def test_compile_refusals_are_one_line(
     assert "unknown torch.compile backend 'nope'" in user_error(
         capsys, "train", "--policy", str(swapping), "--compile", "--backend", "nope"
     )
+
+
+def test_a_graph_break_is_refused_in_one_line(cnn_workload: Workload) -> None:
+    class Breaks(nn.Sequential):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            print("a print breaks the graph")
+            return super().forward(x)
+
+    model, batch, loss_fn = _cnn()()
+    broken = Breaks(*model)
+    policy = _policy(cnn_workload, "relu")
+    with pytest.raises(AutotuneError, match=r"does not compile as one graph .* policy.applied"):
+        loss_fn(policy.compiled(broken, backend=BACKEND), batch)
