@@ -40,7 +40,7 @@ NOTE [ Compiled policies ] -- the eager twin is NOTE [ Runtime mechanics ] in ru
         one, or to one at most ``LOOKAHEAD`` further, takes that op's decision (the skipped ones are not
         met); any other op is the compiler's (PREFER_SAVE). Keys whose ops were not met are reported dropped.
     C5. What SAC cannot express. Swap and compress: ``CheckpointPolicy`` has ``*_CPU_OFFLOAD`` members, but
-        the partitioner of torch 2.11-2.14 (2.14.1 read) does not act on them; its activation offloading
+        the partitioner of torch 2.14.1 (read; 2.11 not checked) does not act on them; its activation offloading
         (``torch._functorch.config.enable_activation_offloading``) reads a node flag no public API sets.
         Partitions (R13 runs a submodule per slice in Python). With ``strict`` (the default) a policy that
         swaps, compresses or partitions inside the model is refused; with ``strict=False`` those tensors
