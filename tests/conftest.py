@@ -75,3 +75,10 @@ def sweep_run(tmp_path_factory: pytest.TempPathFactory) -> SweepRun:
     report = folder / "sweep.html"
     proc = autotune(*SWEEP_ARGS, "--storage", storage, "--report", str(report), "--out-dir", str(folder), "--json")
     return SweepRun(storage, report, json.loads(proc.stdout), folder)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The cases marked slow first, each group in its own order: pytest-xdist hands tests out in this order,
+    so the longest ones start at once on every worker and the short ones fill in behind them, rather than a
+    long case starting last and leaving the other workers idle."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
