@@ -1,5 +1,6 @@
 """Shared fixtures: one small sweep (a subprocess, as users run it), reused by the sweep, report and
-dashboard tests; and the switch that turns skips for missing services into failures in CI."""
+dashboard tests; the switch that turns skips for missing services into failures in CI; and, under
+pytest-xdist, each worker's share of the cores."""
 
 from __future__ import annotations
 
@@ -12,6 +13,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+
+def _share_the_cores() -> None:
+    """Under ``pytest -n N`` each worker gets its share of the cores for intra-op threads (at least one), here
+    and in the subprocesses it starts (``OMP_NUM_THREADS``). Left alone, every worker's torch takes all the
+    cores: N workers on as many cores spin against each other in OpenMP's barriers, and a training step takes
+    four times as long as on one thread. What the tests assert (peaks, gradients, policies) does not depend on
+    the thread count; the calibrated cpu profile is measured in the same worker, on the same threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 1 or "OMP_NUM_THREADS" in os.environ:  # a count set by hand stands
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+_share_the_cores()
 
 # .ci/run installs Chromium and PostgreSQL and sets this: there, a missing service is a failure, not a skip.
 REQUIRE_SERVICES = os.environ.get("AUTOTUNE_REQUIRE_SERVICES") == "1"
@@ -54,3 +75,10 @@ def sweep_run(tmp_path_factory: pytest.TempPathFactory) -> SweepRun:
     report = folder / "sweep.html"
     proc = autotune(*SWEEP_ARGS, "--storage", storage, "--report", str(report), "--out-dir", str(folder), "--json")
     return SweepRun(storage, report, json.loads(proc.stdout), folder)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The cases marked slow first, each group in its own order: pytest-xdist hands tests out in this order,
+    so the longest ones start at once on every worker and the short ones fill in behind them, rather than a
+    long case starting last and leaving the other workers idle."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -260,6 +260,7 @@ def test_nothing_that_fits_when_measured_is_an_error_and_nothing_is_written(
     assert f"lowest measured peak of 4 finalists is {sr.format_bytes(budget * 2)}" in line[0], line
 
 
+@pytest.mark.slow
 def test_maxbatch_measures_its_largest_size_and_writes_that_policy(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -562,6 +563,7 @@ def test_progress_shows_where_stderr_is_no_terminal(
     assert any(x.split(": ")[1].startswith("refine;") and "samples/s" in x for x in lines), err
 
 
+@pytest.mark.slow
 def test_budget_kind_reserved_plans_for_what_the_caching_allocator_holds(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

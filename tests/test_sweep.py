@@ -56,12 +56,14 @@ def test_running_again_recomputes_nothing(sweep_run: SweepRun) -> None:
         assert len(_study(sweep_run.storage, second["study"]).trials) == (0 if second["below_floor"] else 15)
 
 
+@pytest.mark.slow
 def test_a_killed_worker_loses_no_trial(tmp_path: Path) -> None:
-    """SIGKILL mid-search; the next run fails the dead trial (its heartbeat stopped) and retries it."""
+    """SIGKILL mid-search (after 10 of 50 trials); the next run fails the dead trial (its heartbeat stopped),
+    retries it and completes the study."""
     import optuna
 
     storage = f"sqlite:///{tmp_path / 'k.db'}"
-    args = [*SWEEP_ARGS[:5], "--budgets", "235MB", "--gpu", "a100-40gb", "--trials", "150", "--timeout", "300",
+    args = [*SWEEP_ARGS[:5], "--budgets", "235MB", "--gpu", "a100-40gb", "--trials", "50", "--timeout", "300",
             "--reserve", "0"]  # fmt: skip
     args += ["--storage", storage, "--heartbeat", "1", "--json"]
     root = Path(__file__).resolve().parents[1]
@@ -82,7 +84,7 @@ def test_a_killed_worker_loses_no_trial(tmp_path: Path) -> None:
     out = json.loads(autotune(*args).stdout)
     study = _study(storage, name)
     states = Counter(t.state.name for t in study.trials)
-    assert states["COMPLETE"] >= 150 and states["RUNNING"] == 0 and states["WAITING"] == 0, states
+    assert states["COMPLETE"] >= 50 and states["RUNNING"] == 0 and states["WAITING"] == 0, states
     failed = {t.number for t in study.trials if t.state.name == "FAIL"}
     retried = {retried_trial_number(t) for t in study.trials} - {None}
     assert failed == retried  # each dead trial ran again (at most one was in flight when it died)
