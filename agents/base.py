@@ -167,9 +167,7 @@ class Searcher(abc.ABC):
         started = time.perf_counter()
         proposal = self._search(problem, SearchContext() if ctx is None else ctx)
         wall_s = time.perf_counter() - started
-        actions = np.asarray(proposal.actions, dtype=np.int8)
-        if not problem.allow_swap:  # simulated as keep all along (envs.problem): answered so
-            actions = np.where(actions == SWAP, KEEP, actions).astype(np.int8)
+        actions = problem.allowed(proposal.actions)  # a disallowed swap was simulated as keep: answered so
         if not problem.allow_compress and np.any(actions == COMPRESS):
             raise AssertionError(f"{self.name} proposed compression without allow_compress")
         options = proposal.options or problem.options

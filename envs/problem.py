@@ -66,9 +66,7 @@ class Problem:
         ResNet-101). The result is shared: do not modify it."""
         self.evaluations += 1
         options = options or self.options
-        vec = np.asarray(actions, dtype=np.int8)
-        if not self.allow_swap and np.any(vec == SWAP):
-            vec = np.where(vec == SWAP, KEEP, vec).astype(np.int8)
+        vec = self.allowed(actions)
         key = (vec.tobytes(), self.budget_bytes, *(getattr(options, f) for f in _OPTION_FIELDS))
         result = self._results.get(key)
         if result is None:
@@ -80,6 +78,13 @@ class Problem:
             self.cached += 1
         self._evaluated(vec, options, result)
         return result
+
+    def allowed(self, actions: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``actions`` as int8 codes, a swap as the keep it becomes where swaps are not allowed."""
+        vec = np.asarray(actions, dtype=np.int8)
+        if not self.allow_swap and np.any(vec == SWAP):
+            vec = np.where(vec == SWAP, KEEP, vec).astype(np.int8)
+        return vec
 
     def _evaluated(self, actions: np.ndarray, options: PolicyOptions, result: SimResult) -> None:
         """Called with every evaluation (a search's problem keeps the best one it saw)."""

@@ -37,7 +37,7 @@ from autotune.models import build_model
 from autotune.train import _profile_for
 from envs.simulator import peak_floor
 from runtime.apply import PolicyRuntime
-from runtime.measure import profiler_peak_bytes, run_iterations, training_state
+from runtime.measure import held_bytes, profiler_peak_bytes, run_iterations, training_state
 from runtime.policy import Policy
 from runtime.trace import capture, make_optimizer
 
@@ -75,9 +75,7 @@ class Variant:
 
     def peak(self) -> int:
         self.opt.zero_grad(set_to_none=True)
-        state = training_state(self.entry.module, self.entry.batch, self.opt)
-        baseline = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state}.values())
-        return profiler_peak_bytes(self.step, baseline)
+        return profiler_peak_bytes(self.step, held_bytes(training_state(self.entry.module, self.entry.batch, self.opt)))
 
 
 def side_by_side(a: Variant, b: Variant, steps: int) -> tuple[float, float, float]:

@@ -249,17 +249,16 @@ def plan_ops(policy: Policy, model: torch.nn.Module, args: tuple[Any, ...], kwar
             "eagerly with policy.applied(model), or pass strict=False to keep those tensors"
         )
     for k, a in actions.items():
-        if k not in in_model and (k not in op_of_key and not k.startswith(OUTSIDE)):
-            report.dropped[k] = "no tensor of this name is saved in this model's forward"
-        elif k not in in_model:
-            if a != Action.KEEP:
-                why = "saved outside the compiled model" if k.startswith(OUTSIDE) else "an input of the model"
-                report.changed[k] = (a, Action.KEEP, f"{why}: autograd keeps it")
-        elif a in (Action.SWAP, Action.COMPRESS):
+        if k in in_model and a in (Action.SWAP, Action.COMPRESS):
             effective[k] = Action.KEEP
             report.changed[k] = (a, Action.KEEP, "not expressible under torch.compile (C5)")
-        else:
+        elif k in in_model:
             effective[k] = a
+        elif k not in op_of_key and not k.startswith(OUTSIDE):
+            report.dropped[k] = "no tensor of this name is saved in this model's forward"
+        elif a != Action.KEEP:  # the loss's, or an input of the model
+            why = "saved outside the compiled model" if k.startswith(OUTSIDE) else "an input of the model"
+            report.changed[k] = (a, Action.KEEP, f"{why}: autograd keeps it")
     for k in in_model:
         effective.setdefault(k, Action.KEEP)  # a tensor the policy does not name is kept, as R1 keeps it
 
@@ -401,8 +400,7 @@ class CompiledModel(torch.nn.Module):
         self._compiled = torch.compile(unique, backend=backend, fullgraph=True, **compile_kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        first = self._plan is None
-        if first:
+        if self._plan is None:
             self._plan = plan_ops(self.policy, self.model, args, kwargs, strict=self.strict)
         try:
             out = self._compiled(*args, **kwargs)
@@ -413,12 +411,12 @@ class CompiledModel(torch.nn.Module):
                 "fullgraph=True (NOTE [ Compiled policies ] C1); torch.compile(model, fullgraph=True) shows where "
                 "it breaks, or apply the policy eagerly with policy.applied(model)"
             ) from e
-        if first or self._passes:
-            self._settle()
+        self._settle()
         return out
 
     def _settle(self) -> None:
-        """After a compile: keys whose ops the last tracing pass did not meet are dropped (C4)."""
+        """After a compile (a call that traced): keys whose ops the last tracing pass did not meet are
+        dropped (C4)."""
         plan = self._plan
         if plan is None or not self._passes:
             return
@@ -438,8 +436,4 @@ class CompiledModel(torch.nn.Module):
         return self._plan.report if self._plan is not None else CompiledReport()
 
 
-def compiled(policy: Policy, model: torch.nn.Module, **kwargs: Any) -> CompiledModel:
-    return CompiledModel(policy, model, **kwargs)
-
-
-__all__ = ["CompiledModel", "CompiledReport", "OpPlan", "compiled", "op_name", "plan_ops"]
+__all__ = ["CompiledModel", "CompiledReport", "OpPlan", "check_backend", "op_name", "plan_ops"]

@@ -123,6 +123,12 @@ def training_state(model: torch.nn.Module, batch: Batch, opt: torch.optim.Optimi
     return state
 
 
+def held_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages of ``tensors`` (views and aliases counted once): what lives across
+    steps, the baseline of :func:`profiler_peak_bytes`."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def run_iterations(
     model: torch.nn.Module,
     batch: Batch,
@@ -161,13 +167,11 @@ def run_iterations(
             results.append(IterationMeasurement(peak, elapsed, batch_size * grad_accum / elapsed, reserved))
     if not cuda and cpu_peak == "profiler":
         opt.zero_grad(set_to_none=True)
-        held = [*training_state(model, batch, opt), *step.state()]
-        state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
 
         def measured() -> None:
             _one_step(model, batch, loss_fn, opt, step, ctx, device, track=False)
 
-        peak = profiler_peak_bytes(measured, sum(state.values()))
+        peak = profiler_peak_bytes(measured, held_bytes([*training_state(model, batch, opt), *step.state()]))
         for r in results:
             r.peak_bytes = peak
     elif not cuda:

@@ -201,7 +201,7 @@ def test_replays_let_go_of_their_random_states() -> None:
     the end of backward (the tied embedding's gradient), after the replays: the allocator's own high-water
     mark (the profiler's memory events) is then exactly the simulator's peak, with every candidate
     replayed, and on a later step (the runtime's steady state) too."""
-    from runtime.measure import profiler_peak_bytes, training_state
+    from runtime.measure import held_bytes, profiler_peak_bytes, training_state
 
     name, kwargs = GPT2_SMALL_VOCAB
     build = _build(name, kwargs)
@@ -224,9 +224,7 @@ def test_replays_let_go_of_their_random_states() -> None:
     step()  # the first step learns (R11); the next ones are measured
     for _ in range(2):
         opt.zero_grad(set_to_none=True)
-        state = training_state(model, batch, opt)
-        base = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state}.values())
-        assert profiler_peak_bytes(step, base) == predicted.peak_bytes
+        assert profiler_peak_bytes(step, held_bytes(training_state(model, batch, opt))) == predicted.peak_bytes
     assert rt.stats.recomputed_ops > 0
 
 
