@@ -185,7 +185,7 @@ class MaxBatch:
             problem = self._problem(b)
             if self._plain[b] is not problem.workload:
                 problem = Problem(self._plain[b], self.hw, self.planned)
-            self._no_policy[b] = problem.simulator.run(problem.keep_all(), budget_bytes=self.planned)
+            self._no_policy[b] = problem.simulator.no_policy(budget_bytes=self.planned)
         return self._no_policy[b]
 
     def no_policy_fits(self, b: int) -> bool:
@@ -292,7 +292,7 @@ class MaxBatch:
             problem = Problem(
                 backend.workload, self.hw, self.planned, finalists=Finalists(self.planned, capacity=4 * k)
             )
-            no_policy = problem.simulator.run(problem.keep_all(), budget_bytes=self.planned)
+            no_policy = problem.simulator.no_policy(budget_bytes=self.planned)
             self.progress(f"searching batch {b} on its real-mode trace")
             baselines = [get_searcher(n).search(problem, self.ctx) for n in baseline_names()]
             simulated = self.results[b].found

@@ -243,7 +243,7 @@ def run_search(
     started = time.perf_counter()
     get_searcher(searcher)  # an unknown name fails before any work
     sim = problem.simulator if plain is None or plain is problem.workload else Simulator(plain, problem.hardware)
-    no_policy = sim.run(np.zeros(len(sim.w.candidates), dtype=np.int8), budget_bytes=problem.budget_bytes)
+    no_policy = sim.no_policy(budget_bytes=problem.budget_bytes)
     limit = ctx.time_limit_s
     with Progress(
         TextColumn("{task.description}"),

@@ -97,7 +97,7 @@ def run_simulate(
     started = time.perf_counter()
     result = sim.run(policy, budget_bytes=budget_bytes, timeline=timeline is not None)
     elapsed = time.perf_counter() - started
-    baseline = sim.run([0] * len(w.candidates), budget_bytes=budget_bytes, timeline=timeline is not None)
+    baseline = sim.no_policy(budget_bytes=budget_bytes, timeline=timeline is not None)
     cache = _cache(w, hw, policy, budget_bytes) if hw.is_gpu else None
 
     if save_policy is not None:

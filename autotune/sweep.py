@@ -140,7 +140,7 @@ def run_cell(
     ctx = SearchContext(
         time_limit_s=timeout_s, seed=seed, trials=trials, storage=storage, study_name=name, heartbeat_s=heartbeat_s
     )
-    no_policy = problem.simulator.run(problem.keep_all(), budget_bytes=budget_bytes)
+    no_policy = problem.simulator.no_policy(budget_bytes=budget_bytes)
     cell = CellResult(
         w.model, w.batch_size, hw.name, budget_bytes, name, _sim_json(no_policy), reserve_bytes=reserve_bytes
     )

@@ -15,10 +15,10 @@ from typing import Any
 
 from autotune.plots import pareto_front
 from autotune.sweep import CellResult, best_policy
-from envs.simulator import Simulator, uniform_actions
+from envs.simulator import Simulator
 from runtime.fileio import atomic_write
 from runtime.hardware import HardwareProfile
-from runtime.policy import ACTIONS, Action
+from runtime.policy import ACTIONS
 from runtime.workload import Workload
 
 GIB = 2**30
@@ -233,11 +233,10 @@ def _timelines(
         sim = Simulator(w, hw)
         policy = best_policy(cell, w, hw)
         assert policy is not None
-        for name, actions, color in (
-            ("no policy", uniform_actions(w, Action.KEEP), COLORS["no policy"]),
-            ("chosen policy", policy, COLORS["optuna"]),
+        for name, r, color in (
+            ("no policy", sim.no_policy(timeline=True), COLORS["no policy"]),
+            ("chosen policy", sim.run(policy, timeline=True), COLORS["optuna"]),
         ):
-            r = sim.run(actions, timeline=True)
             assert r.timeline is not None
             fig.add_trace(
                 go.Scatter(

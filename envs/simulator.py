@@ -97,6 +97,11 @@ Rule 14 (partition). A workload traced with partitions (runtime/partition.py, NO
     concatenation, and backward slice by slice in the engine's order. No rule changes for it: Rules 1-13
     apply to those ops and candidates, and a partitioned submodule's calls, running once per slice, are never
     regions (P1 of runtime/plan.py).
+Rule 15 (shared parameters' gradients). Where the trace marks an op as a sum PyTorch makes in a new tensor
+    and the runtime makes in place (``OpInfo.in_place_into``; runtime R14, NOTE [ Shared parameters'
+    gradients ] in runtime/shared_grads.py), under every policy, keep-all included, the op allocates nothing
+    and the input it writes lives on to the sum's free op: the live bytes of that op are the traced ones
+    less the sum's. Without a policy (plain training: :meth:`Simulator.no_policy`) it is as traced.
 
 Two implementations share these rules: :class:`Simulator` (vectorised where it can be, an event walk where it
 cannot, for search) and :func:`simulate_reference` (op by op with explicit clocks and a live set, for tests).
@@ -118,7 +123,7 @@ from runtime.hardware import HardwareProfile, host_times_s, op_times_s
 from runtime.plan import RegionPlanner, closures_of
 from runtime.policy import Policy, PolicyOptions
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, Action, itemsize
-from runtime.workload import Phase, Workload, memory_timeline, rounded, workspace_bytes
+from runtime.workload import Phase, Workload, in_place_bytes, memory_timeline, rounded, workspace_bytes
 
 if TYPE_CHECKING:
     from envs.features import CandidateFeatures
@@ -285,13 +290,15 @@ class Simulator:
         cand_of_tensor = {c.tensor: i for i, c in enumerate(cands)}
         self._cand_of_tensor = cand_of_tensor
 
-        # Rule 2: tensors that are not candidates, as traced.
-        self.base_live = memory_timeline(w, g, exclude=cand_of_tensor)  # workspaces included
+        # Rule 2: tensors that are not candidates, as traced; Rule 15: less the sums made in place.
+        self.in_place = in_place_bytes(w, g)
+        self.base_live = memory_timeline(w, g, exclude=cand_of_tensor) - self.in_place  # workspaces included
         self.workspace = workspace_bytes(w)
         self.base_alloc = np.zeros(n, dtype=np.int64)  # bytes of non-candidate outputs each op allocates
         for t in w.tensors:
             if t.id not in cand_of_tensor and t.alloc_op >= 0 and (t.free_op is None or t.free_op >= t.alloc_op):
                 self.base_alloc[t.alloc_op] += rounded(t.nbytes, g)
+        self.base_alloc -= self.in_place
 
         self.size = np.array([rounded(c.nbytes, g) for c in cands], dtype=np.int64)
         self.nbytes = np.array([c.nbytes for c in cands], dtype=np.float64)
@@ -1045,6 +1052,21 @@ class Simulator:
             host_over_bytes=over,
         )
 
+    def no_policy(self, *, budget_bytes: int | None = None, timeline: bool = False) -> SimResult:
+        """Plain training, without autotune's runtime: every tensor kept and the shared parameters'
+        gradients summed as PyTorch sums them (Rule 15), where a keep-all policy sums them in place."""
+        r = self.run(np.zeros(self.k, dtype=np.int8), budget_bytes=budget_bytes, timeline=timeline)
+        if not self.in_place.any():
+            return r
+        live = self._live_keep + self.in_place
+        peak_op = int(np.argmax(live))
+        peak = int(live[peak_op])
+        if r.timeline is not None:
+            r.timeline["live_bytes"] = live.astype(float).tolist()
+        r.peak_bytes, r.peak_op = peak, peak_op
+        r.feasible = (budget_bytes is None or peak <= budget_bytes) and not r.host_over_bytes
+        return r
+
     def _packed_f(self, dtype: str, packed: np.ndarray) -> np.ndarray:
         """Rule 8's packed sizes as float64 weights (cached)."""
         if dtype not in self._packed_w:
@@ -1138,7 +1160,7 @@ def peak_floor(w: Workload, hw: HardwareProfile) -> Floor:
     n, g = len(w.ops), hw.alloc_granularity_bytes
     cands = {c.tensor for c in w.candidates}
     state = sum(rounded(t.nbytes, g) for t in w.tensors if t.persistent and t.id not in cands)
-    others = memory_timeline(w, g, exclude=cands)  # workspace and state included
+    others = memory_timeline(w, g, exclude=cands) - in_place_bytes(w, g)  # workspace and state included; Rule 15
     ws = workspace_bytes(w)
     delta = np.zeros(n + 1, dtype=np.int64)
     for c in w.candidates:

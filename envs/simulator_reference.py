@@ -292,6 +292,14 @@ def simulate_reference(
     for info in region_info:
         for tid, last in info["held"]:
             extended[tid] = max(extended.get(tid, -1), last)
+    in_place: set[int] = set()  # Rule 15: sums the runtime makes in the input it writes, which lives on
+    for op in w.ops:
+        if op.in_place_into >= 0:
+            for tid in op.outputs:
+                if w.tensors[tid].alloc_op == op.index:
+                    in_place.add(tid)
+                    free = w.tensors[tid].free_op
+                    extended[op.in_place_into] = max(extended.get(op.in_place_into, -1), n if free is None else free)
     for i, op in enumerate(w.ops):
         cur[0] = i
         transient = 0
@@ -327,7 +335,7 @@ def simulate_reference(
             allocations += [Allocation(i, h, z) for h, z in zip(handles, transient_parts, strict=True)]
             allocations += [Allocation(i, h, None) for h in handles]
         for tid in op.outputs:
-            if w.tensors[tid].alloc_op == i:
+            if w.tensors[tid].alloc_op == i and tid not in in_place:
                 live[("t", tid)] = size[tid]
         for ci, c in enumerate(cands):
             if act[ci] == COMPRESS and c.save_op == i:

@@ -1,6 +1,7 @@
 """autotune against what PyTorch ships, on this device, every variant measured the same way.
 
-    python experiments/bench_peers.py [--models resnet18,gpt2] [--budgets 0.5] [--search-s 20] [--json FILE]
+    python experiments/bench_peers.py [--models resnet18,gpt2] [--budgets 0.5] [--peers plain,checkpoint,compile]
+        [--search-s 20] [--json FILE]
 
 Peers: plain eager; ``torch.utils.checkpoint`` (non-reentrant) on every block; ``torch.compile`` (backend
 ``aot_eager``, ``inductor`` with --inductor) with ``torch._functorch.config.activation_memory_budget`` at
@@ -128,8 +129,10 @@ def main() -> None:
         default=3,
         help="searches per peer, each lowering the budget by the measured excess over the peer's peak",
     )
+    ap.add_argument("--peers", default="plain,checkpoint,compile", help="which peers to run (default: all three)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    chosen = set(args.peers.split(","))
     hw = _profile_for("cpu")
     results: dict[str, Any] = {}
     for name in args.models.split(","):
@@ -145,10 +148,12 @@ def main() -> None:
         scale = tracker_ratio(name, kwargs)
         floor = peak_floor(w, hw).bytes
         print(f"   no policy can go below {floor / 2**20:.1f} MiB (tracker bytes; envs.simulator.peak_floor)")
-        peers: dict[str, Callable[[torch.nn.Module], torch.nn.Module] | None] = {
-            "plain": None, "checkpoint per block": checkpoint_blocks
-        }  # fmt: skip
-        for b in args.budgets.split(","):
+        peers: dict[str, Callable[[torch.nn.Module], torch.nn.Module] | None] = {}
+        if "plain" in chosen:
+            peers["plain"] = None
+        if "checkpoint" in chosen:
+            peers["checkpoint per block"] = checkpoint_blocks
+        for b in args.budgets.split(",") if "compile" in chosen else ():
             peers[f"compile {b}"] = compiled(float(b), "inductor" if args.inductor else "aot_eager")
         rows = []
         for label, wrap in peers.items():

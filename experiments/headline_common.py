@@ -126,7 +126,7 @@ def search_cell(
     the portfolio's warm start."""
     started = time.perf_counter()
     p = Problem(w, hw, budget)
-    no_policy = p.simulator.run(p.keep_all(), budget_bytes=budget)
+    no_policy = p.simulator.no_policy(budget_bytes=budget)
     floor = budget_floor(p)
     if floor > budget:
         return Cell(budget, floor, no_policy, [], None, time.perf_counter() - started)

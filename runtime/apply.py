@@ -84,6 +84,11 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         policy partitions runs its forward once per slice of the batch, outputs concatenated, as when its
         workload was traced: the keys, ops and backward order are the trace's. Only with the policy's
         ``allow_partition`` option (runtime.policy refuses the file otherwise).
+    R14. Shared parameters (Rule 15; NOTE [ Shared parameters' gradients ] in runtime/shared_grads.py). For
+        the step, the gradients of a parameter that several modules hold (a tied embedding) are summed where
+        PyTorch would make their sum in a new tensor, in place into the one that arrives last, when nothing
+        else holds it: the same bits, one buffer of the parameter's size less at that op. With any policy,
+        keep-all included; nothing per op.
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ from runtime.plan import Region
 from runtime.policy import Action, Policy
 from runtime.precision import check_active
 from runtime.replay import Frame, Recorder, Replayer, view_of
+from runtime.shared_grads import SharedGradients
 from runtime.vocab import compressible
 
 _COMPRESS_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": getattr(torch, "float8_e4m3fn", torch.bfloat16)}
@@ -240,6 +246,7 @@ class PolicyRuntime:
         self.release_after = policy.options.release_after
         self.compress_dtype = _COMPRESS_DTYPES[policy.options.compress_dtype]
         self.regions = self._usable_regions(schedule.regions if schedule else [])
+        self.shared = SharedGradients(model)  # R14
         served = {k for r in self.regions.values() for k in r.keys}
         per_tensor = {k: a for k, a in policy.actions.items() if a != Action.KEEP and k not in served}
         self.needs_hooks = bool(per_tensor)
@@ -289,7 +296,7 @@ class PolicyRuntime:
         """One forward and its backward under the policy. ``force_hooks`` observes every pack from the
         second step on, keep included (to measure the hooks' cost)."""
         self.stats = RuntimeStats()
-        with self._precision_checked(), partitioned(self.model, self.policy.partitions):
+        with self._precision_checked(), partitioned(self.model, self.policy.partitions), self.shared.installed():
             hooks = self.needs_hooks or force_hooks
             if not (hooks or self.regions):
                 yield self.stats

@@ -70,6 +70,7 @@ from runtime.hardware import HardwareProfile
 from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, block_paths, parameter_fingerprint
 from runtime.partition import Partition, partitioned
 from runtime.precision import TrainStep
+from runtime.shared_grads import SharedGradients
 from runtime.target import fake_trace_choices, trace_key
 from runtime.vocab import Batch, LossFn, batch_tensors
 from runtime.workload import Candidate, Frame, OpInfo, Phase, TensorInfo, TensorKind, Workload
@@ -618,7 +619,13 @@ def _record(
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
-    with _attribute_backward(model, keyer), log.attached(model), rec:
+    def in_place(into: torch.Tensor, out: torch.Tensor) -> None:  # S4 of runtime/shared_grads.py
+        op, tid = rec.ops[-1], rec.tensor_id(into)
+        if tid is not None and rec.tensor_id(out) in op.outputs and tid in op.inputs:
+            op.in_place_into = tid
+
+    shared = SharedGradients(model, in_place=False, mark=in_place)
+    with _attribute_backward(model, keyer), log.attached(model), shared.installed(), rec:
         rec.phase = Phase.FORWARD
         rec.module_of = lambda: keyer.current_module
         rec.frame_of = lambda: log.current

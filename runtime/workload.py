@@ -116,6 +116,9 @@ class OpInfo:
     # Forward ops: aten ops dispatched right after this one that have no memory effect (views, detach, size
     # queries). They are not ops of the workload, but the runtime's recorder records them too (Rule 12).
     quiet_ops: int = 0
+    # A sum of a shared parameter's gradients that PyTorch made in a new tensor and the runtime makes in place
+    # into this input (NOTE [ Shared parameters' gradients ] in runtime/shared_grads.py; Rule 15); -1: none.
+    in_place_into: int = -1
 
 
 @dataclass
@@ -363,6 +366,18 @@ def memory_timeline(w: Workload, granularity_bytes: int = 1, exclude: Container[
         delta[start] += size
         delta[end] -= size
     return np.cumsum(delta[:n]) + workspace_bytes(w)
+
+
+def in_place_bytes(w: Workload, granularity_bytes: int = 1) -> np.ndarray:
+    """Per op, the bytes of a sum PyTorch makes in a new tensor and autotune's runtime makes in place
+    (``OpInfo.in_place_into``; simulator Rule 15): what every policy holds less than plain training there.
+    Shape (n_ops,)."""
+    out = np.zeros(len(w.ops), dtype=np.int64)
+    for op in w.ops:
+        if op.in_place_into >= 0:
+            out[op.index] = sum(rounded(w.tensors[t].nbytes, granularity_bytes) for t in op.outputs
+                                if w.tensors[t].alloc_op == op.index)  # fmt: skip
+    return out
 
 
 def workspace_bytes(w: Workload) -> np.ndarray:

@@ -1,0 +1,143 @@
+"""A shared parameter's gradients summed in place (runtime/shared_grads.py, NOTE [ Shared parameters'
+gradients ]; runtime R14, simulator Rule 15): PyTorch's sum bit for bit, one buffer of the parameter's size
+less where PyTorch makes the sum in a new tensor, measured as simulated."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from envs.simulator import Simulator, peak_floor, uniform_actions
+from envs.simulator_reference import simulate_reference
+from runtime.apply import PolicyRuntime
+from runtime.hardware import get_profile
+from runtime.measure import run_iterations
+from runtime.policy import Action, Policy
+from runtime.shared_grads import SharedGradients, shared_parameters
+from runtime.trace import capture, make_optimizer
+from runtime.workload import Workload
+
+V, D, B = 4096, 64, 8
+W = V * D * 4  # the tied weight's bytes: 1 MiB
+
+
+class TiedLM(nn.Module):
+    """An embedding whose weight is also the output layer's, as GPT-2's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(V, D)
+        self.mid = nn.Linear(D, D)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.wte(x))))
+
+
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def _build() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], Callable[..., torch.Tensor]]:
+    torch.manual_seed(0)
+    model = TiedLM()
+    return model, (torch.randint(0, V, (B,)), torch.randint(0, V, (B,))), _loss
+
+
+def _grads(runtime: bool, run: Callable[[nn.Module, Any], None]) -> list[torch.Tensor]:
+    model, batch, _ = _build()
+    with SharedGradients(model).installed() if runtime else contextlib.nullcontext():
+        run(model, batch)
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _accumulate(model: nn.Module, batch: Any) -> None:
+    for _ in range(2):  # gradient accumulation: the second sum is added into the first micro-batch's
+        _loss(model, batch).backward()
+
+
+def _retained(model: nn.Module, batch: Any) -> None:
+    loss = _loss(model, batch)
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+
+def _unrun_edge(model: nn.Module, batch: Any) -> None:
+    loss = _loss(model, batch)
+    unused = model.head(torch.ones(3, D))  # an edge into the weight that this backward does not run
+    loss.backward()
+    del unused
+
+
+def _bf16(model: nn.Module, batch: Any) -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _loss(model, batch)
+    loss.backward()
+
+
+@pytest.mark.parametrize(
+    "run",
+    [lambda m, b: _loss(m, b).backward(), _accumulate, _retained, _unrun_edge, _bf16],
+    ids=["one backward", "accumulated", "retained graph", "an edge not run", "bf16 autocast"],
+)
+def test_the_sum_is_pytorchs_bit_for_bit(run: Callable[[nn.Module, Any], None]) -> None:
+    assert [len(m) for m in shared_parameters(_build()[0]).values()] == [2]
+    plain, shared = _grads(False, run), _grads(True, run)
+    assert len(plain) == len(shared) == 3
+    assert all(torch.equal(a, b) for a, b in zip(plain, shared, strict=True))
+
+
+def _trace(fake: bool) -> Workload:
+    return capture(_build, name="tied", batch_size=B, fake=fake)
+
+
+def test_the_trace_marks_the_sum_and_the_simulators_agree() -> None:
+    """One op, in fake and real traces alike: the sum PyTorch makes of the head's gradient (a view, so not
+    added into) and the embedding's; under every policy it costs W less there, without a policy it is as
+    traced (Rule 15). The op-by-op simulator agrees, and the floor counts the saving."""
+    w = _trace(fake=False)
+    marked = [op for op in w.ops if op.in_place_into >= 0]
+    assert [(op.name, op.module) for op in marked] == [("aten.add.Tensor", "wte")]
+    assert w.tensors[marked[0].in_place_into].nbytes == W
+    fake = _trace(fake=True)
+    assert [(op.index, op.in_place_into) for op in fake.ops if op.in_place_into >= 0] == [
+        (marked[0].index, marked[0].in_place_into)
+    ]
+    hw = get_profile("cpu")
+    sim = Simulator(w, hw)
+    keep = sim.run(uniform_actions(w, Action.KEEP))
+    plain = sim.no_policy()
+    assert plain.peak_op == marked[0].index  # the three buffers' op is this model's peak; without the third,
+    assert keep.peak_op == marked[0].index - 1  # the embedding's backward is: the two and its input's gradient
+    assert plain.peak_bytes - keep.peak_bytes == W - B * D * 4
+    assert peak_floor(w, hw).bytes == keep.peak_bytes  # nothing else is live there that a policy could drop
+    rng = np.random.default_rng(0)
+    for vec in [uniform_actions(w, Action.KEEP), *(rng.integers(0, 3, len(w.candidates)) for _ in range(4))]:
+        vec = np.asarray(vec, dtype=np.int8)
+        assert sim.run(vec).peak_bytes == simulate_reference(w, hw, vec).peak_bytes
+
+
+def test_the_runtime_measures_what_the_simulator_plans() -> None:
+    """Training for real on the CPU (the storage tracker): plain training at the no-policy peak, a keep-all
+    policy through the runtime W below it, each exactly as simulated."""
+    w = _trace(fake=False)
+    sim = Simulator(w, get_profile("cpu"))
+    policy = Policy.from_vector(w, uniform_actions(w, Action.KEEP), hardware="cpu")
+
+    def measured(runtime: bool) -> int:
+        model, batch, loss_fn = _build()
+        opt = make_optimizer("sgd", model.parameters())
+        around = PolicyRuntime(policy, model).step if runtime else None
+        return run_iterations(model, batch, loss_fn, opt, steps=1, batch_size=B, around_step=around)[0].peak_bytes
+
+    plain, applied = measured(False), measured(True)
+    assert plain == sim.no_policy().peak_bytes
+    assert applied == sim.run(policy).peak_bytes == plain - W + B * D * 4
