@@ -443,11 +443,16 @@ def test_search_takes_a_trainer_style_factory(capsys: pytest.CaptureFixture[str]
     assert policy.grad_accum == 2 and policy.counts()[Action.KEEP] < len(policy.actions)
     assert any(a in (Action.SWAP, Action.RECOMPUTE) for a in policy.actions.values())
     ref_grads, ref_params, _, _ = _train_hf(tmp_path, None)
-    with pytest.warns(UserWarning, match=r"'<root>#\d+\.\d+:nograd' is not in the policy"):  # see below
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         grads, params, done, _ = _train_hf(tmp_path, policy)
     assert all(_same(a, b) for a, b in zip(grads, ref_grads, strict=True)) and _same(params, ref_params)
     assert all(s.regions + s.recomputed_ops + s.swapped_bytes > 0 for s in done)
     # The one tensor the factory's loss does not save: the divisor num_items_in_batch that the Trainer
-    # passes to the model (see _trainer_loss), kept and reported in the first micro-batch.
+    # passes to the model (see _trainer_loss), kept and reported in the first micro-batch where the runtime
+    # sees packs at all: a policy that only recomputes through regions hooks none (R11), and which one a
+    # 5-second search answers varies.
     unknown = [k for s in done for k in s.unknown_keys]
     assert len(unknown) <= 1 and all(k.startswith("<root>#") and k.endswith(":nograd") for k in unknown), unknown
+    noted = [str(w.message) for w in caught if "is not in the policy" in str(w.message)]
+    assert len(noted) == len(unknown) and all(repr(k) in m for k, m in zip(unknown, noted, strict=True)), noted
