@@ -162,14 +162,15 @@ def parse_partition_option(text: str | None) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _choose_partition(w: Any, hw: Any, budget_bytes: int, req: Any) -> list[Any]:
+def _choose_partition(w: Any, hw: Any, budget_bytes: int, req: Any, trace: Any = None) -> list[Any]:
     """--allow-partition: NOTE [ Choosing a partition ] in autotune/partitions.py, said on stderr. The
-    workloads to search: the chosen one, then the unpartitioned one where the budget is above its floor."""
+    workloads to search: the chosen one, then the unpartitioned one where the budget is above its floor.
+    ``trace``: how a partitioned variant is traced (default: ``req`` again with the partitions)."""
     from autotune import search as sr
     from autotune.partitions import choose, retracer
 
     with err.status("choosing a partition…", spinner="dots") as status:
-        choice = choose(w, hw, budget_bytes, retracer(req), progress=lambda msg: status.update(msg))
+        choice = choose(w, hw, budget_bytes, trace or retracer(req), progress=lambda msg: status.update(msg))
     tried = "; ".join(
         f"{p}: floor {sr.format_bytes(f)}, frugal policy {sr.format_bytes(g)}" for p, f, g in choice.tried
     )
@@ -462,12 +463,7 @@ def search(
             f"--compile with --measure {measure}: measured searches train eagerly; drop --measure (the plan is "
             "simulated; autotune train --compile measures it)"
         )
-    if sliced and measure:
-        raise AutotuneError(
-            f"--measure {measure} with partitions: measured searches do not partition yet; drop --measure (the "
-            "plan is simulated) or the partition options"
-        )
-    k = 0 if sliced or compile_ else sr.measure_count(measure, here, hw)
+    k = 0 if compile_ else sr.measure_count(measure, here, hw)
     plan = plan_budget(budget, reserve, hw)
     req = TraceRequest(
         model=model,
@@ -487,23 +483,28 @@ def search(
     err.print(note)
     if host_note:
         err.print(host_note, highlight=False)
-    backend = None
-    if k:  # the environment's real backend traces the model it will train (NOTE [ Measured search ])
+    backends: dict[tuple[Any, ...], Any] = {}
+
+    def backend_for(partitions: tuple[Any, ...]) -> Any:
+        """The environment's real backend traces the model it will train (NOTE [ Measured search ]), with
+        the partitions it will run (the candidates measured are those searched)."""
         from autotune.real_backend import real_backend
 
-        with err.status(f"Tracing {model} on {here} (real mode: measured op times)…", spinner="dots"):
-            backend = real_backend(
-                model, batch_size, here or "cpu", steps=3, seq_len=seq_len, optimizer=req.optimizer,
-                precision=req.precision, grad_accum=grad_accum,
-            )  # fmt: skip
-        w = backend.workload
-    else:
-        w, _ = _trace(req)
+        if partitions not in backends:
+            with err.status(f"Tracing {model} on {here} (real mode: measured op times)…", spinner="dots"):
+                backends[partitions] = real_backend(
+                    model, batch_size, here or "cpu", steps=3, seq_len=seq_len, optimizer=req.optimizer,
+                    precision=req.precision, grad_accum=grad_accum, partitions=partitions,
+                )  # fmt: skip
+        return backends[partitions]
+
+    w = backend_for(parts).workload if k else _trace(req)[0]
     rivals = [w]
     # No policy is the unpartitioned model's, whatever the answer partitions.
     plain = _trace(dataclasses.replace(req, partitions=()))[0] if parts else w
     if allow_partition and not parts:  # NOTE [ Choosing a partition ]: one workload, or two searched in turn
-        rivals = _choose_partition(w, hw, plan.planned_bytes, req)
+        trace = (lambda ps: backend_for(ps).workload) if k else None
+        rivals = _choose_partition(w, hw, plan.planned_bytes, req, trace)
     reserved = budget_kind == "reserved" and hw.is_gpu and not k  # NOTE [ Reserved budget ]
     path = out_path or Path(f"{w.model.replace(':', '_').replace('/', '_')}.policy.json")
     outcome: Any = None
@@ -551,6 +552,7 @@ def search(
         if got.interrupted:
             break
     problem, name = outcome.problem, outcome.ctx.study_name
+    backend = backends.get(outcome.found.policy.partitions) if k else None
     if backend is not None and outcome.found.feasible and not outcome.interrupted:
         from autotune.measured import measure as measure_finalists
 
@@ -634,11 +636,7 @@ def maxbatch(
     hw, note = resolve_profile(gpu)
     here = sr.plan_device(hw, device)
     hw, host_note = sr.with_host_memory(hw, host_memory, here)
-    if allow_partition and measure:
-        raise AutotuneError(
-            f"--measure {measure} with --allow-partition: measured searches do not partition yet; drop one of them"
-        )
-    k = 0 if allow_partition else sr.measure_count(measure, here, hw)
+    k = sr.measure_count(measure, here, hw)
     plan = plan_budget(budget, reserve, hw)
     budget_bytes = plan.given_bytes
     if plan.planned_bytes == 0:
@@ -679,9 +677,9 @@ def maxbatch(
         if k and outcome.max_batch:
             from autotune.real_backend import real_backend
 
-            def backend_at(b: int) -> Any:
+            def backend_at(b: int, partitions: tuple[Any, ...]) -> Any:
                 return real_backend(model, b, here or "cpu", steps=3, seq_len=seq_len, optimizer=req.optimizer,
-                                    precision=req.precision, grad_accum=grad_accum)  # fmt: skip
+                                    precision=req.precision, grad_accum=grad_accum, partitions=partitions)  # fmt: skip
 
             outcome = search.measure(outcome, backend_at, k, budget_bytes)
     if outcome.best is not None and outcome.best.found is not None:

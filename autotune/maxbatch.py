@@ -43,6 +43,7 @@ from runtime.workload import Workload, peak_report
 
 if TYPE_CHECKING:
     from autotune.real_backend import RealBackend
+    from runtime.partition import Partition
 
 MAX_BATCH = 1 << 16
 MEASURED_SIZES = 3  # --measure: sizes trained for real, from the largest that fits on the simulator down
@@ -276,27 +277,35 @@ class MaxBatch:
         return out
 
     def measure(
-        self, outcome: MaxBatchOutcome, backend_at: Callable[[int], RealBackend], k: int, budget_bytes: int
+        self,
+        outcome: MaxBatchOutcome,
+        backend_at: Callable[[int, tuple[Partition, ...]], RealBackend],
+        k: int,
+        budget_bytes: int,
     ) -> MaxBatchOutcome:
         """``--measure k`` (see the module's docstring): from the largest size that fits on the simulator
         down, at most MEASURED_SIZES of them, the first whose measured answer fits ``budget_bytes`` (the
-        user's budget) becomes the outcome's answer; with none, ``max_batch`` is 0."""
+        user's budget) becomes the outcome's answer; with none, ``max_batch`` is 0. ``backend_at(b, parts)``
+        traces and trains size b with the partitions its simulated answer chose; no policy is the
+        unpartitioned model's, traced so too."""
         from autotune.measured import measure
 
         sizes = sorted((r.batch_size for r in self.results.values() if r.fits and r.found), reverse=True)
         outcome.max_batch, outcome.best = 0, None
         for b in sizes[:MEASURED_SIZES]:
             outcome.measured_sizes.append(b)
+            simulated = self.results[b].found
+            assert simulated is not None
+            parts = simulated.policy.partitions
             self.progress(f"tracing batch {b} in real mode")
-            backend = backend_at(b)
+            backend = backend_at(b, parts)
             problem = Problem(
                 backend.workload, self.hw, self.planned, finalists=Finalists(self.planned, capacity=4 * k)
             )
-            no_policy = problem.simulator.no_policy(budget_bytes=self.planned)
+            plain = Problem(backend_at(b, ()).workload, self.hw, self.planned) if parts else problem
+            no_policy = plain.simulator.no_policy(budget_bytes=self.planned)
             self.progress(f"searching batch {b} on its real-mode trace")
             baselines = [get_searcher(n).search(problem, self.ctx) for n in baseline_names()]
-            simulated = self.results[b].found
-            assert simulated is not None
             seeds = (*baselines, _as_seed(problem, simulated.policy, f"batch-{b}-fake-trace"))
             found = get_searcher("portfolio").search(problem, self.ctx.derive(seeds=seeds))
             if not self._fits(no_policy, found):

@@ -88,12 +88,14 @@ def real_backend(
     optimizer: str = "sgd",
     precision: str = "fp32",
     grad_accum: int = 1,
+    partitions: tuple[Any, ...] = (),
 ) -> RealBackend:
     """A ``real`` callable for :class:`MemoryPolicyEnv` that trains ``model_name`` (any name
     :func:`autotune.models.build_model` accepts, with its ``image_size``, ``seq_len`` and
     ``config_overrides``) at ``batch_size`` (None: the model's default) on ``device``, ``steps`` timed
     iterations per policy, with ``optimizer``, ``precision`` and ``grad_accum`` as ``autotune train`` takes
-    them.
+    them; ``partitions`` (runtime.partition.Partition), submodules run on slices of the batch: traced so, and
+    applied by every policy the backend makes (runtime R13).
 
     The model is traced here in real mode on ``device`` (as ``autotune train`` does: some models, GPT-2's
     attention mask for one, take another path under fake tensors); pass ``backend.workload`` to the
@@ -123,7 +125,8 @@ def real_backend(
         return entry.module, entry.batch, entry.loss_fn
 
     w = capture(build_for_trace, name=model_name, batch_size=entry.batch_size, seq_len=entry.seq_len, fake=False,
-                device=device, optimizer=optimizer, precision=precision, grad_accum=grad_accum)  # fmt: skip
+                device=device, optimizer=optimizer, precision=precision, grad_accum=grad_accum,
+                partitions=partitions)  # fmt: skip
     w.seq_len = entry.seq_len
     w.meta["device_profile"] = device_profile(device)
     opt = make_optimizer(w.optimizer, entry.module.parameters())

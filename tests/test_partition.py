@@ -276,6 +276,31 @@ def test_search_simulate_train_applied_with_partition_from_the_cli(
 
 
 @pytest.mark.slow
+def test_measured_search_trains_the_chosen_partition(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """search --allow-partition --measure on the CPU, below the unpartitioned floor: the partition is chosen
+    on real-mode traces of the backend that trains the finalists, so they train with the slices searched;
+    the answer is a measured one that fits, and its file partitions."""
+    code, out, err = run(capsys, "profile", "--model", CNN, "--gpu", "cpu", "--json")
+    assert code == 0, err
+    budget = int(json.loads(out)["peak_bytes"] * 0.5)
+    path, store = tmp_path / "p.json", f"sqlite:///{tmp_path / 's.db'}"
+    code, stdout, err = run(capsys, "search", "--model", CNN, "--budget", str(budget), "--gpu", "cpu", "--timeout",
+                            "8", "--allow-partition", "--measure", "2", "--out", str(path), "--storage", store,
+                            "--json")  # fmt: skip
+    assert code == 0, err
+    assert "partition: blocks/" in err
+    got = json.loads(stdout)
+    rows = got["finalists"]["finalists"]
+    assert rows and got["finalists"]["chosen"] is not None
+    chosen = rows[got["finalists"]["chosen"]]
+    assert chosen["fits"] and chosen["measured"]["peak_bytes"] <= budget
+    assert got["measured"]["peak_bytes"] == chosen["measured"]["peak_bytes"]
+    policy = load_policy(path)
+    assert policy.partitions and policy.options.allow_partition
+    assert json.loads(path.read_text())["measured"]["peak_bytes"] == got["measured"]["peak_bytes"]
+
+
+@pytest.mark.slow
 def test_maxbatch_with_partition_trains_larger_batches() -> None:
     """maxbatch --allow-partition's search (autotune/maxbatch.py with autotune/partitions.py) on the small CNN
     within 8 MiB on a100-40gb: without partition the floor stops it, with it each size is traced sliced where
