@@ -4,6 +4,7 @@ allocator's peak against the simulator's prediction. Skipped with a reason where
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -121,3 +122,27 @@ def test_later_steps_are_bit_identical_on_cuda(name: str, kwargs: dict) -> None:
                 assert torch.equal(a[0], b[0]), (label, release, step)
                 assert all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True)), (label, release, step)
                 assert all(torch.equal(x, y) for x, y in zip(a[2], b[2], strict=True)), (label, release, step)
+
+
+def test_shared_gradients_on_cuda() -> None:
+    """Runtime R14 on the GPU (runtime/shared_grads.py): the tied weight's gradient bit for bit PyTorch's,
+    and the allocator's peak of backward lower by about the weight's bytes (the third buffer PyTorch makes;
+    CUDA's embedding backward has its own temporaries, hence not the CPU test's exact figure)."""
+    from runtime.shared_grads import SharedGradients
+    from tests.test_shared_grads import B, TiedLM, W, _loss
+
+    def step(shared: bool) -> tuple[list[torch.Tensor], int]:
+        torch.manual_seed(0)
+        model = TiedLM().cuda()
+        batch = (torch.randint(0, 4096, (B,), device="cuda"), torch.randint(0, 4096, (B,), device="cuda"))
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with SharedGradients(model).installed() if shared else contextlib.nullcontext():
+            _loss(model, batch).backward()
+        torch.cuda.synchronize()
+        return [p.grad.clone() for p in model.parameters()], torch.cuda.max_memory_allocated()
+
+    (plain, plain_peak), (shared, shared_peak) = step(False), step(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, shared, strict=True))
+    assert plain_peak - shared_peak >= 0.9 * W, (plain_peak, shared_peak)
