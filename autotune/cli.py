@@ -792,6 +792,14 @@ def sweep(
     grad_accum: AccumOpt = 1,
     seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
     reserve: ReserveOpt = None,
+    allow_partition: Annotated[
+        bool,
+        typer.Option(
+            "--allow-partition",
+            help="Let a cell whose budget is below what the model reaches run a submodule on slices of the batch "
+            "(as search --allow-partition; its own study).",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Search every model x budget x profile cell into one Optuna storage (resumable), with an HTML report."""
@@ -848,6 +856,13 @@ def sweep(
             if (i, trace_key(hw)) not in traced:
                 traced[(i, trace_key(hw))] = _trace(dataclasses.replace(req, target=hw))[0]
     workloads = {hw.name: [traced[(i, trace_key(hw))] for i in range(len(reqs))] for hw in profiles}
+
+    def partition(i: int, w: Workload, hw: Any, budget_bytes: int) -> Workload:
+        """--allow-partition: NOTE [ Choosing a partition ] per cell, on fake traces for the cell's profile."""
+        from autotune.partitions import choose, retracer
+
+        return choose(w, hw, budget_bytes, retracer(dataclasses.replace(reqs[i], target=hw))).workload
+
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=as_json) as bar:
         task = bar.add_task("sweep", total=len(reqs) * len(profiles) * len(budget_list))
@@ -867,13 +882,13 @@ def sweep(
             heartbeat_s=heartbeat,
             progress=progress,
             reserve=reserve,
+            partition=partition if allow_partition else None,
         )
     written: list[str] = []
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         for cell in outcome.cells:
-            w = outcome.workloads[(cell.model, cell.batch_size, cell.profile)]
-            policy = sw.best_policy(cell, w, outcome.profiles[cell.profile])
+            policy = sw.best_policy(cell, outcome.workload_of(cell)[1], outcome.profiles[cell.profile])
             if policy is not None:
                 stem = cell.model.replace(":", "_").replace("/", "_")
                 path = out_dir / f"{stem}.{cell.profile}.{cell.budget_bytes}.policy.json"
@@ -883,7 +898,7 @@ def sweep(
         from autotune import sweep_report as rp
 
         trials_by_study = rp.study_trials(storage, [c.study_name for c in outcome.cells])
-        text = rp.build_report(outcome.cells, outcome.workloads, outcome.profiles, trials_by_study)
+        text = rp.build_report(outcome.cells, outcome.workload_of, outcome.profiles, trials_by_study)
         rp.write_report(report, text)
     if as_json:
         print(

@@ -29,7 +29,7 @@ from agents.base import Problem, SearchContext, SearchResult, baseline_names, be
 from agents.optuna_search import storage_for
 from autotune.budget import budget_of, record_budget
 from autotune.search import budget_floor, format_bytes
-from envs.simulator import SimResult
+from envs.simulator import SimResult, Simulator
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
 from runtime.policy import Policy, PolicyOptions
@@ -53,7 +53,9 @@ def check_methods(value: str) -> list[str]:
 def cell_study_name(w: Workload, hw: HardwareProfile, budget_bytes: int) -> str:
     precision = f".{w.precision}" if w.precision != "fp32" else ""
     accum = f".ga{w.grad_accum}" if w.grad_accum > 1 else ""
-    return f"sweep.{w.model}.b{w.batch_size}{precision}{accum}.{hw.name}.{budget_bytes}"
+    # A partitioned trace's candidates are the slices' tensors: a study of its own (--allow-partition).
+    sliced = "".join(f".{p['module']}x{p['chunks']}" for p in w.meta.get("partitions", ()))
+    return f"sweep.{w.model}.b{w.batch_size}{precision}{accum}{sliced}.{hw.name}.{budget_bytes}"
 
 
 @dataclass
@@ -74,6 +76,7 @@ class CellResult:
     resumed: list[str] = field(default_factory=list)  # methods found done in the storage
     wall_s: float = 0.0
     reserve_bytes: int = 0
+    partitions: list[dict[str, Any]] = field(default_factory=list)  # --allow-partition: the slices searched
 
     def to_json(self) -> dict[str, Any]:
         best_h = self.best_heuristic()
@@ -96,6 +99,7 @@ class CellResult:
             "peak_bytes": self.best["peak_bytes"] if self.best else None,
             "resumed": self.resumed,
             "wall_s": self.wall_s,
+            "partitions": self.partitions,
         }
 
     def best_heuristic(self) -> tuple[str, dict[str, Any]] | None:
@@ -123,8 +127,10 @@ def run_cell(
     heartbeat_s: float | None = None,
     progress: Callable[[str], None] | None = None,
     reserve_bytes: int = 0,
+    plain: Workload | None = None,
 ) -> CellResult:
-    """Run (or resume) one cell; everything it finds is written to its study before it returns."""
+    """Run (or resume) one cell; everything it finds is written to its study before it returns. ``plain``:
+    the model without the partitions ``w`` was traced with, whose no-policy row the cell's is."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -140,10 +146,12 @@ def run_cell(
     ctx = SearchContext(
         time_limit_s=timeout_s, seed=seed, trials=trials, storage=storage, study_name=name, heartbeat_s=heartbeat_s
     )
-    no_policy = problem.simulator.no_policy(budget_bytes=budget_bytes)
+    sim = problem.simulator if plain is None or plain is w else Simulator(plain, hw)
+    no_policy = sim.no_policy(budget_bytes=budget_bytes)
     cell = CellResult(
-        w.model, w.batch_size, hw.name, budget_bytes, name, _sim_json(no_policy), reserve_bytes=reserve_bytes
-    )
+        w.model, w.batch_size, hw.name, budget_bytes, name, _sim_json(no_policy), reserve_bytes=reserve_bytes,
+        partitions=list(w.meta.get("partitions", [])),
+    )  # fmt: skip
     cell.resumed = [m for m in methods if m in done and m != "optuna"]
     if "meta" not in attrs:
         study.set_user_attr(
@@ -155,6 +163,7 @@ def run_cell(
                 "budget_bytes": budget_bytes,
                 "precision": w.precision,
                 "grad_accum": w.grad_accum,
+                "partitions": cell.partitions,
             },
         )
         study.set_user_attr("no_policy", cell.no_policy)
@@ -234,9 +243,9 @@ def best_policy(cell: CellResult, w: Workload, hw: HardwareProfile) -> Policy | 
     b = cell.best
     if b is None or b.get("actions") is None:
         return None
-    policy = Policy.from_vector(
-        w, b["actions"], hardware=hw.name, options=PolicyOptions(**b["options"]), searcher=f"sweep:{b['method']}"
-    )
+    # A partitioned cell's workload carries the consent (envs.problem.Problem does the same).
+    options = PolicyOptions(**b["options"], allow_partition=bool(w.meta.get("partitions")))
+    policy = Policy.from_vector(w, b["actions"], hardware=hw.name, options=options, searcher=f"sweep:{b['method']}")
     return record_budget(policy, cell.budget_bytes + cell.reserve_bytes)
 
 
@@ -244,17 +253,27 @@ def describe(cell: CellResult) -> str:
     if cell.below_floor:
         return f"{cell.model} {cell.profile} {format_bytes(cell.budget_bytes)}: below what any policy needs"
     got = cell.best["samples_per_s"] if cell.best else None
+    sliced = "".join(f", {p['module']}/{p['chunks']}" for p in cell.partitions)
     return f"{cell.model} {cell.profile} {format_bytes(cell.budget_bytes)}: " + (
-        f"{got:,.1f} samples/s ({cell.best['method']})" if got and cell.best else "no fitting policy"
+        f"{got:,.1f} samples/s ({cell.best['method']}{sliced})" if got and cell.best else "no fitting policy"
     )
+
+
+# A cell's workloads: (the model as traced, what the cell planned on: the same, or its partitioned trace).
+WorkloadOf = Callable[[CellResult], tuple[Workload, Workload]]
 
 
 @dataclass
 class SweepOutcome:
     cells: list[CellResult]
-    workloads: dict[tuple[str, int, str], Workload]  # (model, batch size, profile): what each cell planned on
+    workloads: dict[tuple[str, int, str], Workload]  # (model, batch size, profile): each model as traced
     profiles: dict[str, HardwareProfile]
     wall_s: float
+    sliced: dict[str, Workload] = field(default_factory=dict)  # study name -> a partitioned cell's workload
+
+    def workload_of(self, cell: CellResult) -> tuple[Workload, Workload]:
+        plain = self.workloads[(cell.model, cell.batch_size, cell.profile)]
+        return plain, self.sliced.get(cell.study_name, plain)
 
 
 def run_sweep(
@@ -270,16 +289,20 @@ def run_sweep(
     heartbeat_s: float | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     reserve: str | None = None,
+    partition: Callable[[int, Workload, HardwareProfile, int], Workload] | None = None,
 ) -> SweepOutcome:
     """Every (workload, profile, budget) cell, in that order; ``progress(done, total, what)``. ``workloads``
     per profile name: each a trace taken for that profile (NOTE [ GPU-faithful fake traces ] in
     runtime/target.py), one model per position, in the same order for every profile. Each budget is planned
-    for less ``reserve`` on GPU profiles (``--reserve``; NOTE [ Budget and reserve ] in autotune.budget)."""
+    for less ``reserve`` on GPU profiles (``--reserve``; NOTE [ Budget and reserve ] in autotune.budget).
+    ``partition(i, w, hw, budget)``: the workload to plan cell (model i, profile, budget) on, partitioned or
+    ``w`` itself (``--allow-partition``: NOTE [ Choosing a partition ] in autotune/partitions.py)."""
     started = time.perf_counter()
     models = len(workloads[profiles[0].name]) if profiles else 0
     total = models * len(profiles) * len(budgets)
     cells: list[CellResult] = []
     planned: dict[tuple[str, int, str], Workload] = {}
+    sliced: dict[str, Workload] = {}
     for i in range(models):
         for hw in profiles:
             w = workloads[hw.name][i]
@@ -293,10 +316,11 @@ def run_sweep(
                     if progress is not None:
                         progress(len(cells), total, f"{label}: {method}")
 
-                say("starting")
+                say("choosing a partition" if partition is not None else "starting")
+                wc = partition(i, w, hw, budget) if partition is not None else w
                 cells.append(
                     run_cell(
-                        w,
+                        wc,
                         hw,
                         budget,
                         methods=methods,
@@ -307,11 +331,14 @@ def run_sweep(
                         heartbeat_s=heartbeat_s,
                         progress=say,
                         reserve_bytes=plan.reserve_bytes,
+                        plain=w,
                     )
                 )
+                if wc is not w:
+                    sliced[cells[-1].study_name] = wc
                 if progress is not None:
                     progress(len(cells), total, describe(cells[-1]))
-    return SweepOutcome(cells, planned, {hw.name: hw for hw in profiles}, time.perf_counter() - started)
+    return SweepOutcome(cells, planned, {hw.name: hw for hw in profiles}, time.perf_counter() - started, sliced)
 
 
 def render(out: Console, outcome: SweepOutcome, storage: str, report: Path | None) -> None:

@@ -14,12 +14,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from autotune.plots import pareto_front
-from autotune.sweep import CellResult, best_policy
+from autotune.sweep import CellResult, WorkloadOf, best_policy
 from envs.simulator import Simulator
 from runtime.fileio import atomic_write
 from runtime.hardware import HardwareProfile
 from runtime.policy import ACTIONS
-from runtime.workload import Workload
 
 GIB = 2**30
 COLORS = {"no policy": "#7f7f7f", "best heuristic": "#ff7f0e", "optuna": "#1f77b4", "ppo": "#2ca02c"}
@@ -28,7 +27,7 @@ ACTION_COLORS = {"keep": "#9e9e9e", "swap": "#1f77b4", "recompute": "#ff7f0e", "
 
 def build_report(
     cells: Sequence[CellResult],
-    workloads: dict[tuple[str, int, str], Workload],
+    workload_of: WorkloadOf,
     profiles: dict[str, HardwareProfile],
     trials: dict[str, list[dict[str, Any]]],
     *,
@@ -42,9 +41,9 @@ def build_report(
         ("Slowdown against memory saved (every trial; line: Pareto front)", _pareto(cells, trials)),
         (
             "Memory over one iteration: the chosen policy at the tightest budget against no policy",
-            _timelines(cells, workloads, profiles),
+            _timelines(cells, workload_of, profiles),
         ),
-        ("Where each action goes, per layer (tightest budget)", _action_mix(cells, workloads, profiles)),
+        ("Where each action goes, per layer (tightest budget)", _action_mix(cells, workload_of, profiles)),
         ("Search history (best fitting samples/s so far, per cell)", _history(cells, trials)),
     ]
     parts = [
@@ -214,9 +213,7 @@ def _tightest(cells: Sequence[CellResult], model: str, profile: str) -> CellResu
     return min(fitting, key=lambda c: c.budget_bytes) if fitting else None
 
 
-def _timelines(
-    cells: Sequence[CellResult], workloads: dict[tuple[str, int, str], Workload], profiles: dict[str, HardwareProfile]
-) -> Any:
+def _timelines(cells: Sequence[CellResult], workload_of: WorkloadOf, profiles: dict[str, HardwareProfile]) -> Any:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -228,14 +225,13 @@ def _timelines(
         cols=len(chosen),
         subplot_titles=[f"{m} on {p}, budget {c.budget_bytes / GIB:.2f} GiB" for m, p, c in chosen],
     )
-    for col, (model, profile, cell) in enumerate(chosen, start=1):
-        w, hw = workloads[(model, cell.batch_size, profile)], profiles[profile]
-        sim = Simulator(w, hw)
+    for col, (_model, profile, cell) in enumerate(chosen, start=1):
+        (plain, w), hw = workload_of(cell), profiles[profile]
         policy = best_policy(cell, w, hw)
         assert policy is not None
         for name, r, color in (
-            ("no policy", sim.no_policy(timeline=True), COLORS["no policy"]),
-            ("chosen policy", sim.run(policy, timeline=True), COLORS["optuna"]),
+            ("no policy", Simulator(plain, hw).no_policy(timeline=True), COLORS["no policy"]),
+            ("chosen policy", Simulator(w, hw).run(policy, timeline=True), COLORS["optuna"]),
         ):
             assert r.timeline is not None
             fig.add_trace(
@@ -258,9 +254,7 @@ def _timelines(
     return fig
 
 
-def _action_mix(
-    cells: Sequence[CellResult], workloads: dict[tuple[str, int, str], Workload], profiles: dict[str, HardwareProfile]
-) -> Any:
+def _action_mix(cells: Sequence[CellResult], workload_of: WorkloadOf, profiles: dict[str, HardwareProfile]) -> Any:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -269,7 +263,7 @@ def _action_mix(
         return None
     fig = make_subplots(rows=len(chosen), cols=1, subplot_titles=[f"{m} on {p}" for m, p, _ in chosen])
     for row, (_model, profile, cell) in enumerate(chosen, start=1):
-        w = workloads[(cell.model, cell.batch_size, profile)]
+        w = workload_of(cell)[1]
         policy = best_policy(cell, w, profiles[profile])
         assert policy is not None
         per_layer: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys((a.value for a in ACTIONS), 0))

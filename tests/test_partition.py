@@ -301,6 +301,35 @@ def test_measured_search_trains_the_chosen_partition(capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.slow
+def test_sweep_partitions_the_cells_below_the_floor(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """sweep --allow-partition: the cell below the unpartitioned floor gets slices and a study of its own, its
+    no-policy row the unpartitioned model's; the cell above it is searched as before; the partitioned cell's
+    policy file partitions with consent, and the report draws both."""
+    code, out, err = run(capsys, "profile", "--model", CNN, "--gpu", "cpu", "--json")
+    assert code == 0, err
+    peak = json.loads(out)["peak_bytes"]
+    low, high = int(peak * 0.5), int(peak * 0.95)
+    store, folder, report = f"sqlite:///{tmp_path / 's.db'}", tmp_path / "sweep", tmp_path / "r.html"
+    args = ["sweep", "--models", CNN, "--gpu", "cpu", "--budgets", f"{low},{high}", "--methods", "baselines,optuna",
+            "--trials", "4", "--timeout", "5", "--storage", store, "--out-dir", str(folder), "--json"]  # fmt: skip
+    code, out, err = run(capsys, *args)
+    assert code == 0, err
+    below, above = json.loads(out)["cells"]
+    assert below["below_floor"] and below["samples_per_s"] is None and not below["partitions"]
+    code, out, err = run(capsys, *args, "--allow-partition", "--report", str(report))
+    assert code == 0, err
+    below, above2 = json.loads(out)["cells"]
+    assert below["partitions"] and below["partitions"][0]["module"].startswith("blocks")
+    assert not below["below_floor"] and below["samples_per_s"] and below["peak_bytes"] <= low
+    assert below["study"] != f"sweep.{CNN}.b8.cpu.{low}" and below["no_policy_peak_bytes"] == peak
+    assert not above2["partitions"] and above2["study"] == above["study"]  # resumed, as before
+    (sliced,) = [p for p in folder.glob("*.policy.json") if f".{low}." in p.name]
+    policy = load_policy(sliced)
+    assert policy.partitions and policy.options.allow_partition
+    assert "no policy" in report.read_text()
+
+
+@pytest.mark.slow
 def test_maxbatch_with_partition_trains_larger_batches() -> None:
     """maxbatch --allow-partition's search (autotune/maxbatch.py with autotune/partitions.py) on the small CNN
     within 8 MiB on a100-40gb: without partition the floor stops it, with it each size is traced sliced where
