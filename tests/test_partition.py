@@ -285,7 +285,7 @@ def test_measured_search_trains_the_chosen_partition(capsys: pytest.CaptureFixtu
     budget = int(json.loads(out)["peak_bytes"] * 0.5)
     path, store = tmp_path / "p.json", f"sqlite:///{tmp_path / 's.db'}"
     code, stdout, err = run(capsys, "search", "--model", CNN, "--budget", str(budget), "--gpu", "cpu", "--timeout",
-                            "8", "--allow-partition", "--measure", "2", "--out", str(path), "--storage", store,
+                            "3", "--allow-partition", "--measure", "1", "--out", str(path), "--storage", store,
                             "--json")  # fmt: skip
     assert code == 0, err
     assert "partition: blocks/" in err
