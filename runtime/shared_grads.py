@@ -88,8 +88,9 @@ def _like(t: torch.Tensor, p: torch.Tensor) -> bool:
 class _Sum:
     """One parameter's gradients in one backward (S2, S3)."""
 
-    def __init__(self, acc: Any, param: torch.nn.Parameter, in_place: bool, mark: Marker | None) -> None:
-        self.acc = acc  # the AccumulateGrad node (held for the step: a new graph makes a new one)
+    def __init__(self, param: torch.nn.Parameter, in_place: bool, mark: Marker | None) -> None:
+        # No reference to the AccumulateGrad node: its pre-hook holds this object, and a cycle would keep the
+        # node (and every pre-hook of later steps) alive until the garbage collector runs.
         self.param = param
         self.in_place = in_place
         self.mark = mark
@@ -97,6 +98,7 @@ class _Sum:
         self.edges = 0
         self.left = 0  # edges still to arrive in the backward under way (0: none under way)
         self.held: torch.Tensor | None = None
+        self.done = False  # a backward has ended: edges of a later forward make a new sum
 
     def _arrive(self) -> bool:
         """Count an arrival; True for the last edge this backward runs (S3)."""
@@ -110,6 +112,7 @@ class _Sum:
     def _finish(self) -> None:
         """S3: the end of the backward; what no edge passed on goes into the gradient."""
         self.left = 0
+        self.done = True
         held, self.held = self.held, None
         if held is not None:
             p = self.param
@@ -225,8 +228,8 @@ class SharedGradients:
 
     def _edge(self, acc: Any, param: torch.nn.Parameter, node: Any, j: int) -> None:
         s = self._sums.get(id(acc))
-        if s is None or s.acc is not acc or s.left > 0:  # a new graph, or one whose backward is under way
-            s = self._sums[id(acc)] = _Sum(acc, param, self.in_place, self.mark)
+        if s is None or s.done or s.left > 0:  # this forward's first edge, or a backward has begun
+            s = self._sums[id(acc)] = _Sum(param, self.in_place, self.mark)
             acc.register_prehook(s.pre_hook)
         s.edges += 1
         s.nodes.append(node)

@@ -5,6 +5,7 @@ less where PyTorch makes the sum in a new tensor, measured as simulated."""
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ from runtime.apply import PolicyRuntime
 from runtime.hardware import get_profile
 from runtime.measure import run_iterations
 from runtime.policy import Action, Policy
-from runtime.shared_grads import SharedGradients, shared_parameters
+from runtime.shared_grads import SharedGradients, _Sum, shared_parameters
 from runtime.trace import capture, make_optimizer
 from runtime.workload import Workload
 
@@ -141,3 +142,24 @@ def test_the_runtime_measures_what_the_simulator_plans() -> None:
     plain, applied = measured(False), measured(True)
     assert plain == sim.no_policy().peak_bytes
     assert applied == sim.run(policy).peak_bytes == plain - W + B * D * 4
+
+
+def test_nothing_outlives_the_step() -> None:
+    """No reference cycle keeps a step's sums (and through them its AccumulateGrad node and hooks) alive after
+    the step: when the sum held its node, each step left one more pre-hook on the next until the garbage
+    collector ran (checked with the collector off)."""
+    model, batch, loss_fn = _build()
+    shared = SharedGradients(model)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            with shared.installed():
+                loss_fn(model, batch).backward()
+            with shared.installed():
+                loss_fn(model, batch)  # a forward without its backward
+        left = [o for o in gc.get_objects() if type(o) is _Sum]
+    finally:
+        gc.enable()
+    assert left == []
