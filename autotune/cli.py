@@ -505,6 +505,11 @@ def search(
     if allow_partition and not parts:  # NOTE [ Choosing a partition ]: one workload, or two searched in turn
         trace = (lambda ps: backend_for(ps).workload) if k else None
         rivals = _choose_partition(w, hw, plan.planned_bytes, req, trace)
+        from runtime.partition import parse_partitions
+
+        searched = {parse_partitions(r.meta.get("partitions")) for r in rivals}
+        for key in [key for key in backends if key not in searched]:
+            del backends[key]  # the models of the partitions not taken, on the device no longer
     reserved = budget_kind == "reserved" and hw.is_gpu and not k  # NOTE [ Reserved budget ]
     path = out_path or Path(f"{w.model.replace(':', '_').replace('/', '_')}.policy.json")
     outcome: Any = None
@@ -552,7 +557,8 @@ def search(
         if got.interrupted:
             break
     problem, name = outcome.problem, outcome.ctx.study_name
-    backend = backends.get(outcome.found.policy.partitions) if k else None
+    backend = backends.pop(outcome.found.policy.partitions, None) if k else None
+    backends.clear()  # the model not taken goes before anything is measured: a device's peak counts all
     if backend is not None and outcome.found.feasible and not outcome.interrupted:
         from autotune.measured import measure as measure_finalists
 

@@ -298,11 +298,13 @@ class MaxBatch:
             assert simulated is not None
             parts = simulated.policy.partitions
             self.progress(f"tracing batch {b} in real mode")
+            # The unpartitioned trace first, its model let go at once: a device's measured peak counts all.
+            plain_w = backend_at(b, ()).workload if parts else None
             backend = backend_at(b, parts)
             problem = Problem(
                 backend.workload, self.hw, self.planned, finalists=Finalists(self.planned, capacity=4 * k)
             )
-            plain = Problem(backend_at(b, ()).workload, self.hw, self.planned) if parts else problem
+            plain = Problem(plain_w, self.hw, self.planned) if plain_w is not None else problem
             no_policy = plain.simulator.no_policy(budget_bytes=self.planned)
             self.progress(f"searching batch {b} on its real-mode trace")
             baselines = [get_searcher(n).search(problem, self.ctx) for n in baseline_names()]
