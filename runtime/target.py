@@ -30,8 +30,18 @@ NOTE [ GPU-faithful fake traces ]
         tensor cannot be read, so a fake trace built the (B, 1, L, L) mask that real training never makes.
         Under every fake trace (CPU or GPU target) position ids are taken as unpacked, as the zoo's batches
         are, and the mask path is real training's.
-    Not yet: autocast's op lists (a bf16/fp16 trace runs the CPU's autocast, whose lists are close to
-    CUDA's but not the same), cuBLAS and cuDNN workspaces (the search keeps ``--reserve`` for them).
+    G5. Autocast. A bf16/fp16 trace runs under the CPU's autocast, whose op lists are not CUDA's
+        (aten/src/ATen/autocast_mode.cpp): CUDA runs ``pow``, ``exp``, ``log``, ``rsqrt``, the norms
+        (``layer_norm``, ``group_norm``, ``rms_norm``) and more in fp32, makes ``softmax``,
+        ``log_softmax``, ``sum`` and ``cumsum`` return fp32 where no dtype is asked, promotes the inputs of
+        ``addcmul``, ``index_put`` and a few more to the widest, and casts ``einsum``, ``mv``, ``addmv`` and
+        others to the lower precision; the CPU does none of these. For a GPU target those policies are
+        registered, for the trace only, as Python kernels at the CPU's autocast dispatch key (above
+        autograd, as autocast's own: the casts are recorded and differentiated, and the ops a composite
+        calls inside are cast too). Not done: CUDA's ``norm`` overloads (``fp32_append_dtype``); the ops
+        only the CPU's lists hold (3-D pooling, padding, FFT, linear algebra; ``cat`` and ``stack``
+        promotion) keep the CPU's policy.
+    Not yet: cuBLAS and cuDNN workspaces (the search keeps ``--reserve`` for them).
 """
 
 from __future__ import annotations
@@ -139,6 +149,97 @@ class _FusedKernels(TorchFunctionMode):
         )  # fmt: skip
 
 
+# G5: CUDA autocast's policies where the CPU's lists have none (autocast_mode.cpp: AT_FORALL_FP32,
+# AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE, AT_FORALL_LOWER_PRECISION_FP, less what AutocastCPU registers).
+_CUDA_FP32 = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "sinh",
+    "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm", "native_layer_norm",
+    "rms_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim", "cosine_similarity", "dist",
+    "pdist", "renorm", "logsumexp",
+)  # fmt: skip
+_CUDA_FP32_SET_OPT_DTYPE = (
+    "softmax.int", "softmax.Dimname", "log_softmax.int", "log_softmax.Dimname", "cumprod", "cumprod.dimname",
+    "cumsum", "cumsum.dimname", "linalg_vector_norm", "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum",
+    "sum.dim_IntList", "sum.dim_DimnameList",
+)  # fmt: skip
+_CUDA_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "index_put", "tensordot", "scatter_add")
+_CUDA_LOWER = ("addmv", "addr", "mv", "einsum", "chain_matmul", "linalg_multi_dot", "convolution",
+               "_scaled_dot_product_flash_attention")  # fmt: skip
+_LOWER_FP = (torch.float16, torch.bfloat16)
+
+
+def _overload(name: str) -> Any:
+    """``torch.ops.aten.<op>.<overload>`` for "op.overload" ("op": the default), None on a torch without it."""
+    op, _, overload = name.partition(".")
+    packet = getattr(torch.ops.aten, op, None)
+    return None if packet is None else getattr(packet, overload or "default", None)
+
+
+def _tensors(values: Any) -> Iterator[torch.Tensor]:
+    if isinstance(values, torch.Tensor):
+        yield values
+    elif isinstance(values, (list, tuple)):
+        for v in values:
+            yield from _tensors(v)
+    elif isinstance(values, dict):
+        for v in values.values():
+            yield from _tensors(v)
+
+
+def _cast(values: Any, dtype: torch.dtype, only: tuple[torch.dtype, ...]) -> Any:
+    """``values`` (tensors, lists, tuples, dicts) with the floating tensors of a dtype in ``only`` cast."""
+    if isinstance(values, torch.Tensor):
+        return values.to(dtype) if values.is_floating_point() and values.dtype in only else values
+    if isinstance(values, (list, tuple)):
+        return type(values)(_cast(v, dtype, only) for v in values)
+    if isinstance(values, dict):
+        return {k: _cast(v, dtype, only) for k, v in values.items()}
+    return values
+
+
+def _cuda_kernel(op: Any, policy: str) -> Any:
+    """One op under one of CUDA autocast's policies, then run below the CPU's autocast (G5)."""
+    below = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    dtype_at = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if policy == "fp32":
+            args, kwargs = _cast((args, kwargs), torch.float32, _LOWER_FP)
+        elif policy == "lower":
+            args, kwargs = _cast((args, kwargs), torch.get_autocast_dtype("cpu"), (torch.float32,))
+        elif policy == "promote":
+            floats = {t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point()}
+            if len(floats) > 1:
+                widest = max(floats, key=lambda d: (torch.finfo(d).bits, d == torch.float32))
+                args, kwargs = _cast((args, kwargs), widest, tuple(floats - {widest}))
+        elif args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():  # fp32_set_opt_dtype
+            if dtype_at is not None and len(args) > dtype_at:
+                if args[dtype_at] is None:
+                    args = (*args[:dtype_at], torch.float32, *args[dtype_at + 1 :])
+            elif kwargs.get("dtype") is None:
+                kwargs = {**kwargs, "dtype": torch.float32}
+        with torch._C._ExcludeDispatchKeyGuard(below):
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+@contextlib.contextmanager
+def cuda_autocast_lists() -> Iterator[None]:
+    """G5: while it is on, the CPU's autocast follows CUDA's policies for the ops where they differ."""
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        for names, policy in ((_CUDA_FP32, "fp32"), (_CUDA_FP32_SET_OPT_DTYPE, "fp32_set_opt_dtype"),
+                              (_CUDA_PROMOTE, "promote"), (_CUDA_LOWER, "lower")):  # fmt: skip
+            for name in names:
+                op = _overload(name)
+                if op is not None:
+                    lib.impl(name, _cuda_kernel(op, policy), "AutocastCPU")
+        yield
+    finally:
+        lib._destroy()
+
+
 @contextlib.contextmanager
 def _unpacked_positions() -> Iterator[None]:
     """G4: transformers' packed-sequence check answers "not packed" for fake position ids."""
@@ -167,10 +268,10 @@ def _unpacked_positions() -> Iterator[None]:
 
 @contextlib.contextmanager
 def fake_trace_choices(target: HardwareProfile | None) -> Iterator[_FusedKernels | None]:
-    """The device-dependent choices of a fake trace for ``target`` (G1, G2, G4; G3 is make_optimizer's
+    """The device-dependent choices of a fake trace for ``target`` (G1, G2, G4, G5; G3 is make_optimizer's
     ``foreach``): yields the kernel router, or None when the target keeps the CPU's kernels."""
-    _, capability = trace_key(target)
-    with _unpacked_positions():
+    gpu, capability = trace_key(target)
+    with _unpacked_positions(), cuda_autocast_lists() if gpu else contextlib.nullcontext():
         if capability is None:
             yield None
             return

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from autotune.models import build_model
 from runtime.hardware import get_profile
-from runtime.target import sdpa_backend
+from runtime.target import cuda_autocast_lists, sdpa_backend
 from runtime.trace import capture
 from runtime.workload import Phase, peak_report
 
@@ -119,3 +119,53 @@ def test_no_policy_peak_on_the_h200_within_3_percent(model: str, batch: int, seq
     w = capture(build, name=model, batch_size=batch, seq_len=seq_len, target=hw)
     planned = peak_report(w, hw.alloc_granularity_bytes).peak_bytes / 2**30
     assert planned == pytest.approx(H200_PEAKS_GIB[(model, batch, seq_len)], rel=0.03)
+
+
+def test_cuda_autocast_policies_where_the_cpus_differ() -> None:
+    """G5, on real CPU tensors under the CPU's bf16 autocast: CUDA's fp32 policy (pow, layer_norm, exp),
+    fp32-where-no-dtype-is-asked (softmax, sum; an asked dtype kept), promotion (addcmul) and the lower
+    precision (mv); ops in neither list (relu) and those in both (linear) as before; nothing left behind."""
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with cuda_autocast_lists(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = F.linear(x, w)
+        got = {
+            "linear": y.dtype, "pow": torch.pow(y, 3.0).dtype, "pow method": y.pow(2).dtype,
+            "layer_norm": F.layer_norm(y, (8,)).dtype, "exp": y.exp().dtype, "softmax": torch.softmax(y, -1).dtype,
+            "softmax asked": torch.softmax(y, -1, dtype=torch.bfloat16).dtype, "sum": y.sum().dtype,
+            "sum dim": y.sum(0).dtype, "addcmul": torch.addcmul(y, y.float(), y).dtype,
+            "mv": torch.mv(x, torch.randn(8)).dtype, "relu": torch.relu(y).dtype,
+        }  # fmt: skip
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert got == {"linear": bf16, "pow": fp32, "pow method": fp32, "layer_norm": fp32, "exp": fp32, "softmax": fp32,
+                   "softmax asked": bf16, "sum": fp32, "sum dim": fp32, "addcmul": fp32, "mv": bf16,
+                   "relu": bf16}  # fmt: skip
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = F.linear(x, w)
+        assert (torch.pow(y, 3.0).dtype, F.layer_norm(y, (8,)).dtype, torch.mv(x, torch.randn(8)).dtype) == (
+            bf16, bf16, fp32)  # fmt: skip
+
+
+def test_a_bf16_trace_for_a_gpu_saves_what_cuda_autocast_makes() -> None:
+    """GPT-2's GELU (``gelu_new``: ``pow``, then tanh) runs in fp32 under CUDA's autocast, in bf16 under the
+    CPU's: a bf16 trace for h200 saves the tanh's output in fp32, one for the cpu profile in bf16; backward
+    runs through the casts; an fp32 trace is the same with the policies on or off."""
+    kwargs = {"batch_size": 2, "seq_len": 32, "config_overrides": {"n_layer": 1, "vocab_size": 512,
+                                                                    "bos_token_id": 0, "eos_token_id": 0}}  # fmt: skip
+
+    def build():  # type: ignore[no-untyped-def]
+        e = build_model("gpt2", **kwargs)
+        return e.module, e.batch, e.loss_fn
+
+    def trace(target: str, precision: str):  # type: ignore[no-untyped-def]
+        return capture(build, name="gpt2", batch_size=2, seq_len=32, target=get_profile(target), precision=precision)
+
+    def gelu_dtypes(w) -> set[str]:  # type: ignore[no-untyped-def]  # what tanh saves: its output
+        return {w.tensors[c.tensor].dtype for c in w.candidates if ".mlp." in c.key and c.key.endswith(":Tanh")}
+
+    gpu, cpu = trace("h200", "bf16"), trace("cpu", "bf16")
+    assert gelu_dtypes(gpu) == {"float32"} and gelu_dtypes(cpu) == {"bfloat16"}
+    assert gpu.activation_bytes > cpu.activation_bytes
+    assert any(op.phase == Phase.BACKWARD for op in gpu.ops)
+    with cuda_autocast_lists():  # on or off, an fp32 trace has no autocast to change
+        inside = trace("a100-40gb", "fp32")
+    assert peak_report(inside).peak_bytes == peak_report(trace("a100-40gb", "fp32")).peak_bytes
