@@ -47,6 +47,7 @@ NOTE [ GPU-faithful fake traces ]
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -209,8 +210,8 @@ def _cuda_kernel(op: Any, policy: str) -> Any:
             args, kwargs = _cast((args, kwargs), torch.get_autocast_dtype("cpu"), (torch.float32,))
         elif policy == "promote":
             floats = {t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point()}
-            if len(floats) > 1:
-                widest = max(floats, key=lambda d: (torch.finfo(d).bits, d == torch.float32))
+            if len(floats) > 1:  # fp16 with bf16 gives fp32, as autocast's promote_type does
+                widest = functools.reduce(torch.promote_types, floats)
                 args, kwargs = _cast((args, kwargs), widest, tuple(floats - {widest}))
         elif args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():  # fp32_set_opt_dtype
             if dtype_at is not None and len(args) > dtype_at:
