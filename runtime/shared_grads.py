@@ -172,9 +172,6 @@ class SharedGradients:
         self._modules = list(by_module.values())
         self._sums: dict[int, _Sum] = {}  # id(AccumulateGrad node) -> its sum, for the forward under way
 
-    def __bool__(self) -> bool:
-        return bool(self.shared)
-
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         if not self.shared:

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from runtime.hardware import HardwareProfile
 
@@ -176,26 +177,13 @@ def _overload(name: str) -> Any:
     return None if packet is None else getattr(packet, overload or "default", None)
 
 
-def _tensors(values: Any) -> Iterator[torch.Tensor]:
-    if isinstance(values, torch.Tensor):
-        yield values
-    elif isinstance(values, (list, tuple)):
-        for v in values:
-            yield from _tensors(v)
-    elif isinstance(values, dict):
-        for v in values.values():
-            yield from _tensors(v)
-
-
 def _cast(values: Any, dtype: torch.dtype, only: tuple[torch.dtype, ...]) -> Any:
-    """``values`` (tensors, lists, tuples, dicts) with the floating tensors of a dtype in ``only`` cast."""
-    if isinstance(values, torch.Tensor):
-        return values.to(dtype) if values.is_floating_point() and values.dtype in only else values
-    if isinstance(values, (list, tuple)):
-        return type(values)(_cast(v, dtype, only) for v in values)
-    if isinstance(values, dict):
-        return {k: _cast(v, dtype, only) for k, v in values.items()}
-    return values
+    """``values`` with the floating tensors of a dtype in ``only`` cast to ``dtype``."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype in only else t
+
+    return tree_map_only(torch.Tensor, cast, values)
 
 
 def _cuda_kernel(op: Any, policy: str) -> Any:
@@ -209,7 +197,8 @@ def _cuda_kernel(op: Any, policy: str) -> Any:
         elif policy == "lower":
             args, kwargs = _cast((args, kwargs), torch.get_autocast_dtype("cpu"), (torch.float32,))
         elif policy == "promote":
-            floats = {t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point()}
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            floats = {t.dtype for t in tensors if t.is_floating_point()}
             if len(floats) > 1:  # fp16 with bf16 gives fp32, as autocast's promote_type does
                 widest = functools.reduce(torch.promote_types, floats)
                 args, kwargs = _cast((args, kwargs), widest, tuple(floats - {widest}))
