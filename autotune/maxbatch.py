@@ -34,7 +34,7 @@ from rich.table import Table
 from agents.base import Problem, SearchContext, SearchResult, Status, baseline_names, best_of, get_searcher
 from agents.finalists import Finalists
 from autotune.measured import MeasuredSearch, answer_policy
-from autotune.search import budget_floor
+from autotune.search import budget_floor, plain_no_policy
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
@@ -183,10 +183,7 @@ class MaxBatch:
         """No policy at ``b``, on the unpartitioned model (simulated once per size)."""
         if b not in self._no_policy:
             self.workload(b)
-            problem = self._problem(b)
-            if self._plain[b] is not problem.workload:
-                problem = Problem(self._plain[b], self.hw, self.planned)
-            self._no_policy[b] = problem.simulator.no_policy(budget_bytes=self.planned)
+            self._no_policy[b] = plain_no_policy(self._problem(b), self._plain[b])
         return self._no_policy[b]
 
     def no_policy_fits(self, b: int) -> bool:
@@ -304,8 +301,7 @@ class MaxBatch:
             problem = Problem(
                 backend.workload, self.hw, self.planned, finalists=Finalists(self.planned, capacity=4 * k)
             )
-            plain = Problem(plain_w, self.hw, self.planned) if plain_w is not None else problem
-            no_policy = plain.simulator.no_policy(budget_bytes=self.planned)
+            no_policy = plain_no_policy(problem, plain_w)
             self.progress(f"searching batch {b} on its real-mode trace")
             baselines = [get_searcher(n).search(problem, self.ctx) for n in baseline_names()]
             seeds = (*baselines, _as_seed(problem, simulated.policy, f"batch-{b}-fake-trace"))

@@ -193,6 +193,13 @@ def _partition_hint(w: Workload, op: int) -> str:
     return ", or let the search run a submodule on slices of the batch (--allow-partition)"
 
 
+def plain_no_policy(problem: Problem, plain: Workload | None = None) -> SimResult:
+    """No policy (plain PyTorch: ``Simulator.no_policy``) within the problem's budget, on ``plain``: the model
+    without the partitions the problem's workload was traced with (None: the problem's own workload)."""
+    sim = problem.simulator if plain is None or plain is problem.workload else Simulator(plain, problem.hardware)
+    return sim.no_policy(budget_bytes=problem.budget_bytes)
+
+
 def planned_problem(
     w: Workload,
     hw: HardwareProfile,
@@ -242,8 +249,7 @@ def run_search(
     workload has them (runtime/partition.py): no policy is that model's."""
     started = time.perf_counter()
     get_searcher(searcher)  # an unknown name fails before any work
-    sim = problem.simulator if plain is None or plain is problem.workload else Simulator(plain, problem.hardware)
-    no_policy = sim.no_policy(budget_bytes=problem.budget_bytes)
+    no_policy = plain_no_policy(problem, plain)
     limit = ctx.time_limit_s
     with Progress(
         TextColumn("{task.description}"),

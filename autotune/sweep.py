@@ -28,8 +28,8 @@ from rich.table import Table
 from agents.base import Problem, SearchContext, SearchResult, baseline_names, best_of, get_searcher
 from agents.optuna_search import storage_for
 from autotune.budget import budget_of, record_budget
-from autotune.search import budget_floor, format_bytes
-from envs.simulator import SimResult, Simulator
+from autotune.search import budget_floor, format_bytes, plain_no_policy
+from envs.simulator import SimResult
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
 from runtime.policy import Policy, PolicyOptions
@@ -146,8 +146,7 @@ def run_cell(
     ctx = SearchContext(
         time_limit_s=timeout_s, seed=seed, trials=trials, storage=storage, study_name=name, heartbeat_s=heartbeat_s
     )
-    sim = problem.simulator if plain is None or plain is w else Simulator(plain, hw)
-    no_policy = sim.no_policy(budget_bytes=budget_bytes)
+    no_policy = plain_no_policy(problem, plain)
     cell = CellResult(
         w.model, w.batch_size, hw.name, budget_bytes, name, _sim_json(no_policy), reserve_bytes=reserve_bytes,
         partitions=list(w.meta.get("partitions", [])),
