@@ -85,15 +85,21 @@ HELDOUT_PROFILES = ("a100-40gb", "v100-16gb")
 HELDOUT_FRACTIONS = (0.8, 0.6, 0.45, 0.3)
 
 
-def trace(spec: Spec, cache: Path | None = None) -> Any:
-    """The workload of ``spec`` (fake-mode trace), cached as gzip JSON in ``cache``."""
+def trace(spec: Spec, profile: str, cache: Path | None = None) -> Any:
+    """The workload of ``spec`` (fake-mode trace) for ``profile``'s kernels, as `autotune search` traces it
+    (runtime/target.py: profiles of one compute capability share it), cached as gzip JSON in ``cache``."""
     from autotune.workloads import TraceRequest, trace_model
+    from runtime.hardware import get_profile
+    from runtime.target import trace_key
     from runtime.workload import Workload
 
-    path = cache / "traces" / f"{spec.key}.json.gz" if cache else None
+    hw = get_profile(profile)
+    gpu, capability = trace_key(hw)
+    kind = f"sm{capability[0]}{capability[1]}" if gpu and capability else ("gpu" if gpu else "cpu")
+    path = cache / "traces" / f"{spec.key}.{kind}.json.gz" if cache else None
     if path is not None and path.exists():
         return Workload.load(path)
-    w, _ = trace_model(TraceRequest(model=spec.model, batch_size=spec.batch, seq_len=spec.seq_len))
+    w, _ = trace_model(TraceRequest(model=spec.model, batch_size=spec.batch, seq_len=spec.seq_len, target=hw))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         w.save(path)
@@ -132,7 +138,7 @@ def _label(args: tuple[Spec, str, float, float, str]) -> Label:
         d = json.loads(path.read_text())
         acts = None if d["actions"] is None else np.array(d["actions"], dtype=np.int8)
         return Label(spec, profile, fraction, acts, d["expert_speed"], d["heuristic_speed"], d["heuristic"])
-    w = trace(spec, Path(cache))
+    w = trace(spec, profile, Path(cache))
     hw = get_profile(profile)
     p = Problem(w, hw, budget_at(w, hw, fraction))
     ceiling = p.simulator.run(p.keep_all()).samples_per_s
@@ -158,8 +164,9 @@ def _label(args: tuple[Spec, str, float, float, str]) -> Label:
 
 
 def label_all(specs: tuple[Spec, ...], expert_s: float, cache: Path, jobs: int) -> list[Label]:
-    for spec in specs:  # traced once, here, before the workers read the cache
-        trace(spec, cache)
+    for spec in specs:  # traced once per kind of kernels, here, before the workers read the cache
+        for profile in TRAIN_PROFILES:
+            trace(spec, profile, cache)
     tasks = [(s, prof, f, expert_s, str(cache)) for s in specs for prof in TRAIN_PROFILES for f in TRAIN_FRACTIONS]
     labels: list[Label] = []
     started = time.perf_counter()
@@ -202,7 +209,7 @@ def cell_problem(label: Label, cache: Path) -> Any:
     from agents.base import Problem
     from runtime.hardware import get_profile
 
-    w = trace(label.spec, cache)
+    w = trace(label.spec, label.profile, cache)
     hw = get_profile(label.profile)
     return Problem(w, hw, budget_at(w, hw, label.fraction))
 
