@@ -25,13 +25,19 @@ NOTE [ One pass ]
        with its best non-keep action, each kept only if it lowers the peak, until the policy fits. If not:
        the nearest prefetch look-ahead that fits (or lowers the peak most), then swaps turned into
        recomputes in the same order (a recomputed tensor holds no memory until its backward use). If the
-       rollout's policy still does not fit, the same from keep-all, and the better of the two stands.
+       rollout's policy still does not fit, the same from keep-all, and the better of the two stands. If
+       neither fits, the frugal ends (``_frugal``): every candidate dropped with the network's first drop, and
+       the uniform policies that hold least (recompute everything, every block's inside, swap everything),
+       each under every look-ahead; the fastest that fits (or the one holding least) goes on to step 3, and
+       step 4 gives back from it. (On the training cells the two fits left 9 of 120 cells without a fitting
+       policy, all at 20-30% budgets where a heuristic fits; with the frugal ends, none.)
     3. Look-ahead: the prefetch distance (``PolicyOptions.prefetch_lookahead``, one of agents.rule's
        ``LOOKAHEADS``) under which the fitting policy runs fastest; it decides how much of a swap's copy-in
        hides, so the same actions can differ by 15% in speed (every heuristic that swaps chooses it too).
     4. Give back, second choice: if it fits, one sweep over its non-keep decisions in the opposite order
        (least preferred first): each goes back to keep if the policy still fits and runs no slower, else
-       to the network's second-ranked drop (swap for recompute or back) if that fits and runs faster.
+       to the network's second-ranked drop (swap for recompute or back) if that fits and runs faster. When
+       the sweep changed anything, step 3 once more: the swaps left may hide best at another distance.
     One sweep, no iteration: each step of 2 and 4 is one simulation, so a pass costs at most about four
     simulations per candidate (under a second for ResNet-101's 417 candidates; ``STAGES`` names the steps,
     and experiments/train_agent.py measures each one's share). Deterministic: no sampling anywhere.
@@ -55,11 +61,11 @@ from agents.optuna_search import OptunaSearcher, OptunaTPE
 from agents.portfolio import Portfolio, Seeds
 from agents.refine import fastest_lookahead
 from agents.rule import LOOKAHEADS
-from envs.simulator import SimResult
+from envs.simulator import SimResult, uniform_actions
 from runtime.errors import AutotuneError
 from runtime.fileio import atomic_write
 from runtime.policy import PolicyOptions
-from runtime.vocab import KEEP, RECOMPUTE, SWAP
+from runtime.vocab import KEEP, RECOMPUTE, SWAP, Action
 
 #: The shipped agent (see experiments/train_agent.py to retrain it).
 AGENT_PATH = Path(__file__).with_name("data") / "ppo_pretrained.pt"
@@ -292,6 +298,10 @@ def one_pass(agent: Agent, problem: Problem, stages: tuple[str, ...] = STAGES) -
             alt = _fit(problem, problem.keep_all(), env.baseline, margin, best_drop, masks)
             if better(alt[2], result):
                 actions, options, result, fitted = alt
+        if not result.feasible:  # the frugal ends: every drop the network ranks first, the uniform policies
+            alt = _frugal(problem, best_drop, margin, masks)
+            if better(alt[2], result):
+                actions, options, result, fitted = alt
     if "lookahead" in stages and result.feasible:
         options, result = fastest_lookahead(problem, actions, options, result)
     sweep = {"give_back", "second_choice"} & set(stages)
@@ -316,6 +326,8 @@ def one_pass(agent: Agent, problem: Problem, stages: tuple[str, ...] = STAGES) -
                 switched += move != KEEP
                 break
             actions[i] = was
+    if "lookahead" in stages and given_back + switched:  # the swaps left may want another distance
+        options, result = fastest_lookahead(problem, actions, options, result)
     wall_s = time.perf_counter() - started
     return OnePass(actions, options, result, wall_s, rollout_feasible, fitted, given_back, switched)
 
@@ -353,6 +365,29 @@ def _fit(
         actions, result, more = _lower_peak(problem, actions, options, result, ((i, RECOMPUTE) for i in swapped))
         fitted += more
     return actions, options, result, fitted
+
+
+def _frugal(
+    problem: Problem, best_drop: np.ndarray, margin: np.ndarray, masks: np.ndarray
+) -> tuple[np.ndarray, PolicyOptions, SimResult, int]:
+    """NOTE [ One pass ] step 2's last resort: of every candidate dropped with the network's first drop, and
+    of the uniform policies that hold least (recompute everything, every block's inside, swap everything:
+    what a search for a low budget starts from), each under every prefetch look-ahead, the one that fits and
+    runs fastest (or holds least), for steps 3 and 4 to give back from. Illegal actions stay keep."""
+    w, keep = problem.workload, problem.keep_all()
+    dropped = np.where(np.isfinite(margin), best_drop, KEEP).astype(np.int8)
+    starts = [dropped, np.full(len(keep), RECOMPUTE, dtype=np.int8)]
+    starts += [uniform_actions(w, Action.RECOMPUTE), uniform_actions(w, Action.SWAP)]
+    best: tuple[np.ndarray, PolicyOptions, SimResult] | None = None
+    for start in starts:
+        acts = np.where(masks[np.arange(len(start)), start], start, KEEP).astype(np.int8)
+        for lookahead in sorted(LOOKAHEADS):
+            options = dataclasses.replace(problem.options, prefetch_lookahead=lookahead)
+            r = problem.evaluate(acts, options)
+            if best is None or better(r, best[2]):
+                best = (acts, options, r)
+    assert best is not None
+    return best[0], best[1], best[2], int(np.count_nonzero(best[0] != KEEP))
 
 
 def _lower_peak(

@@ -3,6 +3,7 @@ hand-made networks with known answers, and determinism."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from agents.base import Problem, SearchContext, apply_until_fits, get_searcher
 from agents.portfolio import Portfolio
 from agents.pretrained import AGENT_PATH, Agent, load_agent, one_pass, save_agent
+from agents.rule import LOOKAHEADS
 from envs.memory_env import OBS_FIELDS, OBS_SIZE, MemoryPolicyEnv
 from runtime.errors import AutotuneError
 from runtime.hardware import get_profile
@@ -158,6 +160,23 @@ def test_the_fit_step_drops_in_the_networks_order_until_the_policy_fits() -> Non
     # Give-back may then return some of those swaps to keep, never anything else.
     assert set(np.flatnonzero(r.actions != KEEP)) <= set(np.flatnonzero(expected != KEEP))
     assert set(r.actions.tolist()) <= {KEEP, SWAP}
+
+
+def test_where_the_fits_fail_the_frugal_ends_fit_and_the_sweep_gives_back() -> None:
+    """At 85% the network that keeps everything (swap its preferred drop) cannot be fitted by dropping one
+    candidate at a time: no single swap lowers the peak (67,072 bytes against 63,974). The frugal end
+    "every candidate dropped with its first drop" (swap all) fits, at its fastest look-ahead; the sweep then
+    gives back 8 of the 11, and the pass runs faster than that start."""
+    p = problem(0.85)
+    r = one_pass(constant_agent([1.0, 0.5, 0.2, 0.0]), p)
+    assert not r.rollout_feasible and r.result.feasible and r.fitted == p.n
+    swap_all = np.full(p.n, SWAP, dtype=np.int8)
+    start = max(
+        (p.evaluate(swap_all, dataclasses.replace(p.options, prefetch_lookahead=x)) for x in LOOKAHEADS),
+        key=lambda s: s.samples_per_s if s.feasible else 0.0,
+    )
+    assert start.feasible and r.result.samples_per_s > start.samples_per_s
+    assert r.given_back == 8 and set(r.actions.tolist()) == {KEEP, SWAP}
 
 
 def test_one_pass_is_deterministic_and_the_shipped_agent_fits() -> None:
