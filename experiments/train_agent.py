@@ -462,6 +462,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("agents/data/ppo_pretrained.pt"))
     ap.add_argument("--cache", type=Path, default=Path(".cache/train_agent"))
     ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--score-only",
+        action="store_true",
+        help="no training: score the agent in --out on the training cells (after a change to the one pass's "
+        "decoding), rewriting agent_train.csv",
+    )
     args = ap.parse_args()
 
     import torch
@@ -479,6 +485,11 @@ def main() -> None:
     started = time.perf_counter()
     labels = label_all(specs, args.expert_s, args.cache, args.jobs)
     print(f"labelled {len(labels)} cells in {time.perf_counter() - started:.0f} s", flush=True)
+    if args.score_only:
+        from agents.pretrained import load_agent
+
+        report(onepass_scores(load_agent(args.out), labels, args.cache, ablation=True), args.results)
+        return
     val_labels = [lb for lb in labels if lb.spec.model == VALIDATION]
     train_labels = [lb for lb in labels if lb.spec.model != VALIDATION] or val_labels
     train, val = rollouts(train_labels, args.cache), rollouts(val_labels or train_labels, args.cache)
@@ -526,9 +537,14 @@ def main() -> None:
     save_agent(agent, args.out)
     digest = hashlib.sha256(args.out.read_bytes()).hexdigest()[:12]
     print(f"wrote {args.out} ({args.out.stat().st_size / 1024:.0f} KiB, sha256 {digest})")
-    header = list(rows[0]) if rows else []
-    write_csv(args.results / "agent_train.csv", header, rows)
     plot_curves(curve, rewards, args.results / "agent_curves.png")
+    report(rows, args.results)
+
+
+def report(rows: list[dict[str, Any]], results: Path) -> None:
+    """The training cells' one-pass scores to agent_train.csv, and each decoding step's share printed."""
+    header = list(rows[0]) if rows else []
+    write_csv(results / "agent_train.csv", header, rows)
     for key in [k for k in header if k.startswith("stage_")]:
         ge = sum(r[key] >= r["heuristic"] - 1e-9 for r in rows)
         ratio = np.median([r[key] / r["heuristic"] for r in rows if r["heuristic"] > 0])
