@@ -5,9 +5,11 @@ line, with nothing half-written."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -463,7 +465,17 @@ def test_sigint_during_a_search_exits_130_without_a_traceback(tmp_path: Path) ->
          f"sqlite:///{tmp_path / 's.db'}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
-    time.sleep(25)  # tracing, the baselines, the refinement, then Optuna
+    # Tracing, the baselines, the refinement, then Optuna: interrupted once Optuna has stored two trials.
+    db, deadline = tmp_path / "s.db", time.monotonic() + 100
+    while time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.25)
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+                if conn.execute("SELECT COUNT(*) FROM trials").fetchone()[0] >= 2:
+                    break
+        except sqlite3.Error:  # not created yet, or no table yet
+            pass
+    assert proc.poll() is None, "the search ended before Optuna had stored two trials"
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
