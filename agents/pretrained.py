@@ -61,11 +61,11 @@ from agents.optuna_search import OptunaSearcher, OptunaTPE
 from agents.portfolio import Portfolio, Seeds
 from agents.refine import fastest_lookahead
 from agents.rule import LOOKAHEADS
-from envs.simulator import SimResult, uniform_actions
+from envs.simulator import SimResult, frugal_starts
 from runtime.errors import AutotuneError
 from runtime.fileio import atomic_write
 from runtime.policy import PolicyOptions
-from runtime.vocab import KEEP, RECOMPUTE, SWAP, Action
+from runtime.vocab import KEEP, RECOMPUTE, SWAP
 
 #: The shipped agent (see experiments/train_agent.py to retrain it).
 AGENT_PATH = Path(__file__).with_name("data") / "ppo_pretrained.pt"
@@ -372,12 +372,10 @@ def _frugal(
 ) -> tuple[np.ndarray, PolicyOptions, SimResult, int]:
     """NOTE [ One pass ] step 2's last resort: of every candidate dropped with the network's first drop, and
     of the uniform policies that hold least (recompute everything, every block's inside, swap everything:
-    what a search for a low budget starts from), each under every prefetch look-ahead, the one that fits and
+    ``envs.simulator.frugal_starts``), each under every prefetch look-ahead, the one that fits and
     runs fastest (or holds least), for steps 3 and 4 to give back from. Illegal actions stay keep."""
-    w, keep = problem.workload, problem.keep_all()
     dropped = np.where(np.isfinite(margin), best_drop, KEEP).astype(np.int8)
-    starts = [dropped, np.full(len(keep), RECOMPUTE, dtype=np.int8)]
-    starts += [uniform_actions(w, Action.RECOMPUTE), uniform_actions(w, Action.SWAP)]
+    starts = [dropped, *frugal_starts(problem.workload).values()]
     best: tuple[np.ndarray, PolicyOptions, SimResult] | None = None
     for start in starts:
         acts = np.where(masks[np.arange(len(start)), start], start, KEEP).astype(np.int8)

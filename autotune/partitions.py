@@ -16,7 +16,7 @@ NOTE [ Choosing a partition ]
         dimension = batch size).
     C3. How many. For each candidate, outermost first, 2, 4 and 8 slices (at most the batch size): the
         model is traced with that partition, and the first one where a frugal uniform policy (recompute
-        everything, every block's inside, swap everything: ``autotune.search.frugal_starts``) fits the budget
+        everything, every block's inside, swap everything: ``envs.simulator.frugal_starts``) fits the budget
         is chosen: the fewest slices that a policy certainly fits in. The floor is no guide (admissible, not
         reachable: a residual CNN's two slices lowered it 30% while no policy came within 10% of the budget).
         None fits: among those whose floor is within the budget (a search may still find a policy there), the
@@ -129,7 +129,8 @@ def retracer(req: TraceRequest) -> Callable[[tuple[Partition, ...]], Workload]:
 
 def frugal_bytes(w: Workload, hw: HardwareProfile) -> int:
     """C3: the least peak of the frugal uniform policies."""
-    from autotune.search import FRUGAL_OPTIONS, frugal_starts
+    from autotune.search import FRUGAL_OPTIONS
+    from envs.simulator import frugal_starts
 
     sim = Simulator(w, hw)
     return min(sim.run(a, options=FRUGAL_OPTIONS).peak_bytes for a in frugal_starts(w).values())

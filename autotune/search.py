@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -22,11 +21,10 @@ from autotune.budget import Budget, record_budget
 from autotune.measured import ANSWER, MeasuredSearch, answer_policy
 from autotune.reserved import ROUNDS, ReservedFit, as_result, fit_one, new_pool, scaled_budget
 from autotune.units import format_bytes, format_size_echo, parse_size
-from envs.simulator import Floor, SimResult, Simulator, peak_floor, uniform_actions
+from envs.simulator import Floor, SimResult, Simulator, frugal_starts, peak_floor
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
 from runtime.policy import Action, Policy, PolicyOptions
-from runtime.vocab import RECOMPUTE
 from runtime.workload import Phase, Workload
 
 
@@ -136,15 +134,6 @@ DESCENT_S = 3.0  # seconds of descent on the peak for the budget an impossible-b
 
 
 FRUGAL_OPTIONS = PolicyOptions(prefetch_lookahead=1)
-
-
-def frugal_starts(w: Workload) -> dict[str, np.ndarray]:
-    """The uniform policies that hold least, by what they do: where a search for a low budget starts."""
-    return {
-        "recompute everything": np.full(len(w.candidates), RECOMPUTE, dtype=np.int8),
-        "recompute every block's inside": uniform_actions(w, Action.RECOMPUTE),
-        "swap everything": uniform_actions(w, Action.SWAP),
-    }
 
 
 def smallest_known_budget(problem: Problem) -> tuple[int, str]:

@@ -1136,6 +1136,15 @@ def uniform_actions(w: Workload, action: Action) -> np.ndarray:
     return vec
 
 
+def frugal_starts(w: Workload) -> dict[str, np.ndarray]:
+    """The uniform policies that hold least, by what they do: where a search for a low budget starts."""
+    return {
+        "recompute everything": np.full(len(w.candidates), RECOMPUTE, dtype=np.int8),
+        "recompute every block's inside": uniform_actions(w, Action.RECOMPUTE),
+        "swap everything": uniform_actions(w, Action.SWAP),
+    }
+
+
 @dataclass(frozen=True)
 class Floor:
     """A lower bound on the peak of every policy (:func:`peak_floor`), with what makes it up at its op."""
