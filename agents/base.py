@@ -30,12 +30,16 @@ options as given).
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import difflib
 import enum
 import importlib
+import signal
+import sys
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -81,6 +85,8 @@ class RunState:
 
     interrupted: bool = False  # Ctrl-C stopped the search early; it returns what it has
     converged_s: float | None = None  # the search stopped early, converged, after this many seconds
+    # A SIGINT came (:meth:`SearchContext.noting_sigint`) and no search has taken its KeyboardInterrupt yet.
+    sigint_pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,38 @@ class SearchContext:
     def interrupt(self) -> None:
         """Ctrl-C reached a search: every search of this run stops and returns its best."""
         self.state.interrupted = True
+        self.state.sigint_pending = False
+
+    @contextlib.contextmanager
+    def noting_sigint(self) -> Iterator[None]:
+        """While inside, a SIGINT is noted before its KeyboardInterrupt is raised, and :meth:`report` raises it
+        again if no search took it. Python drops an exception raised inside a finalizer (a ``__del__``, a
+        weakref callback such as SQLAlchemy's ``InstanceState._cleanup``) with an "Exception ignored" traceback,
+        and a Ctrl-C that lands there would leave the search running to its end; inside, that traceback is not
+        printed either. Only in the main thread, and only where SIGINT has Python's default handler (a caller's
+        own handler is left alone)."""
+        if threading.current_thread() is not threading.main_thread() or (
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        ):
+            yield
+            return
+
+        def noted(signum: int, frame: Any) -> None:
+            self.state.sigint_pending = True
+            signal.default_int_handler(signum, frame)
+
+        def unraisable(info: Any) -> None:
+            if not issubclass(info.exc_type, KeyboardInterrupt):
+                hook(info)
+
+        hook = sys.unraisablehook
+        signal.signal(signal.SIGINT, noted)
+        sys.unraisablehook = unraisable
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            sys.unraisablehook = hook
 
     def derive(self, **changes: Any) -> SearchContext:
         """These settings with ``changes`` (a phase's seeds and study name, a sub-search's time limit); the
@@ -113,6 +151,8 @@ class SearchContext:
         return dataclasses.replace(self, **changes)
 
     def report(self, phase: str, best: SimResult | None = None) -> None:
+        if self.state.sigint_pending:  # a Ctrl-C that a finalizer swallowed (:meth:`noting_sigint`)
+            raise KeyboardInterrupt
         if self.progress is not None:
             self.progress(phase, best)
 

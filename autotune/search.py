@@ -240,15 +240,18 @@ def run_search(
     get_searcher(searcher)  # an unknown name fails before any work
     no_policy = plain_no_policy(problem, plain)
     limit = ctx.time_limit_s
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.fields[best]}"),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-        disable=quiet,
-    ) as progress:
+    with (
+        ctx.noting_sigint(),
+        Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[best]}"),
+            TimeElapsedColumn(),
+            console=err,
+            transient=True,
+            disable=quiet,
+        ) as progress,
+    ):
         task = progress.add_task("baselines", total=limit or 1.0, best="")
         trials = [0]
         # Where stderr is no terminal (a pipe, a log file) the bar does not draw: a line every PLAIN_EVERY_S.
@@ -298,6 +301,8 @@ def run_search(
         # A searcher alone (not the portfolio) can lose to a seed.
         if top is not None and better(top.result, found.result):
             found = top
+        if ctx.state.sigint_pending:  # a Ctrl-C after the last report, that a finalizer swallowed
+            ctx.interrupt()
     if user_budget_bytes is not None:
         record_budget(found.policy, user_budget_bytes)
     return SearchOutcome(

@@ -443,6 +443,41 @@ def test_ctrl_c_while_optuna_stores_a_trial_keeps_the_best_policy(
     assert calls[0] == 6 and load_policy(out).predicted is not None
 
 
+def test_a_ctrl_c_that_lands_in_a_finalizer_still_stops_the_search(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGINT whose handler runs inside a finalizer (here a ``__del__``; on CI it was SQLAlchemy's
+    ``InstanceState._cleanup``) raises a KeyboardInterrupt that Python prints as "Exception ignored" and drops:
+    the search ran on to its end and exited 0. The search still stops at its next trial: exit 130, the best
+    policy so far written, and the dropped interrupt's traceback is not printed."""
+    import optuna.study._optimize as optimize
+
+    real, calls = optimize._tell_with_warning, [0]
+
+    class Finalized:
+        def __del__(self) -> None:
+            signal.raise_signal(signal.SIGINT)  # the handler runs here, inside the finalizer
+
+    def interrupted(*a, **k):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 6:
+            Finalized()  # dropped at once
+        return real(*a, **k)
+
+    monkeypatch.setattr(optimize, "_tell_with_warning", interrupted)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a process of its own
+    try:
+        code, _, err = run(capsys, "search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb",
+                           "--budget", "200MB", "--reserve", "8MiB", "--searcher", "optuna-tpe", "--trials", "40",
+                           "--out", str(tmp_path / "p.json"), "--storage", f"sqlite:///{tmp_path / 'f.db'}",
+                           )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code == 130 and "the best policy so far is in" in err, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert 6 <= calls[0] < 40 and load_policy(tmp_path / "p.json").predicted is not None
+
+
 def test_from_interrupt_follows_causes_and_contexts() -> None:
     from runtime.errors import from_interrupt
 
