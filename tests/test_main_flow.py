@@ -152,8 +152,8 @@ def test_every_command_that_writes_a_policy_writes_one_that_trains(
     assert code == 0, err
     written += sorted((tmp_path / "baselines").glob("*.policy.json"))
     code, _, err = run(capsys, "maxbatch", "--model", model, "--gpu", "cpu", "--budget", str(int(peak * 1.5)),
-                            "--start-batch", "4", "--per-size", "1", "--out", str(tmp_path / "maxbatch.json"),
-                            "--json")  # fmt: skip
+                            "--start-batch", "4", "--per-size", "1", "--max-slowdown", "0.05",
+                            "--out", str(tmp_path / "maxbatch.json"), "--json")  # fmt: skip
     assert code == 0, err
     written.append(tmp_path / "maxbatch.json")
     code, _, err = run(capsys, "sweep", "--models", model, "--budgets", budget, "--gpu", "cpu", "--trials", "2",
