@@ -5,6 +5,9 @@
    pass (agents/pretrained.py, under a second on ResNet-101) joins them.
 2. Per-tensor refinement (agents/refine.py) of the best seed (repairing the seeds in turn while nothing
    fits): early, since it finds most of what a long search adds to the seeds, in seconds.
+2a. Restarts: refinement of every other fitting seed in turn, fastest first, until the search converges or
+   ``RESTART_SHARE`` of the time is spent. Refinement ends in its start's local optimum, and the best seed's
+   is often not the best one (NOTE [ Restarts ]).
 2b. The exact yardstick (agents/solvers/exact.py) with the best so far as its incumbent: over every policy
    where there are at most ``EXACT_SMALL`` candidates, over ``EXACT_UNITS`` blocks decided together
    otherwise, for ``EXACT_SHARE`` of the time; what it finds better is refined per tensor (a restart from
@@ -35,6 +38,7 @@ from agents.refine import refine
 from agents.solvers.exact import solve_exact
 from agents.solvers.milp.data import decision_units
 from runtime.errors import AutotuneError
+from runtime.policy import PolicyOptions
 from runtime.vocab import KEEP, RECOMPUTE, SWAP
 
 DEFAULT_TIME_S = 45.0
@@ -46,6 +50,7 @@ AGENT_SEED = True
 EARLY_STOP = True
 IMPROVEMENT = 1e-3  # relative: smaller gains are taken but do not keep the search going
 STALE_MIN_S = 3.0
+RESTART_SHARE = 0.5  # of the time limit, from the start, at most for the restarts (step 2a)
 OPTUNA_SHARE = 0.75  # of the time left after the baselines and the first refinement; the rest: refinement, perturbation
 EXACT_SMALL = 16  # candidates at most for the exact phase to decide each one (step 2b)
 EXACT_UNITS = 10  # blocks decided together by the exact phase on larger problems
@@ -98,8 +103,14 @@ class Portfolio(Searcher):
         # Refinement first: past the seeds, most of what a long search finds is refinement's, and it finds it
         # in seconds (experiments/bench_anytime.py: on ResNet-101 and GPT-2 the last 0.1-0.5% came from the
         # refinement after 45 s of Optuna, within a few seconds of its start).
+        first = None if best.actions is None or best.options is None else (best.actions.copy(), best.options)
         if self._refined(problem, ctx, best, deadline, repair=seeds):
             winner += " + refine"
+        if first is not None:
+            until = min(deadline, started + limit * RESTART_SHARE)
+            restarted = _restarts(problem, ctx, best, seeds, first, until, watch)
+            if restarted:
+                winner = f"{restarted} + refine"
         if self._exact(problem, ctx, best, deadline, limit):
             winner = "exact"
             if self._refined(problem, ctx, best, deadline):
@@ -186,6 +197,49 @@ class Portfolio(Searcher):
         if found.actions is not None and found.options is not None and found.result is not None:
             best.offer(found.actions, found.options, found.result)
         return best.result is not before
+
+
+# NOTE [ Restarts ]
+# Refining only the fastest seed lost to refining another one in most of the cells measured
+# (experiments/bench_quality.py's transformer rows on each GPU's kernels, 8 s each): GPT-2 8 x 1024 on
+# a100-40gb at 45%, delta's seed (17.37 samples/s, the fastest) refines to 17.59, Capuchin's (16.32) to 17.91;
+# at 60% the agent's one pass (18.10) to 18.31, Capuchin's (17.87) to 18.47; ResNet-101 b64 at 60%, Capuchin's
+# (952.8, the fastest) gains nothing, the one pass's (951.2) reaches 959.6. Each refinement took 1-5 s there.
+# So after the first, every other fitting seed is refined in turn, fastest first (one policy once), until the
+# search converges (``_Watch``: restarts that keep finding nothing stop it) or ``RESTART_SHARE`` of the time
+# is spent; what follows (the exact phase, Optuna, perturbation) starts from the best of them.
+
+
+def _restarts(
+    problem: Problem,
+    ctx: SearchContext,
+    best: _Best,
+    seeds: Seeds,
+    first: tuple[np.ndarray, PolicyOptions],
+    until: float,
+    watch: _Watch | None,
+) -> str:
+    """Step 2a (NOTE [ Restarts ]): refine the fitting seeds other than ``first`` (already refined), fastest
+    first, until ``until`` or until ``watch`` says the search has converged. Returns the name of the seed
+    whose refinement made the best better last, or ""."""
+    done = {(first[0].tobytes(), repr(first[1]))}
+    won = ""
+    for r in sorted((r for r in seeds if r.feasible), key=lambda r: -r.result.samples_per_s):
+        if ctx.interrupted or time.perf_counter() >= until or (watch is not None and watch.converged()):
+            break
+        actions = r.policy.to_vector(problem.workload)
+        if (actions.tobytes(), repr(r.policy.options)) in done:
+            continue
+        done.add((actions.tobytes(), repr(r.policy.options)))
+        try:
+            actions, options, result = refine(problem, actions, r.policy.options, deadline=until)
+        except KeyboardInterrupt:
+            ctx.interrupt()
+            break
+        if best.offer(actions, options, result):
+            won = r.searcher
+        ctx.report("refine", best.result)
+    return won
 
 
 def _seen(problem: Problem, best: _Best) -> bool:
