@@ -140,6 +140,33 @@ def test_portfolio_within_one_percent_of_brute_force(workload: str, profile: str
     assert optimum > 0 and got.feasible and got.result.samples_per_s >= 0.99 * optimum
 
 
+def test_restarts_refine_the_other_seeds_where_the_fastest_seeds_optimum_is_local() -> None:
+    """NOTE [ Restarts ]: on the framed 8-chain (blocks of 3) with host costs, at 80% of its peak, the fastest
+    seed is delta's and refining it stops at 1 / 17 ms = 58.8 samples/s; refining DTR's reaches 1 / 16 ms =
+    62.5, the optimum of every policy at its options (brute force over the 3^8 policies)."""
+    from agents.optuna_search import _Best
+    from agents.portfolio import _restarts
+
+    w = framed_chain_workload(N, S, TAU, 3)
+    hw = fixed_profile(**_PROFILES["host costs"])
+    p = Problem(w, hw, int(peak_report(w, hw.alloc_granularity_bytes).peak_bytes * 0.8))
+    seeds = tuple(get_searcher(name).search(p) for name in baseline_names())
+    fastest = max((r for r in seeds if r.feasible), key=lambda r: r.result.samples_per_s)
+    start = (fastest.policy.to_vector(w), fastest.policy.options)
+    best = _Best()
+    best.offer(*refine(p, *start))
+    assert fastest.searcher == "delta" and best.result is not None
+    assert best.result.samples_per_s == pytest.approx(1 / (17 * TAU))
+    won = _restarts(p, SearchContext(), best, seeds, start, until=float("inf"), watch=None)
+    assert won == "dtr" and best.result.samples_per_s == pytest.approx(1 / (16 * TAU))
+    optimum = 0.0
+    for combo in itertools.product((KEEP, SWAP, RECOMPUTE), repeat=N):
+        r = p.simulator.run(np.array(combo, dtype=np.int8), budget_bytes=p.budget_bytes, options=best.options)
+        if r.feasible:
+            optimum = max(optimum, r.samples_per_s)
+    assert best.result.samples_per_s == pytest.approx(optimum, rel=1e-9)
+
+
 def test_portfolio_reaches_the_eight_layer_chains_optimum() -> None:
     """At half the 8-layer chain's peak, six changes from where single moves and pairs stall: the window
     moves (agents/refine.py) enumerate every policy at once and find the optimum of every policy at the
