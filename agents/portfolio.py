@@ -120,6 +120,8 @@ class Portfolio(Searcher):
         # then TPE from the seeds. Two studies, since their ``start`` choices differ.
         name = ctx.study_name or study_name(problem, self.study_key)
         optuna_found = False
+        if watch is not None:  # the stale time counts from here (NOTE [ Restarts ])
+            watch.rearm()
         for share, phase_seeds, suffix, searcher in self._phases(seeds):
             if ctx.interrupted or remaining(deadline) == 0 or (watch is not None and watch.converged()):
                 break
@@ -207,10 +209,11 @@ class Portfolio(Searcher):
 # (952.8, the fastest) gains nothing, the one pass's (951.2) reaches 959.6. Each refinement took 1-5 s there.
 # So after the first, every other fitting seed is refined in turn, fastest first (one policy once), until the
 # search converges (``_Watch``: restarts that keep finding nothing stop it) or ``RESTART_SHARE`` of the time
-# is spent; what follows (the exact phase, Optuna, perturbation) starts from the best of them, and the watch
-# counts its stale time from there: restarts that found nothing must not cut Optuna short (stopped as
-# converged after them, ResNet-101 b64 on a100-40gb at 30% answered 834.3 samples/s at 7.9 s, where Optuna
-# and perturbation had reached 843.3 by 16 s).
+# is spent; what follows (the exact phase, Optuna, perturbation) starts from the best of them. The watch
+# counts its stale time from Optuna's start, as it did before restarts (its first look was there): restarts
+# and an exact phase that found nothing must not cut Optuna short (stopped as converged after the restarts,
+# ResNet-101 b64 on a100-40gb at 30% answered 834.3 samples/s at 7.9 s, where Optuna and perturbation had
+# reached 843.3 by 16 s; ResNet-18 b4 at 200 MB ran no Optuna trial at all).
 
 
 def _restarts(
@@ -242,8 +245,6 @@ def _restarts(
         if best.offer(actions, options, result):
             won = r.searcher
         ctx.report("refine", best.result)
-    if watch is not None:
-        watch.rearm()
     return won
 
 
