@@ -210,8 +210,9 @@ class Portfolio(Searcher):
 # So after the first, every other fitting seed is refined in turn, fastest first (one policy once), until the
 # search converges (``_Watch``: restarts that keep finding nothing stop it) or ``RESTART_SHARE`` of the time
 # is spent; what follows (the exact phase, Optuna, perturbation) starts from the best of them. The watch
-# counts its stale time from Optuna's start, as it did before restarts (its first look was there): restarts
-# and an exact phase that found nothing must not cut Optuna short (stopped as converged after the restarts,
+# counts its stale time, and the time it is half of, from Optuna's start: its first look was there before
+# restarts, and restarts and an exact phase that found nothing must not cut Optuna short; nor should their
+# seconds make Optuna run twice as long before the search may stop (stopped as converged after the restarts,
 # ResNet-101 b64 on a100-40gb at 30% answered 834.3 samples/s at 7.9 s, where Optuna and perturbation had
 # reached 843.3 by 16 s; ResNet-18 b4 at 200 MB ran no Optuna trial at all).
 
@@ -257,7 +258,8 @@ def _seen(problem: Problem, best: _Best) -> bool:
 
 class _Watch:
     """The early stop (``EARLY_STOP``): converged once the best policy fits and has not improved by more than
-    ``IMPROVEMENT`` for half the search's time so far, and for at least ``STALE_MIN_S``. So a search whose
+    ``IMPROVEMENT`` for half the search's time so far (from Optuna's start: :meth:`rearm`), and for at least
+    ``STALE_MIN_S``. So a search whose
     last real gain came at t stops at about 2t (experiments/bench_anytime.py: on ResNet-101 and GPT-2 the
     gains after the refinement of the seeds were under 1%, most under 0.5%, spread over the rest of a
     minute). Also an Optuna callback that stops the study then."""
@@ -279,8 +281,8 @@ class _Watch:
         return now - self.last >= max(STALE_MIN_S, (now - self.started) / 2)
 
     def rearm(self) -> None:
-        """Count the stale time from now (NOTE [ Restarts ])."""
-        self.last = time.perf_counter()
+        """Count the stale time, and the search's time it is measured against, from now (NOTE [ Restarts ])."""
+        self.last = self.started = time.perf_counter()
 
     def __call__(self, study: Any, _trial: Any) -> None:
         if self.converged():
