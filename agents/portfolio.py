@@ -202,8 +202,9 @@ class Portfolio(Searcher):
 
 
 # NOTE [ Restarts ]
-# Refining only the fastest seed lost to refining another one in most of the cells measured
-# (experiments/bench_quality.py's transformer rows on each GPU's kernels, 8 s each): GPT-2 8 x 1024 on
+# Refining only the fastest seed lost to refining another one in 3 of the transformer cells of
+# experiments/bench_quality.py on each GPU's kernels (8 s each; 6 of 26 cells of docs/results.md's restarts
+# table gained from restarts): GPT-2 8 x 1024 on
 # a100-40gb at 45%, delta's seed (17.37 samples/s, the fastest) refines to 17.59, Capuchin's (16.32) to 17.91;
 # at 60% the agent's one pass (18.10) to 18.31, Capuchin's (17.87) to 18.47; ResNet-101 b64 at 60%, Capuchin's
 # (952.8, the fastest) gains nothing, the one pass's (951.2) reaches 959.6. Each refinement took 1-5 s there.
@@ -259,10 +260,9 @@ def _seen(problem: Problem, best: _Best) -> bool:
 class _Watch:
     """The early stop (``EARLY_STOP``): converged once the best policy fits and has not improved by more than
     ``IMPROVEMENT`` for half the search's time so far (from Optuna's start: :meth:`rearm`), and for at least
-    ``STALE_MIN_S``. So a search whose
-    last real gain came at t stops at about 2t (experiments/bench_anytime.py: on ResNet-101 and GPT-2 the
-    gains after the refinement of the seeds were under 1%, most under 0.5%, spread over the rest of a
-    minute). Also an Optuna callback that stops the study then."""
+    ``STALE_MIN_S``. So a search whose last real gain came at t stops at about 2t (experiments/bench_anytime.py:
+    on ResNet-101 and GPT-2 the gains after the refinement of the seeds were under 1%, most under 0.5%, spread
+    over the rest of a minute). Also an Optuna callback that stops the study then."""
 
     def __init__(self, best: _Best, started: float) -> None:
         self.best = best
