@@ -31,6 +31,17 @@ def chain_problem(fraction: float, n: int = N) -> Problem:
     return Problem(w, hw, int(peak * fraction))
 
 
+def optimum_at(problem: Problem, options: PolicyOptions) -> float:
+    """The fastest feasible samples/s over every keep/swap/recompute policy under ``options``; 0 when nothing
+    fits."""
+    best = 0.0
+    for combo in itertools.product((KEEP, SWAP, RECOMPUTE), repeat=problem.n):
+        r = problem.simulator.run(np.array(combo, dtype=np.int8), budget_bytes=problem.budget_bytes, options=options)
+        if r.feasible:
+            best = max(best, r.samples_per_s)
+    return best
+
+
 def brute_force(problem: Problem) -> float:
     """The fastest feasible samples/s over every keep/swap/recompute policy and, where it swaps, every
     prefetch look-ahead and release point the searchers choose from (agents.rule.LOOKAHEADS,
@@ -159,12 +170,8 @@ def test_restarts_refine_the_other_seeds_where_the_fastest_seeds_optimum_is_loca
     assert best.result.samples_per_s == pytest.approx(1 / (17 * TAU))
     won = _restarts(p, SearchContext(), best, seeds, start, until=float("inf"), watch=None)
     assert won == "dtr" and best.result.samples_per_s == pytest.approx(1 / (16 * TAU))
-    optimum = 0.0
-    for combo in itertools.product((KEEP, SWAP, RECOMPUTE), repeat=N):
-        r = p.simulator.run(np.array(combo, dtype=np.int8), budget_bytes=p.budget_bytes, options=best.options)
-        if r.feasible:
-            optimum = max(optimum, r.samples_per_s)
-    assert best.result.samples_per_s == pytest.approx(optimum, rel=1e-9)
+    assert best.options is not None
+    assert best.result.samples_per_s == pytest.approx(optimum_at(p, best.options), rel=1e-9)
 
 
 def test_portfolio_reaches_the_eight_layer_chains_optimum() -> None:
@@ -173,12 +180,7 @@ def test_portfolio_reaches_the_eight_layer_chains_optimum() -> None:
     answer's options (40.0 samples/s; brute force over every look-ahead and release point too: 124 s)."""
     p = chain_problem(0.5)
     got = get_searcher("portfolio").search(p, SearchContext(trials=20, time_limit_s=20))
-    options = got.policy.options
-    best = 0.0
-    for combo in itertools.product((KEEP, SWAP, RECOMPUTE), repeat=N):
-        r = p.simulator.run(np.array(combo, dtype=np.int8), budget_bytes=p.budget_bytes, options=options)
-        if r.feasible:
-            best = max(best, r.samples_per_s)
+    best = optimum_at(p, got.policy.options)
     assert got.feasible and got.result.samples_per_s == pytest.approx(best, rel=1e-9)
     assert best == pytest.approx(40.0)
 
