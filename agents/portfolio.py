@@ -236,9 +236,10 @@ def _restarts(
         if ctx.interrupted or time.perf_counter() >= until or (watch is not None and watch.converged()):
             break
         actions = r.policy.to_vector(problem.workload)
-        if (actions.tobytes(), repr(r.policy.options)) in done:
+        key = (actions.tobytes(), repr(r.policy.options))
+        if key in done:
             continue
-        done.add((actions.tobytes(), repr(r.policy.options)))
+        done.add(key)
         try:
             actions, options, result = refine(problem, actions, r.policy.options, deadline=until)
         except KeyboardInterrupt:
