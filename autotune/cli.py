@@ -915,11 +915,22 @@ def sweep(
                     "report": str(report) if report else None,
                     "policies": written,
                     "wall_s": outcome.wall_s,
+                    "interrupted": outcome.interrupted,
                 }
             )
         )
-        return
-    sw.render(out, outcome, storage, report)
+    else:
+        sw.render(out, outcome, storage, report)
+    if outcome.interrupted:  # NOTE [ Sweep storage ]: what the cells reached is stored, and shown above
+        cells = outcome.cells
+        at = len(cells)
+        where = f"in cell {at} of {outcome.total}" if at and cells[-1].interrupted else f"after {at} of {outcome.total} cells"
+        err.print(
+            f"interrupted {where}; the same command resumes from {storage}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise SystemExit(130)
 
 
 @app.command()

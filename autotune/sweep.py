@@ -12,6 +12,9 @@ NOTE [ Sweep storage ]
     study until it holds ``--trials`` completed trials (so a larger ``--trials`` goes on). With
     ``--heartbeat``, a killed worker's trial is failed and retried (NOTE [ Distributed search ] in
     agents/optuna_search.py), so several `autotune sweep` processes can share one PostgreSQL storage.
+    Ctrl-C stops the whole sweep: the cell being searched keeps what its study stored (its Optuna trials,
+    its best policy so far, but not ``ppo`` in ``done``), no later cell starts, and the command exits 130
+    after the table of the cells it reached; the same command resumes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from agents.base import Problem, SearchContext, SearchResult, baseline_names, best_of, get_searcher
+from agents.base import Problem, RunState, SearchContext, SearchResult, baseline_names, best_of, get_searcher
 from agents.optuna_search import storage_for
 from autotune.budget import budget_of, record_budget
 from autotune.search import budget_floor, format_bytes, plain_no_policy
@@ -77,6 +80,7 @@ class CellResult:
     wall_s: float = 0.0
     reserve_bytes: int = 0
     partitions: list[dict[str, Any]] = field(default_factory=list)  # --allow-partition: the slices searched
+    interrupted: bool = False  # Ctrl-C stopped this cell's search: it holds what was found until then
 
     def to_json(self) -> dict[str, Any]:
         best_h = self.best_heuristic()
@@ -100,6 +104,7 @@ class CellResult:
             "resumed": self.resumed,
             "wall_s": self.wall_s,
             "partitions": self.partitions,
+            "interrupted": self.interrupted,
         }
 
     def best_heuristic(self) -> tuple[str, dict[str, Any]] | None:
@@ -128,9 +133,11 @@ def run_cell(
     progress: Callable[[str], None] | None = None,
     reserve_bytes: int = 0,
     plain: Workload | None = None,
+    state: RunState | None = None,
 ) -> CellResult:
     """Run (or resume) one cell; everything it finds is written to its study before it returns. ``plain``:
-    the model without the partitions ``w`` was traced with, whose no-policy row the cell's is."""
+    the model without the partitions ``w`` was traced with, whose no-policy row the cell's is. ``state``: the
+    sweep's run state, shared by its cells' searches (a Ctrl-C in one of them stops the cell and says so)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -144,7 +151,8 @@ def run_cell(
     done: list[str] = list(attrs.get("done", []))
     problem = Problem(w, hw, budget_bytes)
     ctx = SearchContext(
-        time_limit_s=timeout_s, seed=seed, trials=trials, storage=storage, study_name=name, heartbeat_s=heartbeat_s
+        time_limit_s=timeout_s, seed=seed, trials=trials, storage=storage, study_name=name, heartbeat_s=heartbeat_s,
+        state=state if state is not None else RunState(),
     )
     no_policy = plain_no_policy(problem, plain)
     cell = CellResult(
@@ -194,13 +202,15 @@ def run_cell(
         say("optuna")
         found = get_searcher("optuna-tpe").search(problem, ctx.derive(seeds=tuple(seeds)))
         _offer(study, "optuna", found, w)
-    if "ppo" in methods and "ppo" not in done:
+    if "ppo" in methods and "ppo" not in done and not ctx.interrupted:
         say("ppo")
-        found = get_searcher("ppo").search(problem, SearchContext(time_limit_s=timeout_s, seed=seed))
+        found = get_searcher("ppo").search(problem, SearchContext(time_limit_s=timeout_s, seed=seed, state=ctx.state))
         study.set_user_attr("ppo", _sim_json(found.result))
         _offer(study, "ppo", found, w)
-        done.append("ppo")
-        study.set_user_attr("done", done)
+        if not ctx.interrupted:  # an interrupted agent trains again when the sweep resumes
+            done.append("ppo")
+            study.set_user_attr("done", done)
+    cell.interrupted = ctx.interrupted
     attrs = study.user_attrs  # re-read: what this run and any earlier one stored
     cell.baselines = attrs.get("baselines", {})
     cell.ppo = attrs.get("ppo")
@@ -255,7 +265,7 @@ def describe(cell: CellResult) -> str:
     sliced = "".join(f", {p['module']}/{p['chunks']}" for p in cell.partitions)
     return f"{cell.model} {cell.profile} {format_bytes(cell.budget_bytes)}: " + (
         f"{got:,.1f} samples/s ({cell.best['method']}{sliced})" if got and cell.best else "no fitting policy"
-    )
+    ) + (" (interrupted)" if cell.interrupted else "")
 
 
 # A cell's workloads: (the model as traced, what the cell planned on: the same, or its partitioned trace).
@@ -269,6 +279,8 @@ class SweepOutcome:
     profiles: dict[str, HardwareProfile]
     wall_s: float
     sliced: dict[str, Workload] = field(default_factory=dict)  # study name -> a partitioned cell's workload
+    interrupted: bool = False  # Ctrl-C stopped the sweep: ``cells`` are those it reached
+    total: int = 0  # the cells asked for
 
     def workload_of(self, cell: CellResult) -> tuple[Workload, Workload]:
         plain = self.workloads[(cell.model, cell.batch_size, cell.profile)]
@@ -295,49 +307,59 @@ def run_sweep(
     runtime/target.py), one model per position, in the same order for every profile. Each budget is planned
     for less ``reserve`` on GPU profiles (``--reserve``; NOTE [ Budget and reserve ] in autotune.budget).
     ``partition(i, w, hw, budget)``: the workload to plan cell (model i, profile, budget) on, partitioned or
-    ``w`` itself (``--allow-partition``: NOTE [ Choosing a partition ] in autotune/partitions.py)."""
+    ``w`` itself (``--allow-partition``: NOTE [ Choosing a partition ] in autotune/partitions.py).
+    Ctrl-C stops the sweep (NOTE [ Sweep storage ]): the outcome holds the cells reached and says so."""
     started = time.perf_counter()
     models = len(workloads[profiles[0].name]) if profiles else 0
-    total = models * len(profiles) * len(budgets)
+    order = [(i, hw, given) for i in range(models) for hw in profiles for given in budgets]
     cells: list[CellResult] = []
-    planned: dict[tuple[str, int, str], Workload] = {}
+    planned = {(w.model, w.batch_size, hw.name): w for hw in profiles for w in workloads[hw.name][:models]}
     sliced: dict[str, Workload] = {}
-    for i in range(models):
-        for hw in profiles:
+    state = RunState()
+    with SearchContext(state=state).noting_sigint():
+        for i, hw, given in order:
             w = workloads[hw.name][i]
-            planned[(w.model, w.batch_size, hw.name)] = w
-            for given in budgets:
-                plan = budget_of(given, reserve, hw)
-                budget = plan.planned_bytes
-                label = f"{w.model} {hw.name} {format_bytes(given)}"
+            plan = budget_of(given, reserve, hw)
+            budget = plan.planned_bytes
+            label = f"{w.model} {hw.name} {format_bytes(given)}"
 
-                def say(method: str, label: str = label) -> None:
-                    if progress is not None:
-                        progress(len(cells), total, f"{label}: {method}")
+            def say(method: str, label: str = label) -> None:
+                if progress is not None:
+                    progress(len(cells), len(order), f"{label}: {method}")
 
+            try:
                 say("choosing a partition" if partition is not None else "starting")
                 wc = partition(i, w, hw, budget) if partition is not None else w
-                cells.append(
-                    run_cell(
-                        wc,
-                        hw,
-                        budget,
-                        methods=methods,
-                        storage=storage,
-                        trials=trials,
-                        timeout_s=timeout_s,
-                        seed=seed,
-                        heartbeat_s=heartbeat_s,
-                        progress=say,
-                        reserve_bytes=plan.reserve_bytes,
-                        plain=w,
-                    )
+                cell = run_cell(
+                    wc,
+                    hw,
+                    budget,
+                    methods=methods,
+                    storage=storage,
+                    trials=trials,
+                    timeout_s=timeout_s,
+                    seed=seed,
+                    heartbeat_s=heartbeat_s,
+                    progress=say,
+                    reserve_bytes=plan.reserve_bytes,
+                    plain=w,
+                    state=state,
                 )
-                if wc is not w:
-                    sliced[cells[-1].study_name] = wc
-                if progress is not None:
-                    progress(len(cells), total, describe(cells[-1]))
-    return SweepOutcome(cells, planned, {hw.name: hw for hw in profiles}, time.perf_counter() - started, sliced)
+            except KeyboardInterrupt:  # outside a search (tracing slices, the heuristics): the cell is not reached
+                state.interrupted = True
+                break
+            cells.append(cell)
+            if wc is not w:
+                sliced[cell.study_name] = wc
+            if progress is not None:
+                progress(len(cells), len(order), describe(cell))
+            if state.interrupted or state.sigint_pending:  # (pending: a Ctrl-C after the cell's last report)
+                state.interrupted = True
+                break
+    return SweepOutcome(
+        cells, planned, {hw.name: hw for hw in profiles}, time.perf_counter() - started, sliced,
+        interrupted=state.interrupted, total=len(order),
+    )  # fmt: skip
 
 
 def render(out: Console, outcome: SweepOutcome, storage: str, report: Path | None) -> None:
@@ -361,7 +383,8 @@ def render(out: Console, outcome: SweepOutcome, storage: str, report: Path | Non
             f"{f(j['best_heuristic_samples_per_s'])} {j['best_heuristic'] or ''}",
             f(j["optuna_samples_per_s"]),
             f(j["ppo_samples_per_s"]),
-            "below the floor" if cell.below_floor else f"{f(j['samples_per_s'])} {j['best_method'] or ''}",
+            "below the floor" if cell.below_floor else f"{f(j['samples_per_s'])} {j['best_method'] or ''}"
+            + (" (interrupted)" if cell.interrupted else ""),
         )
     out.print(t)
     out.print(

@@ -517,6 +517,39 @@ def test_sigint_during_a_search_exits_130_without_a_traceback(tmp_path: Path) ->
     assert "Traceback" not in stderr, stderr
 
 
+def test_ctrl_c_stops_the_whole_sweep_and_keeps_what_its_cell_found(tmp_path: Path) -> None:
+    """Ctrl-C in a sweep's first cell stops the sweep there (it once ended only that cell's Optuna search and
+    went on to the next cell, exit 0): exit 130, the table of the cell reached, how to resume, the cell's
+    trials stored and no study for the second cell."""
+    db = tmp_path / "s.db"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autotune.cli", "sweep", "--models", "resnet18", "--batch-size", "4", "--gpu",
+         "a100-40gb", "--budgets", "200MB,190MB", "--reserve", "8MiB", "--timeout", "60", "--trials", "100000",
+         "--storage", f"sqlite:///{db}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    deadline = time.monotonic() + 100
+    while time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.25)
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+                if conn.execute("SELECT COUNT(*) FROM trials").fetchone()[0] >= 2:
+                    break
+        except sqlite3.Error:  # not created yet, or no table yet
+            pass
+    assert proc.poll() is None, "the sweep ended before its first cell's Optuna search had stored two trials"
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    assert f"interrupted in cell 1 of 2; the same command resumes from sqlite:///{db}" in stderr, stderr
+    assert "(interrupted)" in stdout and "sweep: 1 cells" in stdout, stdout
+    with contextlib.closing(sqlite3.connect(str(db))) as conn:
+        studies = [name for (name,) in conn.execute("SELECT study_name FROM studies")]
+        trials = conn.execute("SELECT COUNT(*) FROM trials").fetchone()[0]
+    assert len(studies) == 1 and studies[0].endswith(f".{200_000_000 - 8 * 2**20}") and trials >= 2, (studies, trials)
+
+
 def test_resuming_a_study_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     store = f"sqlite:///{tmp_path / 'r.db'}"
     args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "200MB",
