@@ -37,6 +37,7 @@ from agents.optuna_search import OptunaNSGA2, OptunaSearcher, OptunaTPE, _Best, 
 from agents.refine import refine
 from agents.solvers.exact import solve_exact
 from agents.solvers.milp.data import decision_units
+from envs.simulator import SimResult
 from runtime.errors import AutotuneError
 from runtime.policy import PolicyOptions
 from runtime.vocab import KEEP, RECOMPUTE, SWAP
@@ -50,7 +51,8 @@ AGENT_SEED = True
 EARLY_STOP = True
 IMPROVEMENT = 1e-3  # relative: smaller gains are taken but do not keep the search going
 STALE_MIN_S = 3.0
-RESTART_SHARE = 0.5  # of the time limit, from the start, at most for the restarts (step 2a)
+RESTART_SHARE = 0.7  # of the time limit, from the start, at most for the restarts (step 2a)
+PROBE_S = 0.25  # each restart's first refinement, before the most promising go on (step 2a)
 OPTUNA_SHARE = 0.75  # of the time left after the baselines and the first refinement; the rest: refinement, perturbation
 EXACT_SMALL = 16  # candidates at most for the exact phase to decide each one (step 2b)
 EXACT_UNITS = 10  # blocks decided together by the exact phase on larger problems
@@ -227,27 +229,45 @@ def _restarts(
     until: float,
     watch: _Watch | None,
 ) -> str:
-    """Step 2a (NOTE [ Restarts ]): refine the fitting seeds other than ``first`` (already refined), fastest
+    """Step 2a (NOTE [ Restarts ]): refine the fitting seeds other than ``first`` (already refined), each
+    for ``PROBE_S`` first (fastest seed first), then on from where the probes cut off, the fastest probe
     first, until ``until`` or until ``watch`` says the search has converged. Returns the name of the seed
     whose refinement made the best better last, or ""."""
     done = {(first[0].tobytes(), repr(first[1]))}
     won = ""
+    cut_off: list[tuple[SimResult, np.ndarray, PolicyOptions, str]] = []
+
+    def stop() -> bool:
+        return ctx.interrupted or time.perf_counter() >= until or (watch is not None and watch.converged())
+
+    def refined(actions: np.ndarray, options: PolicyOptions, name: str, cut: float) -> SimResult | None:
+        nonlocal won
+        try:
+            actions, options, result = refine(problem, actions, options, deadline=cut)
+        except KeyboardInterrupt:
+            ctx.interrupt()
+            return None
+        if best.offer(actions, options, result):
+            won = name
+        ctx.report("refine", best.result)
+        if result.feasible and time.perf_counter() > cut:  # cut off before its local optimum
+            cut_off.append((result, actions, options, name))
+        return result
+
     for r in sorted((r for r in seeds if r.feasible), key=lambda r: -r.result.samples_per_s):
-        if ctx.interrupted or time.perf_counter() >= until or (watch is not None and watch.converged()):
+        if stop():
             break
         actions = r.policy.to_vector(problem.workload)
         key = (actions.tobytes(), repr(r.policy.options))
         if key in done:
             continue
         done.add(key)
-        try:
-            actions, options, result = refine(problem, actions, r.policy.options, deadline=until)
-        except KeyboardInterrupt:
-            ctx.interrupt()
+        if refined(actions, r.policy.options, r.searcher, min(until, time.perf_counter() + PROBE_S)) is None:
+            return won
+    probes, cut_off = sorted(cut_off, key=lambda p: -p[0].samples_per_s), []
+    for _, actions, options, name in probes:
+        if stop() or refined(actions, options, name, until) is None:
             break
-        if best.offer(actions, options, result):
-            won = r.searcher
-        ctx.report("refine", best.result)
     return won
 
 
