@@ -250,7 +250,7 @@ def _restarts(
         if best.offer(actions, options, result):
             won = name
         ctx.report("refine", best.result)
-        if result.feasible and time.perf_counter() > cut:  # cut off before its local optimum
+        if result.feasible and time.perf_counter() >= cut:  # cut off before its local optimum
             cut_off.append((result, actions, options, name))
         return result
 

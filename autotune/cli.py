@@ -922,9 +922,8 @@ def sweep(
     else:
         sw.render(out, outcome, storage, report)
     if outcome.interrupted:  # NOTE [ Sweep storage ]: what the cells reached is stored, and shown above
-        cells = outcome.cells
-        at = len(cells)
-        where = f"in cell {at} of {outcome.total}" if at and cells[-1].interrupted else f"after {at} of {outcome.total} cells"
+        at, total = len(outcome.cells), outcome.total
+        where = f"in cell {at} of {total}" if at and outcome.cells[-1].interrupted else f"after {at} of {total} cells"
         err.print(
             f"interrupted {where}; the same command resumes from {storage}",
             highlight=False,

@@ -151,7 +151,12 @@ def run_cell(
     done: list[str] = list(attrs.get("done", []))
     problem = Problem(w, hw, budget_bytes)
     ctx = SearchContext(
-        time_limit_s=timeout_s, seed=seed, trials=trials, storage=storage, study_name=name, heartbeat_s=heartbeat_s,
+        time_limit_s=timeout_s,
+        seed=seed,
+        trials=trials,
+        storage=storage,
+        study_name=name,
+        heartbeat_s=heartbeat_s,
         state=state if state is not None else RunState(),
     )
     no_policy = plain_no_policy(problem, plain)
@@ -263,9 +268,11 @@ def describe(cell: CellResult) -> str:
         return f"{cell.model} {cell.profile} {format_bytes(cell.budget_bytes)}: below what any policy needs"
     got = cell.best["samples_per_s"] if cell.best else None
     sliced = "".join(f", {p['module']}/{p['chunks']}" for p in cell.partitions)
-    return f"{cell.model} {cell.profile} {format_bytes(cell.budget_bytes)}: " + (
-        f"{got:,.1f} samples/s ({cell.best['method']}{sliced})" if got and cell.best else "no fitting policy"
-    ) + (" (interrupted)" if cell.interrupted else "")
+    return (
+        f"{cell.model} {cell.profile} {format_bytes(cell.budget_bytes)}: "
+        + (f"{got:,.1f} samples/s ({cell.best['method']}{sliced})" if got and cell.best else "no fitting policy")
+        + (" (interrupted)" if cell.interrupted else "")
+    )
 
 
 # A cell's workloads: (the model as traced, what the cell planned on: the same, or its partitioned trace).
@@ -383,8 +390,9 @@ def render(out: Console, outcome: SweepOutcome, storage: str, report: Path | Non
             f"{f(j['best_heuristic_samples_per_s'])} {j['best_heuristic'] or ''}",
             f(j["optuna_samples_per_s"]),
             f(j["ppo_samples_per_s"]),
-            "below the floor" if cell.below_floor else f"{f(j['samples_per_s'])} {j['best_method'] or ''}"
-            + (" (interrupted)" if cell.interrupted else ""),
+            "below the floor"
+            if cell.below_floor
+            else f"{f(j['samples_per_s'])} {j['best_method'] or ''}" + (" (interrupted)" if cell.interrupted else ""),
         )
     out.print(t)
     out.print(

@@ -3,6 +3,7 @@ portfolio, against brute force on small workloads; and the `autotune search` com
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agents.base import RELEASES, Problem, SearchContext, baseline_names, better, get_searcher
+from agents.base import RELEASES, Problem, SearchContext, SearchResult, baseline_names, better, get_searcher
 from agents.refine import refine
 from agents.rule import LOOKAHEADS, RuleParams, ranked_moves, rule_actions
 from runtime.policy import PolicyOptions, load_policy
@@ -172,6 +173,52 @@ def test_restarts_refine_the_other_seeds_where_the_fastest_seeds_optimum_is_loca
     assert won == "dtr" and best.result.samples_per_s == pytest.approx(1 / (16 * TAU))
     assert best.options is not None
     assert best.result.samples_per_s == pytest.approx(optimum_at(p, best.options), rel=1e-9)
+
+
+def test_restarts_go_on_from_the_most_promising_probe_not_the_fastest_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Restarts ]: each other seed is first refined for ``PROBE_S``, then the best probe goes on. On a
+    clock that only refinement advances: the fastest other seed's refinement takes 2 s and ends at 10
+    samples/s; a slower seed's probe shows 10.5 and its refinement ends at 12 after 2 s. With time for the
+    probes and one refinement's rest, the restarts answer 12 (refining the fastest seed first reached 10.5:
+    the slower seed's refinement cut off)."""
+    import types
+
+    from agents import portfolio
+    from agents.optuna_search import _Best
+
+    w = framed_chain_workload(N, S, TAU, 3)
+    hw = fixed_profile(**_PROFILES["host costs"])
+    p = Problem(w, hw, int(peak_report(w, hw.alloc_granularity_bytes).peak_bytes * 0.8))
+    distinct: dict[bytes, SearchResult] = {}  # one seed per policy, the fastest first
+    for r in sorted((get_searcher(name).search(p) for name in baseline_names()), key=lambda r: -r.result.samples_per_s):
+        if r.feasible:
+            distinct.setdefault(r.policy.to_vector(w).tobytes(), r)
+    seeds = list(distinct.values())
+    assert len(seeds) >= 3, "three distinct fitting seeds"
+    first, fast, slow = seeds[0], seeds[1], seeds[-1]
+    now = [0.0]
+    # seed -> (samples/s when cut off, at the end), and the seconds its refinement has left
+    plan = {fast.searcher: (9.0, 10.0), slow.searcher: (10.5, 12.0)}
+    left = {fast.searcher: 2.0, slow.searcher: 2.0}
+    by_vector = {r.policy.to_vector(w).tobytes(): r.searcher for r in seeds}  # a refined policy is its seed's
+
+    def fake_refine(problem: Problem, actions: np.ndarray, options: object, *, deadline: float, **_: object):  # type: ignore[no-untyped-def]
+        name = by_vector[actions.tobytes()]
+        cut, end = plan.get(name, (1.0, 1.0))
+        spent = min(left.get(name, 0.0), deadline - now[0])
+        now[0] += spent
+        left[name] = left.get(name, 0.0) - spent
+        value = end if left[name] <= 0 else cut
+        return actions.copy(), options, dataclasses.replace(first.result, samples_per_s=value, feasible=True)
+
+    monkeypatch.setattr(portfolio, "refine", fake_refine)
+    monkeypatch.setattr(portfolio, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    best = _Best()
+    best.offer(first.policy.to_vector(w), first.policy.options, dataclasses.replace(first.result, samples_per_s=5.0))
+    until = 2 * portfolio.PROBE_S + (2.0 - portfolio.PROBE_S) + 0.1  # two probes, then one refinement's rest
+    start = (first.policy.to_vector(w), first.policy.options)
+    won = portfolio._restarts(p, SearchContext(), best, tuple(seeds), start, until=until, watch=None)
+    assert best.result is not None and best.result.samples_per_s == 12.0 and won == slow.searcher
 
 
 def test_portfolio_reaches_the_eight_layer_chains_optimum() -> None:
