@@ -5,9 +5,9 @@
    pass (agents/pretrained.py, under a second on ResNet-101) joins them.
 2. Per-tensor refinement (agents/refine.py) of the best seed (repairing the seeds in turn while nothing
    fits): early, since it finds most of what a long search adds to the seeds, in seconds.
-2a. Restarts: refinement of every other fitting seed in turn, fastest first, until the search converges or
-   ``RESTART_SHARE`` of the time is spent. Refinement ends in its start's local optimum, and the best seed's
-   is often not the best one (NOTE [ Restarts ]).
+2a. Restarts: refinement of every other fitting seed, each for ``PROBE_S`` first, then on from the most
+   promising probes, until the search converges or ``RESTART_SHARE`` of the time is spent. Refinement ends in
+   its start's local optimum, and the best seed's is often not the best one (NOTE [ Restarts ]).
 2b. The exact yardstick (agents/solvers/exact.py) with the best so far as its incumbent: over every policy
    where there are at most ``EXACT_SMALL`` candidates, over ``EXACT_UNITS`` blocks decided together
    otherwise, for ``EXACT_SHARE`` of the time; what it finds better is refined per tensor (a restart from
@@ -210,9 +210,16 @@ class Portfolio(Searcher):
 # a100-40gb at 45%, delta's seed (17.37 samples/s, the fastest) refines to 17.59, Capuchin's (16.32) to 17.91;
 # at 60% the agent's one pass (18.10) to 18.31, Capuchin's (17.87) to 18.47; ResNet-101 b64 at 60%, Capuchin's
 # (952.8, the fastest) gains nothing, the one pass's (951.2) reaches 959.6. Each refinement took 1-5 s there.
-# So after the first, every other fitting seed is refined in turn, fastest first (one policy once), until the
-# search converges (``_Watch``: restarts that keep finding nothing stop it) or ``RESTART_SHARE`` of the time
-# is spent; what follows (the exact phase, Optuna, perturbation) starts from the best of them. The watch
+# So after the first, every other fitting seed is refined (one policy once), until the search converges
+# (``_Watch``: restarts that keep finding nothing stop it) or ``RESTART_SHARE`` of the time is spent; what
+# follows (the exact phase, Optuna, perturbation) starts from the best of them. The seed's own speed says
+# little about where its refinement ends (GPT-2 at 45%: the one pass's 16.44 ends at 16.47, Capuchin's 16.32
+# at 17.91, DTR's 15.60 at 17.50, vdnn's 9.14 at 17.13), so each is first refined for ``PROBE_S`` (fastest seed
+# first), and those cut off go on in the order of where their probes got (Capuchin's 17.43 first there): a
+# 10-second search reaches Capuchin's 17.91 at 7 s, where refining the seeds fastest first to their ends ran
+# out of time after the one pass's and answered 17.59. ``RESTART_SHARE`` 0.7 leaves that time; at 16 s (the
+# quality grid's 26 cells of the restarts table) the answers were the same in 25 cells and 0.13% lower in one
+# (GPT-2 v100-16gb 60%). The watch
 # counts its stale time, and the time it is half of, from Optuna's start: its first look was there before
 # restarts, and restarts and an exact phase that found nothing must not cut Optuna short; nor should their
 # seconds make Optuna run twice as long before the search may stop (stopped as converged after the restarts,
