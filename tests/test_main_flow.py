@@ -491,6 +491,19 @@ def test_from_interrupt_follows_causes_and_contexts() -> None:
     assert not from_interrupt(ValueError("no interrupt here"))
 
 
+def _wait_for_trials(proc: subprocess.Popen[str], db: Path, count: int) -> None:
+    """Until the Optuna storage ``db`` holds ``count`` trials, ``proc`` ends, or 100 s pass."""
+    deadline = time.monotonic() + 100
+    while time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.25)
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+                if conn.execute("SELECT COUNT(*) FROM trials").fetchone()[0] >= count:
+                    return
+        except sqlite3.Error:  # not created yet, or no table yet
+            pass
+
+
 def test_sigint_during_a_search_exits_130_without_a_traceback(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "autotune.cli", "search", "--model", "resnet18", "--batch-size", "4", "--gpu",
@@ -501,15 +514,8 @@ def test_sigint_during_a_search_exits_130_without_a_traceback(tmp_path: Path) ->
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
     # Tracing, the baselines, the refinement, then Optuna: interrupted once Optuna has stored two trials.
-    db, deadline = tmp_path / "s.db", time.monotonic() + 100
-    while time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.25)
-        try:
-            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
-                if conn.execute("SELECT COUNT(*) FROM trials").fetchone()[0] >= 2:
-                    break
-        except sqlite3.Error:  # not created yet, or no table yet
-            pass
+    db = tmp_path / "s.db"
+    _wait_for_trials(proc, db, 2)
     assert proc.poll() is None, "the search ended before Optuna had stored two trials"
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
@@ -528,15 +534,7 @@ def test_ctrl_c_stops_the_whole_sweep_and_keeps_what_its_cell_found(tmp_path: Pa
          "--storage", f"sqlite:///{db}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
-    deadline = time.monotonic() + 100
-    while time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.25)
-        try:
-            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
-                if conn.execute("SELECT COUNT(*) FROM trials").fetchone()[0] >= 2:
-                    break
-        except sqlite3.Error:  # not created yet, or no table yet
-            pass
+    _wait_for_trials(proc, db, 2)
     assert proc.poll() is None, "the sweep ended before its first cell's Optuna search had stored two trials"
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
