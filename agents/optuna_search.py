@@ -183,7 +183,11 @@ class OptunaSearcher(Searcher):
     def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
         best = _Best()
         self.optimize(problem, ctx, best)
-        assert best.actions is not None
+        if best.actions is None:  # a Ctrl-C before the first trial's policy: the best seed, else keep-all
+            for r in ctx.seeds:
+                best.offer(r.policy.to_vector(problem.workload), r.policy.options, r.result)
+        if best.actions is None:
+            return Proposal(problem.keep_all(), options=problem.options, note="interrupted before its first trial")
         return Proposal(best.actions, options=best.options)
 
     def optimize(

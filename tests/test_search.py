@@ -232,6 +232,25 @@ def test_portfolio_reaches_the_eight_layer_chains_optimum() -> None:
     assert best == pytest.approx(40.0)
 
 
+def test_optuna_interrupted_before_its_first_trial_answers_its_best_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C before the first trial's policy (`autotune sweep`'s Optuna phase, where the enqueued seed trials
+    are already stored) once ended in an internal error (an assertion): the best seed is the answer."""
+    from agents import optuna_search
+
+    def interrupted(*_a: object, **_k: object) -> None:
+        raise KeyboardInterrupt
+
+    p = chain_problem(0.7)
+    seeds = tuple(get_searcher(name).search(p) for name in baseline_names())
+    monkeypatch.setattr(optuna_search, "rule_actions", interrupted)
+    ctx = SearchContext(trials=8, seeds=seeds)
+    got = get_searcher("optuna-tpe").search(p, ctx)
+    top = max((r for r in seeds if r.feasible), key=lambda r: r.result.samples_per_s)
+    assert ctx.interrupted and got.feasible and got.result.samples_per_s == top.result.samples_per_s
+    alone = get_searcher("optuna-tpe").search(p, SearchContext(trials=8))  # no seeds: keep-all, said so
+    assert (alone.policy.to_vector(p.workload) == 0).all()
+
+
 def test_optuna_study_resumes_from_storage(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'studies.db'}"
     import optuna
