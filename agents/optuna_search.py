@@ -50,7 +50,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from agents.base import Problem, Proposal, SearchContext, Searcher, better, register
+from agents.base import Problem, Proposal, SearchContext, Searcher, best_of, better, register
 from agents.rule import CLASS_MODES, LOOKAHEADS, params_from_dict, present_classes, rule_actions
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError, from_interrupt
@@ -184,10 +184,10 @@ class OptunaSearcher(Searcher):
         best = _Best()
         self.optimize(problem, ctx, best)
         if best.actions is None:  # a Ctrl-C before the first trial's policy: the best seed, else keep-all
-            for r in ctx.seeds:
-                best.offer(r.policy.to_vector(problem.workload), r.policy.options, r.result)
-        if best.actions is None:
-            return Proposal(problem.keep_all(), options=problem.options, note="interrupted before its first trial")
+            top = best_of(ctx.seeds)
+            if top is None:
+                return Proposal(problem.keep_all(), options=problem.options, note="interrupted before its first trial")
+            return Proposal(top.policy.to_vector(problem.workload), options=top.policy.options)
         return Proposal(best.actions, options=best.options)
 
     def optimize(

@@ -219,12 +219,11 @@ class Portfolio(Searcher):
 # 10-second search reaches Capuchin's 17.91 at 7 s, where refining the seeds fastest first to their ends ran
 # out of time after the one pass's and answered 17.59. ``RESTART_SHARE`` 0.7 leaves that time; at 16 s (the
 # quality grid's 26 cells of the restarts table) the answers were the same in 25 cells and 0.13% lower in one
-# (GPT-2 v100-16gb 60%). The watch
-# counts its stale time, and the time it is half of, from Optuna's start: its first look was there before
-# restarts, and restarts and an exact phase that found nothing must not cut Optuna short; nor should their
-# seconds make Optuna run twice as long before the search may stop (stopped as converged after the restarts,
-# ResNet-101 b64 on a100-40gb at 30% answered 834.3 samples/s at 7.9 s, where Optuna and perturbation had
-# reached 843.3 by 16 s; ResNet-18 b4 at 200 MB ran no Optuna trial at all).
+# (GPT-2 v100-16gb 60%). The watch counts its stale time, and the time it is half of, from Optuna's start: its
+# first look was there before restarts, and restarts and an exact phase that found nothing must not cut Optuna
+# short; nor should their seconds make Optuna run twice as long before the search may stop (stopped as
+# converged after the restarts, ResNet-101 b64 on a100-40gb at 30% answered 834.3 samples/s at 7.9 s, where
+# Optuna and perturbation had reached 843.3 by 16 s; ResNet-18 b4 at 200 MB ran no Optuna trial at all).
 
 
 def _restarts(
@@ -242,24 +241,25 @@ def _restarts(
     whose refinement made the best better last, or ""."""
     done = {(first[0].tobytes(), repr(first[1]))}
     won = ""
-    cut_off: list[tuple[SimResult, np.ndarray, PolicyOptions, str]] = []
+    cut_off: list[tuple[SimResult, np.ndarray, PolicyOptions, str]] = []  # probes stopped by their time
 
     def stop() -> bool:
         return ctx.interrupted or time.perf_counter() >= until or (watch is not None and watch.converged())
 
-    def refined(actions: np.ndarray, options: PolicyOptions, name: str, cut: float) -> SimResult | None:
+    def refined(actions: np.ndarray, options: PolicyOptions, name: str, cut: float) -> bool:
+        """Refine until ``cut``, offer the result; False after a Ctrl-C."""
         nonlocal won
         try:
             actions, options, result = refine(problem, actions, options, deadline=cut)
         except KeyboardInterrupt:
             ctx.interrupt()
-            return None
+            return False
         if best.offer(actions, options, result):
             won = name
         ctx.report("refine", best.result)
-        if result.feasible and time.perf_counter() >= cut:  # cut off before its local optimum
+        if cut < until and result.feasible and time.perf_counter() >= cut:  # a probe cut off before its optimum
             cut_off.append((result, actions, options, name))
-        return result
+        return True
 
     for r in sorted((r for r in seeds if r.feasible), key=lambda r: -r.result.samples_per_s):
         if stop():
@@ -269,11 +269,10 @@ def _restarts(
         if key in done:
             continue
         done.add(key)
-        if refined(actions, r.policy.options, r.searcher, min(until, time.perf_counter() + PROBE_S)) is None:
+        if not refined(actions, r.policy.options, r.searcher, min(until, time.perf_counter() + PROBE_S)):
             return won
-    probes, cut_off = sorted(cut_off, key=lambda p: -p[0].samples_per_s), []
-    for _, actions, options, name in probes:
-        if stop() or refined(actions, options, name, until) is None:
+    for _, actions, options, name in sorted(cut_off, key=lambda p: -p[0].samples_per_s):
+        if stop() or not refined(actions, options, name, until):
             break
     return won
 
