@@ -172,9 +172,15 @@ def cell(w, hw, budget: int, alone: list[str], args: argparse.Namespace, skip: s
     def within(time_s: float, seeds: tuple[SearchResult, ...] = ()) -> SearchContext:
         return SearchContext(time_limit_s=time_s, trials=0, seeds=seeds)
 
+    def seeded() -> tuple[Problem, tuple[SearchResult, ...]]:
+        """A problem with the baselines run on it, as `autotune search` runs them: what they simulated on the
+        way (``Problem.best_seen``) is the portfolio's too."""
+        q = Problem(w, hw, budget)
+        return q, tuple(get_searcher(n).search(q) for n in baseline_names())
+
     p = Problem(w, hw, budget)
     ceiling = p.simulator.run(p.keep_all()).samples_per_s
-    seeds = [get_searcher(n).search(p) for n in baseline_names()]
+    q, seeds = seeded()  # the portfolio's problem and seeds
     feasible = [r for r in seeds if r.feasible]
     top = max(feasible, key=lambda r: r.result.samples_per_s) if feasible else None
     row: dict[str, object] = {
@@ -194,27 +200,19 @@ def cell(w, hw, budget: int, alone: list[str], args: argparse.Namespace, skip: s
     for name in alone:
         row[name] = _speed(get_searcher(name).search(Problem(w, hw, budget), within(args.search_s)))
     port: SearchResult | None = None
-
-    def seeded() -> tuple[Problem, tuple[SearchResult, ...]]:
-        """A problem with the baselines run on it, as `autotune search` runs them: what they simulated on the
-        way (``Problem.best_seen``) is the portfolio's too."""
-        q = Problem(w, hw, budget)
-        return q, tuple(get_searcher(n).search(q) for n in baseline_names())
-
     if "portfolio" not in skip:
-        q, q_seeds = seeded()
         started = time.perf_counter()
         portfolio.AGENT_SEED = not args.agent  # --agent: this column without the agent, the next one with it
         try:
-            port = get_searcher("portfolio").search(q, within(args.portfolio_s, q_seeds))
+            port = get_searcher("portfolio").search(q, within(args.portfolio_s, seeds))
         finally:
             portfolio.AGENT_SEED = True
         row["portfolio_s"] = time.perf_counter() - started
         row["portfolio"] = _speed(port)
         if onepass is not None:  # the portfolio with the agent's one pass among its seeds, in the same time
-            q, q_seeds = seeded()
-            pa = within(args.portfolio_s - float(row["onepass_s"]), (*q_seeds, onepass))  # type: ignore[arg-type]
-            row["portfolio_agent"] = _speed(get_searcher("portfolio").search(q, pa))
+            qa, qa_seeds = seeded()
+            pa = within(args.portfolio_s - float(row["onepass_s"]), (*qa_seeds, onepass))  # type: ignore[arg-type]
+            row["portfolio_agent"] = _speed(get_searcher("portfolio").search(qa, pa))
         h, ps, o = row["heuristic"], row["portfolio"], row.get("optuna-tpe")
         row["portfolio_vs_heuristic"] = ps / h - 1 if isinstance(h, float) and isinstance(ps, float) else None
         row["optuna_vs_portfolio"] = o / ps if isinstance(o, float) and isinstance(ps, float) else None
