@@ -491,17 +491,25 @@ def test_from_interrupt_follows_causes_and_contexts() -> None:
     assert not from_interrupt(ValueError("no interrupt here"))
 
 
-def _wait_for_trials(proc: subprocess.Popen[str], db: Path, count: int) -> None:
-    """Until the Optuna storage ``db`` holds ``count`` trials, ``proc`` ends, or 100 s pass."""
+def _interrupt_after_trials(proc: subprocess.Popen[str], db: Path, count: int, what: str) -> tuple[str, str]:
+    """Once the Optuna storage ``db`` holds ``count`` trials (at most 100 s), Ctrl-C to ``proc``, still
+    running then (``what`` says what should have stored them); its exit 130 without a traceback, and its
+    stdout and stderr."""
     deadline = time.monotonic() + 100
     while time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.25)
         try:
             with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
                 if conn.execute("SELECT COUNT(*) FROM trials").fetchone()[0] >= count:
-                    return
+                    break
         except sqlite3.Error:  # not created yet, or no table yet
             pass
+    assert proc.poll() is None, f"{what} ended before it had stored {count} trials"
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    return stdout, stderr
 
 
 def test_sigint_during_a_search_exits_130_without_a_traceback(tmp_path: Path) -> None:
@@ -514,13 +522,7 @@ def test_sigint_during_a_search_exits_130_without_a_traceback(tmp_path: Path) ->
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
     # Tracing, the baselines, the refinement, then Optuna: interrupted once Optuna has stored two trials.
-    db = tmp_path / "s.db"
-    _wait_for_trials(proc, db, 2)
-    assert proc.poll() is None, "the search ended before Optuna had stored two trials"
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr
-    assert "Traceback" not in stderr, stderr
+    _interrupt_after_trials(proc, tmp_path / "s.db", 2, "the search's Optuna phase")
 
 
 def test_ctrl_c_stops_the_whole_sweep_and_keeps_what_its_cell_found(tmp_path: Path) -> None:
@@ -534,12 +536,7 @@ def test_ctrl_c_stops_the_whole_sweep_and_keeps_what_its_cell_found(tmp_path: Pa
          "--storage", f"sqlite:///{db}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
-    _wait_for_trials(proc, db, 2)
-    assert proc.poll() is None, "the sweep ended before its first cell's Optuna search had stored two trials"
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr
-    assert "Traceback" not in stderr, stderr
+    stdout, stderr = _interrupt_after_trials(proc, db, 2, "the sweep's first cell")
     assert f"interrupted in cell 1 of 2; the same command resumes from sqlite:///{db}" in stderr, stderr
     assert "(interrupted)" in stdout and "sweep: 1 cells" in stdout, stdout
     with contextlib.closing(sqlite3.connect(str(db))) as conn:
