@@ -215,6 +215,20 @@ class _PerOp:
             out[at_op] += value
         return out
 
+    def arrays_with(self, other: _PerOp) -> tuple[np.ndarray, np.ndarray]:
+        """``(self.array(), other.array())`` in one bincount (``other``'s ops shifted past ``self``'s)."""
+        if not other.at:
+            return self.array(), other.array()
+        m = self.n
+        at = np.concatenate(self.at + [a + m for a in other.at])
+        both = np.bincount(at, weights=np.concatenate(self.values + other.values), minlength=m + other.n)
+        out, out_other = both[:m], both[m : m + other.n]
+        for at_op, value in self.one.items():
+            out[at_op] += value
+        for at_op, value in other.one.items():
+            out_other[at_op] += value
+        return out, out_other
+
 
 def accumulated_s(w: Workload, t: float, optimizer_s: float) -> float:
     """Rule 10: the time of ``w.grad_accum`` micro-batches and one optimizer step, from one of each (``t``)."""
@@ -364,6 +378,9 @@ class Simulator:
             minlength=n + 1,
         )[:n]
         self._live_keep = self.base_live + np.add.accumulate(keep_delta.astype(np.int64))
+        # ... and as changes from one op to the next, for the policy's own changes to join (in float64: byte
+        # counts, and their sums, are exact below 2**53).
+        self._live_keep_delta = np.diff(self._live_keep, prepend=0).astype(np.float64)
         self._alloc_ws = self.base_alloc + self.workspace  # Rules 7, 11: what op u itself allocates
         self._observation_setup(closures)
 
@@ -747,7 +764,7 @@ class Simulator:
 
         # The walk (Rules 1, 4-7, 12). Events come before op x; at one x, in this order: copies out, releases,
         # copies back (in order of need), uses (in order of need); then op x with its fixed insertions.
-        hx, dx = hxa.array(), dxa.array()
+        hx, dx = hxa.arrays_with(dxa)
         hcum = np.zeros(n + 1)
         np.add.accumulate(self.host_op_s + hx[:n], out=hcum[1:])  # Hc
         if dxa.at or dxa.one:
@@ -793,12 +810,19 @@ class Simulator:
             ci_l = uses_arr.tolist()
             kind_l = [3] * len(ci_l)
         pos_l = sorted_pos.tolist()
-        # Where the clocks are read: the start, each op with events, the end.
+        # Where the clocks are read: the start, each op with events, the end; one segment of ops with no event
+        # inside between each two (Hc, Dc at its ends, the largest reach inside), read in turn by the walk.
         firsts = np.ones(len(sorted_pos), dtype=bool)
         np.not_equal(sorted_pos[1:], sorted_pos[:-1], out=firsts[1:])
         stops = np.concatenate([[begin_at], sorted_pos[firsts], [n]])
         seg_max = np.maximum.reduceat(reach, stops[:-1]).tolist() if n > begin_at else [0.0]
         hcl, dcl = hcum[stops].tolist(), dcum[stops].tolist()
+        segs = zip(hcl, dcl, hcl[1:], dcl[1:], seg_max, strict=False)  # (one more stop than segments)
+        last = pos_l[-1] if pos_l else begin_at
+        at = -1
+        if pos_l and pos_l[0] == begin_at:  # events at the start: an empty segment before them
+            next(segs)
+            at = begin_at
 
         stall_s = 0.0
         d2h_free = 0.0
@@ -836,20 +860,20 @@ class Simulator:
                         out.append(d)
             out.append(ci)
 
-        prev, seg_i, at = begin_at, 0, -1
+        # (Comparisons, not max(): its call costs more than the rest of a step.)
         for x, kind, ci in zip(pos_l, kind_l, ci_l, strict=True):
             if x != at:  # Rule 1 over the ops since the last event, none inside
                 if timeline and at >= 0:
                     floors[at] = (ih, ed)
-                if x > prev:
-                    hp, dp, hn, dn = hcl[seg_i], dcl[seg_i], hcl[seg_i + 1], dcl[seg_i + 1]
-                    if sync:
-                        ed = ed + (hn - hp) + (dn - dp)
-                        ih = ed
-                    else:
-                        ih, ed = ih + hn - hp, dn + max(ed - dp, ih - hp + seg_max[seg_i])
-                seg_i += 1
-                prev = at = x
+                hp, dp, hn, dn, top = next(segs)
+                if sync:
+                    ed = ed + (hn - hp) + (dn - dp)
+                    ih = ed
+                else:
+                    e_dev, e_host = ed - dp, ih - hp + top
+                    ih = ih + hn - hp
+                    ed = dn + (e_dev if e_dev > e_host else e_host)
+                at = x
             if kind == 3:  # Rules 6-8 at x: dynamic work issued as blocks (Rule 12), the device running each after
                 if mat_op[ci]:
                     continue
@@ -862,7 +886,11 @@ class Simulator:
                         own_dyn += swap_host
                         fetched[ci] = True
                         moved.extend((ci, x))
-                        begin = max(ed, h2d_free, d2h_end[ci])
+                        begin = d2h_end[ci]
+                        if ed > begin:
+                            begin = ed
+                        if h2d_free > begin:
+                            begin = h2d_free
                         h2d_free = h2d_end[ci] = begin + h2d_dur[ci]
                         host_dyn += swap_host
                         ih += swap_host
@@ -882,7 +910,9 @@ class Simulator:
                     else:
                         ih += h_op
                         if device:  # the device runs the block once the host has issued it
-                            ed = max(ed, ih) + device
+                            if ih > ed:
+                                ed = ih
+                            ed += device
                     continue
                 for d in deps_of[ci]:
                     if not mat_op[d] and actl[d] != KEEP:
@@ -900,7 +930,9 @@ class Simulator:
                     else:
                         ih += host
                         if device:
-                            ed = max(ed, ih) + device
+                            if ih > ed:
+                                ed = ih
+                            ed += device
                     if rec_transient[ci] > extra.get(x, 0):  # separate recomputations at one op run one after the other
                         extra[x] = rec_transient[ci]
                     continue
@@ -916,7 +948,11 @@ class Simulator:
                             own_dyn += swap_host
                             fetched[c] = True
                             moved.extend((c, x))
-                            begin = max(ed, h2d_free, d2h_end[c])
+                            begin = d2h_end[c]
+                            if ed > begin:
+                                begin = ed
+                            if h2d_free > begin:
+                                begin = h2d_free
                             h2d_free = h2d_end[c] = begin + h2d_dur[c]
                             host_dyn += swap_host
                             ih += swap_host
@@ -942,14 +978,20 @@ class Simulator:
                     else:
                         ih += host
                         if device:
-                            ed = max(ed, ih) + device
+                            if ih > ed:
+                                ed = ih
+                            ed += device
                 if held > extra.get(x, 0):
                     extra[x] = held
             elif kind == 2:
                 if not fetched[ci]:  # Rule 5: the copy back, issued as a block of no device work
                     own_dyn += swap_host
                     fetched[ci] = True
-                    begin = max(ed, h2d_free, d2h_end[ci])
+                    begin = d2h_end[ci]
+                    if ed > begin:
+                        begin = ed
+                    if h2d_free > begin:
+                        begin = h2d_free
                     h2d_free = h2d_end[ci] = begin + h2d_dur[ci]
                     host_dyn += swap_host  # (not on the CPU: no copies there)
                     ih += swap_host
@@ -959,17 +1001,19 @@ class Simulator:
                     stall_s += until - ed
                     ed = until
             else:
-                begin = max(ed, d2h_free)
+                begin = ed if ed > d2h_free else d2h_free
                 d2h_free = d2h_end[ci] = begin + d2h_dur[ci]
         if timeline and at >= 0:
             floors[at] = (ih, ed)
-        if n > prev:
-            hp, dp, hn, dn = hcl[seg_i], dcl[seg_i], hcl[seg_i + 1], dcl[seg_i + 1]
+        if n > last:  # to the end
+            hp, dp, hn, dn, top = next(segs)
             if sync:
                 ed = ed + (hn - hp) + (dn - dp)
                 ih = ed
             else:
-                ih, ed = ih + hn - hp, dn + max(ed - dp, ih - hp + seg_max[seg_i])
+                e_dev, e_host = ed - dp, ih - hp + top
+                ih = ih + hn - hp
+                ed = dn + (e_dev if e_dev > e_host else e_host)
         t_end = max(ih, ed)
         overhead_s += own_dyn
         iter_s = accumulated_s(w, t_end, self._optimizer_alone)
@@ -1017,7 +1061,8 @@ class Simulator:
                 at_l.append(view.interval_at)
                 w_l.append(view.interval_w)
             delta = np.bincount(np.concatenate(at_l), weights=np.concatenate(w_l), minlength=n + 1)[:n]
-            live = self._live_keep + np.add.accumulate(delta.astype(np.int64))
+            delta += self._live_keep_delta
+            live = np.add.accumulate(delta)
         else:
             live = self._live_keep.copy()
         for rc in region_costs:
@@ -1027,7 +1072,7 @@ class Simulator:
             ops = np.fromiter(extra.keys(), dtype=np.int64, count=len(extra))
             held_b = np.fromiter(extra.values(), dtype=np.int64, count=len(extra))
             live[ops] = np.maximum(live[ops], live[ops] - self._alloc_ws[ops] + held_b)
-        peak_op = int(np.argmax(live))
+        peak_op = int(live.argmax())
         peak = int(live[peak_op])
         swapped_bytes = int(self.nbytes[swp].sum())
         over = host_over(hw, swapped_bytes)
