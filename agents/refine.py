@@ -1,14 +1,21 @@
 """Per-tensor refinement of a policy: first-improvement local search on the simulator.
 
-Moves, tried on the non-keep candidates from the largest down: back to keep (it frees nothing, so it only
-stays if the policy still fits), or to the other of swap / recompute. Then exchanges: one costly decision
-given back, one cheap one taken (see :func:`_exchange`); when those find nothing, pairs of changes
-among the largest candidates (:func:`_pairs`), then every assignment of a window of consecutive candidates
-at once (:func:`_windows`; on a problem of a few candidates one window holds them all, and the search is
-exhaustive). A move is accepted when the policy still fits the budget and runs faster. Then the prefetch
-look-ahead is tried at each of agents.rule.LOOKAHEADS, and the release point of swapped bytes at each of
-agents.base.RELEASES. Passes repeat until one changes nothing or the deadline passes. Every accepted step is
-a simulated improvement, so the result is never worse than the start.
+Cheap moves first: on the non-keep candidates from the largest down, back to keep (it frees nothing, so it
+only stays if the policy still fits) or to the other of swap / recompute; then the prefetch look-ahead at each
+of agents.rule.LOOKAHEADS and the release point of swapped bytes at each of agents.base.RELEASES. These repeat
+while they find something (at most ``CHEAP_PASSES`` times in a row), before the costly moves: exchanges, one
+costly decision given back and one cheap one taken (see :func:`_exchange`); when those find nothing, pairs of
+changes among the largest candidates (:func:`_pairs`), then every assignment of a window of consecutive
+candidates at once (:func:`_windows`; on a problem of a few candidates one window holds them all, and the
+search is exhaustive). After costly moves that found something the cheap ones run again. A move is accepted
+when the policy still fits the budget and runs faster. Refinement ends when a pass changes nothing, after
+``max_passes`` passes of costly moves, or at the deadline. Every accepted step is a simulated improvement, so
+the result is never worse than the start.
+
+Cheap moves before costly ones since options change what single moves gain: on BERT-base 8 x 512 at 60% of
+its peak (a100-40gb), DTR's policy gains 0.7% from single moves, nothing from 0.56 s of exchanges, 1% from
+the look-ahead 2 -> 4 and release 4 -> 8, then 9.9% from single moves again (42.17 -> 47.14 samples/s):
+with the look-ahead before the exchanges that is 0.1 s from the start instead of 0.7 s.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from agents.rule import LOOKAHEADS, RuleParams, ranked_moves
 from envs.simulator import SimResult
 from runtime.policy import PolicyOptions
 from runtime.vocab import KEEP, RECOMPUTE, SWAP
+
+CHEAP_PASSES = 16  # passes of cheap moves in a row at most before the costly ones run
 
 
 def refine(
@@ -50,7 +59,8 @@ def refine(
     def late() -> bool:
         return deadline is not None and time.perf_counter() > deadline
 
-    for _ in range(max_passes):
+    passes = cheap = 0
+    while passes < max_passes:
         improved = False
         for ci in np.argsort(-nbytes, kind="stable"):
             if late():
@@ -66,19 +76,21 @@ def refine(
                     break
                 best[ci] = current
         if not late():
-            best, best_result, swapped = _exchange(problem, best, options, best_result, late)
-            improved = improved or swapped
-        if not improved and not late():
-            best, best_result, paired = _pairs(problem, best, options, best_result, late)
-            improved = improved or paired
-        if windows and not improved and not late():
-            best, options, best_result, windowed = _windows(problem, best, options, best_result, late)
-            improved = improved or windowed
-        if not late():
             options, faster = fastest_lookahead(problem, best, options, best_result, late)
             improved = improved or faster is not best_result
             best_result = faster
-        if not improved:
+        if late():
+            break
+        if improved and cheap < CHEAP_PASSES:  # the cheap moves again, before the costly ones
+            cheap += 1
+            continue
+        passes, cheap = passes + 1, 0
+        best, best_result, costly = _exchange(problem, best, options, best_result, late)
+        if not costly and not late():
+            best, best_result, costly = _pairs(problem, best, options, best_result, late)
+        if windows and not costly and not late():
+            best, options, best_result, costly = _windows(problem, best, options, best_result, late)
+        if not (improved or costly):
             break
     return best, options, best_result
 

@@ -103,6 +103,30 @@ def test_refine_is_never_worse_and_still_fits() -> None:
     assert p.evaluate(actions, options) == after
 
 
+def test_refine_tries_the_options_before_the_costly_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """agents/refine.py: the look-ahead and release point are cheap moves, tried before any exchange (options
+    change what single moves gain: on BERT-base at 60%, DTR's policy gained 9.9% from single moves once its
+    look-ahead had changed). From four swaps released at the next pack point on the 8-chain at 60%, the first
+    exchange already sees the options the look-ahead search picks for the policy the single moves left."""
+    from agents import refine as refine_module
+
+    p = chain_problem(0.6)
+    start = np.array([KEEP, KEEP, SWAP, SWAP, SWAP, SWAP, KEEP, KEEP], dtype=np.int8)
+    opts = PolicyOptions(prefetch_lookahead=0, release_after=1)
+    assert p.evaluate(start, opts).feasible
+    seen: list[tuple[PolicyOptions, PolicyOptions]] = []  # (options given, the fastest for that policy)
+    exchange = refine_module._exchange
+
+    def recording(problem, actions, options, result, late, width=40):  # type: ignore[no-untyped-def]
+        seen.append((options, refine_module.fastest_lookahead(problem, actions, options, result)[0]))
+        return exchange(problem, actions, options, result, late, width)
+
+    monkeypatch.setattr(refine_module, "_exchange", recording)
+    refine(p, start, opts)
+    assert seen and seen[0][1] == seen[0][0]
+    assert seen[0][0] != opts  # (so the test can tell: the options the search started from were not the best)
+
+
 @pytest.mark.parametrize("fraction", [0.6, 0.5])
 def test_portfolio_reaches_the_brute_force_optimum_where_no_baseline_fits(fraction: float) -> None:
     """On a 6-layer chain at 60% and 50% of its peak no baseline fits; the portfolio repairs one and
