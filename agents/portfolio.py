@@ -6,8 +6,9 @@
 2. Per-tensor refinement (agents/refine.py) of the best seed (repairing the seeds in turn while nothing
    fits): early, since it finds most of what a long search adds to the seeds, in seconds.
 2a. Restarts: refinement of every other fitting seed, each for ``PROBE_S`` first, then on from the most
-   promising probes, until the search converges or ``RESTART_SHARE`` of the time is spent. Refinement ends in
-   its start's local optimum, and the best seed's is often not the best one (NOTE [ Restarts ]).
+   promising probes (within ``PROBE_NEAR`` of the best), until the search converges or ``RESTART_SHARE`` of
+   the time is spent. Refinement ends in its start's local optimum, and the best seed's is often not the best
+   one (NOTE [ Restarts ]).
 2b. The exact yardstick (agents/solvers/exact.py) with the best so far as its incumbent: over every policy
    where there are at most ``EXACT_SMALL`` candidates, over ``EXACT_UNITS`` blocks decided together
    otherwise, for ``EXACT_SHARE`` of the time; what it finds better is refined per tensor (a restart from
@@ -17,7 +18,8 @@
    ``SearchContext.trials`` trials): NSGA-II from keep-all alone, then TPE whose starts are the seeds (one trial
    per feasible seed enqueued first). Study names: the context's (or the problem's), suffixed ``.explore`` and
    ``.seeded``. What Optuna finds better is refined in turn.
-4. Iterated local search: random perturbations of the best, each refined.
+4. Iterated local search: random perturbations of the best, each refined; the early stop's stale time counts
+   again from its start (NOTE [ Restarts ]).
 
 The best feasible result of all wins, so the portfolio is never below its seeds. Without a time limit it
 runs ``DEFAULT_TIME_S``; within a time limit it stops early once converged (``EARLY_STOP``), setting
@@ -53,6 +55,7 @@ IMPROVEMENT = 1e-3  # relative: smaller gains are taken but do not keep the sear
 STALE_MIN_S = 3.0
 RESTART_SHARE = 0.7  # of the time limit, from the start, at most for the restarts (step 2a)
 PROBE_S = 0.25  # each restart's first refinement, before the most promising go on (step 2a)
+PROBE_NEAR = 0.97  # ... those whose probe got within this share of the best policy's speed (step 2a)
 OPTUNA_SHARE = 0.75  # of the time left after the baselines and the first refinement; the rest: refinement, perturbation
 EXACT_SMALL = 16  # candidates at most for the exact phase to decide each one (step 2b)
 EXACT_UNITS = 10  # blocks decided together by the exact phase on larger problems
@@ -141,6 +144,8 @@ class Portfolio(Searcher):
             winner += " + refine"
         if not ctx.interrupted and best.actions is not None and best.options is not None:
             before = best.result
+            if watch is not None:  # perturbation gets its own stale time (NOTE [ Restarts ])
+                watch.rearm()
             try:
                 _iterated(problem, ctx, best, deadline, watch)
             except KeyboardInterrupt:
@@ -224,6 +229,16 @@ class Portfolio(Searcher):
 # short; nor should their seconds make Optuna run twice as long before the search may stop (stopped as
 # converged after the restarts, ResNet-101 b64 on a100-40gb at 30% answered 834.3 samples/s at 7.9 s, where
 # Optuna and perturbation had reached 843.3 by 16 s; ResNet-18 b4 at 200 MB ran no Optuna trial at all).
+# Only probes within ``PROBE_NEAR`` of the best go on: since refinement tries its cheap moves (options
+# included) first, a probe is most of the way to where its refinement ends (BERT-base 8 x 512 on a100-40gb at
+# 60%: DTR's probe 47.18 samples/s, its end 47.19; Capuchin's 47.04 and 47.14), and going on from probes far
+# behind took the time perturbation makes gains in: ResNet-50 b64 at 30%, probes at 637-1,126 samples/s
+# against the best 1,340.0 went on for 3.5 s of a 10-s search and won nothing; without them perturbation
+# reached 1,358.8 (the 60-s answer) at 7.7 s. Perturbation gets stale time of its own, as Optuna does: its
+# rounds (a quarter of the decisions at random, then refined: 0.5-2.5 s each on ResNet-50) are where the 60-s
+# runs found their last 0.3-1.4% (ResNet-50 at 30-80%, GPT-2 8 x 1024 at 45%), and a 10-s search stopped as
+# converged once Optuna had found nothing for 3 s, before the first round ended (ResNet-50 at 60%: 1,529.2 at
+# 7.8 s; with the rearm, 1,540.2 at 9.7 s).
 
 
 def _restarts(
@@ -271,7 +286,9 @@ def _restarts(
         done.add(key)
         if not refined(actions, r.policy.options, r.searcher, min(until, time.perf_counter() + PROBE_S)):
             return won
-    for _, actions, options, name in sorted(cut_off, key=lambda p: -p[0].samples_per_s):
+    for probe, actions, options, name in sorted(cut_off, key=lambda p: -p[0].samples_per_s):
+        if best.result is not None and probe.samples_per_s < PROBE_NEAR * best.result.samples_per_s:
+            break  # the rest are further behind
         if stop() or not refined(actions, options, name, until):
             break
     return won

@@ -199,12 +199,16 @@ def test_restarts_refine_the_other_seeds_where_the_fastest_seeds_optimum_is_loca
     assert best.result.samples_per_s == pytest.approx(optimum_at(p, best.options), rel=1e-9)
 
 
-def test_restarts_go_on_from_the_most_promising_probe_not_the_fastest_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("ample", [False, True])
+def test_restarts_go_on_from_the_most_promising_probe_not_the_fastest_seed(
+    ample: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """NOTE [ Restarts ]: each other seed is first refined for ``PROBE_S``, then the best probe goes on. On a
     clock that only refinement advances: the fastest other seed's refinement takes 2 s and ends at 10
     samples/s; a slower seed's probe shows 10.5 and its refinement ends at 12 after 2 s. With time for the
     probes and one refinement's rest, the restarts answer 12 (refining the fastest seed first reached 10.5:
-    the slower seed's refinement cut off)."""
+    the slower seed's refinement cut off). With time for everything, the fastest seed's probe (9.0, more
+    than ``1 - PROBE_NEAR`` behind the best) does not go on."""
     import types
 
     from agents import portfolio
@@ -240,9 +244,13 @@ def test_restarts_go_on_from_the_most_promising_probe_not_the_fastest_seed(monke
     best = _Best()
     best.offer(first.policy.to_vector(w), first.policy.options, dataclasses.replace(first.result, samples_per_s=5.0))
     until = 2 * portfolio.PROBE_S + (2.0 - portfolio.PROBE_S) + 0.1  # two probes, then one refinement's rest
+    if ample:
+        until = 100.0
     start = (first.policy.to_vector(w), first.policy.options)
     won = portfolio._restarts(p, SearchContext(), best, tuple(seeds), start, until=until, watch=None)
     assert best.result is not None and best.result.samples_per_s == 12.0 and won == slow.searcher
+    if ample:
+        assert left[fast.searcher] == pytest.approx(2.0 - portfolio.PROBE_S)  # probed, not gone on with
 
 
 def test_portfolio_reaches_the_eight_layer_chains_optimum() -> None:
