@@ -818,9 +818,11 @@ class Simulator:
         seg_max = np.maximum.reduceat(reach, stops[:-1]).tolist() if n > begin_at else [0.0]
         hcl, dcl = hcum[stops].tolist(), dcum[stops].tolist()
         segs = zip(hcl, dcl, hcl[1:], dcl[1:], seg_max, strict=False)  # (one more stop than segments)
-        last = pos_l[-1] if pos_l else begin_at
+        pos_l.append(n)  # the end, as an event of no kind: the walk reads the last segment's clocks there
+        kind_l.append(4)
+        ci_l.append(-1)
         at = -1
-        if pos_l and pos_l[0] == begin_at:  # events at the start: an empty segment before them
+        if pos_l[0] == begin_at:  # events at the start: an empty segment before them
             next(segs)
             at = begin_at
 
@@ -1000,20 +1002,11 @@ class Simulator:
                 if until > ed:
                     stall_s += until - ed
                     ed = until
-            else:
+            elif kind == 0:
                 begin = ed if ed > d2h_free else d2h_free
                 d2h_free = d2h_end[ci] = begin + d2h_dur[ci]
         if timeline and at >= 0:
             floors[at] = (ih, ed)
-        if n > last:  # to the end
-            hp, dp, hn, dn, top = next(segs)
-            if sync:
-                ed = ed + (hn - hp) + (dn - dp)
-                ih = ed
-            else:
-                e_dev, e_host = ed - dp, ih - hp + top
-                ih = ih + hn - hp
-                ed = dn + (e_dev if e_dev > e_host else e_host)
         t_end = max(ih, ed)
         overhead_s += own_dyn
         iter_s = accumulated_s(w, t_end, self._optimizer_alone)
