@@ -4,14 +4,17 @@ NOTE [ Measured search ]
     The simulator ranks policies; real iterations decide. After the simulated search, the ``K`` fastest
     distinct policies that fit (NOTE [ Finalists ] in agents/finalists.py) run a few steady-state training
     iterations each on the device the plan is for, through the environment's real backend
-    (autotune.real_backend.RealBackend: the CUDA allocator's peak, or the CPU storage tracker's). The answer is
-    the fastest whose *measured* peak is within the user's budget. When none is, the largest ratio of
-    measured to planned peak says how much room the plan lacked: up to ``K`` more policies are drawn from
-    the finalists planned with at least that much of the budget free, and measured. When none of those fits
-    either, there is no answer, and the command says so. The measured times also recalibrate the plan: the
-    median ratio of measured to predicted time is the simulator's time scale on this device, and the
-    errors before and after it is applied say how far the plan was off and how much of that a single
-    scale explains (what it does not is the simulator ranking policies wrongly).
+    (autotune.real_backend.RealBackend: the CUDA allocator's peak, or the CPU storage tracker's). On CUDA the
+    device is capped at the user's budget as ``autotune train`` caps it, so that what the caching allocator
+    reserves (cached blocks, split ends) counts as it does when the policy is applied: a finalist that runs
+    out of memory there does not fit. The answer is the fastest that runs within the budget with its
+    *measured* peak there. When none is, the largest ratio of measured to planned peak says how much room
+    the plan lacked: up to ``K`` more policies are drawn from the finalists planned with at least that much
+    of the budget free (the next tier of MARGINS at least), and measured, tier after tier until one fits.
+    When none of those fits either, there is no answer, and the command says so. The measured times also
+    recalibrate the plan: the median ratio of measured to predicted time is the simulator's time scale on
+    this device, and the errors before and after it is applied say how far the plan was off and how much of
+    that a single scale explains (what it does not is the simulator ranking policies wrongly).
 """
 
 from __future__ import annotations
@@ -172,24 +175,33 @@ def measure(
         for f in picks:
             if progress is not None:
                 progress(f"measuring finalist {len(out.rows) + 1} on {backend.device}")
-            peak, iter_s = backend(f.actions, f.options)
+            peak, iter_s = backend(f.actions, f.options, cap_bytes=budget_bytes)
             out.rows.append(Measured(f, label_of(f, known), int(peak), float(iter_s), samples))
 
     run(pool.pick(k, 0.0, min_distance=distance))
     if not out.rows:
         out.note = "no policy fits the budget on the simulator: nothing to measure"
         return out
-    if not any(m.fits(budget_bytes) for m in out.rows):
+    tried = 0.0  # the largest share of the budget kept free by the finalists measured so far
+    notes = []
+    while not any(m.fits(budget_bytes) for m in out.rows):
+        higher = [m for m in MARGINS if m > tried]
+        if not higher:
+            break
         over = max(m.peak_bytes / m.finalist.result.peak_bytes for m in out.rows)
         room = 1 - budget_bytes / (over * problem.budget_bytes)  # the share of the planned budget to keep free
-        margin = next((m for m in MARGINS if m >= room), MARGINS[-1])
+        margin = next((m for m in higher if m >= room), higher[-1])
         seen = {m.finalist.key for m in out.rows}
         more = pool.pick(k, margin, min_distance=distance, exclude=seen)
-        out.note = (
-            f"no finalist fit when measured (up to {over - 1:+.2%} over its plan): measuring {len(more)} planned "
-            f"with {margin:.0%} of the budget free"
+        oom = sum(not math.isfinite(m.iter_s) for m in out.rows)
+        why = f"; {oom} ran out of memory within it" if oom else ""
+        notes.append(
+            f"no finalist fit when measured (up to {over - 1:+.2%} over its plan{why}): measuring {len(more)} "
+            f"planned with {margin:.0%} of the budget free"
         )
         run(more)
+        tried = margin
+    out.note = "; ".join(notes)
     fitting = [m for m in out.rows if m.fits(budget_bytes)]
     out.chosen = max(fitting, key=lambda m: m.samples_per_s) if fitting else None
     return out

@@ -30,8 +30,11 @@ class RealBackend:
     environment on it, so that the action vector's candidates are the ones the runtime sees. The model and
     its optimizer are built once; each call applies the policy with :class:`runtime.apply.PolicyRuntime`
     and runs ``runtime.measure.run_iterations`` (one warm-up, then ``steps`` timed iterations): the peak is
-    the largest measured, the time the median. A CUDA out-of-memory error reports the device's total
-    memory as the peak (the policy did not fit) and an infinite time."""
+    the largest measured, the time the median. With ``cap_bytes`` on CUDA the device is capped there as
+    ``autotune train`` caps it under a policy's budget (the caching allocator's reserved bytes, its cached
+    blocks and split ends, must stay within it: what runs out of memory), from an empty cache. An
+    out-of-memory error is an infinite time; its peak is the allocated peak of the same policy run uncapped
+    (the device's total memory when that runs out too)."""
 
     workload: Workload
     device: str
@@ -40,8 +43,29 @@ class RealBackend:
     _entry: Any = field(repr=False)
     _optimizer: Any = field(repr=False)
 
-    def __call__(self, actions: np.ndarray, options: PolicyOptions | None = None) -> tuple[int, float]:
-        """Measure ``actions`` applied with ``options`` (None: the backend's)."""
+    def __call__(
+        self, actions: np.ndarray, options: PolicyOptions | None = None, cap_bytes: int | None = None
+    ) -> tuple[int, float]:
+        """Measure ``actions`` applied with ``options`` (None: the backend's), on CUDA within ``cap_bytes``."""
+        import torch
+
+        if cap_bytes is None or not self.device.startswith("cuda"):
+            return self._measure(actions, options)
+        dev = torch.device(self.device)
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.empty_cache()  # what the search, the trace and earlier finalists left cached
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), index)
+        try:
+            peak, iter_s = self._measure(actions, options)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, index)
+            torch.cuda.empty_cache()
+        if math.isfinite(iter_s):
+            return peak, iter_s
+        return self._measure(actions, options)[0], math.inf  # how far over: the peak with the device uncapped
+
+    def _measure(self, actions: np.ndarray, options: PolicyOptions | None) -> tuple[int, float]:
         import torch
 
         from runtime.apply import PolicyRuntime

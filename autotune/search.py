@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -604,6 +605,14 @@ def no_answer(outcome: SearchOutcome) -> str:
     m = outcome.measured
     if m is not None and m.rows:
         low = m.lowest_peak() or 0
+        oom = sum(not math.isfinite(r.iter_s) for r in m.rows)
+        if oom:  # capped at the budget, as `autotune train` runs: the allocator's cached blocks count
+            return (
+                f"no policy fits {format_bytes(budget)} when trained: {oom} of {len(m.rows)} finalists ran out of "
+                f"memory with the device capped there (the caching allocator's reserved bytes, not only the "
+                f"tensors', the lowest allocated peak {format_bytes(low)}); nothing written to "
+                f"{outcome.policy_path}; raise --budget, or lower --batch-size"
+            )
         return (
             f"no policy fits {format_bytes(budget)} when trained: the lowest measured peak of {len(m.rows)} "
             f"finalists is {format_bytes(low)}; nothing written to {outcome.policy_path}; raise --budget to at "

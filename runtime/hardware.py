@@ -228,23 +228,23 @@ def _positive_float(value: object, what: str, minimum: float = math.ulp(0.0)) ->
     raise AutotuneError(f"{what}={value!r}, expected {bound}")
 
 
-# The host clock of the built-in GPU profiles, estimates until a GPU run measures them: issuing an op costs
-# the eager launch estimate above, and the runtime's own work what runtime/host_costs.py measured on this
-# project's 2-core cloud CPU (torch 2.14.1; three runs: frame 13.5-14.3 us, pack + unpack 2.5-3.1, swap
-# 12-14 (a clone there, stream waits and events on a GPU), region 59-76, region pack 4-7, record 18-24,
-# replay 36-49). A server's host CPU is faster, so they over-state it; experiments/gpu_check.py measures
-# them on a GPU machine.
+# The host clock of the built-in GPU profiles: what runtime/host_costs.py measured on an H200 machine's host
+# (experiments/gpu_check.py step 2, torch 2.11.0+cu130, 16 host cores; tests/fixtures/gpu/host_costs.json).
+# Issuing an op took 5.9 us (the eager launch estimate above was 6); the runtime's own work: frame 11.8 us,
+# pack and unpack 3.5 each, swap 132 (stream waits, the event and the pinned buffer of a real copy: the 2-core
+# CPU's 12-14 were a clone), region 92, region pack 4.8, record 30, replay 127. The host CPU, not the GPU,
+# sets them: every built-in GPU profile shares them; a profile file can carry its own machine's.
 _GPU_HOST = HostCosts(
-    op_s=_EAGER_LAUNCH_S,
-    frame_s=14e-6,
-    pack_s=1.4e-6,
-    unpack_s=1.4e-6,
-    swap_s=15e-6,
-    region_s=65e-6,
-    region_pack_s=5e-6,
-    record_op_s=20e-6,
-    replay_op_s=45e-6,
-    source="estimate: eager launch 6 us per op; the runtime's costs as measured on a 2-core CPU, not a GPU host",
+    op_s=5.9e-6,
+    frame_s=11.8e-6,
+    pack_s=3.5e-6,
+    unpack_s=3.5e-6,
+    swap_s=132e-6,
+    region_s=92e-6,
+    region_pack_s=4.8e-6,
+    record_op_s=30e-6,
+    replay_op_s=127e-6,
+    source="measured on an H200 machine's host (runtime/host_costs.py, torch 2.11.0+cu130)",
 )
 
 
