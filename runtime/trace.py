@@ -71,7 +71,7 @@ from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, block_paths, parameter
 from runtime.partition import Partition, partitioned
 from runtime.precision import TrainStep
 from runtime.shared_grads import SharedGradients
-from runtime.target import fake_trace_choices, trace_key
+from runtime.target import add_library_workspaces, fake_trace_choices, trace_key
 from runtime.vocab import Batch, LossFn, batch_tensors
 from runtime.workload import Candidate, Frame, OpInfo, Phase, TensorInfo, TensorKind, Workload
 
@@ -475,6 +475,10 @@ def capture(
     if partitions:
         w.meta["partitions"] = [p.to_dict() for p in partitions]
         w.compute_fingerprints()  # they are part of the structure
+    if gpu:  # NOTE [ GPU-faithful fake traces ] G6: the libraries' workspaces, which no trace sees
+        add_library_workspaces(w, target.compute_capability if target is not None else None)
+    elif not fake and torch.device(device).type == "cuda":
+        add_library_workspaces(w, torch.cuda.get_device_capability(torch.device(device)))
     return w
 
 

@@ -66,6 +66,7 @@ class TensorKind(str, enum.Enum):
     INPUT = "input"  # the batch
     ACTIVATION = "activation"  # allocated in forward and saved for backward: the candidates
     TEMPORARY = "temporary"  # everything else allocated during the iteration
+    LIBRARY = "library"  # what libraries hold through the iteration: cuBLAS's workspaces (runtime/target.py G6)
 
 
 class Phase(str, enum.Enum):

@@ -67,6 +67,26 @@ def test_profile_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     assert code == 0 and json.loads(out2)["peak_bytes"] == d["peak_bytes"]
 
 
+def test_profile_for_a_gpu_counts_cublas_workspaces_by_default(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a user runs it (CUBLAS_WORKSPACE_CONFIG unset): the plan for an a100-40gb holds cuBLAS's two
+    workspaces of 4096 KiB x 2 + 16 KiB x 8 each (runtime/target.py G6), the peak above by exactly those;
+    the h200's are 32 MiB each; the cpu profile has none."""
+    args = ["profile", "--model", "resnet18", "--batch-size", "2", "--json"]
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    peaks = {}
+    for gpu in ("a100-40gb", "h200", "cpu"):
+        code, out, _ = run(capsys, *args, "--gpu", gpu)
+        assert code == 0
+        peaks[gpu] = json.loads(out)["peak_bytes"]
+    assert peaks["a100-40gb"] == 178_955_776 + 2 * (8 * 2**20 + 128 * 2**10)
+    assert peaks["h200"] == 178_955_776 + 2 * 32 * 2**20
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    code, out, _ = run(capsys, *args, "--gpu", "cpu")
+    assert code == 0 and json.loads(out)["peak_bytes"] == peaks["cpu"]
+
+
 def test_profile_table_and_budget_echo(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "profile", "--model", "resnet18", "--batch-size", "2", "--budget", "6GiB")
     assert code == 0
