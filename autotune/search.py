@@ -541,8 +541,8 @@ def render(out: Console, outcome: SearchOutcome) -> None:
     es = " with expandable_segments:True" if rf is not None and rf.expandable_segments else ""
     if rf is not None and not rf.enforced and not rf.fits:
         out.print(
-            f"[yellow]warning:[/] on a model of PyTorch's CUDA caching allocator{es} (cached blocks and split ends; "
-            f"not yet checked on a GPU) this policy runs out of memory within {format_bytes(rf.planned[0])}: "
+            f"[yellow]warning:[/] on a model of PyTorch's CUDA caching allocator{es} (cached blocks and split ends) "
+            f"this policy runs out of memory within {format_bytes(rf.planned[0])}: "
             "--budget-kind reserved plans for that" + _expandable_lever(rf),
             highlight=False,
         )

@@ -138,7 +138,7 @@ def run_simulate(
         over = cache["reserved_peak_bytes"] / result.peak_bytes - 1
         grown = cache["expandable_reserved_peak_bytes"]
         out.print(
-            f"PyTorch's CUDA caching allocator (a model, not yet checked on a GPU) reserves "
+            f"PyTorch's CUDA caching allocator (a model) reserves "
             f"{format_bytes(cache['reserved_peak_bytes'])} for it ({over:+.1%}: cached blocks and split ends)"
             f"{verdict(cache['runs_within_budget'])}; with expandable_segments:True {format_bytes(grown)} "
             f"({grown / result.peak_bytes - 1:+.1%}){verdict(cache['expandable_runs_within_budget'])}; one arena "
