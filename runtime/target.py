@@ -18,7 +18,10 @@ NOTE [ GPU-faithful fake traces ]
           any ``attn_mask``;
         - else math (the call runs as it is).
         Each profile names its compute capability (``HardwareProfile.compute_capability``); a profile
-        without one (the ``cpu`` profile, a user's file that leaves it out) keeps the CPU's choice.
+        without one (the ``cpu`` profile, a user's file that leaves it out) keeps the CPU's choice. Calls
+        from inside ``torch.nn.functional``'s own composites (``multi_head_attention_forward``, which
+        ``nn.MultiheadAttention`` and torchvision's ViT run) are routed too: the mode is off inside their
+        torch-function dispatch, so the module-level name is the router's for the trace.
     G2. Dropout. On CUDA, ``F.dropout`` in training runs the fused ``native_dropout``, which saves a one-byte
         mask; on the CPU it draws a mask in the input's dtype (four bytes an element in fp32) and multiplies.
         For a GPU target a (not in-place) dropout runs as ``native_dropout``.
@@ -277,8 +280,26 @@ def fake_trace_choices(target: HardwareProfile | None) -> Iterator[_FusedKernels
         if capability is None:
             yield None
             return
-        with _FusedKernels(capability) as router:
+        with _FusedKernels(capability) as router, _routed_inside_functional(router):
             yield router
+
+
+@contextlib.contextmanager
+def _routed_inside_functional(router: _FusedKernels) -> Iterator[None]:
+    """G1 inside ``torch.nn.functional``'s own composites: ``multi_head_attention_forward``
+    (``nn.MultiheadAttention``, torchvision's ViT) calls ``scaled_dot_product_attention`` by its module-level
+    name from inside its own torch-function dispatch, where the mode is off and sees nothing; for the trace
+    that name is the router's."""
+
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        return router._attention(*args, **kwargs)
+
+    F = torch.nn.functional
+    F.scaled_dot_product_attention = routed  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = _SDPA
 
 
 CUBLAS_HANDLES = 2  # G6: the Python thread's (forward) and autograd's device thread's (backward)
