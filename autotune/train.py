@@ -23,6 +23,7 @@ from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile, calibrate_cpu, detect
 from runtime.measure import IterationMeasurement, run_iterations
 from runtime.policy import Policy, load_policy
+from runtime.target import allocate_library_workspaces
 from runtime.trace import make_optimizer
 from runtime.vocab import Action
 from runtime.workload import Workload
@@ -245,6 +246,7 @@ def run_policy(
     predicted = Simulator(w, hw).run(policy)
     if device.startswith("cuda"):
         torch.cuda.empty_cache()  # what the trace left cached: the reserved bytes measured are the training's
+        allocate_library_workspaces(torch.device(device))  # runtime R15, before the model: segments of their own
     entry = build_model(name, batch_size=batch, seq_len=policy.seq_len, device=device)
     opt = make_optimizer(w.optimizer, entry.module.parameters())
     rt = PolicyRuntime(policy, entry.module) if compile_backend is None else None

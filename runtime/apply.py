@@ -89,6 +89,11 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         PyTorch would make their sum in a new tensor, in place into the one that arrives last, when nothing
         else holds it: the same bits, one buffer of the parameter's size less at that op. With any policy,
         keep-all included; nothing per op.
+    R15. Library workspaces (NOTE [ GPU-faithful fake traces ] G6 in runtime/target.py, which the simulator's
+        plan holds as two persistent tensors). On CUDA, before its first step in the process, the runtime has
+        cuBLAS allocate the workspaces of both handles training uses (a product of 8 x 8 matrices, forward
+        and backward): a persistent block allocated mid-step lands in a cached block of the step's own tensors
+        and splits it for good, so a later step's large tensor (GPT-2's logits) needs a segment more.
 """
 
 from __future__ import annotations
@@ -116,6 +121,7 @@ from runtime.policy import Action, Policy
 from runtime.precision import check_active
 from runtime.replay import Frame, Recorder, Replayer, view_of
 from runtime.shared_grads import SharedGradients
+from runtime.target import allocate_library_workspaces
 from runtime.vocab import compressible
 
 _COMPRESS_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": getattr(torch, "float8_e4m3fn", torch.bfloat16)}
@@ -296,6 +302,7 @@ class PolicyRuntime:
         """One forward and its backward under the policy. ``force_hooks`` observes every pack from the
         second step on, keep included (to measure the hooks' cost)."""
         self.stats = RuntimeStats()
+        allocate_library_workspaces(self.device)  # R15
         with self._precision_checked(), partitioned(self.model, self.policy.partitions), self.shared.installed():
             hooks = self.needs_hooks or force_hooks
             if not (hooks or self.regions):

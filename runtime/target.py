@@ -331,6 +331,25 @@ def add_library_workspaces(w: Any, compute_capability: tuple[int, int] | None) -
     w.compute_fingerprints()
 
 
+_ALLOCATED: set[torch.device] = set()
+
+
+def allocate_library_workspaces(device: torch.device) -> None:
+    """G6 at run time (runtime R15): on a CUDA ``device``, once per process, have cuBLAS allocate the
+    workspaces of the handles training uses, the calling thread's (a product in forward) and autograd's device
+    thread's (its backward), before any step's tensors, so that they take segments of their own as the plan
+    places them. Anything else: nothing."""
+    if device.type != "cuda":
+        return
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device in _ALLOCATED:
+        return
+    with torch.enable_grad():
+        x = torch.ones(8, 8, device=device, requires_grad=True)
+        (x @ x).sum().backward()
+    _ALLOCATED.add(device)
+
+
 def trace_key(target: HardwareProfile | None) -> tuple[bool, tuple[int, int] | None]:
     """What a fake trace depends on in its target: profiles with the same key get the same trace."""
     if target is None or not target.is_gpu:
