@@ -6,7 +6,8 @@ In order, each step bounded in time, the whole run meant to fit in 8 minutes on 
 
 1. tests/test_cuda.py: bit-identical gradients for every policy kind, later steps included; pinned
    buffers; the allocator's peak against the simulator. A failure makes the script exit non-zero.
-2. The runtime's host costs on this GPU's host (runtime/host_costs.py), for the built-in GPU profiles.
+2. What runtime R15 allocates for cuBLAS's workspaces against the plan's (runtime/target.py G6), then the
+   runtime's host costs on this GPU's host (runtime/host_costs.py), for the built-in GPU profiles.
 3. experiments/bench_runtime.py --device cuda for ResNet-50 at batch 64 and GPT-2 small at 8 x 1024:
    hooks against plain PyTorch, per-block recompute against torch.utils.checkpoint, predicted against
    measured peak and time for six policies on the detected profile (a real-mode CUDA trace).
@@ -96,11 +97,23 @@ def run(
 
 
 def host_costs(out: Path) -> None:
+    """Step 2, and first of all (nothing has used cuBLAS in this process yet): what runtime R15 allocates
+    for cuBLAS's workspaces against what the plan holds for them (runtime/target.py G6)."""
     from runtime.host_costs import calibrate
+    from runtime.target import CUBLAS_HANDLES, allocate_library_workspaces, cublas_workspace_bytes
 
+    before = torch.cuda.memory_allocated()
+    allocate_library_workspaces(torch.device("cuda"))
+    workspaces = torch.cuda.memory_allocated() - before
+    planned = CUBLAS_HANDLES * cublas_workspace_bytes(
+        torch.cuda.get_device_capability(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    )
+    print(f"\ncuBLAS workspaces (runtime R15): {workspaces / 2**20:.3f} MiB allocated, the plan's (G6) "
+          f"{planned / 2**20:.3f} MiB", flush=True)  # fmt: skip
     costs = calibrate("cuda", 4.0)
-    print("\nhost costs on this GPU's host:", costs, flush=True)
-    (out / "host_costs.json").write_text(json.dumps(costs.__dict__, indent=2))
+    print("host costs on this GPU's host:", costs, flush=True)
+    row = {**costs.__dict__, "cublas_workspace_bytes": workspaces, "planned_workspace_bytes": planned}
+    (out / "host_costs.json").write_text(json.dumps(row, indent=2))
 
 
 def end_to_end(
