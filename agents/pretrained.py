@@ -34,13 +34,17 @@ NOTE [ One pass ]
     3. Look-ahead: the prefetch distance (``PolicyOptions.prefetch_lookahead``, one of agents.rule's
        ``LOOKAHEADS``) under which the fitting policy runs fastest; it decides how much of a swap's copy-in
        hides, so the same actions can differ by 15% in speed (every heuristic that swaps chooses it too).
-    4. Give back, second choice: if it fits, one sweep over its non-keep decisions in the opposite order
+    4. Give back, second choice: if it fits, a sweep over its non-keep decisions in the opposite order
        (least preferred first): each goes back to keep if the policy still fits and runs no slower, else
        to the network's second-ranked drop (swap for recompute or back) if that fits and runs faster. When
-       the sweep changed anything, step 3 once more: the swaps left may hide best at another distance.
-    One sweep, no iteration: each step of 2 and 4 is one simulation, so a pass costs at most about four
-    simulations per candidate (under a second for ResNet-101's 417 candidates; ``STAGES`` names the steps,
-    and experiments/train_agent.py measures each one's share). Deterministic: no sampling anywhere.
+       the sweep changed anything, step 3 once more (the swaps left may hide best at another distance) and
+       another sweep, up to ``SWEEPS`` in all: a switch later in the sweep, or the distance chosen again,
+       can let a decision that could not go back before go back now (on the training cells of
+       experiments/train_agent.py: 97 of 116 cells at the best heuristic's speed or above with one sweep, 99
+       with four).
+    Each step of 2 and 4 is one simulation, so a pass costs at most about 2 + 2 x ``SWEEPS`` simulations per
+    candidate (under a second for ResNet-101's 417 candidates; ``STAGES`` names the steps, and
+    experiments/train_agent.py measures each one's share). Deterministic: no sampling anywhere.
 """
 
 from __future__ import annotations
@@ -263,6 +267,7 @@ class OnePass:
 #: The decoding steps of NOTE [ One pass ] after the rollout, in order (one_pass(stages=...) runs a prefix or
 #: any subset, for the ablation in experiments/train_agent.py).
 STAGES = ("fit", "lookahead", "give_back", "second_choice")
+SWEEPS = 4  # NOTE [ One pass ] step 4: at most this many sweeps, each after one that changed something
 
 
 def one_pass(agent: Agent, problem: Problem, stages: tuple[str, ...] = STAGES) -> OnePass:
@@ -305,29 +310,34 @@ def one_pass(agent: Agent, problem: Problem, stages: tuple[str, ...] = STAGES) -
     if "lookahead" in stages and result.feasible:
         options, result = fastest_lookahead(problem, actions, options, result)
     sweep = {"give_back", "second_choice"} & set(stages)
-    for i in np.argsort(margin, kind="stable") if sweep and result.feasible else ():
-        if actions[i] == KEEP:
-            continue
-        was = actions[i]
-        moves = ([KEEP] if "give_back" in stages else []) + (
-            [_second_choice(scores[i], was)] if "second_choice" in stages else []
-        )
-        for move in moves:
-            if move is None:
+    for _ in range(SWEEPS if sweep and result.feasible else 0):
+        changed = 0
+        for i in np.argsort(margin, kind="stable"):
+            if actions[i] == KEEP:
                 continue
-            actions[i] = move
-            r = problem.evaluate(actions, options)
-            # Back to keep: no slower is enough (memory for nothing); another drop: it must be faster.
-            if r.feasible and (
-                r.samples_per_s > result.samples_per_s or (move == KEEP and r.samples_per_s >= result.samples_per_s)
-            ):
-                result = r
-                given_back += move == KEEP
-                switched += move != KEEP
-                break
-            actions[i] = was
-    if "lookahead" in stages and given_back + switched:  # the swaps left may want another distance
-        options, result = fastest_lookahead(problem, actions, options, result)
+            was = actions[i]
+            moves = ([KEEP] if "give_back" in stages else []) + (
+                [_second_choice(scores[i], was)] if "second_choice" in stages else []
+            )
+            for move in moves:
+                if move is None:
+                    continue
+                actions[i] = move
+                r = problem.evaluate(actions, options)
+                # Back to keep: no slower is enough (memory for nothing); another drop: it must be faster.
+                if r.feasible and (
+                    r.samples_per_s > result.samples_per_s or (move == KEEP and r.samples_per_s >= result.samples_per_s)
+                ):
+                    result = r
+                    given_back += move == KEEP
+                    switched += move != KEEP
+                    changed += 1
+                    break
+                actions[i] = was
+        if not changed:
+            break
+        if "lookahead" in stages:  # the swaps left may want another distance
+            options, result = fastest_lookahead(problem, actions, options, result)
     wall_s = time.perf_counter() - started
     return OnePass(actions, options, result, wall_s, rollout_feasible, fitted, given_back, switched)
 
