@@ -49,20 +49,17 @@ class RealBackend:
         """Measure ``actions`` applied with ``options`` (None: the backend's), on CUDA within ``cap_bytes``."""
         import torch
 
+        from runtime.measure import capped_memory
         from runtime.target import allocate_library_workspaces
 
         if cap_bytes is None or not self.device.startswith("cuda"):
             return self._measure(actions, options)
-        dev = torch.device(self.device)
-        index = torch.cuda.current_device() if dev.index is None else dev.index
-        total = torch.cuda.get_device_properties(index).total_memory
-        allocate_library_workspaces(dev)  # runtime R15 (the trace has, as a rule)
+        allocate_library_workspaces(torch.device(self.device))  # runtime R15 (the trace has, as a rule)
         torch.cuda.empty_cache()  # what the search, the trace and earlier finalists left cached
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), index)
         try:
-            peak, iter_s = self._measure(actions, options)
+            with capped_memory(self.device, cap_bytes):
+                peak, iter_s = self._measure(actions, options)
         finally:
-            torch.cuda.set_per_process_memory_fraction(1.0, index)
             torch.cuda.empty_cache()
         if math.isfinite(iter_s):
             return peak, iter_s

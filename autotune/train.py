@@ -21,7 +21,7 @@ from envs.simulator import Simulator
 from runtime.apply import PolicyRuntime
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile, calibrate_cpu, detect
-from runtime.measure import IterationMeasurement, run_iterations
+from runtime.measure import IterationMeasurement, capped_memory, run_iterations
 from runtime.policy import Policy, load_policy
 from runtime.target import allocate_library_workspaces
 from runtime.trace import make_optimizer
@@ -273,11 +273,6 @@ def run_policy(
         report.predicted["reserved_bytes"] = stats.peak_reserved
     if expandable_segments:
         report.expandable_in_effect = expandable_in_effect()
-    if device.startswith("cuda") and policy.budget_bytes is not None:
-        index = torch.device(device).index
-        index = torch.cuda.current_device() if index is None else index  # "cuda" alone: the current device
-        total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, policy.budget_bytes / total), index)
     loss_fn = entry.loss_fn
     if cm is not None:
         report.compiled = str(compile_backend)
@@ -286,18 +281,19 @@ def run_policy(
             return entry.loss_fn(cm, b)
 
     try:
-        report.steps = run_iterations(
-            entry.module,
-            entry.batch,
-            loss_fn,
-            opt,
-            steps=steps,
-            batch_size=batch,
-            around_step=rt.step if rt is not None else None,
-            precision=w.precision,
-            grad_accum=w.grad_accum,
-            cpu_peak="tracker" if cm is None else "profiler",
-        )
+        with capped_memory(device, policy.budget_bytes):  # the budget enforced: what the allocator reserves
+            report.steps = run_iterations(
+                entry.module,
+                entry.batch,
+                loss_fn,
+                opt,
+                steps=steps,
+                batch_size=batch,
+                around_step=rt.step if rt is not None else None,
+                precision=w.precision,
+                grad_accum=w.grad_accum,
+                cpu_peak="tracker" if cm is None else "profiler",
+            )
     except torch.OutOfMemoryError as e:  # over budget: a result, not a crash
         report.out_of_memory = str(e).splitlines()[0]
     report.unknown_keys = list(rt.stats.unknown_keys) if rt is not None else []

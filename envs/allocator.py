@@ -413,6 +413,23 @@ def replay(
     return dataclasses.replace(alloc.stats)
 
 
+def recorded_requests(recorded: Iterable[Sequence[Any]]) -> list[Request]:
+    """Requests recorded from PyTorch's allocator (``torch.cuda.memory._snapshot()``'s trace, as
+    experiments/gpu_check.py keeps it: ``["alloc", address, bytes, stream]`` and ``["free", address, 0,
+    stream]``), the address naming the block; the frees of blocks allocated before the recording are left
+    out (nothing to free in a replay)."""
+    live: set[int] = set()
+    out: list[Request] = []
+    for kind, addr, size, stream in recorded:
+        if kind == "alloc":
+            live.add(addr)
+            out.append(Request(addr, size, stream))
+        elif addr in live:
+            live.discard(addr)
+            out.append(Request(addr, None, stream))
+    return out
+
+
 def workload_requests(w: Workload) -> tuple[list[Request], list[Request]]:
     """The requests of ``w``'s iteration with no policy, as (setup, iteration): setup allocates what exists
     before the iteration starts (NOTE [ Steady state ] in runtime/trace.py); each op allocates its outputs,
@@ -579,6 +596,7 @@ __all__ = [
     "plan_offsets",
     "policy_requests",
     "policy_stats",
+    "recorded_requests",
     "replay",
     "request_intervals",
     "round_size",

@@ -368,18 +368,9 @@ def expandable_run(out: Path, clock: Clock) -> None:
 def replay_requests(requests: list[list[Any]], expandable_segments: bool = False) -> Any:
     """The model of envs/allocator.py over recorded requests (their first frees may be of blocks allocated
     before the recording: left out), with ``expandable_segments`` or not (A8-A11)."""
-    from envs.allocator import Request, replay
+    from envs.allocator import recorded_requests, replay
 
-    live: set[int] = set()
-    seq: list[Any] = []
-    for kind, addr, size, stream in requests:
-        if kind == "alloc":
-            live.add(addr)
-            seq.append(Request(addr, size, stream))
-        elif addr in live:
-            live.discard(addr)
-            seq.append(Request(addr, None, stream))
-    return replay(seq, expandable_segments=expandable_segments)
+    return replay(recorded_requests(requests), expandable_segments=expandable_segments)
 
 
 def main() -> None:
@@ -457,33 +448,27 @@ def main() -> None:
                 print(traceback.format_exc(), flush=True)
         if traces:
             (out / "traces.json").write_text(json.dumps(traces, indent=2))
-        if "expandable" not in steps:
-            pass
-        elif clock.left() >= 90:
+        if "expandable" in steps and clock.left() >= 90:
             expandable_run(out, clock)
-        else:
+        elif "expandable" in steps:
             print("(no time left for the expandable-segments run)", flush=True)
-        if "partition" not in steps:
-            pass
-        elif clock.left() >= 90:
+        if "partition" in steps and clock.left() >= 90:
             model, batch, seq, budget, extra = PARTITION
             try:
                 row = end_to_end(model, batch, seq, budget, out, clock, tuple(extra))
                 (out / "partition.json").write_text(json.dumps(row, indent=2))
             except Exception:
                 print(traceback.format_exc(), flush=True)
-        else:
+        elif "partition" in steps:
             print("(no time left for the partition run)", flush=True)
-        if "compiled" not in steps:
-            pass
-        elif clock.left() >= 120:
+        if "compiled" in steps and clock.left() >= 120:
             model, batch, seq, budget, extra = COMPILED
             try:
                 row = end_to_end(model, batch, seq, budget, out, clock, tuple(extra), tuple(extra))
                 (out / "compiled.json").write_text(json.dumps(row, indent=2))
             except Exception:
                 print(traceback.format_exc(), flush=True)
-        else:
+        elif "compiled" in steps:
             print("(no time left for the compiled run)", flush=True)
     print(f"\ngpu_check: {time.perf_counter() - clock.start:.0f} s; failures: {failures or 'none'}", flush=True)
     sys.exit(1 if failures else 0)

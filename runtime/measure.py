@@ -129,6 +129,25 @@ def held_bytes(tensors: list[torch.Tensor]) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
+@contextlib.contextmanager
+def capped_memory(device: str, cap_bytes: int | None) -> Iterator[None]:
+    """On a CUDA ``device`` with ``cap_bytes``: the caching allocator may hold at most that many bytes (its
+    reserved bytes, ``torch.cuda.set_per_process_memory_fraction`` of the device's total), as a policy's
+    budget is enforced by ``autotune train`` and the measured search; the limit is lifted after. Elsewhere,
+    or with no cap: nothing."""
+    if cap_bytes is None or torch.device(device).type != "cuda":
+        yield
+        return
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index  # "cuda" alone: the current device
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), index)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
+
+
 def run_iterations(
     model: torch.nn.Module,
     batch: Batch,

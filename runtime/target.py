@@ -327,7 +327,6 @@ def add_library_workspaces(w: Any, compute_capability: tuple[int, int] | None) -
         return
     for _ in range(CUBLAS_HANDLES):
         w.tensors.append(TensorInfo(len(w.tensors), size, (size,), "uint8", TensorKind.LIBRARY, -1, None))
-    w.meta["library_bytes"] = CUBLAS_HANDLES * size
     w.compute_fingerprints()
 
 

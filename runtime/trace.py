@@ -476,7 +476,7 @@ def capture(
         w.meta["partitions"] = [p.to_dict() for p in partitions]
         w.compute_fingerprints()  # they are part of the structure
     if gpu:  # NOTE [ GPU-faithful fake traces ] G6: the libraries' workspaces, which no trace sees
-        add_library_workspaces(w, target.compute_capability if target is not None else None)
+        add_library_workspaces(w, trace_key(target)[1])
     elif not fake and torch.device(device).type == "cuda":
         add_library_workspaces(w, torch.cuda.get_device_capability(torch.device(device)))
     return w

@@ -15,6 +15,7 @@ from envs.allocator import (
     Request,
     no_policy_stats,
     plan_offsets,
+    recorded_requests,
     replay,
     round_size,
     segment_size,
@@ -428,15 +429,7 @@ def test_h200_requests_replayed_reproduce_the_reserved_peak(model: str) -> None:
 
     row = h200_traces()[model]
     size = cublas_workspace_bytes((9, 0))
-    seq = [Request(-1 - i, size) for i in range(CUBLAS_HANDLES)]
-    live: set[int] = set()
-    for kind, addr, nbytes, stream in row["requests"]:
-        if kind == "alloc":
-            live.add(addr)
-            seq.append(Request(addr, nbytes, stream))
-        elif addr in live:  # a free of a block allocated before the recording: not replayed
-            live.discard(addr)
-            seq.append(Request(addr, None, stream))
+    seq = [Request(-1 - i, size) for i in range(CUBLAS_HANDLES)] + recorded_requests(row["requests"])
     got = replay(seq).peak_reserved
     assert got == pytest.approx(row["allocator_reserved_peak_bytes"], rel=1e-3)
     assert got <= row["allocator_reserved_peak_bytes"]
