@@ -319,7 +319,7 @@ def cublas_workspace_bytes(compute_capability: tuple[int, int] | None, config: s
 
 def add_library_workspaces(w: Any, compute_capability: tuple[int, int] | None) -> None:
     """G6: the cuBLAS workspaces a training process on that GPU holds, as persistent tensors of ``w`` (a
-    runtime.workload.Workload; its fingerprints recomputed)."""
+    runtime.workload.Workload; not part of its shape fingerprint, which is the model's)."""
     from runtime.workload import TensorInfo, TensorKind
 
     size = cublas_workspace_bytes(compute_capability, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
@@ -327,7 +327,6 @@ def add_library_workspaces(w: Any, compute_capability: tuple[int, int] | None) -
         return
     for _ in range(CUBLAS_HANDLES):
         w.tensors.append(TensorInfo(len(w.tensors), size, (size,), "uint8", TensorKind.LIBRARY, -1, None))
-    w.compute_fingerprints()
 
 
 _ALLOCATED: set[torch.device] = set()

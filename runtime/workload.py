@@ -219,7 +219,9 @@ class Workload:
         shapes: it changes when the model changes (a layer, a width) and not with the batch size, the
         sequence length or the device (op names and a few saved tensors differ between CPU and CUDA
         kernels: cuDNN's BatchNorm, fused attention). ``shape_fingerprint`` also hashes the shapes and
-        dtypes of the tensors that live through the iteration (parameters, optimizer state, the batch).
+        dtypes of the tensors that live through the iteration (parameters, optimizer state, the batch), not
+        the libraries' workspaces (``library``: the process's, whatever the model, and absent from a CPU trace
+        of the same model that trains a GPU plan).
         """
         h = hashlib.sha256()
         seen: set[str] = set()
@@ -237,7 +239,7 @@ class Workload:
         h2 = hashlib.sha256(self.fingerprint.encode())
         h2.update(f"B{self.batch_size},{self.seq_len};".encode())
         for t in self.tensors:
-            if t.persistent:
+            if t.persistent and t.kind != TensorKind.LIBRARY:
                 h2.update(f"{t.kind.value}{t.shape}{t.dtype}{t.nbytes};".encode())
         self.shape_fingerprint = h2.hexdigest()[:16]
 

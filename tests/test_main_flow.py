@@ -94,6 +94,26 @@ def test_search_simulate_train_applied_from_the_defaults(
     assert dropped > 0  # the policy did something: a policy that fits 80% of the peak must drop tensors
 
 
+def test_a_plan_for_the_default_gpu_trains_here(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a user types it on a machine without a GPU: no --gpu (a100-40gb by default), PyTorch's default
+    cuBLAS workspaces in the plan (runtime/target.py G6). `autotune train --policy` traces the model here, on
+    the CPU, without them, and accepts the plan: its shape fingerprint is the model's, not the workspaces'."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    code, out, err = run(capsys, "profile", "--model", CNN, "--json")
+    assert code == 0, err
+    budget = str(int(json.loads(out)["peak_bytes"] * 0.9))
+    path, store = tmp_path / "p.json", f"sqlite:///{tmp_path / 's.db'}"
+    code, out, err = run(capsys, "search", "--model", CNN, "--budget", budget, "--reserve", "0", "--timeout", "8",
+                         "--out", str(path), "--storage", store, "--json")  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out)["gpu"] == "a100-40gb" and path.exists()
+    code, out, err = run(capsys, "train", "--policy", str(path), "--steps", "1", "--json")
+    assert code == 0, err
+    assert json.loads(out)["unknown_keys"] == []
+
+
 @pytest.mark.slow
 def test_a_zoo_transformer_searched_without_seq_len_simulates(
     capsys: pytest.CaptureFixture[str], tmp_path: Path

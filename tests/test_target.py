@@ -190,7 +190,8 @@ def test_a_trace_for_a_gpu_holds_two_cublas_workspaces_through_the_iteration(mon
     assert not any(t.kind == TensorKind.LIBRARY for t in bare.tensors)
     g = hw.alloc_granularity_bytes
     assert peak_report(w, g).peak_bytes - peak_report(bare, g).peak_bytes == 64 * 2**20
-    assert w.shape_fingerprint != bare.shape_fingerprint  # another plan: another study
+    # The same model's shapes: a plan with the workspaces trains a model traced without them (on the CPU).
+    assert w.shape_fingerprint == bare.shape_fingerprint
     cpu = capture(build, name="resnet18", batch_size=2, target=get_profile("cpu"))
     assert not any(t.kind == TensorKind.LIBRARY for t in cpu.tensors)
 
