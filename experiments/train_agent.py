@@ -87,15 +87,16 @@ HELDOUT_FRACTIONS = (0.8, 0.6, 0.45, 0.3)
 
 def trace(spec: Spec, profile: str, cache: Path | None = None) -> Any:
     """The workload of ``spec`` (fake-mode trace) for ``profile``'s kernels, as `autotune search` traces it
-    (runtime/target.py: profiles of one compute capability share it), cached as gzip JSON in ``cache``."""
+    (runtime/target.py: profiles of one compute capability and multiprocessor count share it), cached as gzip
+    JSON in ``cache``."""
     from autotune.workloads import TraceRequest, trace_model
     from runtime.hardware import get_profile
     from runtime.target import trace_key
     from runtime.workload import Workload
 
     hw = get_profile(profile)
-    gpu, capability = trace_key(hw)
-    kind = f"sm{capability[0]}{capability[1]}" if gpu and capability else ("gpu" if gpu else "cpu")
+    gpu, capability, multiprocessors = trace_key(hw)
+    kind = f"sm{capability[0]}{capability[1]}x{multiprocessors}" if gpu and capability else ("gpu" if gpu else "cpu")
     path = cache / "traces" / f"{spec.key}.{kind}.json.gz" if cache else None
     if path is not None and path.exists():
         return Workload.load(path)

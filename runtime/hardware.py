@@ -121,6 +121,10 @@ class HardwareProfile:
     # iterations (runtime R3), so a policy swapping more bytes than this does not fit (simulator Rule 2).
     # None: not bounded (a plan for another machine, whose host is not known).
     host_memory_bytes: int | None = None
+    # Streaming multiprocessors: how CUDA's reductions split their work, and so the staging buffer they
+    # allocate (NOTE [ GPU-faithful fake traces ] G7 in runtime/target.py). None: not known (no such buffers
+    # in a fake trace for it).
+    multiprocessors: int | None = None
 
     def __post_init__(self) -> None:
         # Profiles can come from a user's JSON file, so bad values are user errors, not assertions.
@@ -164,6 +168,12 @@ class HardwareProfile:
                 object.__setattr__(self, "host", HostCosts(**self.host))
             except TypeError as e:
                 raise AutotuneError(f"{where}: host: {e}; expected the fields of HostCosts") from None
+        sm = self.multiprocessors
+        if sm is not None and (type(sm) is not int or sm <= 0):
+            raise AutotuneError(
+                f"{where}: multiprocessors={sm!r}, expected a positive whole number (the GPU's streaming "
+                "multiprocessors, e.g. 132 for an H200) or null"
+            )
         cc = self.compute_capability
         if cc is not None:
             if not isinstance(cc, (list, tuple)) or len(cc) != 2 or not all(type(x) is int and x >= 0 for x in cc):
@@ -207,7 +217,7 @@ class HardwareProfile:
         expected = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(data, Mapping):
             raise AutotuneError(f"hardware profile: expected a JSON object, got {type(data).__name__}")
-        optional = {"host", "compute_capability"}  # absent from older files
+        optional = {"host", "compute_capability", "multiprocessors"}  # absent from older files
         missing, unknown = expected - data.keys() - optional, data.keys() - expected
         if missing or unknown:
             raise AutotuneError(
@@ -256,6 +266,7 @@ def _gpu(
     memory_gb_per_s: float,
     host_link_bytes_per_s: float,
     compute_capability: tuple[int, int],
+    multiprocessors: int,
 ) -> HardwareProfile:
     """A built-in GPU profile from datasheet units (MiB, TFLOP/s, GB/s); the host link is symmetric."""
     return HardwareProfile(
@@ -270,12 +281,15 @@ def _gpu(
         is_gpu=True,
         host=_GPU_HOST,
         compute_capability=compute_capability,
+        multiprocessors=multiprocessors,
     )
 
 
 # Tensor-core rates are dense; datasheets print the 2:4-sparsity rate (marked *), which is twice the dense
-# one. Compute capabilities (the last figure): NVIDIA's list of CUDA GPUs (V100 7.0, T4 7.5, A100 8.0, RTX
-# 3090 8.6, L4 and RTX 4090 8.9, H100 and H200 9.0). Memory: nvidia-smi's total on recent drivers, as seen on
+# one. Compute capabilities (the figure before the last): NVIDIA's list of CUDA GPUs (V100 7.0, T4 7.5, A100
+# 8.0, RTX 3090 8.6, L4 and RTX 4090 8.9, H100 and H200 9.0). Multiprocessors (the last): the same datasheets
+# and whitepapers; the H200's 132 is also what the reduction buffers recorded on one imply (runtime/target.py
+# G7). Memory: nvidia-smi's total on recent drivers, as seen on
 # real machines (older drivers print a few hundred MiB less for some cards, e.g. 40536 MiB for an A100 40GB and
 # 24268 MiB for an RTX 3090).
 _BUILTIN: tuple[HardwareProfile, ...] = (
@@ -283,53 +297,53 @@ _BUILTIN: tuple[HardwareProfile, ...] = (
     # over PCIe 3.0 x16 (NVLink links the GPUs only). No TF32/BF16: those fall back to the FP32 rate.
     # nvidia-smi: 16160 MiB.
     _gpu("v100-16gb", "NVIDIA V100 SXM2 16GB (Volta, HBM2, PCIe 3.0 host link)",
-         16160, {"fp32": 15.7, "fp16": 125.0}, 900.0, _PCIE3_BYTES_PER_S, (7, 0)),
+         16160, {"fp32": 15.7, "fp16": 125.0}, 900.0, _PCIE3_BYTES_PER_S, (7, 0), 80),
     # Same datasheet, 32GB model; nvidia-smi: 32510 MiB.
     _gpu("v100-32gb", "NVIDIA V100 SXM2 32GB (Volta, HBM2, PCIe 3.0 host link)",
-         32510, {"fp32": 15.7, "fp16": 125.0}, 900.0, _PCIE3_BYTES_PER_S, (7, 0)),
+         32510, {"fp32": 15.7, "fp16": 125.0}, 900.0, _PCIE3_BYTES_PER_S, (7, 0), 80),
     # NVIDIA A100 datasheet (2021): 19.5 TFLOPS FP32, 156 TF32, 312 BF16/FP16 dense; 1,555 GB/s HBM2 (40GB);
     # PCIe 4.0 x16. nvidia-smi: 40960 MiB.
     _gpu("a100-40gb", "NVIDIA A100 40GB (Ampere, HBM2, PCIe 4.0 host link)",
-         40960, {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}, 1555.0, _PCIE4_BYTES_PER_S, (8, 0)),
+         40960, {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}, 1555.0, _PCIE4_BYTES_PER_S, (8, 0), 108),
     # Same datasheet, A100 80GB SXM: 2,039 GB/s HBM2e (the PCIe card: 1,935). nvidia-smi: 81920 MiB.
     _gpu("a100-80gb", "NVIDIA A100 80GB SXM (Ampere, HBM2e, PCIe 4.0 host link)",
-         81920, {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}, 2039.0, _PCIE4_BYTES_PER_S, (8, 0)),
+         81920, {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}, 2039.0, _PCIE4_BYTES_PER_S, (8, 0), 108),
     # NVIDIA H100 datasheet (2023), SXM: 67 TFLOPS FP32; 989 TF32*, 1,979 BF16/FP16*, 3,958 FP8* (sparse);
     # 3.35 TB/s HBM3; PCIe 5.0 x16. nvidia-smi ("NVIDIA H100 80GB HBM3"): 81559 MiB.
     _gpu("h100-80gb", "NVIDIA H100 80GB SXM5 (Hopper, HBM3, PCIe 5.0 host link)",
          81559, {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0}, 3350.0,
-         _PCIE5_BYTES_PER_S, (9, 0)),
+         _PCIE5_BYTES_PER_S, (9, 0), 132),
     # Same datasheet, H100 PCIe: 51 TFLOPS FP32; 756 TF32*, 1,513 BF16/FP16*, 3,026 FP8*; 2 TB/s HBM2e;
     # PCIe 5.0 x16. nvidia-smi ("NVIDIA H100 PCIe"): 81559 MiB.
     _gpu("h100-pcie", "NVIDIA H100 80GB PCIe (Hopper, HBM2e, PCIe 5.0 host link)",
          81559, {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5, "fp8": 1513.0}, 2000.0,
-         _PCIE5_BYTES_PER_S, (9, 0)),
+         _PCIE5_BYTES_PER_S, (9, 0), 114),
     # NVIDIA H200 datasheet (2024), SXM: 67 TFLOPS FP32; 989 TF32*, 1,979 BF16/FP16*, 3,958 FP8*; 141 GB
     # HBM3e at 4.8 TB/s; PCIe 5.0 x16. nvidia-smi ("NVIDIA H200"): 143771 MiB. (H200 NVL is slower: not this.)
     _gpu("h200", "NVIDIA H200 141GB SXM (Hopper, HBM3e, PCIe 5.0 host link)",
          143771, {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0}, 4800.0,
-         _PCIE5_BYTES_PER_S, (9, 0)),
+         _PCIE5_BYTES_PER_S, (9, 0), 132),
     # NVIDIA L4 datasheet (2023): 30.3 TFLOPS FP32; 120 TF32*, 242 BF16/FP16*, 485 FP8*; 24 GB GDDR6 at
     # 300 GB/s; PCIe 4.0 x16. nvidia-smi: 23034 MiB (ECC, on by default, holds 1/16 of the GDDR6).
     _gpu("l4", "NVIDIA L4 24GB (Ada Lovelace, GDDR6, PCIe 4.0 host link)",
          23034, {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0, "fp8": 242.5}, 300.0,
-         _PCIE4_BYTES_PER_S, (8, 9)),
+         _PCIE4_BYTES_PER_S, (8, 9), 58),
     # NVIDIA T4 datasheet (2019): 8.1 TFLOPS FP32, 65 mixed-precision FP16/FP32 tensor; 16 GB GDDR6 at
     # 320 GB/s; PCIe 3.0 x16. No TF32/BF16. nvidia-smi: 15360 MiB (ECC on by default, 1/16 of the GDDR6).
     _gpu("t4", "NVIDIA T4 16GB (Turing, GDDR6, PCIe 3.0 host link)",
-         15360, {"fp32": 8.1, "fp16": 65.0}, 320.0, _PCIE3_BYTES_PER_S, (7, 5)),
+         15360, {"fp32": 8.1, "fp16": 65.0}, 320.0, _PCIE3_BYTES_PER_S, (7, 5), 40),
     # NVIDIA Ampere GA102 architecture whitepaper (v2, 2021), RTX 3090: 35.6 TFLOPS FP32; tensor with FP32
     # accumulate (what PyTorch uses) 35.6 TF32, 71 BF16/FP16 dense (GeForce runs FP32 accumulate at half
     # rate); 936 GB/s GDDR6X; PCIe 4.0 x16. nvidia-smi: 24576 MiB.
     _gpu("rtx3090", "NVIDIA GeForce RTX 3090 24GB (Ampere, GDDR6X, PCIe 4.0 host link)",
-         24576, {"fp32": 35.6, "tf32": 35.6, "bf16": 71.0, "fp16": 71.0}, 936.0, _PCIE4_BYTES_PER_S, (8, 6)),
+         24576, {"fp32": 35.6, "tf32": 35.6, "bf16": 71.0, "fp16": 71.0}, 936.0, _PCIE4_BYTES_PER_S, (8, 6), 82),
     # NVIDIA Ada Lovelace architecture whitepaper (v2.1, 2023), RTX 4090: 82.6 TFLOPS FP32; with FP32
     # accumulate 82.6 TF32, 165.2 BF16/FP16 dense; 1,008 GB/s GDDR6X; PCIe 4.0 x16. FP8: the whitepaper
     # gives 660.6 dense; we assume half, 330.3, for FP32 accumulate (what torch._scaled_mm uses), by the
     # same GeForce halving as FP16 (unchecked). nvidia-smi: 24564 MiB.
     _gpu("rtx4090", "NVIDIA GeForce RTX 4090 24GB (Ada Lovelace, GDDR6X, PCIe 4.0 host link)",
          24564, {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3}, 1008.0,
-         _PCIE4_BYTES_PER_S, (8, 9)),
+         _PCIE4_BYTES_PER_S, (8, 9), 128),
 )  # fmt: skip
 _BY_NAME: dict[str, HardwareProfile] = {p.name: p for p in _BUILTIN}
 

@@ -71,7 +71,7 @@ from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, block_paths, parameter
 from runtime.partition import Partition, partitioned
 from runtime.precision import TrainStep
 from runtime.shared_grads import SharedGradients
-from runtime.target import add_library_workspaces, fake_trace_choices, trace_key
+from runtime.target import add_library_workspaces, fake_trace_choices, reduction_workspace_bytes, trace_key
 from runtime.vocab import Batch, LossFn, batch_tensors
 from runtime.workload import Candidate, Frame, OpInfo, Phase, TensorInfo, TensorKind, Workload
 
@@ -132,6 +132,7 @@ class _Recorder(TorchDispatchMode):
         self.module_of: Callable[[], str] = lambda: OUTSIDE
         self.frame_of: Callable[[], int] = lambda: -1  # innermost module call (NOTE [ Frames ])
         self._time_ops = time_ops
+        self.target: HardwareProfile | None = None  # a fake trace's GPU target (G7's workspaces)
         self.ignored_keys: list[str] = []
         self._cuda_events: list[tuple[int, Any, Any]] = []
         # Real CUDA traces read each op's workspace off the allocator (bytes allocated and released inside it).
@@ -185,7 +186,10 @@ class _Recorder(TorchDispatchMode):
         start = self._clock()
         out = func(*args, **kwargs)
         end = self._clock()
-        workspace = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated() if self._cuda_memory else 0
+        if self._cuda_memory:
+            workspace = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        else:  # NOTE [ GPU-faithful fake traces ] G7 (0 unless a fake trace for a GPU)
+            workspace = reduction_workspace_bytes(func, args, kwargs, self.target)
 
         written = written_tensors(func, args, kwargs)
         in_tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -445,7 +449,7 @@ def capture(
         with keyer.attached():
             dropped = _drop_pass(model, batch, loss_fn, opt, keyer, step)
             rec, cand_order, (saved_after, saved_in), frames = _record(
-                model, batch, loss_fn, opt, keyer, step, time_ops=not fake
+                model, batch, loss_fn, opt, keyer, step, time_ops=not fake, target=target if gpu else None
             )
         # The median of five plain iterations: what a training step typically takes (NOTE [ Op time
         # calibration ]).
@@ -592,8 +596,10 @@ def _record(
     keyer: SavedTensorKeyer,
     step: TrainStep,
     time_ops: bool,
+    target: HardwareProfile | None = None,
 ) -> tuple[_Recorder, dict[int, str], tuple[dict[int, int], dict[int, set[str]]], _FrameLog]:
     rec = _Recorder(time_ops=time_ops)
+    rec.target = target
     _register_state(rec, model, batch, opt, step)
     cand: dict[int, str] = {}  # tensor id -> key, in first-pack order
     saved_after: dict[int, int] = {}  # tensor id -> last op completed at its first pack
