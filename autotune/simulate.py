@@ -153,17 +153,17 @@ def run_simulate(
 def _cache(w: Workload, hw: HardwareProfile, policy: Policy, budget_bytes: int | None) -> dict[str, Any]:
     """The caching allocator's model over three iterations of the policy (NOTE [ Reserved budget ]): its
     reserved and allocated peaks, and whether it runs with the device capped at the budget."""
-    from envs.allocator import ITERATIONS, OutOfMemory, plan_offsets, policy_requests, replay, request_intervals
+    from envs.allocator import OutOfMemory, plan_offsets, policy_requests, request_intervals
 
-    setup, iteration = policy_requests(w, hw, policy.to_vector(w), policy.options)  # one op-by-op simulation
-    planned = plan_offsets(request_intervals([*setup, *iteration])).arena_bytes  # seed 003's pool
+    requests = policy_requests(w, hw, policy.to_vector(w), policy.options)  # one op-by-op simulation
+    planned = plan_offsets(request_intervals(requests.steady())).arena_bytes  # seed 003's pool
     out: dict[str, Any] = {}
     for prefix, expandable in (("", False), ("expandable_", True)):  # expandable_segments:True: A8-A11
-        free = replay(setup, repeat=iteration, times=ITERATIONS, expandable_segments=expandable)
+        free = requests.replay(expandable_segments=expandable)
         within: bool | None = None
         if budget_bytes is not None:
             try:
-                replay(setup, budget_bytes, repeat=iteration, times=ITERATIONS, expandable_segments=expandable)
+                requests.replay(capacity_bytes=budget_bytes, expandable_segments=expandable)
                 within = True
             except OutOfMemory:
                 within = False

@@ -411,11 +411,13 @@ def simulate_reference(
 
 class Allocation(NamedTuple):
     """One allocation (``nbytes``) or free (None) of the walk's accounting at op ``op``; ``handle`` names the
-    storage (negative: a recompute's transient bytes or an op's workspace, allocated and freed at once)."""
+    storage (negative: a recompute's transient bytes or an op's workspace, allocated and freed at once);
+    ``tensor``: the workload's tensor whose own bytes these are (-1: a copy, a packed form, a workspace)."""
 
     op: int
     handle: int
     nbytes: int | None
+    tensor: int = -1
 
 
 class _Live(dict[tuple[str, int], int]):
@@ -430,7 +432,7 @@ class _Live(dict[tuple[str, int], int]):
     def __setitem__(self, key: tuple[str, int], nbytes: int) -> None:
         if key not in self:
             self.handles[key] = self.next
-            self.sink.append(Allocation(self.cur[0], self.next, nbytes))
+            self.sink.append(Allocation(self.cur[0], self.next, nbytes, key[1] if key[0] == "t" else -1))
             self.next += 1
         super().__setitem__(key, nbytes)
 
