@@ -219,6 +219,15 @@ class OptunaSearcher(Searcher):
             directions=directions,
             load_if_exists=True,
         )
+        # A categorical parameter keeps its choices for the study's life (a TPE sampler given others raises
+        # "CategoricalDistribution does not support dynamic value space"), and which seeds fit can change
+        # between runs of one study (the ``cpu`` profile is calibrated per run): a resumed study keeps the
+        # starts its trials were drawn from (one with no seed now starts from keep; a new seed is no start).
+        drawn = next(
+            (t.distributions["start"] for t in study.get_trials(deepcopy=False) if "start" in t.distributions), None
+        )
+        if isinstance(drawn, optuna.distributions.CategoricalDistribution):
+            starts = [str(s) for s in drawn.choices]
         use_set_constraint = hasattr(optuna.trial.Trial, "set_constraint")
         seen: set[int] = set()
 

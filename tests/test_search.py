@@ -297,6 +297,26 @@ def test_optuna_study_resumes_from_storage(tmp_path: Path) -> None:
     assert not better(first.result, more.result)  # the first run's trials still count
 
 
+def test_a_resumed_study_keeps_its_starts_when_the_seeds_that_fit_change(tmp_path: Path) -> None:
+    """The Optuna study's ``start`` choices are the seeds that fit, and those can change between runs of one
+    study (a resume once ended in an internal error, "CategoricalDistribution does not support dynamic value
+    space", from `autotune search` on the calibrated ``cpu`` profile): a resumed run draws from the starts its
+    study began with, with seeds or without."""
+    import optuna
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    p = chain_problem(0.7)
+    seeds = tuple(r for r in (get_searcher(name).search(p) for name in baseline_names()) if r.feasible)
+    assert len(seeds) >= 2
+    get_searcher("optuna-tpe").search(p, SearchContext(trials=12, storage=url, seeds=seeds))
+    (name,) = optuna.get_all_study_names(url)
+    got = get_searcher("optuna-tpe").search(p, SearchContext(trials=24, storage=url, seeds=seeds[:1]))
+    got2 = get_searcher("optuna-tpe").search(p, SearchContext(trials=36, storage=url))
+    trials = optuna.load_study(study_name=name, storage=url).trials
+    assert len(trials) == 36 and {len(t.distributions["start"].choices) for t in trials} == {1 + len(seeds)}
+    assert got.feasible and got2.feasible
+
+
 def test_optuna_records_the_budget_as_a_constraint(tmp_path: Path) -> None:
     import optuna
 
