@@ -19,6 +19,13 @@ are installed for a step and gone after it):
    (the calibrated ``cpu`` profile, host costs included; the detected GPU's) with a real-mode trace.
    Targets: time within 10% for every policy; peaks within 3% on a GPU. By default every policy and plain
    training are interleaved in one round; ``--pairs`` measures each policy against plain training alone.
+4. Phases (``--sections phases``, not in the default run): where a recompute step's time goes. Plain
+   training, ``torch.utils.checkpoint`` per block and the runtime's per-block recompute, each step split into
+   forward, backward and optimizer by events on the device's clock (CUDA events; the host's clock on a CPU),
+   medians over interleaved rounds, beside the real trace's op times summed by phase (what the simulator
+   plans with). Then one step of each under ``torch.profiler``: the kernels' summed time against the step's
+   wall time (on a GPU: is the extra time more device work, or a device left idle?), the host's
+   synchronisations and cudaMalloc/cudaFree calls, and the kernels (CPU: ops) whose time grows most.
 """
 
 from __future__ import annotations
@@ -43,11 +50,12 @@ from autotune.models import build_model
 from autotune.train import _profile_for
 from envs.simulator import Simulator, uniform_actions
 from runtime.apply import PolicyRuntime
+from runtime.hardware import op_times_s
 from runtime.keys import block_paths
 from runtime.measure import run_iterations
 from runtime.policy import Action, Policy, PolicyOptions
 from runtime.trace import capture, make_optimizer
-from runtime.workload import Workload
+from runtime.workload import Phase, Workload
 
 
 @dataclass(frozen=True)
@@ -324,6 +332,106 @@ def fidelity(case: Case, device: str, w: Workload, rounds: int, out: dict[str, A
     )
 
 
+def _phased_step(r: Runner) -> tuple[float, float, float, float]:
+    """(forward, backward, optimizer, wall) seconds of one step of ``r``, the phases on the device's clock."""
+    e = r.entry
+    cuda = next(e.module.parameters()).is_cuda
+
+    def mark() -> Any:
+        if not cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def span(a: Any, b: Any) -> float:
+        return float(a.elapsed_time(b)) / 1e3 if cuda else float(b - a)
+
+    r.opt.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with r.around():
+        m0 = mark()
+        loss = e.loss_fn(e.module, e.batch)
+        m1 = mark()
+        loss.backward()
+        m2 = mark()
+    r.opt.step()
+    m3 = mark()
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    return span(m0, m1), span(m1, m2), span(m2, m3), wall
+
+
+def _profiled_step(r: Runner, cuda: bool) -> dict[str, Any]:
+    """One step of ``r`` under torch.profiler: summed kernel (CPU: op self) time by name, and host calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=acts) as prof:
+        wall = r.step()[0]
+    by_name: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for ev in prof.events():
+        device = ev.device_type == torch.autograd.DeviceType.CUDA
+        if cuda and device:
+            by_name[ev.name] = by_name.get(ev.name, 0.0) + ev.time_range.elapsed_us() / 1e6
+        elif not cuda and ev.name.startswith("aten::"):
+            by_name[ev.name] = by_name.get(ev.name, 0.0) + ev.self_cpu_time_total / 1e6
+        if (
+            not device
+            and ev.name.startswith("cuda")
+            and any(s in ev.name for s in ("Synchronize", "Malloc", "Free", "Memcpy"))
+        ):
+            calls[ev.name] = calls.get(ev.name, 0) + 1
+    return {"wall_s": wall, "busy_s": sum(by_name.values()), "by_name": by_name, "calls": calls}
+
+
+def phases(case: Case, device: str, w: Workload, rounds: int, out: dict[str, Any]) -> None:
+    hw = _profile_for(device)
+    times = op_times_s(w, hw)
+    traced = {ph: sum(t for op, t in zip(w.ops, times, strict=True) if op.phase == ph) for ph in Phase}
+    probe = case.build(device).module
+    pol = Policy.from_vector(w, block_recompute(w, probe), hardware=hw.name)
+    del probe
+    sim = Simulator(w, hw)
+    plain = Runner(case, device)
+    runners = {"plain": plain, "checkpoint": Runner(case, device, wrap=True, share=plain),
+               "ours": Runner(case, device, pol, share=plain)}  # fmt: skip
+    split: dict[str, list[tuple[float, float, float, float]]] = {k: [] for k in runners}
+    keys = list(runners)
+    for i in range(rounds):
+        for k in keys[i % len(keys) :] + keys[: i % len(keys)]:
+            split[k].append(_phased_step(runners[k]))
+    med = {k: [statistics.median(s[j] for s in v) for j in range(4)] for k, v in split.items()}
+    keep, planned = sim.run(Policy.uniform(w, Action.KEEP, hardware=hw.name)), sim.run(pol)
+    print(f"4. phases on the device's clock (ms, medians of {rounds}); the real trace's op times by phase: forward "
+          f"{traced[Phase.FORWARD] * 1e3:.1f}, backward {traced[Phase.BACKWARD] * 1e3:.1f}, optimizer "
+          f"{traced[Phase.OPTIMIZER] * 1e3:.1f}; planned: keep {keep.iter_s * 1e3:.1f}, per-block recompute "
+          f"{planned.iter_s * 1e3:.1f}", flush=True)  # fmt: skip
+    cuda = device.startswith("cuda")
+    prof = {k: _profiled_step(r, cuda) for k, r in runners.items()}
+    rows = {}
+    for k in runners:
+        f, b, o, wall = med[k]
+        p = prof[k]
+        rows[k] = {"forward_s": f, "backward_s": b, "optimizer_s": o, "wall_s": wall, "profiled_wall_s": p["wall_s"],
+                   "busy_s": p["busy_s"], "calls": p["calls"]}  # fmt: skip
+        print(f"   {k:10s} forward {f * 1e3:7.1f}  backward {b * 1e3:7.1f}  optimizer {o * 1e3:6.1f}  wall "
+              f"{wall * 1e3:7.1f}; profiled: {'kernels' if cuda else 'ops'} {p['busy_s'] * 1e3:7.1f} of "
+              f"{p['wall_s'] * 1e3:7.1f}; host calls {dict(sorted(p['calls'].items()))}", flush=True)  # fmt: skip
+    for k in ("checkpoint", "ours"):
+        grow = {n: t - prof["plain"]["by_name"].get(n, 0.0) for n, t in prof[k]["by_name"].items()}
+        top = sorted(grow.items(), key=lambda kv: -kv[1])[:8]
+        rows[k]["grown"] = top
+        print(f"   grown most in {k} over plain: " + "; ".join(f"{n[:60]} +{t * 1e3:.2f} ms" for n, t in top),
+              flush=True)  # fmt: skip
+    out["phases"] = {"traced_s": {ph.value: t for ph, t in traced.items()}, "planned_keep_s": keep.iter_s,
+                     "planned_block_recompute_s": planned.iter_s, "rows": rows}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -337,7 +445,7 @@ def main() -> None:
     results: dict[str, Any] = {"device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads()}
     sections: dict[str, Callable[..., None]] = {
         "hooks": hooks, "recompute_vs_checkpoint": recompute_vs_checkpoint,
-        "fidelity": functools.partial(fidelity, pairs=args.pairs),
+        "fidelity": functools.partial(fidelity, pairs=args.pairs), "phases": phases,
     }  # fmt: skip
     for name in args.models.split(","):
         case = cases[name]

@@ -10,7 +10,8 @@ In order, each step bounded in time, the whole run meant to fit in 8 minutes on 
    runtime's host costs on this GPU's host (runtime/host_costs.py), for the built-in GPU profiles.
 3. experiments/bench_runtime.py --device cuda for ResNet-50 at batch 64 and GPT-2 small at 8 x 1024:
    hooks against plain PyTorch, per-block recompute against torch.utils.checkpoint, predicted against
-   measured peak and time for six policies on the detected profile (a real-mode CUDA trace).
+   measured peak and time for six policies on the detected profile (a real-mode CUDA trace), and where a
+   recompute step's time goes (its section 4: phases on the device's clock, kernels against idle time).
 4. End to end, as a user runs it: ``autotune search --gpu <detected>`` (the plan is for this GPU, so a
    real-mode CUDA trace, 30 s of search, then the default ``--measure 5``: the finalists trained on the GPU,
    NOTE [ Measured search ]) then ``autotune train --device cuda`` under the answer: predicted against
@@ -425,7 +426,8 @@ def main() -> None:
                 print(f"(no time left for bench_runtime {model})", flush=True)
                 continue
             cmd = [sys.executable, "experiments/bench_runtime.py", "--device", "cuda", "--models", model,
-                   "--rounds", "5", "--json", str(out / f"bench_runtime_{model}.json")]  # fmt: skip
+                   "--rounds", "5", "--sections", "hooks,recompute_vs_checkpoint,fidelity,phases",
+                   "--json", str(out / f"bench_runtime_{model}.json")]  # fmt: skip
             run(cmd, min(120.0, clock.left()))
         rows = []
         for model, batch, seq, budget in [e for e in E2E if "e2e" in steps and wanted(e[0])]:
