@@ -29,10 +29,13 @@ NOTE [ GPU-faithful fake traces ]
         kernel over all parameters, whose step temporaries are those of every parameter at once); on the
         CPU to the for-loop one. A GPU target's trace uses ``foreach``.
     G4. transformers' masks. Its masking utilities skip the causal mask (letting SDPA's ``is_causal`` do
-        it) only when they can read the position ids and see that the sequences are not packed; a fake
-        tensor cannot be read, so a fake trace built the (B, 1, L, L) mask that real training never makes.
-        Under every fake trace (CPU or GPU target) position ids are taken as unpacked, as the zoo's batches
-        are, and the mask path is real training's.
+        it) only when they can read the position ids and see that the sequences are not packed, and skip
+        the padding mask of SDPA (causal or bidirectional, ``_ignore_causal_mask_sdpa``,
+        ``_ignore_bidirectional_mask_sdpa``) only when they can read it and see no padding; a fake tensor
+        cannot be read, so a fake trace built the (B, 1, L, L) mask that real training never makes (BERT-base
+        8 x 512: an 8 MiB mask saved by every layer's attention, 12 saved keys the H200's real trace lacked).
+        Under every fake trace (CPU or GPU target) position ids are taken as unpacked and padding masks as
+        padding nothing, as the zoo's batches are, and the mask path is real training's.
     G5. Autocast. A bf16/fp16 trace runs under the CPU's autocast, whose op lists are not CUDA's
         (aten/src/ATen/autocast_mode.cpp): CUDA runs ``pow``, ``exp``, ``log``, ``rsqrt``, the norms
         (``layer_norm``, ``group_norm``, ``rms_norm``) and more in fp32, makes ``softmax``,
@@ -262,28 +265,37 @@ def cuda_autocast_lists() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _unpacked_positions() -> Iterator[None]:
-    """G4: transformers' packed-sequence check answers "not packed" for fake position ids."""
+    """G4: transformers' packed-sequence check answers "not packed" for fake position ids, and its SDPA mask
+    skips answer "no padding" for a fake padding mask."""
     try:
         import transformers.masking_utils as masking
     except ImportError:  # transformers absent, or too old to have the check: nothing to do
         yield
         return
-    find = getattr(masking, "find_packed_sequence_indices", None)
-    if find is None:
-        yield
-        return
     from torch._subclasses.fake_tensor import FakeTensor
 
-    def unpacked_if_fake(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(position_ids, FakeTensor):
-            return None
-        return find(position_ids, *args, **kwargs)
+    def unpacked_if_fake(find: Any) -> Any:
+        def check(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return None if isinstance(position_ids, FakeTensor) else find(position_ids, *args, **kwargs)
 
-    masking.find_packed_sequence_indices = unpacked_if_fake
+        return check
+
+    def unpadded_if_fake(skip: Any) -> Any:
+        def check(padding_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
+            return skip(None if isinstance(padding_mask, FakeTensor) else padding_mask, *args, **kwargs)
+
+        return check
+
+    wrappers = {"find_packed_sequence_indices": unpacked_if_fake, "_ignore_causal_mask_sdpa": unpadded_if_fake,
+                "_ignore_bidirectional_mask_sdpa": unpadded_if_fake}  # fmt: skip
+    saved = {name: getattr(masking, name) for name in wrappers if hasattr(masking, name)}
+    for name, original in saved.items():
+        setattr(masking, name, wrappers[name](original))
     try:
         yield
     finally:
-        masking.find_packed_sequence_indices = find
+        for name, original in saved.items():
+            setattr(masking, name, original)
 
 
 @contextlib.contextmanager
