@@ -13,7 +13,12 @@ NOTE [ Key format ]
     * ``producer`` is the autograd node of the packed tensor without its ``Backward<n>`` suffix, or
       ``nograd`` for a tensor without a grad_fn (an input, a non-differentiable output). It is
       descriptive, and it makes a key written
-      for another model fail to match instead of matching the wrong tensor.
+      for another model fail to match instead of matching the wrong tensor. Nodes that PyTorch versions
+      name differently for the same tensor take one name (:data:`SAME_PRODUCER`): torch 2.14's
+      ``F.multi_head_attention_forward`` reshapes its attention output (``_unsafe_view``: UnsafeView) where
+      the H200's torch 2.11 made a ``view`` of it (View, tests/fixtures/gpu/h200_traces.json.gz), so a plan
+      made with one applied to the other's twelve ViT-B/16 attention outputs as unknown keys, kept. Keys
+      read from a policy file are made canonical too (:func:`canonical_key`), so older files still match.
 
     Every storage but the model's parameters and buffers is named, the batch included (the runtime cannot
     tell the batch apart cheaply, so the trace names it too, keeping the ordinals equal). Only the first
@@ -179,12 +184,22 @@ class SavedTensorKeyer:
         return KeyedTensor(key, True)
 
 
+SAME_PRODUCER = {"UnsafeView": "View"}  # NOTE [ Key format ]: one name across PyTorch versions
+
+
 def producer_name(t: torch.Tensor) -> str:
     """``ConvolutionBackward0`` -> ``Convolution``; ``nograd`` for tensors without a grad_fn."""
     fn = t.grad_fn
     if fn is None:
         return "nograd"
-    return _BACKWARD_SUFFIX.sub("", fn.name()) or fn.name()
+    name = _BACKWARD_SUFFIX.sub("", fn.name()) or fn.name()
+    return SAME_PRODUCER.get(name, name)
+
+
+def canonical_key(key: str) -> str:
+    """``key`` with its producer's one name (:data:`SAME_PRODUCER`), as :func:`producer_name` gives it."""
+    head, sep, producer = key.rpartition(":")
+    return f"{head}:{SAME_PRODUCER[producer]}" if sep and producer in SAME_PRODUCER else key
 
 
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.keys import canonical_key
 from runtime.vocab import KEEP, RECOMPUTE
 from runtime.workload import Phase, TensorKind, Workload
 
@@ -58,9 +59,9 @@ class Region:
             module=str(d["module"]),
             call=int(d["call"]),  # type: ignore[call-overload]
             rng=bool(d["rng"]),
-            keys=[str(k) for k in d["keys"]],  # type: ignore[attr-defined]
-            inputs=[(int(p), str(k)) for p, k in d.get("inputs", [])],  # type: ignore[attr-defined]
-            outputs=[(int(p), str(k)) for p, k in d.get("outputs", [])],  # type: ignore[attr-defined]
+            keys=[canonical_key(str(k)) for k in d["keys"]],  # type: ignore[attr-defined]
+            inputs=[(int(p), canonical_key(str(k))) for p, k in d.get("inputs", [])],  # type: ignore[attr-defined]
+            outputs=[(int(p), canonical_key(str(k))) for p, k in d.get("outputs", [])],  # type: ignore[attr-defined]
         )
 
 

@@ -62,6 +62,7 @@ import numpy as np
 
 from runtime.errors import AutotuneError
 from runtime.fileio import atomic_write
+from runtime.keys import canonical_key
 from runtime.partition import Partition, parse_partitions
 from runtime.plan import Region, regions_for
 from runtime.precision import check_grad_accum, check_precision
@@ -411,7 +412,7 @@ class Policy:
         pred, meas = d.get("predicted"), d.get("measured")
         try:
             return cls(
-                actions={k: Action(a) for k, a in d["actions"].items()},
+                actions={canonical_key(k): Action(a) for k, a in d["actions"].items()},
                 options=PolicyOptions(**d.get("options", {})),
                 model=d["model"],
                 batch_size=d["batch_size"],

@@ -52,6 +52,7 @@ import numpy as np
 
 from runtime.errors import AutotuneError
 from runtime.fileio import atomic_write
+from runtime.keys import canonical_key
 
 FORMAT = "autotune.workload/v1"
 
@@ -276,6 +277,7 @@ class Workload:
                 Candidate(
                     **{
                         **c,
+                        "key": canonical_key(c["key"]),  # files from before producers had one name (runtime/keys.py)
                         "writers": tuple(c["writers"]),
                         "bwd_uses": tuple(c["bwd_uses"]),
                         "recompute_inputs": tuple(c["recompute_inputs"]),

@@ -256,6 +256,39 @@ def test_options_are_checked() -> None:
         PolicyOptions(prefetch_lookahead=-1)
 
 
+def test_a_producer_named_otherwise_by_another_pytorch_is_the_same_key(tmp_path: Path) -> None:
+    """NOTE [ Key format ]: a tensor made by ``_unsafe_view`` (torch 2.14's ``reshape`` in
+    ``F.multi_head_attention_forward``) and one made by ``view`` (torch 2.11's ``contiguous().view`` there) get one
+    key, and a policy file written with the older ``:UnsafeView`` name loads with the key the runtime makes."""
+    import torch
+
+    from runtime.keys import canonical_key, producer_name
+
+    x = torch.ones(2, 3, requires_grad=True) * 2
+    assert producer_name(torch.ops.aten._unsafe_view(x, [6])) == producer_name(x.view(6)) == "View"
+    assert canonical_key("a.b#0.6:UnsafeView") == "a.b#0.6:View" == canonical_key("a.b#0.6:View")
+    assert canonical_key("a.b#0.6:nograd") == "a.b#0.6:nograd"
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)  # on a 3-D input: matmul's _unsafe_view
+            return (h * h).sum()
+
+    def build():  # type: ignore[no-untyped-def]
+        return Net(), torch.ones(2, 4, 8), lambda m, b: m(b)
+
+    w = capture(build, name="net", batch_size=2)
+    assert [c.key for c in w.candidates] == ["<root>#0.0:View"]
+    d = make(w, [1] * len(w.candidates)).to_dict()
+    d["actions"] = {k.replace(":View", ":UnsafeView"): a for k, a in d["actions"].items()}  # an older file
+    policy = load_policy(write(tmp_path / "p.json", d), w)
+    assert (policy.to_vector(w) == Action.SWAP.code).all()
+
+
 def test_keys_from_another_device_are_tolerated_when_most_agree(tmp_path: Path, cnn: Workload) -> None:
     """NOTE [ Keys across devices ]: a CUDA trace saves a few other tensors than a CPU one."""
     d = make(cnn, [1] * len(cnn.candidates)).to_dict()
