@@ -205,19 +205,12 @@ def test_a_fake_trace_for_the_h200_reserves_what_its_allocator_did(
     clean cache): within 1% (GPT-2 -0.04%, ResNet-50 -0.72%, ViT-B/16 -0.44%). With the optimizer's state in
     the setup (before NOTE [ The first iteration ]) GPT-2 was -7.0%; without the reductions' staging buffers
     (runtime/target.py G7) ViT-B/16 was -3.9%."""
-    from autotune.models import build_model
-    from runtime.trace import capture
-    from tests.test_target import h200_traces
+    from tests.test_target import fake_h200_trace, h200_traces
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # PyTorch's default, as the H200 ran
     measured = h200_traces()[model]
     assert (measured["batch"], measured["seq_len"]) == (batch, seq_len)
-
-    def build():  # type: ignore[no-untyped-def]
-        e = build_model(model, batch_size=batch, seq_len=seq_len)
-        return e.module, e.batch, e.loss_fn
-
-    w = capture(build, name=model, batch_size=batch, seq_len=seq_len, target=get_profile("h200"))
+    w = fake_h200_trace(model, batch, seq_len)
     assert no_policy_stats(w).peak_reserved == pytest.approx(measured["allocator_reserved_peak_bytes"], rel=0.01)
 
 

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from autotune.models import build_model
-from runtime.hardware import get_profile
+from runtime.hardware import HardwareProfile, get_profile
 from runtime.keys import canonical_key
 from runtime.target import cublas_workspace_bytes, cuda_autocast_lists, sdpa_backend
 from runtime.trace import capture
-from runtime.workload import Phase, TensorKind, peak_report
+from runtime.workload import Phase, TensorKind, Workload, peak_report
 
 B, H, L, D = 2, 2, 16, 8
 
@@ -119,6 +119,16 @@ def h200_traces() -> dict[str, dict[str, Any]]:
     return rows
 
 
+def fake_h200_trace(model: str, batch: int, seq_len: int | None = None, hw: HardwareProfile | None = None) -> Workload:
+    """A fake trace on this CPU of the zoo's ``model`` for the h200 profile (or ``hw``)."""
+
+    def build():  # type: ignore[no-untyped-def]
+        e = build_model(model, batch_size=batch, seq_len=seq_len)
+        return e.module, e.batch, e.loss_fn
+
+    return capture(build, name=model, batch_size=batch, seq_len=seq_len, target=hw or get_profile("h200"))
+
+
 @pytest.mark.parametrize(("model", "batch", "seq_len"), [("gpt2", 8, 1024), ("resnet50", 64, None)])
 def test_no_policy_peak_on_the_h200_within_1_percent(
     model: str, batch: int, seq_len: int | None, monkeypatch: pytest.MonkeyPatch
@@ -130,13 +140,8 @@ def test_no_policy_peak_on_the_h200_within_1_percent(
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # PyTorch's default, as the H200 ran
     measured = h200_traces()[model]
     assert (measured["batch"], measured["seq_len"]) == (batch, seq_len)
-
-    def build():  # type: ignore[no-untyped-def]
-        e = build_model(model, batch_size=batch, seq_len=seq_len)
-        return e.module, e.batch, e.loss_fn
-
     hw = get_profile("h200")
-    w = capture(build, name=model, batch_size=batch, seq_len=seq_len, target=hw)
+    w = fake_h200_trace(model, batch, seq_len)
     planned = peak_report(w, hw.alloc_granularity_bytes).peak_bytes
     assert planned == pytest.approx(measured["allocator_peak_bytes"], rel=0.01)
     assert {c.key for c in w.candidates} == set(measured["real"]["saved"])  # what the GPU saved, key for key
@@ -150,13 +155,8 @@ def test_g4_a_padding_mask_that_pads_nothing_is_skipped_as_on_the_gpu(monkeypatc
     peak is within 2% of the real trace's (+1.4%; it was +2.0%)."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # PyTorch's default, as the H200 ran
     measured = h200_traces()["bert-base"]
-
-    def build():  # type: ignore[no-untyped-def]
-        e = build_model("bert-base", batch_size=8, seq_len=512)
-        return e.module, e.batch, e.loss_fn
-
     hw = get_profile("h200")
-    w = capture(build, name="bert-base", batch_size=8, seq_len=512, target=hw)
+    w = fake_h200_trace("bert-base", 8, 512)
     assert {c.key: c.nbytes for c in w.candidates} == measured["real"]["saved"]
     assert peak_report(w, hw.alloc_granularity_bytes).peak_bytes == pytest.approx(
         measured["real"]["peak_bytes"], rel=0.02
@@ -174,19 +174,15 @@ def test_g7_reduction_buffers_are_the_ones_the_h200_allocated(model: str, batch:
 
     from envs.allocator import recorded_requests
 
-    def build():  # type: ignore[no-untyped-def]
-        e = build_model(model, batch_size=batch, seq_len=seq_len)
-        return e.module, e.batch, e.loss_fn
-
     hw = get_profile("h200")
-    w = capture(build, name=model, batch_size=batch, seq_len=seq_len, target=hw)
+    w = fake_h200_trace(model, batch, seq_len)
     staged = collections.Counter(op.workspace_bytes for op in w.ops if op.workspace_bytes)
     assert {op.name for op in w.ops if op.workspace_bytes} == {"aten.sum.dim_IntList"}
     assert len(staged) == 3 and sum(staged.values()) == 48  # 4 bias gradients a layer, 12 layers
     recorded = collections.Counter(r.nbytes for r in recorded_requests(h200_traces()[model]["requests"]))
     assert {size: recorded[size] for size in staged} == {size: 3 * n for size, n in staged.items()}
     unknown = dataclasses.replace(hw, name="h200-unknown-sms", multiprocessors=None)
-    bare = capture(build, name=model, batch_size=batch, seq_len=seq_len, target=unknown)
+    bare = fake_h200_trace(model, batch, seq_len, unknown)
     assert not any(op.workspace_bytes for op in bare.ops)
 
 
@@ -199,13 +195,8 @@ def test_vit_attention_inside_multi_head_attention_is_the_gpus(monkeypatch: pyte
     one name, NOTE [ Key format ] in runtime/keys.py)."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     measured = h200_traces()["vit_b_16"]
-
-    def build():  # type: ignore[no-untyped-def]
-        e = build_model("vit_b_16", batch_size=32)
-        return e.module, e.batch, e.loss_fn
-
     hw = get_profile("h200")
-    w = capture(build, name="vit_b_16", batch_size=32, target=hw)
+    w = fake_h200_trace("vit_b_16", 32)
     keys = {c.key for c in w.candidates}
     assert sum(k.endswith(":ScaledDotProductEfficientAttention") for k in keys) == 12
     assert not any("ForCpu" in k for k in keys)
