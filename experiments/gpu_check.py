@@ -48,6 +48,7 @@ Figures go to stdout and, as JSON fixtures, to ``--out`` (default ``$OUT``, else
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -183,6 +184,7 @@ def fake_vs_allocator(model: str, batch: int, seq: int | None) -> dict[str, Any]
     from envs.allocator import no_policy_stats
     from runtime.hardware import detect
     from runtime.measure import run_iterations
+    from runtime.target import cublas_workspace_bytes
     from runtime.trace import make_optimizer
     from runtime.workload import peak_report
 
@@ -194,8 +196,13 @@ def fake_vs_allocator(model: str, batch: int, seq: int | None) -> dict[str, Any]
     fake, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq, target=hw))
     real, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq, mode="real", device="cuda"))
     # The allocator from a clean cache, every request recorded (NOTE [ CUDA caching allocator ]: its model
-    # replays them, envs/allocator.py); the traces above left blocks cached.
+    # replays them, envs/allocator.py); the traces above left blocks cached, and a model of theirs that a
+    # cycle still holds would count (BERT's first H200 recording held 0.5 GB more than its requests): what
+    # the process holds at the start is kept with the requests (``held_before_bytes``: the cuBLAS workspaces,
+    # and anything else left).
+    gc.collect()
     torch.cuda.empty_cache()
+    held_before = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(context=None, stacks="python", max_entries=1_000_000)  # no stacks: fast
     try:
         entry = build_model(model, batch_size=batch, seq_len=seq, device="cuda")
@@ -207,8 +214,11 @@ def fake_vs_allocator(model: str, batch: int, seq: int | None) -> dict[str, Any]
         torch.cuda.memory._record_memory_history(enabled=None)
     row: dict[str, Any] = {"model": model, "batch": batch, "seq_len": seq, "profile": hw.name if hw else None,
                            "torch": torch.__version__, "allocator_peak_bytes": measured.peak_bytes,
-                           "allocator_reserved_peak_bytes": reserved, "requests": requests}  # fmt: skip
+                           "allocator_reserved_peak_bytes": reserved, "held_before_bytes": held_before,
+                           "requests": requests}  # fmt: skip
     replayed = replay_requests(requests)
+    print(f"   held before the recording: {held_before / 2**20:.1f} MiB (the two cuBLAS workspaces: "
+          f"{2 * cublas_workspace_bytes(torch.cuda.get_device_capability()) / 2**20:.1f} MiB)", flush=True)  # fmt: skip
     print(
         f"   reserved: allocator {reserved / 2**30:.3f} GiB; its model replaying the {len(requests)} recorded "
         f"requests {replayed.peak_reserved / 2**30:.3f} GiB ({(replayed.peak_reserved - reserved) / reserved:+.1%})",
