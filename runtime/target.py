@@ -73,6 +73,15 @@ NOTE [ GPU-faithful fake traces ]
         8,192 rows, 132.75 MiB for 2304 over 8,192, 111.38 MiB over 6,304, 48.00 MiB and 37.12 MiB for
         768); with them the allocator's model on ViT-B/16's fake trace went from 3.9% to 0.4% under its
         ``max_memory_reserved`` (envs/allocator.py, with NOTE [ The first iteration ]).
+    G8. The memory-efficient attention's backward workspace. Its backward (PyTorch's copy of xFormers'
+        kernel, mem_eff_attention/kernel_backward.h, ``workspace_size``) allocates, inside the op, a float
+        buffer of ``B * H * align4(gq)`` elements where the query gradient is accumulated: ``gq =
+        ceil(Lq / 64) * ceil(D / 64) * (64 * 64 + 4)`` for the kernel an fp32 call with a head dimension of
+        at most 64 runs on compute capability 8.0 or more (64 x 64 tiles, a 16-byte lock beside each). A fake
+        trace for such a GPU gives that op this workspace; other dtypes and head dimensions run other tiles
+        (and bf16/fp16 runs flash on these GPUs: G1), not modelled. Measured on an H200 (the fixture, fp32, D
+        = 64): 25,190,400 bytes a layer for GPT-2 small 8 x 1024 (B H = 96, Lq = 1024) and ViT-B/16 b32 (384,
+        197), 12,595,200 for BERT-base 8 x 512, each to the byte.
 """
 
 from __future__ import annotations
@@ -399,6 +408,33 @@ def _threads_per_multiprocessor(capability: tuple[int, int] | None) -> int:
 
 def _last_pow2(n: int) -> int:
     return 1 << (n.bit_length() - 1)
+
+
+def op_workspace_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: HardwareProfile | None) -> int:
+    """What an op on ``target`` allocates inside itself and frees before it returns, for a fake trace
+    (G7, G8; 0 for the rest and for a target that is no GPU)."""
+    if target is None or not target.is_gpu:
+        return 0
+    return reduction_workspace_bytes(func, args, kwargs, target) + attention_workspace_bytes(func, args, target)
+
+
+def attention_workspace_bytes(func: Any, args: tuple[Any, ...], target: HardwareProfile | None) -> int:
+    """G8: the memory-efficient attention backward's workspace (fp32, head dimension at most 64, compute
+    capability 8.0 or more; else 0)."""
+    cc = target.compute_capability if target is not None else None
+    if cc is None or cc < (8, 0) or func is not torch.ops.aten._scaled_dot_product_efficient_attention_backward.default:
+        return 0
+    query = args[1] if len(args) > 1 else None
+    if not isinstance(query, torch.Tensor) or query.dtype != torch.float32 or query.dim() != 4:
+        return 0
+    batch, heads, length, dim = (int(s) for s in query.shape)
+    if dim > _ATTENTION_TILE:
+        return 0
+    gq = -(-length // _ATTENTION_TILE) * -(-dim // _ATTENTION_TILE) * (_ATTENTION_TILE * _ATTENTION_TILE + 4)
+    return batch * heads * (-(-gq // 4) * 4) * 4
+
+
+_ATTENTION_TILE = 64  # G8: the fp32 kernel's query block and gradient tile
 
 
 def reduction_workspace_bytes(

@@ -71,7 +71,7 @@ from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, block_paths, parameter
 from runtime.partition import Partition, partitioned
 from runtime.precision import TrainStep
 from runtime.shared_grads import SharedGradients
-from runtime.target import add_library_workspaces, fake_trace_choices, reduction_workspace_bytes, trace_key
+from runtime.target import add_library_workspaces, fake_trace_choices, op_workspace_bytes, trace_key
 from runtime.vocab import Batch, LossFn, batch_tensors
 from runtime.workload import Candidate, Frame, OpInfo, Phase, TensorInfo, TensorKind, Workload
 
@@ -132,7 +132,7 @@ class _Recorder(TorchDispatchMode):
         self.module_of: Callable[[], str] = lambda: OUTSIDE
         self.frame_of: Callable[[], int] = lambda: -1  # innermost module call (NOTE [ Frames ])
         self._time_ops = time_ops
-        self.target: HardwareProfile | None = None  # a fake trace's GPU target (G7's workspaces)
+        self.target: HardwareProfile | None = None  # a fake trace's GPU target (G7's and G8's workspaces)
         self.ignored_keys: list[str] = []
         self._cuda_events: list[tuple[int, Any, Any]] = []
         # Real CUDA traces read each op's workspace off the allocator (bytes allocated and released inside it).
@@ -188,8 +188,8 @@ class _Recorder(TorchDispatchMode):
         end = self._clock()
         if self._cuda_memory:
             workspace = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
-        else:  # NOTE [ GPU-faithful fake traces ] G7 (0 unless a fake trace for a GPU)
-            workspace = reduction_workspace_bytes(func, args, kwargs, self.target)
+        else:  # NOTE [ GPU-faithful fake traces ] G7, G8 (0 unless a fake trace for a GPU)
+            workspace = op_workspace_bytes(func, args, kwargs, self.target)
 
         written = written_tensors(func, args, kwargs)
         in_tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
