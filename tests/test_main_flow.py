@@ -264,6 +264,45 @@ def test_measure_tries_policies_with_room_when_the_first_ones_measure_over() -> 
     assert got.lowest_peak() == 1068
 
 
+def test_the_reserved_check_tries_the_finalists_with_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Reserved budget ] step 2 on hand-made finalists (budget 1000 bytes, 3 rivals): six policies
+    planned at 995-1000 bytes are the fastest, then one in each roomier tier (985: 1% free; 960: 3%; 890: 10%).
+    On an allocator that runs only what is planned at 900 bytes or less (fragments), the three fastest rivals
+    would all run out (and a second search follow); with the fastest of each roomy tier among the rivals,
+    the 10% tier's runs: the answer, the fourth and last policy checked, the faster ones first."""
+    from agents.base import Problem, SearchResult, Status
+    from autotune import reserved
+    from envs.allocator import AllocatorStats
+    from runtime.policy import Policy
+    from tests.synthetic import chain_workload, fixed_profile
+
+    w = chain_workload(4, 100, 1e-3)
+    problem = Problem(w, fixed_profile(), 1000)
+    problem.finalists = Finalists(1000, capacity=8)
+    plans = {(1, 0, 0, 0): (1000, 100.0), (2, 0, 0, 0): (999, 99.0), (0, 1, 0, 0): (998, 98.0),
+             (0, 2, 0, 0): (997, 97.0), (0, 0, 1, 0): (996, 96.0), (0, 0, 2, 0): (995, 95.0),
+             (1, 1, 0, 0): (985, 90.0), (1, 1, 1, 0): (960, 80.0), (2, 2, 2, 2): (890, 50.0)}  # fmt: skip
+    planned = {}
+    for vec, (peak, speed) in plans.items():
+        actions = np.array(vec, dtype=np.int8)
+        planned[actions.tobytes()] = _result(peak, speed)
+        problem.finalists.offer(actions, problem.options, planned[actions.tobytes()])
+    tried: list[int] = []
+
+    def on_the_model(problem: Problem, actions: np.ndarray, *_a: object, **_k: object) -> AllocatorStats | None:
+        peak = planned[np.asarray(actions, dtype=np.int8).tobytes()].peak_bytes
+        tried.append(peak)
+        return AllocatorStats(peak, 1000, peak, peak, 1000, peak) if peak <= 900 else None
+
+    monkeypatch.setattr(reserved, "reserved_stats", on_the_model)
+    first = np.array((1, 0, 0, 0), dtype=np.int8)
+    found = SearchResult("hand", Policy.from_vector(w, first, hardware="fixed"), planned[first.tobytes()],
+                         Status.FEASIBLE, 0.0, 0)  # fmt: skip
+    chosen, fit = reserved.fit_one(problem, found, 1000, rivals=3)
+    assert tried == [1000, 985, 960, 890] and chosen is not None and chosen.result.peak_bytes == 890
+    assert fit.fits and fit.source == "finalist" and fit.checked == 4
+
+
 def test_measure_goes_on_to_more_room_while_finalists_run_out_of_memory_within_the_budget() -> None:
     """NOTE [ Measured search ] with the device capped at the budget (RealBackend's cap_bytes, as `autotune
     train` caps it): a policy planned over 900 bytes runs out of memory there (an infinite time; its uncapped
