@@ -238,8 +238,12 @@ class OptunaSearcher(Searcher):
                     seen.add(t.number)
                     self._evaluate(problem, t.params, classes, seeds, seed_options, best)
 
-        absorb()
-        if not study.trials:
+        def warm_start() -> None:
+            """A resumed study's trials offered, or a new study's first trials enqueued: the seeds, then three
+            of keep's neighbours."""
+            absorb()
+            if study.trials:
+                return
             for s in starts[1:]:
                 lookahead = min(LOOKAHEADS, key=lambda x: abs(x - seed_options[s].prefetch_lookahead))
                 study.enqueue_trial({"start": s, "lookahead": lookahead, "revert": 0.0}, skip_if_exists=True)
@@ -286,7 +290,8 @@ class OptunaSearcher(Searcher):
         callbacks: list[Any] = [] if trials == 0 else [optuna.study.MaxTrialsCallback(trials, states=complete)]
         if stop is not None:
             callbacks.append(stop)
-        try:
+        try:  # a Ctrl-C from the warm start on (its trials are stored at once) is the search's to take
+            warm_start()
             with _quiet_experimental():
                 if trials == 0 or len(study.get_trials(deepcopy=False, states=complete)) < trials:
                     study.optimize(objective, timeout=ctx.time_limit_s, catch=(), callbacks=callbacks)

@@ -283,6 +283,29 @@ def test_optuna_interrupted_before_its_first_trial_answers_its_best_seed(monkeyp
     assert (alone.policy.to_vector(p.workload) == 0).all()
 
 
+def test_optuna_interrupted_while_it_enqueues_its_seeds_answers_its_best_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C while the study stores its first trials (the seeds, enqueued: `autotune sweep`'s test saw it
+    land there once the storage held two trials) escaped the search and ended the whole cell unreached
+    ("interrupted after 0 of 2 cells"); it is the search's to take: its best seed is the answer."""
+    import optuna
+
+    calls = []
+
+    def enqueue(self: object, *_a: object, **_k: object) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    p = chain_problem(0.7)
+    seeds = tuple(get_searcher(name).search(p) for name in baseline_names())
+    monkeypatch.setattr(optuna.study.Study, "enqueue_trial", enqueue)
+    ctx = SearchContext(trials=8, seeds=seeds)
+    got = get_searcher("optuna-tpe").search(p, ctx)
+    top = max((r for r in seeds if r.feasible), key=lambda r: r.result.samples_per_s)
+    assert ctx.interrupted and len(calls) == 2 and got.feasible
+    assert got.result.samples_per_s == top.result.samples_per_s
+
+
 def test_optuna_study_resumes_from_storage(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'studies.db'}"
     import optuna
