@@ -16,7 +16,8 @@ In order, each step bounded in time, the whole run meant to fit in 8 minutes on 
    real-mode CUDA trace, 30 s of search, then the default ``--measure 5``: the finalists trained on the GPU,
    NOTE [ Measured search ]) then ``autotune train --device cuda`` under the answer: predicted against
    measured samples/s and peak, and the measured peak against the budget.
-5. Traces against the allocator: for ResNet-50 b64, GPT-2 small 8 x 1024, BERT-base 8 x 512 and ViT-B/16 b32,
+5. Traces against the allocator: for ResNet-50 b64, GPT-2 small 8 x 1024, BERT-base 8 x 512 and ViT-B/16 b32
+   in fp32, and GPT-2 small in bf16 (autocast: G5 in runtime/target.py; its row says ``precision``),
    the no-policy peak of a fake-mode trace taken for this GPU's profile (NOTE [ GPU-faithful fake traces ]
    in runtime/target.py) and of a real-mode CUDA trace against the allocator's, and their saved keys: the
    keys one has and the other lacks are printed, and ``traces.json`` keeps, per model, the real trace's
@@ -48,6 +49,7 @@ Figures go to stdout and, as JSON fixtures, to ``--out`` (default ``$OUT``, else
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -65,7 +67,12 @@ E2E = [  # model, batch, seq_len, budget
     ("resnet50", 64, None, "3GB"),
     ("gpt2", 8, 1024, "8GB"),
 ]
-TRACED = [(m, b, s) for m, b, s, _ in E2E] + [("bert-base", 8, 512), ("vit_b_16", 32, None)]
+TRACED = [  # step 5: model, batch, seq_len, precision
+    *[(m, b, s, "fp32") for m, b, s, _ in E2E],
+    ("bert-base", 8, 512, "fp32"),
+    ("vit_b_16", 32, None, "fp32"),
+    ("gpt2", 8, 1024, "bf16"),
+]
 EXPANDABLE = ("resnet50", 64, None)  # step 6: model, batch, seq_len
 PARTITION = ("vgg16", 64, None, "3GB", ["--partition", "features/4"])  # step 7: as E2E, and search's options
 COMPILED = ("gpt2", 8, 1024, "8GB", ["--compile"])  # step 8: as E2E, search's and train's option
@@ -178,7 +185,7 @@ def end_to_end(
     return row
 
 
-def fake_vs_allocator(model: str, batch: int, seq: int | None) -> dict[str, Any]:
+def fake_vs_allocator(model: str, batch: int, seq: int | None, precision: str = "fp32") -> dict[str, Any]:
     from autotune.models import build_model
     from autotune.workloads import TraceRequest, trace_model
     from envs.allocator import no_policy_stats
@@ -191,10 +198,12 @@ def fake_vs_allocator(model: str, batch: int, seq: int | None) -> dict[str, Any]
     hw = detect().profile
     g = hw.alloc_granularity_bytes if hw else 512
     order = getattr(torch._C, "_get_sdp_priority_order", lambda: [])()  # 1 flash, 2 efficient, 0 math, 3 cuDNN
-    print(f"== {model} batch {batch}" + (f" x {seq}" if seq else "") + f" (profile {hw.name if hw else None}; SDPA "
+    print(f"== {model} batch {batch}" + (f" x {seq}" if seq else "") + f" {precision} (profile "
+          f"{hw.name if hw else None}; SDPA "
           f"priority {[int(b) for b in order]})", flush=True)  # fmt: skip
-    fake, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq, target=hw))
-    real, _ = trace_model(TraceRequest(model=model, batch_size=batch, seq_len=seq, mode="real", device="cuda"))
+    req = TraceRequest(model=model, batch_size=batch, seq_len=seq, precision=precision, target=hw)
+    fake, _ = trace_model(req)
+    real, _ = trace_model(dataclasses.replace(req, mode="real", device="cuda", target=None))
     # The allocator from a clean cache, every request recorded (NOTE [ CUDA caching allocator ]: its model
     # replays them, envs/allocator.py); the traces above left blocks cached, and a model of theirs that a
     # cycle still holds would count (BERT's first H200 recording held 0.5 GB more than its requests): what
@@ -207,7 +216,8 @@ def fake_vs_allocator(model: str, batch: int, seq: int | None) -> dict[str, Any]
     try:
         entry = build_model(model, batch_size=batch, seq_len=seq, device="cuda")
         opt = make_optimizer("sgd", entry.module.parameters())
-        measured = run_iterations(entry.module, entry.batch, entry.loss_fn, opt, steps=2, batch_size=batch)[-1]
+        measured = run_iterations(entry.module, entry.batch, entry.loss_fn, opt, steps=2, batch_size=batch,
+                                  precision=precision)[-1]  # fmt: skip
         reserved = torch.cuda.max_memory_reserved()  # over the last step, after the warm-up's
         requests = allocator_requests(torch.cuda.memory._snapshot())
     finally:
@@ -247,7 +257,8 @@ def fake_vs_allocator(model: str, batch: int, seq: int | None) -> dict[str, Any]
     # policies measured +0.23 GiB on ResNet-50 and +0.93 GiB on GPT-2 over plain training for it).
     del entry, opt, measured
     torch.cuda.empty_cache()
-    if (model, batch, seq) in [(m, b, s) for m, b, s, _ in E2E] and hw is not None:
+    row["precision"] = precision
+    if (model, batch, seq) in [(m, b, s) for m, b, s, _ in E2E] and hw is not None and precision == "fp32":
         row["policies"] = policy_allocator(model, batch, seq, real, hw)
     return row
 
@@ -451,11 +462,11 @@ def main() -> None:
         if rows:
             (out / "end_to_end.json").write_text(json.dumps(rows, indent=2))
         traces = []
-        for model, batch, seq in [t for t in TRACED if "traces" in steps and wanted(t[0])]:
+        for model, batch, seq, precision in [t for t in TRACED if "traces" in steps and wanted(t[0])]:
             if clock.left() < 45:
                 break
             try:
-                traces.append(fake_vs_allocator(model, batch, seq))
+                traces.append(fake_vs_allocator(model, batch, seq, precision))
             except Exception:
                 print(traceback.format_exc(), flush=True)
         if traces:

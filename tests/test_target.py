@@ -112,7 +112,10 @@ H200_TRACES = Path(__file__).parent / "fixtures" / "gpu" / "h200_traces.json.gz"
 def h200_traces() -> dict[str, dict[str, Any]]:
     """experiments/gpu_check.py step 5 on an H200 (torch 2.11, SGD, no policy), by model: the allocator's
     peaks, the real and fake traces' peaks and saved keys, and every request the allocator got in the step."""
-    rows = {r["model"]: r for r in json.loads(gzip.decompress(H200_TRACES.read_bytes()))}
+    rows = {  # a row in another precision than fp32 (gpu_check records GPT-2 in bf16 too) as "model/bf16"
+        r["model"] if r.get("precision", "fp32") == "fp32" else f"{r['model']}/{r['precision']}": r
+        for r in json.loads(gzip.decompress(H200_TRACES.read_bytes()))
+    }
     for row in rows.values():  # keys recorded before producers had one name across versions (runtime/keys.py)
         for trace in ("fake", "real"):
             row[trace]["saved"] = {canonical_key(k): n for k, n in row[trace]["saved"].items()}
