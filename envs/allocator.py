@@ -408,28 +408,33 @@ class Request:
 
 class IterationRequests(NamedTuple):
     """A training run's requests (NOTE [ The first iteration ]): ``setup`` allocates what exists before the
-    first iteration, ``first`` is that iteration, which allocates the optimizer's ``state`` too, and
-    ``iteration`` each later one. Each iteration frees what it allocates but the state, and allocates again
-    what it frees of the setup, so that iterations can follow each other."""
+    first iteration, ``iteration`` is each iteration, and the first one also allocates the optimizer's
+    ``state``, before its request ``at``. Each iteration frees what it allocates but the state, and allocates
+    again what it frees of the setup, so that iterations can follow each other."""
 
     setup: list[Request]
     state: list[Request]
-    first: list[Request]
     iteration: list[Request]
+    at: int
+
+    @property
+    def first(self) -> list[Request]:
+        """The first iteration: the state allocated before request ``at``."""
+        return [*self.iteration[: self.at], *self.state, *self.iteration[self.at :]]
 
     def steady(self) -> list[Request]:
         """The setup with the state, then one later iteration (the trace's view: NOTE [ Steady state ])."""
         return [*self.setup, *self.state, *self.iteration]
 
     def replay(
-        self, iterations: int = 0, capacity_bytes: int | None = None, *, expandable_segments: bool = False
+        self, iterations: int = ITERATIONS, capacity_bytes: int | None = None, *, expandable_segments: bool = False
     ) -> AllocatorStats:
-        """:func:`replay` of the setup and ``iterations`` iterations (:data:`ITERATIONS` for 0)."""
+        """:func:`replay` of the setup and ``iterations`` iterations, the first one first."""
         return replay(
             [*self.setup, *self.first],
             capacity_bytes,
             repeat=self.iteration,
-            times=(iterations or ITERATIONS) - 1,
+            times=iterations - 1,
             expandable_segments=expandable_segments,
         )
 
@@ -442,17 +447,15 @@ def _state(w: Workload) -> list[int]:
 def _first_iteration(
     w: Workload, setup: list[Request], iteration: list[Request], ops: Sequence[int], state: Iterable[int]
 ) -> IterationRequests:
-    """NOTE [ The first iteration ]: the requests of ``state`` out of ``setup``, allocated in a copy of
-    ``iteration`` before the first request of the first optimizer op (``ops``: each request's op)."""
+    """NOTE [ The first iteration ]: the requests of ``state`` out of ``setup``, allocated in the first
+    iteration before the first request of the first optimizer op (``ops``: each request's op)."""
     state = set(state)
     step = next((op.index for op in w.ops if op.phase == Phase.OPTIMIZER), None)
     if not state or step is None:
-        return IterationRequests(setup, [], list(iteration), iteration)
+        return IterationRequests(setup, [], iteration, len(iteration))
     at = next((k for k, op in enumerate(ops) if op >= step), len(iteration))
     lazy = [r for r in setup if r.tensor in state]
-    return IterationRequests(
-        [r for r in setup if r.tensor not in state], lazy, [*iteration[:at], *lazy, *iteration[at:]], iteration
-    )
+    return IterationRequests([r for r in setup if r.tensor not in state], lazy, iteration, at)
 
 
 def replay(

@@ -16,8 +16,8 @@ NOTE [ Key format ]
       for another model fail to match instead of matching the wrong tensor. Nodes that PyTorch versions
       name differently for the same tensor take one name (:data:`SAME_PRODUCER`): torch 2.14's
       ``F.multi_head_attention_forward`` reshapes its attention output (``_unsafe_view``: UnsafeView) where
-      the H200's torch 2.11 made a ``view`` of it (View, tests/fixtures/gpu/h200_traces.json.gz), so a plan
-      made with one applied to the other's twelve ViT-B/16 attention outputs as unknown keys, kept. Keys
+      the H200's torch 2.11 made a ``view`` of it (View, tests/fixtures/gpu/h200_traces.json.gz), so a ViT-B/16
+      plan made with one would have met the other's twelve attention outputs as unknown keys, kept. Keys
       read from a policy file are made canonical too (:func:`canonical_key`), so older files still match.
 
     Every storage but the model's parameters and buffers is named, the batch included (the runtime cannot

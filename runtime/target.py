@@ -392,6 +392,7 @@ def trace_key(target: HardwareProfile | None) -> tuple[bool, tuple[int, int] | N
 
 
 _REDUCTIONS = {"sum", "mean"}  # G7: reductions through Reduce.cuh's gpu_reduce_kernel
+_ATTENTION_TILE = 64  # G8: the fp32 kernel's query block and gradient tile
 _WARP = 32
 _MAX_BLOCK_THREADS = 512  # Reduce.cuh's mnt_wrapper<T>::MAX_NUM_THREADS (256 for complex<double> only)
 
@@ -434,9 +435,6 @@ def attention_workspace_bytes(func: Any, args: tuple[Any, ...], target: Hardware
     return batch * heads * (-(-gq // 4) * 4) * 4
 
 
-_ATTENTION_TILE = 64  # G8: the fp32 kernel's query block and gradient tile
-
-
 def reduction_workspace_bytes(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: HardwareProfile | None
 ) -> int:
@@ -467,13 +465,10 @@ def reduction_workspace_bytes(
     width = min(pow0, _WARP)
     height = min(pow1, max_threads // width)
     width = min(pow0, max_threads // height)
-    step_output, step_input = width, 1  # split_output(block_width)
-    if inputs >= min(height * 16, 256):  # split across warps
-        step_input *= height
-    else:
-        return 0  # each warp its own outputs: no split across blocks
-    values_per_thread = -(-inputs // step_input)
-    grid = -(-(outputs // vec) // step_output)
+    if inputs < min(height * 16, 256):
+        return 0  # each warp its own outputs (split_output): no split across blocks
+    values_per_thread = -(-inputs // height)  # split_input(block_height): a block's warps share the inputs
+    grid = -(-(outputs // vec) // width)  # split_output(block_width): a warp's lanes take outputs
     target_grid = target.multiprocessors * (_threads_per_multiprocessor(target.compute_capability) // (width * height))
     if values_per_thread < 256 or grid > target_grid:
         return 0

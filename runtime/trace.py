@@ -120,7 +120,7 @@ _FP32_STATS = frozenset({"aten.native_batch_norm.default", "aten._native_batch_n
 class _Recorder(TorchDispatchMode):
     """Records ops, storages and their releases (NOTE [ What is recorded ])."""
 
-    def __init__(self, time_ops: bool) -> None:
+    def __init__(self, time_ops: bool, target: HardwareProfile | None = None) -> None:
         super().__init__()
         self.ops: list[OpInfo] = []
         self.tensors: list[_Tensor] = []
@@ -132,7 +132,7 @@ class _Recorder(TorchDispatchMode):
         self.module_of: Callable[[], str] = lambda: OUTSIDE
         self.frame_of: Callable[[], int] = lambda: -1  # innermost module call (NOTE [ Frames ])
         self._time_ops = time_ops
-        self.target: HardwareProfile | None = None  # a fake trace's GPU target (G7's and G8's workspaces)
+        self.target = target  # a fake trace's GPU target (G7's and G8's workspaces)
         self.ignored_keys: list[str] = []
         self._cuda_events: list[tuple[int, Any, Any]] = []
         # Real CUDA traces read each op's workspace off the allocator (bytes allocated and released inside it).
@@ -598,8 +598,7 @@ def _record(
     time_ops: bool,
     target: HardwareProfile | None = None,
 ) -> tuple[_Recorder, dict[int, str], tuple[dict[int, int], dict[int, set[str]]], _FrameLog]:
-    rec = _Recorder(time_ops=time_ops)
-    rec.target = target
+    rec = _Recorder(time_ops=time_ops, target=target)
     _register_state(rec, model, batch, opt, step)
     cand: dict[int, str] = {}  # tensor id -> key, in first-pack order
     saved_after: dict[int, int] = {}  # tensor id -> last op completed at its first pack

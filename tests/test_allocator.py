@@ -154,7 +154,8 @@ def test_a_planned_pool_never_overlaps_live_tensors_and_holds_at_least_the_peak(
 def test_a_workloads_requests_peak_where_its_memory_timeline_does(build) -> None:  # type: ignore[no-untyped-def]
     """The requests in flight at their peak are the no-policy timeline's peak (bytes as asked, before A1)."""
     w = build()
-    setup, _, _, iteration = workload_requests(w)
+    requests = workload_requests(w)
+    setup, iteration = requests.setup, requests.iteration
     assert all(r.nbytes is not None for r in setup)
     assert sum(r.nbytes is None for r in iteration) == sum(r.nbytes is not None for r in iteration)  # balanced
     stats = no_policy_stats(w)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from agents.base import Problem, SearchResult
 from agents.finalists import Finalists
 from autotune.models import build_model
 from autotune.real_backend import RealBackend
@@ -226,33 +227,43 @@ def _result(peak: int, speed: float, budget: int = 1000) -> SimResult:
     return SimResult(peak, 1 / speed, speed, 1 / speed, 0.0, 0.0, 0.0, 0, 0, peak <= budget, budget, 0)
 
 
-def test_measure_tries_policies_with_room_when_the_first_ones_measure_over() -> None:
-    """NOTE [ Measured search ] on hand-made finalists (budget 1000 bytes): a device that holds 2% more than
-    every plan fails the two fastest (planned at 1000 and 995); 2% over asks for 1.96% of the budget free,
-    so the 3% tier is drawn (planned at 960 and 890), both fit, and the faster (960) is the answer. At 20%
-    over only the 10% tier is drawn (890 -> 1068): nothing fits, and there is no answer."""
-    from agents.base import Problem, SearchResult, Status
-    from autotune.measured import measure
+def _hand_finalists(
+    plans: dict[tuple[int, ...], tuple[int, float]],
+) -> tuple[Problem, dict[bytes, SimResult], SearchResult]:
+    """A 4-layer chain's problem (budget 1000 bytes) whose finalists are ``plans`` (actions -> planned peak
+    and samples/s), the planned results by action bytes, and the search's answer: the first plan."""
+    from agents.base import Status
     from runtime.policy import Policy
     from tests.synthetic import chain_workload, fixed_profile
 
     w = chain_workload(4, 100, 1e-3)
     problem = Problem(w, fixed_profile(), 1000)
     problem.finalists = Finalists(1000, capacity=8)
+    planned = {}
+    for vec, (peak, speed) in plans.items():
+        actions = np.array(vec, dtype=np.int8)
+        planned[actions.tobytes()] = _result(peak, speed)
+        problem.finalists.offer(actions, problem.options, planned[actions.tobytes()])
+    first = np.array(next(iter(plans)), dtype=np.int8)
+    found = SearchResult("hand", Policy.from_vector(w, first, hardware="fixed"), planned[first.tobytes()],
+                         Status.FEASIBLE, 0.0, 0)  # fmt: skip
+    return problem, planned, found
+
+
+def test_measure_tries_policies_with_room_when_the_first_ones_measure_over() -> None:
+    """NOTE [ Measured search ] on hand-made finalists (budget 1000 bytes): a device that holds 2% more than
+    every plan fails the two fastest (planned at 1000 and 995); 2% over asks for 1.96% of the budget free,
+    so the 3% tier is drawn (planned at 960 and 890), both fit, and the faster (960) is the answer. At 20%
+    over only the 10% tier is drawn (890 -> 1068): nothing fits, and there is no answer."""
+    from autotune.measured import measure
+
     plans = {
         (1, 0, 0, 0): (1000, 100.0),
         (2, 2, 0, 0): (995, 95.0),
         (1, 1, 1, 0): (960, 90.0),
         (2, 2, 2, 2): (890, 50.0),
     }
-    planned = {}
-    for vec, (peak, speed) in plans.items():
-        actions = np.array(vec, dtype=np.int8)
-        planned[actions.tobytes()] = _result(peak, speed)
-        problem.finalists.offer(actions, problem.options, planned[actions.tobytes()])
-    first = np.array((1, 0, 0, 0), dtype=np.int8)
-    found = SearchResult("hand", Policy.from_vector(w, first, hardware="fixed"), planned[first.tobytes()],
-                         Status.FEASIBLE, 0.0, 0)  # fmt: skip
+    problem, planned, found = _hand_finalists(plans)
     device = _Device(planned, 1.02)
     got = measure(problem, device, 2, budget_bytes=1000, found=found, baselines=[])  # type: ignore[arg-type]
     assert [m.finalist.result.peak_bytes for m in got.rows] == [1000, 995, 960, 890]
@@ -270,23 +281,13 @@ def test_the_reserved_check_tries_the_finalists_with_room(monkeypatch: pytest.Mo
     On an allocator that runs only what is planned at 900 bytes or less (fragments), the three fastest rivals
     would all run out (and a second search follow); with the fastest of each roomy tier among the rivals,
     the 10% tier's runs: the answer, the fourth and last policy checked, the faster ones first."""
-    from agents.base import Problem, SearchResult, Status
     from autotune import reserved
     from envs.allocator import AllocatorStats
-    from runtime.policy import Policy
-    from tests.synthetic import chain_workload, fixed_profile
 
-    w = chain_workload(4, 100, 1e-3)
-    problem = Problem(w, fixed_profile(), 1000)
-    problem.finalists = Finalists(1000, capacity=8)
     plans = {(1, 0, 0, 0): (1000, 100.0), (2, 0, 0, 0): (999, 99.0), (0, 1, 0, 0): (998, 98.0),
              (0, 2, 0, 0): (997, 97.0), (0, 0, 1, 0): (996, 96.0), (0, 0, 2, 0): (995, 95.0),
              (1, 1, 0, 0): (985, 90.0), (1, 1, 1, 0): (960, 80.0), (2, 2, 2, 2): (890, 50.0)}  # fmt: skip
-    planned = {}
-    for vec, (peak, speed) in plans.items():
-        actions = np.array(vec, dtype=np.int8)
-        planned[actions.tobytes()] = _result(peak, speed)
-        problem.finalists.offer(actions, problem.options, planned[actions.tobytes()])
+    problem, planned, found = _hand_finalists(plans)
     tried: list[int] = []
 
     def on_the_model(problem: Problem, actions: np.ndarray, *_a: object, **_k: object) -> AllocatorStats | None:
@@ -295,9 +296,6 @@ def test_the_reserved_check_tries_the_finalists_with_room(monkeypatch: pytest.Mo
         return AllocatorStats(peak, 1000, peak, peak, 1000, peak) if peak <= 900 else None
 
     monkeypatch.setattr(reserved, "reserved_stats", on_the_model)
-    first = np.array((1, 0, 0, 0), dtype=np.int8)
-    found = SearchResult("hand", Policy.from_vector(w, first, hardware="fixed"), planned[first.tobytes()],
-                         Status.FEASIBLE, 0.0, 0)  # fmt: skip
     chosen, fit = reserved.fit_one(problem, found, 1000, rivals=3)
     assert tried == [1000, 985, 960, 890] and chosen is not None and chosen.result.peak_bytes == 890
     assert fit.fits and fit.source == "finalist" and fit.checked == 4
@@ -308,20 +306,10 @@ def test_measure_goes_on_to_more_room_while_finalists_run_out_of_memory_within_t
     train` caps it): a policy planned over 900 bytes runs out of memory there (an infinite time; its uncapped
     peak is its plan's). One finalist at a time: 1000 runs out, so the 1% tier is drawn (its fastest, 960,
     runs out too), then the 3% tier (890), which runs: the answer, after two rounds."""
-    from agents.base import Problem, SearchResult, Status
     from autotune.measured import measure
-    from runtime.policy import Policy
-    from tests.synthetic import chain_workload, fixed_profile
 
-    w = chain_workload(4, 100, 1e-3)
-    problem = Problem(w, fixed_profile(), 1000)
-    problem.finalists = Finalists(1000, capacity=8)
     plans = {(1, 0, 0, 0): (1000, 100.0), (1, 1, 1, 0): (960, 90.0), (2, 2, 2, 2): (890, 50.0)}
-    planned = {}
-    for vec, (peak, speed) in plans.items():
-        actions = np.array(vec, dtype=np.int8)
-        planned[actions.tobytes()] = _result(peak, speed)
-        problem.finalists.offer(actions, problem.options, planned[actions.tobytes()])
+    problem, planned, found = _hand_finalists(plans)
     caps: list[int | None] = []
 
     class Capped(_Device):
@@ -332,9 +320,6 @@ def test_measure_goes_on_to_more_room_while_finalists_run_out_of_memory_within_t
             peak, iter_s = super().__call__(actions, options)
             return peak, (math.inf if peak > 900 else iter_s)
 
-    first = np.array((1, 0, 0, 0), dtype=np.int8)
-    found = SearchResult("hand", Policy.from_vector(w, first, hardware="fixed"), planned[first.tobytes()],
-                         Status.FEASIBLE, 0.0, 0)  # fmt: skip
     got = measure(problem, Capped(planned, 1.0), 1, budget_bytes=1000, found=found, baselines=[])  # type: ignore[arg-type]
     assert [m.finalist.result.peak_bytes for m in got.rows] == [1000, 960, 890] and caps == [1000, 1000, 1000]
     assert [m.fits(1000) for m in got.rows] == [False, False, True] and got.chosen is got.rows[2]
