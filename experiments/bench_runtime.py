@@ -40,7 +40,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -56,6 +56,8 @@ from runtime.measure import run_iterations
 from runtime.policy import Action, Policy, PolicyOptions
 from runtime.trace import capture, make_optimizer
 from runtime.workload import Phase, Workload
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -208,15 +210,18 @@ class Runner:
         return time.perf_counter() - start
 
 
-def interleaved(runners: dict[str, Runner], rounds: int) -> dict[str, list[float]]:
-    """One step of each runner per round; which one goes first turns from round to round (a step run right
-    after another can be several percent faster with the same work)."""
-    times: dict[str, list[float]] = {k: [] for k in runners}
+def interleaved(
+    runners: dict[str, Runner], rounds: int, measure: Callable[[Runner], T] = lambda r: r.step()[0]
+) -> dict[str, list[T]]:
+    """One step of each runner per round (``measure``: what a step gives, its seconds by default); which one
+    goes first turns from round to round (a step run right after another can be several percent faster with
+    the same work)."""
+    times: dict[str, list[T]] = {k: [] for k in runners}
     keys = list(runners)
     for i in range(rounds):
         turn = i % len(keys)
         for k in keys[turn:] + keys[:turn]:
-            times[k].append(runners[k].step()[0])
+            times[k].append(measure(runners[k]))
     return times
 
 
@@ -400,11 +405,7 @@ def phases(case: Case, device: str, w: Workload, rounds: int, out: dict[str, Any
     plain = Runner(case, device)
     runners = {"plain": plain, "checkpoint": Runner(case, device, wrap=True, share=plain),
                "ours": Runner(case, device, pol, share=plain)}  # fmt: skip
-    split: dict[str, list[tuple[float, float, float, float]]] = {k: [] for k in runners}
-    keys = list(runners)
-    for i in range(rounds):
-        for k in keys[i % len(keys) :] + keys[: i % len(keys)]:
-            split[k].append(_phased_step(runners[k]))
+    split = interleaved(runners, rounds, _phased_step)
     med = {k: [statistics.median(s[j] for s in v) for j in range(4)] for k, v in split.items()}
     keep, planned = sim.run(Policy.uniform(w, Action.KEEP, hardware=hw.name)), sim.run(pol)
     print(f"4. phases on the device's clock (ms, medians of {rounds}); the real trace's op times by phase: forward "
