@@ -34,7 +34,9 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         tensor's own copy out. Ranks count the unpack points of the tensors that no checkpointed region
         serves; the tensors whose unpacks are due triggers (Rule 5's carriers) are observed for that. The
         device buffer is allocated on the compute stream at issue (no ``record_stream``).
-    R5. Stall (Rule 6): before a swapped tensor is used, the compute stream waits for its copy.
+    R5. Stall (Rule 6): before a swapped tensor is used, the compute stream waits for its copy: by backward,
+        and by a replay (R6) that reads it as an input, also where the replay finds its buffer alive (a
+        prefetched copy still on its way; Rule 7 materializes such inputs first).
     R6. Replay (Rule 7): while the forward runs, a dispatch mode records every op, views and queries
         included (Rule 12 charges those too; runtime.replay: name,
         arguments as storage references with their layout and version, random-number state for random

@@ -225,9 +225,13 @@ class Replayer:
         if sid in self.made:
             return self.made[sid]
         alive = self.rec.storage[sid]()
-        if alive is not None:
-            return alive
         handle = self.handles.get(sid)
+        if alive is not None:
+            if handle is not None and handle.action == Action.SWAP and handle.issued:
+                # A copy back already issued (R4) may still be on its way: the compute stream waits for it
+                # (R5), as for backward's own unpack; the replay's ops would otherwise read the buffer first.
+                return self.rt._materialize(handle)
+            return alive
         if handle is not None and (handle.device is not None or handle.action != Action.RECOMPUTE):
             return self.rt._materialize(handle)  # held already, or brought back (swap, compress)
         chain = [i for i in self.rec.writers.get(sid, []) if i < before]
