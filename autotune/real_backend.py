@@ -32,7 +32,8 @@ class RealBackend:
     and runs ``runtime.measure.run_iterations`` (one warm-up, then ``steps`` timed iterations): the peak is
     the largest measured, the time the median. With ``cap_bytes`` on CUDA the device is capped there as
     ``autotune train`` caps it under a policy's budget (the caching allocator's reserved bytes, its cached
-    blocks and split ends, must stay within it: what runs out of memory), from an empty cache. An
+    blocks and split ends, must stay within it: what runs out of memory), from an empty cache and with the
+    optimizer's state made again in the first iteration, as in a training run's. An
     out-of-memory error is an infinite time; its peak is the allocated peak of the same policy run uncapped
     (the device's total memory when that runs out too)."""
 
@@ -55,6 +56,11 @@ class RealBackend:
         if cap_bytes is None or not self.device.startswith("cuda"):
             return self._measure(actions, options)
         allocate_library_workspaces(torch.device(self.device))  # runtime R15 (the trace has, as a rule)
+        # The optimizer's state made again in the first iteration, within the cap, as `autotune train` and a
+        # training loop make it (NOTE [ The first iteration ] in envs/allocator.py): an earlier finalist's
+        # state would sit in segments of its own iterations, a layout the training run never has.
+        self._optimizer.state.clear()
+        self._optimizer.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()  # what the search, the trace and earlier finalists left cached
         try:
             with capped_memory(self.device, cap_bytes):

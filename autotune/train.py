@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,9 @@ class TrainReport:
             "predicted": self.predicted,
             "error": error,
             "iterations": [s.to_dict() for s in self.steps],
+            # CUDA: the allocator's retries within the budget's cap over the measured steps (runtime.measure)
+            "alloc_retries": _total(s.alloc_retries for s in self.steps),
+            "segments_freed": _total(s.segments_freed for s in self.steps),
             "unknown_keys": self.unknown_keys,
             "out_of_memory": self.out_of_memory,
             "expandable_segments": self.expandable_segments,
@@ -76,6 +79,12 @@ class TrainReport:
             "compiled": self.compiled,
             "compile_report": self.compile_report,
         }
+
+
+def _total(counts: Iterable[int | None]) -> int | None:
+    """The sum of per-step counts, None where none was counted (not CUDA)."""
+    known = [c for c in counts if c is not None]
+    return sum(known) if known else None
 
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -343,6 +352,14 @@ def render(out: Console, report: TrainReport) -> None:
         out.print(
             f"reserved by PyTorch's caching allocator{how}: {format_bytes(m['reserved_bytes'])} measured, "
             f"{format_bytes(p['reserved_bytes'])} by its model ({e.get('reserved_bytes', 0.0):+.1%})"
+        )
+    retries = d["alloc_retries"]
+    if retries:
+        out.print(
+            f"[yellow]the caching allocator ran out of room within the budget {retries} times in "
+            f"{len(report.steps)} steps and freed its cached segments to go on ({d['segments_freed']} cudaFree "
+            "calls, each a device synchronisation): steps run slower than planned; a policy searched with "
+            "--budget-kind reserved leaves the allocator its room[/]"
         )
     if report.expandable_in_effect is False:
         out.print("[yellow]the caching allocator reports expandable_segments off: this torch or platform ignored it[/]")

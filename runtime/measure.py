@@ -110,6 +110,11 @@ class IterationMeasurement:
     iter_s: float
     samples_per_s: float
     reserved_bytes: int | None = None  # CUDA: the caching allocator's reserved peak (max_memory_reserved)
+    # CUDA: how often the caching allocator found no room within the device's cap (``capped_memory``: what a
+    # policy's budget allows) and freed its cached segments to try again, and how many segments it freed
+    # (cudaFree synchronises the device: an iteration with retries runs slower than planned).
+    alloc_retries: int | None = None
+    segments_freed: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -183,7 +188,7 @@ def run_iterations(
     for i in range(warmup + steps):
         peak, elapsed, reserved = _one_step(model, batch, loss_fn, opt, step, ctx, device, track=cuda)
         if i >= warmup:
-            results.append(IterationMeasurement(peak, elapsed, batch_size * grad_accum / elapsed, reserved))
+            results.append(IterationMeasurement(peak, elapsed, batch_size * grad_accum / elapsed, *reserved))
     if not cuda and cpu_peak == "profiler":
         opt.zero_grad(set_to_none=True)
 
@@ -210,7 +215,7 @@ def _one_step(
     ctx: Callable[[], contextlib.AbstractContextManager[Any]],
     device: torch.device,
     track: bool,
-) -> tuple[int, float, int | None]:
+) -> tuple[int, float, tuple[int | None, int | None, int | None]]:
     opt.zero_grad(set_to_none=True)
     state = [*training_state(model, batch, opt), *step.state()]
     meter_cm = _peak_meter(device, state) if track else contextlib.nullcontext(_Meter())
@@ -224,12 +229,14 @@ def _one_step(
         step.step(opt)
         _sync(device)
         elapsed = time.perf_counter() - start
-    return meter.peak_bytes, elapsed, meter.reserved_bytes
+    return meter.peak_bytes, elapsed, (meter.reserved_bytes, meter.alloc_retries, meter.segments_freed)
 
 
 class _Meter:
     peak_bytes = 0
     reserved_bytes: int | None = None
+    alloc_retries: int | None = None
+    segments_freed: int | None = None
 
 
 @contextlib.contextmanager
@@ -238,10 +245,14 @@ def _peak_meter(device: torch.device, state: list[torch.Tensor]) -> Iterator[_Me
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_stats(device)
         yield meter
         torch.cuda.synchronize(device)
+        after = torch.cuda.memory_stats(device)
         meter.peak_bytes = torch.cuda.max_memory_allocated(device)
         meter.reserved_bytes = torch.cuda.max_memory_reserved(device)
+        meter.alloc_retries = after.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0)
+        meter.segments_freed = after.get("num_device_free", 0) - before.get("num_device_free", 0)
         return
     tracker = StorageTracker()
     tracker.track(state)
