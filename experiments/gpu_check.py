@@ -163,6 +163,7 @@ def end_to_end(
         "measured": got.get("measured"), "predicted": got.get("predicted"), "error": got.get("error"),
         "out_of_memory": got.get("out_of_memory"), "search_measured": plan.get("measured"),
         "finalists": plan.get("finalists"), "compile_report": got.get("compile_report"),
+        "alloc_retries": got.get("alloc_retries"), "segments_freed": got.get("segments_freed"),
     }  # fmt: skip
     f = plan.get("finalists") or {}
     if f.get("finalists"):
@@ -179,7 +180,8 @@ def end_to_end(
         print(
             f"   {model}: planned {plan['samples_per_s']:.1f} samples/s at {plan['peak_bytes'] / 2**30:.3f} GiB; "
             f"trained {measured['samples_per_s']:.1f} ({ratio:.2f}x, target >= 0.90) at "
-            f"{measured['peak_bytes'] / 2**30:.3f} GiB ({'within' if fits else 'over'} the budget)",
+            f"{measured['peak_bytes'] / 2**30:.3f} GiB ({'within' if fits else 'over'} the budget); the allocator "
+            f"retried {got.get('alloc_retries')} times within the cap ({got.get('segments_freed')} segments freed)",
             flush=True,
         )
     return row
@@ -281,7 +283,7 @@ def policy_allocator(
     import numpy as np
 
     from autotune.models import build_model
-    from envs.allocator import policy_stats
+    from envs.allocator import ITERATIONS, policy_stats
     from envs.simulator import Simulator, uniform_actions
     from runtime.apply import PolicyRuntime
     from runtime.measure import run_iterations
@@ -300,18 +302,24 @@ def policy_allocator(
     out: dict[str, Any] = {}
     for label, vec in ((k, v) for k, v in vectors.items() if k in labels):
         policy = Policy.from_vector(w, vec, hardware=hw.name, options=PolicyOptions())
-        entry = build_model(model, batch_size=batch, seq_len=seq, device=device)
-        opt = make_optimizer("sgd", entry.module.parameters())
-        rt = PolicyRuntime(policy, entry.module)
-        kw: dict[str, Any] = {"batch_size": batch, "around_step": rt.step}
-        run_iterations(entry.module, entry.batch, entry.loss_fn, opt, steps=1, **kw)  # warm-up, learning step
+        # As `autotune train` (and a training loop) runs it, and as the model replays it: from a clean cache, the
+        # model built, the optimizer's state made in the first iteration (the runtime's learning step), then
+        # ITERATIONS - 1 more; reserved bytes only grow uncapped, so the last peak is the run's. (Until this
+        # round the first step ran before a cleared cache and the recording: the state then sat in segments
+        # that no replay from a clean cache has, which moved the comparison by -10% to +16%.)
         requests: list[list[Any]] = []
         if cuda:
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.memory._record_memory_history(context=None, stacks="python", max_entries=1_000_000)
         try:
-            measured = run_iterations(entry.module, entry.batch, entry.loss_fn, opt, steps=2, warmup=0, **kw)[-1]
+            entry = build_model(model, batch_size=batch, seq_len=seq, device=device)
+            opt = make_optimizer("sgd", entry.module.parameters())
+            rt = PolicyRuntime(policy, entry.module)
+            steps = run_iterations(entry.module, entry.batch, entry.loss_fn, opt, steps=ITERATIONS - 1,
+                                   batch_size=batch, around_step=rt.step)  # fmt: skip
+            measured = steps[-1]
             reserved = torch.cuda.max_memory_reserved() if cuda else 0
             if cuda:
                 requests = allocator_requests(torch.cuda.memory._snapshot())
@@ -320,6 +328,11 @@ def policy_allocator(
                 torch.cuda.memory._record_memory_history(enabled=None)
         planned = sim.run(vec, options=policy.options)
         modelled = policy_stats(w, hw, vec, policy.options, expandable_segments=expandable_segments)
+        if requests:
+            replayed = replay_requests(requests)
+            print(f"   {label:9s} the model replaying the {len(requests)} recorded requests: "
+                  f"{replayed.peak_reserved / 2**30:.3f} GiB reserved "
+                  f"({(replayed.peak_reserved - reserved) / reserved:+.1%})", flush=True)  # fmt: skip
         out[label] = {"planned_peak_bytes": planned.peak_bytes, "allocator_peak_bytes": measured.peak_bytes,
                       "model_reserved_peak_bytes": modelled.peak_reserved,
                       "model_allocated_peak_bytes": modelled.peak_allocated,
@@ -459,8 +472,8 @@ def main() -> None:
                 rows.append(end_to_end(model, batch, seq, budget, out, clock))
             except Exception:
                 print(traceback.format_exc(), flush=True)
-        if rows:
-            (out / "end_to_end.json").write_text(json.dumps(rows, indent=2))
+            if rows:  # after each model: a run stopped from outside keeps the rows it finished
+                (out / "end_to_end.json").write_text(json.dumps(rows, indent=2))
         traces = []
         for model, batch, seq, precision in [t for t in TRACED if "traces" in steps and wanted(t[0])]:
             if clock.left() < 45:
@@ -469,8 +482,8 @@ def main() -> None:
                 traces.append(fake_vs_allocator(model, batch, seq, precision))
             except Exception:
                 print(traceback.format_exc(), flush=True)
-        if traces:
-            (out / "traces.json").write_text(json.dumps(traces, indent=2))
+            if traces:
+                (out / "traces.json").write_text(json.dumps(traces, indent=2))
         if "expandable" in steps and clock.left() >= 90:
             expandable_run(out, clock)
         elif "expandable" in steps:
