@@ -10,7 +10,15 @@ NOTE [ GPU-faithful fake traces ]
         routed to the fused op the GPU would pick, so that autograd saves what that kernel saves (q, k, v,
         the output, the log-sum-exp and the random-number seed and offset). The choice follows PyTorch's
         selection rules (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp; priority order flash,
-        memory-efficient, math, cuDNN, as ``torch._C._get_sdp_priority_order()`` gives on torch 2.11-2.14):
+        memory-efficient, math, cuDNN, as ``torch._C._get_sdp_priority_order()`` gives on torch 2.11-2.14,
+        except that the first call on a Hopper or Blackwell GPU (compute capability 9.x, 10.x) with a recent
+        cuDNN (above 9.15.0, as torch 2.11's CUDA 13 wheels ship) puts cuDNN first for the process:
+        ``check_prefer_cudnn_attention``; an H200 run of GPT-2 small in bf16 ran cuDNN attention in every
+        layer, and the priority order it printed changed from [flash, efficient, math, cuDNN] to [cuDNN,
+        flash, efficient, math] after the first attention):
+        - cuDNN attention, where it comes first: fp16 or bf16, head dimensions at most 128 and multiples of 8,
+          4-D query, key and value, with or without ``attn_mask`` (a GPU machine with an older cuDNN runs
+          flash instead: not modelled);
         - flash attention: fp16 or bf16, compute capability 8.0 or more, no ``attn_mask``, head dimension at
           most 256 and a multiple of 8, query, key and value of one dtype and head count;
         - memory-efficient attention: fp32, fp16, or bf16 from compute capability 8.0; compute capability 5.0
@@ -111,12 +119,21 @@ def sdpa_backend(
     value: torch.Tensor,
     attn_mask: torch.Tensor | None,
 ) -> str:
-    """The kernel ("flash", "efficient" or "math") a GPU of ``capability`` runs for this call (G1)."""
+    """The kernel ("cudnn", "flash", "efficient" or "math") a GPU of ``capability`` runs for this call (G1)."""
     if capability is None:
         return "math"
     dtype, head_dim = query.dtype, query.shape[-1]
     same = key.dtype == dtype and value.dtype == dtype and key.shape[-1] == head_dim == value.shape[-1]
     one_head_count = query.dim() == 4 and key.shape[-3] == query.shape[-3] == value.shape[-3]
+    if (
+        capability[0] in (9, 10)
+        and dtype in _FLASH_DTYPES
+        and query.dim() == key.dim() == value.dim() == 4
+        and max(head_dim, value.shape[-1]) <= 128
+        and head_dim % 8 == 0 == value.shape[-1] % 8
+        and same
+    ):
+        return "cudnn"
     if (
         dtype in _FLASH_DTYPES
         and capability >= (8, 0)
@@ -172,6 +189,14 @@ class _FusedKernels(TorchFunctionMode):
         backend = sdpa_backend(self.capability, query, key, value, attn_mask)
         self.routed[backend] = self.routed.get(backend, 0) + 1
         aten = torch.ops.aten
+        if backend == "cudnn":
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            if attn_mask is not None and attn_mask.dtype == torch.bool:  # the fused op takes an additive bias
+                attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
+            out = aten._scaled_dot_product_cudnn_attention(
+                query, key, value, attn_mask, grad, dropout_p, is_causal, False, scale=scale
+            )
+            return out[0]
         if backend == "flash":
             out = aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, return_debug_mask=False, scale=scale

@@ -471,14 +471,15 @@ def test_expandable_workload_replay_matches_the_timeline_peak() -> None:
     assert stats.peak_reserved >= stats.peak_allocated >= stats.peak_requested
 
 
-@pytest.mark.parametrize("model", ["resnet50", "gpt2", "vit_b_16"])
+@pytest.mark.parametrize("model", ["resnet50", "gpt2", "vit_b_16", "bert-base", "gpt2/bf16"])
 def test_h200_requests_replayed_reproduce_the_reserved_peak(model: str) -> None:
     """Every request an H200's caching allocator got in a training step (experiments/gpu_check.py step 5, the
     fixture), replayed through the model after the two cuBLAS workspaces the process already held (runtime/
     target.py G6: allocated before the recording, in no request of it): the reserved peak is
-    ``max_memory_reserved``'s within 0.1% (ResNet-50 to the byte; GPT-2 and ViT-B/16 2 MiB under). Without
-    the workspaces it was 0.4-1.3% under. BERT-base is left out: its process held 0.5 GB more before the
-    recording (a model of its earlier traces, not yet collected), which no request shows."""
+    ``max_memory_reserved``'s within 0.1% (ViT-B/16 2 MiB under, the others to the byte). Without
+    the workspaces it was 0.4-1.3% under. BERT-base's first recording was left out (its process held 0.5 GB
+    more before it, a model of earlier traces not yet collected, which no request shows); the fixture's is
+    from a clean process, as GPT-2's in bf16."""
     from runtime.target import CUBLAS_HANDLES, cublas_workspace_bytes
     from tests.test_target import h200_traces
 
@@ -486,9 +487,50 @@ def test_h200_requests_replayed_reproduce_the_reserved_peak(model: str) -> None:
     size = cublas_workspace_bytes((9, 0))
     held = [Request(-1 - i, size) for i in range(CUBLAS_HANDLES)]
     rest = row.get("held_before_bytes", 0) - CUBLAS_HANDLES * size  # recorded since (experiments/gpu_check.py)
-    if rest > 0:  # what else the process held (an earlier trace's model): one block, as it is not known better
-        held.append(Request(-9, rest))
+    # What else the process held, 1-2 MiB in these rows: small tensors (a batch's ids, RNG states), which the
+    # small pool keeps in 2 MiB segments of their own; as one large block it would open a 20 MiB segment that
+    # later requests fill (BERT-base: 9.0% under, against to the byte as small blocks).
+    held += [Request(-10 - i, 1 << 20) for i in range(max(0, rest) // (1 << 20))]
     seq = held + recorded_requests(row["requests"])
     got = replay(seq).peak_reserved
     assert got == pytest.approx(row["allocator_reserved_peak_bytes"], rel=1e-3)
     assert got <= row["allocator_reserved_peak_bytes"]
+
+
+@pytest.mark.parametrize("model", ["resnet50", "gpt2"])
+def test_h200_reserved_under_policies(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Reserved budget ] against the H200 (the fixture's policy rows: experiments/gpu_check.py step 5,
+    keep, swap, recompute and a random mix applied by the runtime from a clean cache, three iterations with
+    the optimizer's state made in the first, as `autotune train` runs them): the model replaying the requests
+    the allocator got under each policy is within 4% of ``max_memory_reserved`` (ResNet-50 -1.0% to -3.5%,
+    GPT-2 -0.4% to -0.9%: streams and events the replay does not see), and the model of the policy planned on a
+    fake trace for the h200 (what a user without a GPU plans with) is within 0.2% on GPT-2 (all four) and
+    within 3% on ResNet-50 for keep, swap and recompute (-0.7%, -2.7%, -1.4%). Not asserted: ResNet-50's mix,
+    -10.2% (its allocated peak is 3.0% under too: cuDNN's convolution workspaces in recompute, not modelled)."""
+    import numpy as np
+
+    from envs.allocator import policy_stats
+    from envs.simulator import uniform_actions
+    from runtime.policy import Action, PolicyOptions
+    from tests.test_target import fake_h200_trace, h200_traces
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # PyTorch's default, as the H200 ran
+    row = h200_traces()[model]
+    batch, seq = row["batch"], row["seq_len"]
+    w = fake_h200_trace(model, batch, seq)
+    real = list(row["real"]["saved"])  # the real trace's candidates, in order: the mix was drawn over them
+    mix = dict(zip(real, np.random.default_rng(0).integers(0, 3, len(real)).astype(np.int8), strict=True))
+    hw = get_profile("h200")
+    for label, measured in row["policies"].items():
+        reserved = measured["allocator_reserved_peak_bytes"]
+        replayed = replay(recorded_requests(measured["requests"])).peak_reserved
+        assert abs(replayed - reserved) <= 0.04 * reserved, (label, replayed, reserved)
+        if label == "mixed":
+            vec = np.array([mix[c.key] for c in w.candidates], dtype=np.int8)
+        else:
+            vec = uniform_actions(w, {"keep": Action.KEEP, "swap": Action.SWAP, "recompute": Action.RECOMPUTE}[label])
+        if model == "resnet50" and label == "mixed":
+            continue
+        modelled = policy_stats(w, hw, vec, PolicyOptions()).peak_reserved
+        tolerance = 0.002 if model == "gpt2" else 0.03
+        assert abs(modelled - reserved) <= tolerance * reserved, (label, modelled, reserved)

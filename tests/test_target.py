@@ -72,17 +72,21 @@ def test_attention_saves_what_the_fused_kernel_saves() -> None:
 
 
 def test_the_kernel_each_gpu_runs() -> None:
-    """PyTorch's selection rules (runtime/target.py G1): flash for fp16/bf16 from compute capability 8.0
-    without a mask, memory-efficient for fp32 or with a mask, and neither for bf16 before 8.0 (V100)."""
+    """PyTorch's selection rules (runtime/target.py G1): cuDNN for fp16/bf16 on Hopper and Blackwell (9.x,
+    10.x; head dimension at most 128, a mask or not), flash for fp16/bf16 from compute capability 8.0 without
+    a mask, memory-efficient for fp32 or with a mask, and neither for bf16 before 8.0 (V100)."""
 
     def qkv(dtype: torch.dtype, d: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = torch.empty(2, 4, 32, d, dtype=dtype, device="meta")
         return t, t, t
 
     mask = torch.empty(32, 32, dtype=torch.bool, device="meta")
-    assert sdpa_backend((9, 0), *qkv(torch.bfloat16), None) == "flash"
+    assert sdpa_backend((9, 0), *qkv(torch.bfloat16), None) == "cudnn"
+    assert sdpa_backend((10, 0), *qkv(torch.float16), mask) == "cudnn"
+    assert sdpa_backend((8, 0), *qkv(torch.bfloat16), None) == "flash"
+    assert sdpa_backend((9, 0), *qkv(torch.bfloat16, d=192), None) == "flash"  # cuDNN: head dim <= 128
     assert sdpa_backend((9, 0), *qkv(torch.float32), None) == "efficient"
-    assert sdpa_backend((9, 0), *qkv(torch.bfloat16), mask) == "efficient"
+    assert sdpa_backend((8, 9), *qkv(torch.bfloat16), mask) == "efficient"
     assert sdpa_backend((9, 0), *qkv(torch.bfloat16, d=512), None) == "efficient"  # flash: head dim <= 256
     assert sdpa_backend((7, 0), *qkv(torch.float16), None) == "efficient"
     assert sdpa_backend((7, 0), *qkv(torch.bfloat16), None) == "math"
@@ -122,14 +126,17 @@ def h200_traces() -> dict[str, dict[str, Any]]:
     return rows
 
 
-def fake_h200_trace(model: str, batch: int, seq_len: int | None = None, hw: HardwareProfile | None = None) -> Workload:
-    """A fake trace on this CPU of the zoo's ``model`` for the h200 profile (or ``hw``)."""
+def fake_h200_trace(
+    model: str, batch: int, seq_len: int | None = None, hw: HardwareProfile | None = None, precision: str = "fp32"
+) -> Workload:
+    """A fake trace on this CPU of the zoo's ``model`` for the h200 profile (or ``hw``), in ``precision``."""
 
     def build():  # type: ignore[no-untyped-def]
         e = build_model(model, batch_size=batch, seq_len=seq_len)
         return e.module, e.batch, e.loss_fn
 
-    return capture(build, name=model, batch_size=batch, seq_len=seq_len, target=hw or get_profile("h200"))
+    target = hw or get_profile("h200")
+    return capture(build, name=model, batch_size=batch, seq_len=seq_len, target=target, precision=precision)
 
 
 @pytest.mark.parametrize(("model", "batch", "seq_len"), [("gpt2", 8, 1024), ("resnet50", 64, None)])
@@ -148,6 +155,24 @@ def test_no_policy_peak_on_the_h200_within_1_percent(
     planned = peak_report(w, hw.alloc_granularity_bytes).peak_bytes
     assert planned == pytest.approx(measured["allocator_peak_bytes"], rel=0.01)
     assert {c.key for c in w.candidates} == set(measured["real"]["saved"])  # what the GPU saved, key for key
+
+
+def test_g1_bf16_attention_on_the_h200_is_cudnns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """G1 and G5 in bf16: GPT-2 small 8 x 1024 under autocast, traced for real on the H200 (the fixture's
+    "gpt2/bf16" row), ran cuDNN attention in every layer; a fake trace for the h200 saves the real trace's
+    keys, key for key and byte for byte (12 were flash attention's before cuDNN came first), and plans the
+    no-policy peak within 0.5% of the allocator's (-0.15%), and the reserved bytes too (+0.05%)."""
+    from envs.allocator import no_policy_stats
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # PyTorch's default, as the H200 ran
+    measured = h200_traces()["gpt2/bf16"]
+    hw = get_profile("h200")
+    w = fake_h200_trace("gpt2", 8, 1024, precision="bf16")
+    assert {c.key: c.nbytes for c in w.candidates} == measured["real"]["saved"]
+    assert sum(c.key.endswith(":ScaledDotProductCudnnAttention") for c in w.candidates) == 12
+    planned = peak_report(w, hw.alloc_granularity_bytes).peak_bytes
+    assert planned == pytest.approx(measured["allocator_peak_bytes"], rel=0.005)
+    assert no_policy_stats(w).peak_reserved == pytest.approx(measured["allocator_reserved_peak_bytes"], rel=0.005)
 
 
 def test_g4_a_padding_mask_that_pads_nothing_is_skipped_as_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
