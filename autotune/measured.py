@@ -7,7 +7,11 @@ NOTE [ Measured search ]
     (autotune.real_backend.RealBackend: the CUDA allocator's peak, or the CPU storage tracker's). On CUDA the
     device is capped at the user's budget as ``autotune train`` caps it, so that what the caching allocator
     reserves (cached blocks, split ends) counts as it does when the policy is applied: a finalist that runs
-    out of memory there does not fit. The answer is the fastest that runs within the budget with its
+    out of memory there does not fit, nor one whose steady iterations run only by the allocator freeing its
+    cached segments to make room (``alloc_retries``, ``segments_freed`` of runtime.measure: each cudaFree
+    synchronises the device, and a policy that close to the cap can run out in another process: on an H200 the
+    one finalist of six that ran within 3 GB for ResNet-50 b64 in the search's process, its five neighbours
+    out of memory, ran out in `autotune train`'s; whether it made the allocator free its cache is not known). The answer is the fastest that runs within the budget with its
     *measured* peak there. When none is, the largest ratio of measured to planned peak says how much room
     the plan lacked: up to ``K`` more policies are drawn from the finalists planned with at least that much
     of the budget free (the next tier of MARGINS at least), and measured, tier after tier until one fits.
@@ -194,7 +198,7 @@ def measure(
         seen = {m.finalist.key for m in out.rows}
         more = pool.pick(k, margin, min_distance=distance, exclude=seen)
         oom = sum(not math.isfinite(m.iter_s) for m in out.rows)
-        why = f"; {oom} ran out of memory within it" if oom else ""
+        why = f"; {oom} ran out of memory, or of room, within it" if oom else ""
         notes.append(
             f"no finalist fit when measured (up to {over - 1:+.2%} over its plan{why}): measuring {len(more)} "
             f"planned with {margin:.0%} of the budget free"

@@ -102,7 +102,13 @@ class RealBackend:
             self._optimizer.zero_grad(set_to_none=True)
             total = torch.cuda.get_device_properties(torch.device(self.device)).total_memory
             return int(total), math.inf
-        return max(s.peak_bytes for s in steps), statistics.median(s.iter_s for s in steps)
+        peak = max(s.peak_bytes for s in steps)
+        if any(s.alloc_retries or s.segments_freed for s in steps):
+            # Steady iterations that ran only by the allocator freeing its cache within the cap: each cudaFree
+            # synchronises the device, and a run this close to the cap is one another process can lose (NOTE
+            # [ Measured search ]): not a fit.
+            return peak, math.inf
+        return peak, statistics.median(s.iter_s for s in steps)
 
 
 def real_backend(

@@ -405,3 +405,25 @@ def test_real_backend_trains_a_small_model_on_the_cpu() -> None:
         env.best is not None and env.best.reward == reward and env.best.measured == (info["peak_bytes"], info["iter_s"])
     )
     assert env.best.result == Simulator(w, hw).run(recompute, budget_bytes=budget)
+
+
+def test_real_backend_counts_a_run_the_allocator_made_room_for_as_no_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Measured search ]: steady iterations during which the caching allocator freed cached segments to
+    make room within the cap (what CUDA's measurements count; none on the CPU) measure as an infinite time, not
+    a fit; the same iterations without retries measure their median time."""
+    import runtime.measure
+    from runtime.measure import IterationMeasurement
+
+    backend = real_backend("tests.test_env:deep_mlp", 512, steps=1)
+    keep = np.zeros(len(backend.workload.candidates), dtype=np.int8)
+
+    def steps(retries: int) -> list[IterationMeasurement]:
+        return [
+            IterationMeasurement(1000, 0.02, 512 / 0.02, 2048, retries, retries),
+            IterationMeasurement(900, 0.01, 512 / 0.01, 2048, 0, 0),
+        ]
+
+    for retries, expected in ((0, (1000, 0.015)), (1, (1000, float("inf")))):
+        monkeypatch.setattr(runtime.measure, "run_iterations", lambda *a, r=retries, **k: steps(r))
+        peak, iter_s = backend(keep)
+        assert (peak, iter_s) == (expected[0], pytest.approx(expected[1]))
