@@ -1,24 +1,25 @@
 """`autotune search --measure K`: the search's best distinct policies trained for real, the answer measured.
 
 NOTE [ Measured search ]
-    The simulator ranks policies; real iterations decide. After the simulated search, the ``K`` fastest
-    distinct policies that fit (NOTE [ Finalists ] in agents/finalists.py) run a few steady-state training
-    iterations each on the device the plan is for, through the environment's real backend
+    The simulator ranks policies; real iterations decide. After the simulated search, the ``K`` fastest distinct
+    policies that fit (NOTE [ Finalists ] in agents/finalists.py) run a few steady-state training iterations
+    each on the device the plan is for, through the environment's real backend
     (autotune.real_backend.RealBackend: the CUDA allocator's peak, or the CPU storage tracker's). On CUDA the
     device is capped at the user's budget as ``autotune train`` caps it, so that what the caching allocator
-    reserves (cached blocks, split ends) counts as it does when the policy is applied: a finalist that runs
-    out of memory there does not fit, nor one whose steady iterations run only by the allocator freeing its
-    cached segments to make room (``alloc_retries``, ``segments_freed`` of runtime.measure: each cudaFree
-    synchronises the device, and a policy that close to the cap can run out in another process: on an H200 the
-    one finalist of six that ran within 3 GB for ResNet-50 b64 in the search's process, its five neighbours
-    out of memory, ran out in `autotune train`'s; whether it made the allocator free its cache is not known). The answer is the fastest that runs within the budget with its
-    *measured* peak there. When none is, the largest ratio of measured to planned peak says how much room
-    the plan lacked: up to ``K`` more policies are drawn from the finalists planned with at least that much
-    of the budget free (the next tier of MARGINS at least), and measured, tier after tier until one fits.
-    When none of those fits either, there is no answer, and the command says so. The measured times also
-    recalibrate the plan: the median ratio of measured to predicted time is the simulator's time scale on
-    this device, and the errors before and after it is applied say how far the plan was off and how much of
-    that a single scale explains (what it does not is the simulator ranking policies wrongly).
+    reserves (cached blocks, split ends) counts as it does when the policy is applied: a finalist that runs out
+    of memory there does not fit, nor one whose steady iterations run only by the allocator freeing its cached
+    segments to make room (``alloc_retries``, ``segments_freed`` of runtime.measure: each cudaFree synchronises
+    the device, and a policy that close to the cap can run out in another process: on an H200 the one finalist
+    of six that ran within 3 GB for ResNet-50 b64 in the search's process, its five neighbours out of memory,
+    ran out in `autotune train`'s; whether it made the allocator free its cache is not known). The answer is the
+    fastest that runs within the budget with its *measured* peak there. When none is, the largest ratio of
+    measured to planned peak says how much room the plan lacked: up to ``K`` more policies are drawn from the
+    finalists planned with at least that much of the budget free (the next tier of MARGINS at least), and
+    measured, tier after tier until one fits. When none of those fits either, there is no answer, and the
+    command says so. The measured times also recalibrate the plan: the median ratio of measured to predicted
+    time is the simulator's time scale on this device, and the errors before and after it is applied say how far
+    the plan was off and how much of that a single scale explains (what it does not is the simulator ranking
+    policies wrongly).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ class TrainReport:
     predicted: dict[str, float]
     unknown_keys: list[str]
     out_of_memory: str | None = None
+    out_of_memory_iteration: int | None = None  # where it ran out: 1 is the warm-up, then the measured steps
     expandable_segments: bool = False  # --expandable-segments: the allocator's setting, and the model's (A8-A11)
     expandable_in_effect: bool | None = None  # what the allocator reports it runs with (None: not known)
     compiled: str | None = None  # --compile: the backend the policy ran under (runtime/compiled.py)
@@ -74,6 +75,7 @@ class TrainReport:
             "segments_freed": _total(s.segments_freed for s in self.steps),
             "unknown_keys": self.unknown_keys,
             "out_of_memory": self.out_of_memory,
+            "out_of_memory_iteration": self.out_of_memory_iteration,
             "expandable_segments": self.expandable_segments,
             "expandable_in_effect": self.expandable_in_effect,
             "compiled": self.compiled,
@@ -289,12 +291,20 @@ def run_policy(
         def loss_fn(_model: torch.nn.Module, b: Any) -> torch.Tensor:  # the compiled model, the same parameters
             return entry.loss_fn(cm, b)
 
+    calls = 0  # forwards begun: where an out-of-memory error came, in iterations
+    measured_loss = loss_fn
+
+    def counted(model: torch.nn.Module, b: Any) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return measured_loss(model, b)
+
     try:
         with capped_memory(device, policy.budget_bytes):  # the budget enforced: what the allocator reserves
             report.steps = run_iterations(
                 entry.module,
                 entry.batch,
-                loss_fn,
+                counted,
                 opt,
                 steps=steps,
                 batch_size=batch,
@@ -305,6 +315,7 @@ def run_policy(
             )
     except torch.OutOfMemoryError as e:  # over budget: a result, not a crash
         report.out_of_memory = str(e).splitlines()[0]
+        report.out_of_memory_iteration = (max(calls, 1) - 1) // w.grad_accum + 1
     report.unknown_keys = list(rt.stats.unknown_keys) if rt is not None else []
     if cm is not None:  # predict what the compiled graph applies: the changed decisions, as changed
         r = cm.report
@@ -323,7 +334,13 @@ def run_policy(
 def render(out: Console, report: TrainReport) -> None:
     """`autotune train`'s table: each step measured, the median, the prediction and the error."""
     if report.out_of_memory:
-        out.print(f"[red]out of memory at the policy's budget:[/] {report.out_of_memory}")
+        at = report.out_of_memory_iteration
+        where = (
+            ""
+            if at is None
+            else (" in the warm-up iteration" if at == 1 else f" in iteration {at} (the first is the warm-up)")
+        )
+        out.print(f"[red]out of memory at the policy's budget{where}:[/] {report.out_of_memory}")
     table = Table(title=f"{report.model}, batch {report.batch_size}, on {report.device} ({report.profile} profile)")
     for col in ("", "peak", "iteration", "samples/s"):
         table.add_column(col, justify="left" if not col else "right")

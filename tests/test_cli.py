@@ -276,3 +276,38 @@ def test_host_memory_option(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
                        "--storage", f"sqlite:///{tmp_path / 's.db'}")  # fmt: skip
     assert code == 0, err
     assert "swapped tensors may pin up to 8GB = 8,000,000,000 bytes" in err
+
+
+def test_train_says_in_which_iteration_it_ran_out_of_memory(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An out-of-memory error at the policy's budget is a result of `autotune train`, with the iteration it
+    came in (1: the warm-up), in the JSON and the table's line. The error is raised by a stand-in for the
+    training loop, after the second iteration's forward has begun (what a CPU cannot produce)."""
+    import numpy as np
+    import torch
+
+    from autotune import train as tr
+    from autotune.workloads import TraceRequest, trace_model
+    from runtime.policy import Policy
+
+    w, _ = trace_model(TraceRequest(model="tests.test_env:deep_mlp", batch_size=64))
+    path = tmp_path / "mlp.policy.json"
+    Policy.from_vector(w, np.zeros(len(w.candidates), dtype=np.int8), hardware="cpu").save(path)
+
+    def run_out(model, batch, loss_fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        for _ in range(2):
+            loss_fn(model, batch)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 196.00 MiB.\nmore")
+
+    monkeypatch.setattr(tr, "run_iterations", run_out)
+    code, out, err = run(capsys, "train", "--policy", str(path), "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    assert (got["out_of_memory"], got["out_of_memory_iteration"]) == (
+        "CUDA out of memory. Tried to allocate 196.00 MiB.",
+        2,
+    )
+    code, out, err = run(capsys, "train", "--policy", str(path))
+    assert code == 0, err
+    assert "out of memory at the policy's budget in iteration 2 (the first is the warm-up)" in " ".join(out.split())
