@@ -324,7 +324,10 @@ def test_measure_goes_on_to_more_room_while_finalists_run_out_of_memory_within_t
     assert [m.finalist.result.peak_bytes for m in got.rows] == [1000, 960, 890] and caps == [1000, 1000, 1000]
     assert [m.fits(1000) for m in got.rows] == [False, False, True] and got.chosen is got.rows[2]
     assert "1% of the budget free" in got.note and "3% of the budget free" in got.note
-    assert "1 ran out of memory within it" in got.note and "2 ran out of memory within it" in got.note
+    assert (
+        "1 ran out of memory, or of room, within it" in got.note
+        and "2 ran out of memory, or of room, within it" in got.note
+    )
 
 
 def test_nothing_that_fits_when_measured_is_an_error_and_nothing_is_written(
