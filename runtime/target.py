@@ -52,7 +52,11 @@ NOTE [ GPU-faithful fake traces ]
         others to the lower precision; the CPU does none of these. For a GPU target those policies are
         registered, for the trace only, as Python kernels at the CPU's autocast dispatch key (above
         autograd, as autocast's own: the casts are recorded and differentiated, and the ops a composite
-        calls inside are cast too). Not done: CUDA's ``norm`` overloads (``fp32_append_dtype``); the ops
+        calls inside are cast too). ``scaled_dot_product_attention``, in CUDA's lower-precision list, has its
+        floating inputs cast before G1 chooses its kernel, since the router sees the call before autocast
+        does (Llama's rotary embedding leaves q and k in fp32 under autocast: G1 saw mixed dtypes and left the
+        call to the CPU, which traced its own flash kernel, where CUDA runs cuDNN or flash on bf16 copies).
+        Not done: CUDA's ``norm`` overloads (``fp32_append_dtype``); the ops
         only the CPU's lists hold (3-D pooling, padding, FFT, linear algebra; ``cat`` and ``stack``
         promotion) keep the CPU's policy.
     G6. Library workspaces. cuBLAS keeps a workspace per (handle, stream) from its first call to the end of
@@ -186,6 +190,11 @@ class _FusedKernels(TorchFunctionMode):
         scale: float | None = None,
         enable_gqa: bool = False,
     ) -> Any:
+        if torch.is_autocast_enabled("cpu"):  # G5: CUDA autocast casts SDPA's inputs before the kernel is chosen
+            low = torch.get_autocast_dtype("cpu")
+            query, key, value = (t.to(low) if t.is_floating_point() else t for t in (query, key, value))
+            if attn_mask is not None and attn_mask.is_floating_point():
+                attn_mask = attn_mask.to(low)
         backend = sdpa_backend(self.capability, query, key, value, attn_mask)
         self.routed[backend] = self.routed.get(backend, 0) + 1
         aten = torch.ops.aten

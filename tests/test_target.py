@@ -326,3 +326,20 @@ def test_a_bf16_trace_for_a_gpu_saves_what_cuda_autocast_makes() -> None:
     with cuda_autocast_lists():  # on or off, an fp32 trace has no autocast to change
         inside = trace("a100-40gb", "fp32")
     assert peak_report(inside).peak_bytes == peak_report(trace("a100-40gb", "fp32")).peak_bytes
+
+
+def test_g5_attention_inputs_are_cast_before_g1_chooses() -> None:
+    """G5 then G1: under autocast, Llama's rotary embedding leaves q and k in fp32 and v in bf16; CUDA's autocast
+    casts all three to bf16 (``scaled_dot_product_attention`` is in its lower-precision list) before the kernel
+    is chosen, so a bf16 trace for the h200 runs cuDNN attention and one for the A100 flash, both on bf16 inputs
+    (before, G1 saw mixed dtypes and the trace took the CPU's own flash kernel); fp32 stays memory-efficient."""
+    from autotune.workloads import TraceRequest, trace_model
+
+    def attention(profile: str, precision: str) -> set[str]:
+        req = TraceRequest(model="experiments.user_models:tiny_llama", precision=precision, target=get_profile(profile))
+        w, _ = trace_model(req)
+        return {c.key.split(":")[-1] for c in w.candidates if "Attention" in c.key}
+
+    assert attention("h200", "bf16") == {"ScaledDotProductCudnnAttention"}
+    assert attention("a100-40gb", "bf16") == {"ScaledDotProductFlashAttention"}
+    assert attention("h200", "fp32") == {"ScaledDotProductEfficientAttention"}
