@@ -483,6 +483,10 @@ def search(
     err.print(note)
     if host_note:
         err.print(host_note, highlight=False)
+    hw, costs_note = sr.with_local_host_costs(hw, here)
+    if costs_note:
+        req = dataclasses.replace(req, target=hw)
+        err.print(costs_note, highlight=False)
     backends: dict[tuple[Any, ...], Any] = {}
 
     def backend_for(partitions: tuple[Any, ...]) -> Any:
@@ -664,6 +668,10 @@ def maxbatch(
         target=hw,
     )
     req.validate()
+    hw, costs_note = sr.with_local_host_costs(hw, here)
+    if costs_note:
+        req = dataclasses.replace(req, target=hw)
+        err.print(costs_note, highlight=False)
 
     def trace(b: int) -> Any:
         return trace_model(dataclasses.replace(req, batch_size=b))[0]

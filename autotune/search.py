@@ -95,6 +95,25 @@ def with_host_memory(hw: HardwareProfile, text: str | None, here: str | None) ->
     return dataclasses.replace(hw, host_memory_bytes=n), f"swapped tensors may pin up to {format_size_echo(text, n)}"
 
 
+def with_local_host_costs(hw: HardwareProfile, here: str | None, seconds: float = 1.0) -> tuple[HardwareProfile, str]:
+    """Where the plan is for this machine's GPU (``here`` a CUDA device), the runtime's host costs measured on
+    this host (runtime/host_costs.py, in about four times ``seconds``) in place of the profile's: those are one
+    H200 machine's, and hosts differ (one H200 machine's host issued an op in 5.9 us in one call and 9.5 in the
+    next, and ResNet-50's host-bound recompute steps ran 13-31% slower than planned on the slower;
+    docs/results.md). Returns the profile and a line for stderr (empty: nothing to say)."""
+    if not hw.is_gpu or here is None or not here.startswith("cuda"):
+        return hw, ""
+    from runtime.host_costs import calibrate  # the runtime itself: imported where it is needed
+
+    costs = calibrate(here, seconds)
+    old = hw.host
+    return dataclasses.replace(hw, host=costs), (
+        f"the runtime's host costs measured on this machine: an op {costs.op_s * 1e6:.1f} us, a region "
+        f"{costs.region_s * 1e6:.0f} us, a replayed op {costs.replay_op_s * 1e6:.0f} us (the {hw.name} profile's: "
+        f"{old.op_s * 1e6:.1f}, {old.region_s * 1e6:.0f}, {old.replay_op_s * 1e6:.0f})"
+    )
+
+
 def measure_count(measure: int | None, device: str | None, hw: HardwareProfile) -> int:
     """``--measure``: as given, else DEFAULT_GPU_MEASURE where the plan is for this machine's GPU, else 0;
     an error when asked for where the planned device is not here."""

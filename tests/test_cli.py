@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -311,3 +312,26 @@ def test_train_says_in_which_iteration_it_ran_out_of_memory(
     code, out, err = run(capsys, "train", "--policy", str(path))
     assert code == 0, err
     assert "out of memory at the policy's budget in iteration 2 (the first is the warm-up)" in " ".join(out.split())
+
+
+def test_a_plan_for_this_machines_gpu_takes_this_hosts_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the plan is for this machine's GPU (the planned device a CUDA one), the runtime's host costs are
+    measured here (runtime/host_costs.py) in place of the profile's, which one H200 host measured; a plan for
+    another machine's GPU, or for the CPU, keeps its profile's (the CPU profile measures its own already)."""
+    import runtime.host_costs
+    from autotune import search as sr
+    from runtime.hardware import HostCosts, get_profile
+
+    h200, cpu = get_profile("h200"), get_profile("cpu")  # the cpu profile measures its own host
+    here_costs = HostCosts(op_s=9.5e-6, region_s=114e-6, replay_op_s=187e-6, source="measured here")
+    asked: list[str] = []
+    monkeypatch.setattr(runtime.host_costs, "calibrate", lambda device, seconds: asked.append(device) or here_costs)
+    hw, line = sr.with_local_host_costs(h200, "cuda:0")
+    assert hw.host == here_costs and asked == ["cuda:0"]
+    assert dataclasses.replace(hw, host=h200.host) == h200  # nothing else changes
+    assert line == (
+        "the runtime's host costs measured on this machine: an op 9.5 us, a region 114 us, a replayed op 187 us "
+        "(the h200 profile's: 5.9, 92, 127)"
+    )
+    assert sr.with_local_host_costs(h200, None) == (h200, "")  # planned for a GPU that is not here
+    assert sr.with_local_host_costs(cpu, "cpu") == (cpu, "") and asked == ["cuda:0"]
