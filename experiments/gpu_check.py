@@ -17,7 +17,8 @@ In order, each step bounded in time, the whole run meant to fit in 8 minutes on 
    NOTE [ Measured search ]) then ``autotune train --device cuda`` under the answer: predicted against
    measured samples/s and peak, and the measured peak against the budget.
 5. Traces against the allocator: for ResNet-50 b64, GPT-2 small 8 x 1024, BERT-base 8 x 512 and ViT-B/16 b32
-   in fp32, and GPT-2 small in bf16 (autocast: G5 in runtime/target.py; its row says ``precision``),
+   in fp32, and GPT-2 small and the user-model Llama in bf16 (autocast: G5 in runtime/target.py; its row
+   says ``precision``),
    the no-policy peak of a fake-mode trace taken for this GPU's profile (NOTE [ GPU-faithful fake traces ]
    in runtime/target.py) and of a real-mode CUDA trace against the allocator's, and their saved keys: the
    keys one has and the other lacks are printed, and ``traces.json`` keeps, per model, the real trace's
@@ -29,7 +30,9 @@ In order, each step bounded in time, the whole run meant to fit in 8 minutes on 
    mix; applied by the runtime, planned on the real trace): the simulator's peak against
    ``max_memory_allocated``, and the allocator's model under the policy (``envs.allocator.policy_stats``,
    NOTE [ Reserved budget ]) against ``max_memory_reserved`` (target: within 3%), the requests kept in
-   ``traces.json`` (issue "Memory as the allocator holds it", item 3).
+   ``traces.json`` (issue "Memory as the allocator holds it", item 3), each run as ``autotune train`` runs it.
+   For convolutional models, each convolution's workspace by its signature (``conv_workspaces``: cuDNN's,
+   which no fake trace can know).
 6. Expandable segments: in a fresh process (the allocator reads ``PYTORCH_CUDA_ALLOC_CONF`` when CUDA
    initialises) with ``expandable_segments:True`` appended to it, ResNet-50 b64 under keep and a random mix as
    in step 5: the allocator's model of that setting (A8-A11 in envs/allocator.py) against
@@ -72,6 +75,7 @@ TRACED = [  # step 5: model, batch, seq_len, precision
     ("bert-base", 8, 512, "fp32"),
     ("vit_b_16", 32, None, "fp32"),
     ("gpt2", 8, 1024, "bf16"),
+    ("experiments.user_models:tiny_llama", None, None, "bf16"),  # G5 then G1: rotary q, k in fp32 under autocast
 ]
 EXPANDABLE = ("resnet50", 64, None)  # step 6: model, batch, seq_len
 PARTITION = ("vgg16", 64, None, "3GB", ["--partition", "features/4"])  # step 7: as E2E, and search's options
@@ -261,6 +265,8 @@ def fake_vs_allocator(model: str, batch: int, seq: int | None, precision: str = 
     del entry, opt, measured
     torch.cuda.empty_cache()
     row["precision"] = precision
+    if precision == "fp32" and any("Convolution" in k for k in row["real"]["saved"]):
+        row["conv_workspaces"] = conv_workspaces(model, batch, seq)
     if (model, batch, seq) in [(m, b, s) for m, b, s, _ in E2E] and hw is not None and precision == "fp32":
         row["policies"] = policy_allocator(model, batch, seq, real, hw)
     return row
@@ -348,6 +354,60 @@ def policy_allocator(
         del entry, opt, rt
         if cuda:
             torch.cuda.empty_cache()
+    return out
+
+
+def conv_workspaces(model: str, batch: int | None, seq: int | None, device: str = "cuda") -> list[dict[str, Any]]:
+    """Each convolution of one training step (forward and backward) with what it allocated beyond its outputs
+    (cuDNN's workspace, chosen by its algorithm: no fake trace can know it; issue "GPU-faithful traces" item 3),
+    keyed by what decides it: the op, the input and weight shapes, stride, padding, dilation, groups, dtype. On
+    ``device`` "cpu" a dry run (every workspace 0)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autotune.models import build_model
+    from runtime.trace import make_optimizer
+
+    cuda = device.startswith("cuda")
+    ops = {torch.ops.aten.convolution.default: "forward", torch.ops.aten.convolution_backward.default: "backward"}
+    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            if func not in ops:
+                return func(*args, **kwargs)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            out = func(*args, **kwargs)
+            ws = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated() if cuda else 0
+            x, w = (args[1], args[2]) if ops[func] == "backward" else (args[0], args[1])
+            stride, padding, dilation = (args[4], args[5], args[6]) if ops[func] == "backward" else args[3:6]
+            groups = args[9] if ops[func] == "backward" else args[8]
+            key = (ops[func], tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), tuple(dilation),
+                   int(groups), str(x.dtype))  # fmt: skip
+            row = rows.setdefault(key, {"op": key[0], "input": key[1], "weight": key[2], "stride": key[3],
+                                        "padding": key[4], "dilation": key[5], "groups": key[6], "dtype": key[7],
+                                        "workspace_bytes": 0, "calls": 0})  # fmt: skip
+            row["workspace_bytes"] = max(row["workspace_bytes"], int(ws))
+            row["calls"] += 1
+            return out
+
+    entry = build_model(model, batch_size=batch, seq_len=seq, device=device)
+    opt = make_optimizer("sgd", entry.module.parameters())
+    for _ in range(2):  # the second: cuDNN's choices made, what training runs from then on
+        rows.clear()
+        opt.zero_grad(set_to_none=True)
+        with Recorder():
+            entry.loss_fn(entry.module, entry.batch).backward()
+        opt.step()
+    del entry, opt
+    if cuda:
+        torch.cuda.empty_cache()
+    out = list(rows.values())
+    total = sum(r["workspace_bytes"] * r["calls"] for r in out)
+    print(f"   convolutions: {len(out)} signatures, the largest workspace "
+          f"{max((r['workspace_bytes'] for r in out), default=0) / 2**20:.1f} MiB, {total / 2**30:.2f} GiB "
+          "allocated and freed a step", flush=True)  # fmt: skip
     return out
 
 

@@ -120,3 +120,17 @@ def test_gpu_check_expandable_child_dry_run_on_the_cpu() -> None:
     for r in row["policies"].values():
         assert r["model_reserved_peak_bytes"] >= r["model_allocated_peak_bytes"] >= r["planned_peak_bytes"] > 0
         assert r["allocator_reserved_peak_bytes"] == r["replayed_reserved_peak_bytes"] == 0 and r["requests"] == []
+
+
+def test_gpu_check_conv_workspaces_dry_run_on_the_cpu() -> None:
+    """experiments/gpu_check.py's convolution recorder (step 5, for cuDNN's workspaces) on the CPU: ResNet-18's
+    20 convolutions, each once forward and once backward in a step, keyed by what chooses cuDNN's algorithm;
+    nothing allocated beyond the outputs on the CPU."""
+    import gpu_check
+
+    rows = gpu_check.conv_workspaces("resnet18", 2, None, device="cpu")
+    calls = {op: sum(r["calls"] for r in rows if r["op"] == op) for op in ("forward", "backward")}
+    assert calls == {"forward": 20, "backward": 20}
+    first = next(r for r in rows if r["op"] == "forward" and r["weight"] == (64, 3, 7, 7))
+    assert (first["input"], first["stride"], first["padding"], first["groups"]) == ((2, 3, 224, 224), (2, 2), (3, 3), 1)
+    assert all(r["workspace_bytes"] == 0 for r in rows)
