@@ -139,12 +139,16 @@ def expandable_in_effect() -> bool | None:
 
 
 def _profile_for(device: str) -> HardwareProfile:
+    """This device's profile, with this host's runtime costs measured (the CPU profile's always are; a GPU's as
+    `autotune search` measures them when it plans for this machine's GPU)."""
     if device == "cpu":
         return calibrate_cpu()
     found = detect()
     if found.profile is None:
         raise AutotuneError(f"no hardware profile for this GPU ({found.message}); the prediction needs one")
-    return found.profile
+    from autotune.search import with_local_host_costs
+
+    return with_local_host_costs(found.profile, device)[0]
 
 
 def train(

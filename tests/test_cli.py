@@ -316,8 +316,9 @@ def test_train_says_in_which_iteration_it_ran_out_of_memory(
 
 def test_a_plan_for_this_machines_gpu_takes_this_hosts_costs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the plan is for this machine's GPU (the planned device a CUDA one), the runtime's host costs are
-    measured here (runtime/host_costs.py) in place of the profile's, which one H200 host measured; a plan for
-    another machine's GPU, or for the CPU, keeps its profile's (the CPU profile measures its own already)."""
+    measured here (runtime/host_costs.py) in place of the profile's, which one H200 host measured, and so in
+    `autotune train`'s prediction on a GPU; a plan for another machine's GPU, or for the CPU, keeps its
+    profile's (the CPU profile measures its own already)."""
     import runtime.host_costs
     from autotune import search as sr
     from runtime.hardware import HostCosts, get_profile
@@ -335,3 +336,8 @@ def test_a_plan_for_this_machines_gpu_takes_this_hosts_costs(monkeypatch: pytest
     )
     assert sr.with_local_host_costs(h200, None) == (h200, "")  # planned for a GPU that is not here
     assert sr.with_local_host_costs(cpu, "cpu") == (cpu, "") and asked == ["cuda:0"]
+    from autotune import train as tr
+    from runtime.hardware import Detection
+
+    monkeypatch.setattr(tr, "detect", lambda: Detection(h200, "NVIDIA H200", None, "detected"))
+    assert tr._profile_for("cuda") == hw and asked == ["cuda:0", "cuda"]  # autotune train's prediction too
