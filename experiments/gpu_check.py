@@ -380,9 +380,12 @@ def conv_workspaces(model: str, batch: int | None, seq: int | None, device: str 
                 torch.cuda.reset_peak_memory_stats()
             out = func(*args, **kwargs)
             ws = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated() if cuda else 0
-            x, w = (args[1], args[2]) if ops[func] == "backward" else (args[0], args[1])
-            stride, padding, dilation = (args[4], args[5], args[6]) if ops[func] == "backward" else args[3:6]
-            groups = args[9] if ops[func] == "backward" else args[8]
+            # convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups);
+            # convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, ...)
+            shift = 1 if ops[func] == "backward" else 0
+            x, w = args[shift], args[shift + 1]
+            stride, padding, dilation = args[shift + 3 : shift + 6]
+            groups = args[shift + 8]
             key = (ops[func], tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), tuple(dilation),
                    int(groups), str(x.dtype))  # fmt: skip
             row = rows.setdefault(key, {"op": key[0], "input": key[1], "weight": key[2], "stride": key[3],

@@ -186,9 +186,12 @@ def run_iterations(
     step = TrainStep(precision, device.type, grad_accum=grad_accum)
     results: list[IterationMeasurement] = []
     for i in range(warmup + steps):
-        peak, elapsed, reserved = _one_step(model, batch, loss_fn, opt, step, ctx, device, track=cuda)
+        elapsed, m = _one_step(model, batch, loss_fn, opt, step, ctx, device, track=cuda)
         if i >= warmup:
-            results.append(IterationMeasurement(peak, elapsed, batch_size * grad_accum / elapsed, *reserved))
+            results.append(
+                IterationMeasurement(m.peak_bytes, elapsed, batch_size * grad_accum / elapsed, m.reserved_bytes,
+                                     m.alloc_retries, m.segments_freed)
+            )  # fmt: skip
     if not cuda and cpu_peak == "profiler":
         opt.zero_grad(set_to_none=True)
 
@@ -199,7 +202,7 @@ def run_iterations(
         for r in results:
             r.peak_bytes = peak
     elif not cuda:
-        peak, _, _ = _one_step(model, batch, loss_fn, opt, step, ctx, device, track=True)
+        peak = _one_step(model, batch, loss_fn, opt, step, ctx, device, track=True)[1].peak_bytes
         for r in results:
             r.peak_bytes = peak
     opt.zero_grad(set_to_none=True)
@@ -215,7 +218,8 @@ def _one_step(
     ctx: Callable[[], contextlib.AbstractContextManager[Any]],
     device: torch.device,
     track: bool,
-) -> tuple[int, float, tuple[int | None, int | None, int | None]]:
+) -> tuple[float, _Meter]:
+    """One iteration: its wall time, and what the meter read (with ``track``)."""
     opt.zero_grad(set_to_none=True)
     state = [*training_state(model, batch, opt), *step.state()]
     meter_cm = _peak_meter(device, state) if track else contextlib.nullcontext(_Meter())
@@ -229,7 +233,7 @@ def _one_step(
         step.step(opt)
         _sync(device)
         elapsed = time.perf_counter() - start
-    return meter.peak_bytes, elapsed, (meter.reserved_bytes, meter.alloc_retries, meter.segments_freed)
+    return elapsed, meter
 
 
 class _Meter:

@@ -198,10 +198,11 @@ class _FusedKernels(TorchFunctionMode):
         backend = sdpa_backend(self.capability, query, key, value, attn_mask)
         self.routed[backend] = self.routed.get(backend, 0) + 1
         aten = torch.ops.aten
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        if backend in ("cudnn", "efficient") and attn_mask is not None and attn_mask.dtype == torch.bool:
+            # the fused ops take an additive bias
+            attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
         if backend == "cudnn":
-            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-            if attn_mask is not None and attn_mask.dtype == torch.bool:  # the fused op takes an additive bias
-                attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
             out = aten._scaled_dot_product_cudnn_attention(
                 query, key, value, attn_mask, grad, dropout_p, is_causal, False, scale=scale
             )
@@ -212,9 +213,6 @@ class _FusedKernels(TorchFunctionMode):
             )
             return out[0]
         if backend == "efficient":
-            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-            if attn_mask is not None and attn_mask.dtype == torch.bool:  # the fused op takes an additive bias
-                attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
             if attn_mask is not None:
                 attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
             out = aten._scaled_dot_product_efficient_attention(

@@ -417,13 +417,13 @@ def test_real_backend_counts_a_run_the_allocator_made_room_for_as_no_fit(monkeyp
     backend = real_backend("tests.test_env:deep_mlp", 512, steps=1)
     keep = np.zeros(len(backend.workload.candidates), dtype=np.int8)
 
-    def steps(retries: int) -> list[IterationMeasurement]:
+    def steps(retries: int, freed: int) -> list[IterationMeasurement]:
         return [
-            IterationMeasurement(1000, 0.02, 512 / 0.02, 2048, retries, retries),
+            IterationMeasurement(1000, 0.02, 512 / 0.02, 2048, retries, freed),
             IterationMeasurement(900, 0.01, 512 / 0.01, 2048, 0, 0),
         ]
 
-    for retries, expected in ((0, (1000, 0.015)), (1, (1000, float("inf")))):
-        monkeypatch.setattr(runtime.measure, "run_iterations", lambda *a, r=retries, **k: steps(r))
+    for counts, expected in (((0, 0), (1000, 0.015)), ((1, 1), (1000, float("inf"))), ((0, 2), (1000, float("inf")))):
+        monkeypatch.setattr(runtime.measure, "run_iterations", lambda *a, c=counts, **k: steps(*c))
         peak, iter_s = backend(keep)
         assert (peak, iter_s) == (expected[0], pytest.approx(expected[1]))
