@@ -374,12 +374,11 @@ def render(out: Console, report: TrainReport) -> None:
             f"reserved by PyTorch's caching allocator{how}: {format_bytes(m['reserved_bytes'])} measured, "
             f"{format_bytes(p['reserved_bytes'])} by its model ({e.get('reserved_bytes', 0.0):+.1%})"
         )
-    retries = d["alloc_retries"]
-    if retries:
+    if d["alloc_retries"] or d["segments_freed"]:  # as the measured search counts them (autotune.real_backend)
         out.print(
-            f"[yellow]the caching allocator ran out of room within the budget {retries} times in "
-            f"{len(report.steps)} steps and freed its cached segments to go on ({d['segments_freed']} cudaFree "
-            "calls, each a device synchronisation): steps run slower than planned; a policy searched with "
+            f"[yellow]the caching allocator ran out of room within the budget in {len(report.steps)} steps and "
+            f"freed {d['segments_freed']} cached segments to go on ({d['alloc_retries']} times all it held; each "
+            "cudaFree a device synchronisation): steps run slower than planned; a policy searched with "
             "--budget-kind reserved leaves the allocator its room[/]"
         )
     if report.expandable_in_effect is False:

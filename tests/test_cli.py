@@ -341,3 +341,28 @@ def test_a_plan_for_this_machines_gpu_takes_this_hosts_costs(monkeypatch: pytest
 
     monkeypatch.setattr(tr, "detect", lambda: Detection(h200, "NVIDIA H200", None, "detected"))
     assert tr._profile_for("cuda") == hw and asked == ["cuda:0", "cuda"]  # autotune train's prediction too
+
+
+def test_train_warns_where_the_allocator_freed_segments_to_make_room(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`autotune train` warns where the caching allocator freed cached segments within the budget's cap, as the
+    measured search counts a finalist that did so as no fit: segments freed without a full retry count too."""
+    import numpy as np
+
+    from autotune import train as tr
+    from autotune.workloads import TraceRequest, trace_model
+    from runtime.measure import IterationMeasurement
+    from runtime.policy import Policy
+
+    w, _ = trace_model(TraceRequest(model="tests.test_env:deep_mlp", batch_size=64))
+    path = tmp_path / "mlp.policy.json"
+    Policy.from_vector(w, np.zeros(len(w.candidates), dtype=np.int8), hardware="cpu").save(path)
+    for retries, freed, warned in ((0, 0, False), (0, 3, True), (1, 4, True)):
+        steps = [IterationMeasurement(1000, 0.01, 6400.0, 2048, retries, freed)]
+        monkeypatch.setattr(tr, "run_iterations", lambda *a, s=steps, **k: s)
+        code, out, err = run(capsys, "train", "--policy", str(path))
+        assert code == 0, err
+        line = " ".join(out.split())
+        assert ("the caching allocator ran out of room within the budget" in line) is warned, (retries, freed)
+        assert not warned or f"freed {freed} cached segments to go on ({retries} times all it held" in line
