@@ -61,16 +61,23 @@ Rule 10 (gradient accumulation). With ``grad_accum`` k > 1 the workload is one m
     ``iter_s`` = k (t - t_opt) + t_opt, with t Rule 9's time and t_opt the optimizer ops' time run alone
     (Rule 1's clocks from idle; nothing of a policy happens there), and ``samples_per_s`` = k x batch size /
     ``iter_s``.
-Rule 11 (regions). A module call that runtime.plan's NOTE [ Recompute mechanisms ] makes a region runs
-    under torch.utils.checkpoint. At u_R, the first backward op of its module that reads a tensor packed
-    inside it, the compute stream re-runs the call's forward ops from its first to the last one after which
-    something inside it was packed (checkpoint stops there), issued by the host as one block (Rule 12). Every
-    candidate made and packed inside it is regenerated: a recomputed one lives [producer,
-    free_if_dropped_op] and again [u_R, free_op]; a kept one also has the regenerated copy, [u_R, its last
-    backward use by the call's module]. The other storages the re-run ops make live as in the forward (from
-    their op to their traced free op) during the recompute; its peak above the regenerated candidates is
-    held at u_R, before op u_R allocates its outputs, as in Rule 7. The call's tensor arguments that are not
-    candidates are held by the checkpoint until its module's last backward op.
+Rule 11 (regions). A module call that runtime.plan's NOTE [ Recompute mechanisms ] makes a region runs as
+    one autograd node (runtime/regions.py, NOTE [ Regions without a graph ]) or, with ``PolicyOptions.
+    region_nodes`` off, under torch.utils.checkpoint (runtime R10). At u_R the compute stream re-runs the
+    call's forward ops, issued by the host as one block (Rule 12): a node at the first backward op of its
+    module and all its ops; checkpoint at the first backward op of its module that reads a tensor packed
+    inside it, from its first op to the last one after which something inside it was packed (checkpoint
+    stops there). Every candidate made and packed inside it is regenerated: a recomputed one lives
+    [producer, free_if_dropped_op] and again [u_R, free_op]; a kept one also has the regenerated copy, [u_R,
+    its last backward use by the call's module]. The other storages the re-run ops make live as in the
+    forward (from their op to their traced free op, at most to the re-run's end) during the recompute, and
+    under a node so do the candidates it makes again that nothing inside saves (its outputs); the
+    recompute's peak above the regenerated candidates is held at u_R, before op u_R allocates its outputs,
+    as in Rule 7. Held until the module's last backward op: the call's tensor arguments that are not
+    candidates (the node or the checkpoint saves them); under a node also the gradients its backward reads
+    that a backward op outside it made (its outputs' gradients, which the node's caller holds), and those
+    it makes that an op outside it or an accumulation into an existing gradient frees (they leave the node
+    when it returns).
 Rule 12 (host costs). h_i is 0 on a profile without copy engines (op times are wall times there); on a GPU
     it is the op's measured host time, scaled to the plain iteration's, when the trace ran on that device,
     and ``host.op_s`` otherwise. The runtime's own work costs the host (``HardwareProfile.host``): each
@@ -78,8 +85,8 @@ Rule 12 (host costs). h_i is 0 on a profile without copy engines (op times are w
     packs of non-candidates: the first backward op of their module); each call of a module with a hooked
     or recorded call ``frame_s`` at its first op (``<loss>``: one); each copy out (on every profile) or
     back ``swap_s``; each
-    region ``region_s`` plus ``region_pack_s`` per pack inside it, at its first op and again with its
-    recompute, whose ops also cost their h_i; each op the recorder runs under ``record_op_s`` (the forward
+    region ``region_s`` (checkpointed: plus ``region_pack_s`` per pack inside it), at its first op and again
+    with its recompute, whose ops also cost their h_i; each op the recorder runs under ``record_op_s`` (the forward
     ops of the module calls whose ops a replay re-runs, the calls they ran in included; outside the model:
     from the model's end to the end of forward, where runtime R11 stops a little earlier, at the pack after
     the last op re-run), and as much again for each quiet op dispatched after it (``OpInfo.quiet_ops``:
@@ -123,7 +130,7 @@ from runtime.hardware import HardwareProfile, host_times_s, op_times_s
 from runtime.plan import RegionPlanner, closures_of
 from runtime.policy import Policy, PolicyOptions
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, Action, itemsize
-from runtime.workload import Phase, Workload, in_place_bytes, memory_timeline, rounded, workspace_bytes
+from runtime.workload import Phase, TensorKind, Workload, in_place_bytes, memory_timeline, rounded, workspace_bytes
 
 if TYPE_CHECKING:
     from envs.features import CandidateFeatures
@@ -148,7 +155,7 @@ class SimResult:
     timeline: dict[str, list[float]] | None = field(default=None, repr=False)  # op_start_s, live_bytes
     host_s: float = 0.0  # the host's busy time (Rule 12): issuing ops and the runtime's own work
     overhead_s: float = 0.0  # ... of which the runtime's own work (hooks, copies, regions, recorder, replays)
-    regions: int = 0  # module calls recomputed under torch.utils.checkpoint (Rule 11)
+    regions: int = 0  # module calls recomputed as one node each (Rule 11)
     host_over_bytes: int = 0  # swapped bytes beyond the profile's host_memory_bytes (Rule 2); 0 within it
 
     @property
@@ -251,7 +258,7 @@ class _RegionCost:
     forward_host_s: float  # the region's own cost and its packs', in forward
     transient: int  # bytes above the regenerated candidates at the recompute's peak
     regenerated: list[tuple[int, int]]  # (candidate, last op of its regenerated copy; -1 for its free_op)
-    held: list[tuple[int, int, int]]  # (first op, last op, bytes): arguments the checkpoint holds longer
+    held: list[tuple[int, int, int]]  # (first op, last op, bytes): arguments and gradients the node holds longer
     intervals: tuple[np.ndarray, np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0), np.zeros(0))  # Rule 2
 
 
@@ -349,7 +356,7 @@ class Simulator:
         self._first_use_list = self.first_use.tolist()
         self._op_start_list = self.op_start_s.tolist()
         self._triggers: dict[int, np.ndarray] = {}
-        self._views: dict[tuple[int, ...], _RegionView] = {}
+        self._views: dict[tuple[tuple[int, ...], bool], _RegionView] = {}
         self._optimizer_alone = self._optimizer_alone_s()
         # What run reads per policy, precomputed: positions among the unpack points, swaps in issue order (Rule
         # 4: save_op, then candidate index), copy durations as lists for the walk.
@@ -436,7 +443,7 @@ class Simulator:
         frames = w.frames
         self.has_frames = bool(frames) and all(c.packs for c in w.candidates)
         self.planner = RegionPlanner(w, closures) if self.has_frames else None
-        self._regions: dict[int, _RegionCost] = {}
+        self._regions: dict[tuple[int, bool], _RegionCost] = {}
         first_bwd = next((op.index for op in w.ops if op.phase == Phase.BACKWARD), n)
         self._first_bwd = first_bwd
         if not self.has_frames:
@@ -470,6 +477,13 @@ class Simulator:
         self._frame_bwd_op = np.array([by_module.get(f.path, first_bwd) for f in frames], dtype=np.int64)
         assert self.planner is not None
         self._frame_end = self.planner.end
+        # Backward ops that add into a gradient made before them (accumulation; Rule 11's crossing gradients).
+        self._accumulates = {
+            o.index
+            for o in w.ops
+            if o.phase == Phase.BACKWARD
+            and any(w.tensors[t].kind == TensorKind.GRADIENT and w.tensors[t].alloc_op != o.index for t in o.outputs)
+        }
         # Rule 12's recorder: the frames of each candidate's closure ops, flattened.
         root = next((f for f in frames if f.path == "<root>"), None)
         self._root_last = root.last_op if root is not None else -1
@@ -520,10 +534,10 @@ class Simulator:
         self._first_pack_frame = self._pack_frame[self._first_pack]
         self._frame_s_full = np.full(nf, hc.frame_s)
 
-    def region_cost(self, f: int) -> _RegionCost:
-        """Rule 11 for frame ``f`` as a region (cached)."""
-        if f in self._regions:
-            return self._regions[f]
+    def region_cost(self, f: int, nodes: bool = True) -> _RegionCost:
+        """Rule 11 for frame ``f`` as a region, one node (``nodes``) or checkpointed (cached)."""
+        if (f, nodes) in self._regions:
+            return self._regions[(f, nodes)]
         w, n, g = self.w, self.n_ops, self.hw.alloc_granularity_bytes
         assert self.planner is not None
         frame = w.frames[f]
@@ -538,11 +552,15 @@ class Simulator:
             return op in module_ops
 
         inside = sorted(self.planner.packed_in[f])
-        uses = [b for ci in inside for b in w.candidates[ci].bwd_uses if in_module(b)]
-        use = min(uses) if uses else n
-        last_pack = max(op for ci in inside for pf, op in w.candidates[ci].packs if f <= pf <= end)
         first = frame.first_op
-        rerun = range(first, max(first, min(last_pack, frame.last_op)) + 1)
+        if nodes:  # the node runs before the call's first backward op, and re-runs the whole call
+            use = min(module_ops) if module_ops else n
+            rerun = range(first, max(first, frame.last_op) + 1)
+        else:  # checkpoint: at the first unpack, up to the last op that saved something inside
+            uses = [b for ci in inside for b in w.candidates[ci].bwd_uses if in_module(b)]
+            use = min(uses) if uses else n
+            last_pack = max(op for ci in inside for pf, op in w.candidates[ci].packs if f <= pf <= end)
+            rerun = range(first, max(first, min(last_pack, frame.last_op)) + 1)
         regenerated: list[tuple[int, int]] = []
         internal = set(self.planner.internal[f].tolist())
         for ci in inside:
@@ -565,8 +583,9 @@ class Simulator:
         for op in rerun:
             for tid in w.ops[op].outputs:
                 t = w.tensors[tid]
-                if t.alloc_op == op and tid not in regen and tid not in self._cand_of_tensor:
-                    free = t.free_op if t.free_op is not None else n
+                if t.alloc_op == op and tid not in regen and (nodes or tid not in self._cand_of_tensor):
+                    # A candidate made again that nothing inside saves (the call's outputs) goes after the re-run.
+                    free = n if tid in self._cand_of_tensor or t.free_op is None else t.free_op
                     if free >= op:
                         live += rounded(t.nbytes, g)
                         temps[free] = temps.get(free, 0) + rounded(t.nbytes, g)
@@ -580,8 +599,28 @@ class Simulator:
             t = w.tensors[tid]
             if t.free_op is not None and t.free_op < last_bwd:
                 held.append((t.free_op + 1, last_bwd, rounded(t.nbytes, g)))
+        # Gradients that cross the node's boundary live until its backward is done: what comes in (the
+        # outputs' gradients, held by the node's caller) and what goes out to be freed by an op outside it or
+        # by an accumulation into an existing gradient (which runs once the node returns).
+        crossing: set[int] = set()
+        accumulates = self._accumulates
+        for op in module_ops if nodes else ():
+            info = w.ops[op]
+            for tid in info.inputs:
+                a = w.tensors[tid].alloc_op
+                if a >= 0 and a not in module_ops and w.ops[a].phase == Phase.BACKWARD:
+                    crossing.add(tid)
+            for tid in info.outputs:
+                t = w.tensors[tid]
+                leaves = t.free_op is not None and (t.free_op not in module_ops or t.free_op in accumulates)
+                if t.alloc_op == op and leaves:
+                    crossing.add(tid)
+        for tid in sorted(crossing):
+            t = w.tensors[tid]
+            if t.free_op is not None and t.free_op < last_bwd:
+                held.append((t.free_op + 1, last_bwd, rounded(t.nbytes, g)))
         hc = self.hw.host
-        own_s = hc.region_s + hc.region_pack_s * packs
+        own_s = hc.region_s + (0.0 if nodes else hc.region_pack_s * packs)  # the node runs nothing per pack
         cost = _RegionCost(
             use=use,
             device_s=float(self.op_s[list(rerun)].sum()),
@@ -599,18 +638,18 @@ class Simulator:
             np.array(ends + [b for _, b, _ in held], dtype=np.int64),
             np.array(sizes + [z for _, _, z in held], dtype=np.int64),
         )
-        self._regions[f] = cost
+        self._regions[(f, nodes)] = cost
         return cost
 
-    def _region_view(self, regions: tuple[int, ...]) -> _RegionView:
+    def _region_view(self, regions: tuple[int, ...], nodes: bool = True) -> _RegionView:
         """What a set of regions fixes for every policy that has them (cached, a few hundred sets at most)."""
-        view = self._views.get(regions)
+        view = self._views.get((regions, nodes))
         if view is None:
             assert self.planner is not None
             if len(self._views) >= 256:
                 self._views.pop(next(iter(self._views)))
             served = self.planner.served(list(regions))
-            costs = [self.region_cost(f) for f in regions]
+            costs = [self.region_cost(f, nodes) for f in regions]
             at_l: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
             w_l: list[np.ndarray] = [np.zeros(0)]
             for rc in costs:  # +size at each start, -size one past each end (or at the start: none)
@@ -630,7 +669,7 @@ class Simulator:
                 interval_at=np.concatenate(at_l),
                 interval_w=np.concatenate(w_l),
             )
-            self._views[regions] = view
+            self._views[(regions, nodes)] = view
         return view
 
     # -- one evaluation -----------------------------------------------------------------------------------
@@ -661,7 +700,7 @@ class Simulator:
         regions = planner.select(act) if planner is not None else []
         # Rule 5: each copy back's trigger op, among the unpack points of the candidates no region serves.
         if regions:
-            view = self._region_view(tuple(regions))
+            view = self._region_view(tuple(regions), bool(options.region_nodes))
             served = view.served
             handled = ~keep_mask & ~served
             trigger_all = view.triggers(lookahead)

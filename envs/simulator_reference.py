@@ -20,7 +20,7 @@ from runtime.hardware import HardwareProfile, host_times_s, op_times_s
 from runtime.plan import RegionPlanner
 from runtime.policy import PolicyOptions
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, itemsize
-from runtime.workload import Phase, Workload, rounded
+from runtime.workload import Phase, TensorKind, Workload, rounded
 
 
 def simulate_reference(
@@ -78,7 +78,7 @@ def simulate_reference(
         assert planner is not None
         mine = planner.internal[r].tolist()
         served.update(mine)
-        region_info.append(_region(w, r, mine, within, size, op_s, host_op, hc))
+        region_info.append(_region(w, r, mine, within, size, op_s, host_op, hc, options.region_nodes))
     handled = [a != KEEP and ci not in served for ci, a in enumerate(act)]
 
     # Rule 5: unpack points among the unserved, and when each copy back is issued.
@@ -480,8 +480,9 @@ def _parts(sizes: list[int], total: int) -> list[int]:
     return out
 
 
-def _region(w, r, mine, within, size, op_s, host_op, hc):  # type: ignore[no-untyped-def]
-    """Rule 11 for region ``r``: when it recomputes, what it re-runs and what it holds, walked op by op."""
+def _region(w, r, mine, within, size, op_s, host_op, hc, nodes):  # type: ignore[no-untyped-def]
+    """Rule 11 for region ``r`` (one node, or checkpointed): when it recomputes, what it re-runs and what it
+    holds, walked op by op."""
     frame, n = w.frames[r], len(w.ops)
     path = frame.path
     owned = {
@@ -490,9 +491,13 @@ def _region(w, r, mine, within, size, op_s, host_op, hc):  # type: ignore[no-unt
         if op.phase == Phase.BACKWARD and (op.module == path or op.module.startswith(path + "."))
     }
     inside = [ci for ci, c in enumerate(w.candidates) if any(within(f, r) for f, _ in c.packs)]
-    use = min((b for ci in inside for b in w.candidates[ci].bwd_uses if b in owned), default=n)
-    last_pack = max(op for ci in inside for f, op in w.candidates[ci].packs if within(f, r))
-    rerun = list(range(frame.first_op, max(frame.first_op, min(last_pack, frame.last_op)) + 1))
+    if nodes:  # the node's backward starts before the call's first backward op and re-runs the whole call
+        use = min(owned, default=n)
+        rerun = list(range(frame.first_op, max(frame.first_op, frame.last_op) + 1))
+    else:  # checkpoint: at the first unpack, up to the last op that saved something inside
+        use = min((b for ci in inside for b in w.candidates[ci].bwd_uses if b in owned), default=n)
+        last_pack = max(op for ci in inside for f, op in w.candidates[ci].packs if within(f, r))
+        rerun = list(range(frame.first_op, max(frame.first_op, min(last_pack, frame.last_op)) + 1))
     regenerated = []
     for ci in inside:
         c = w.candidates[ci]
@@ -516,11 +521,14 @@ def _region(w, r, mine, within, size, op_s, host_op, hc):  # type: ignore[no-unt
                 continue
             if tid in regen:
                 made += size[tid]
-            elif tid not in cand_tensors and (t.free_op is None or t.free_op >= j):
+            elif tid in cand_tensors:
+                if nodes:
+                    temps[tid] = size[tid]  # a candidate made again that nothing inside saves: to the re-run's end
+            elif t.free_op is None or t.free_op >= j:
                 temps[tid] = size[tid]
         if made + sum(temps.values()) > peak:
             peak, at_peak = made + sum(temps.values()), (made, sorted(temps.values(), reverse=True))
-        for tid in [tid for tid in temps if w.tensors[tid].free_op == j]:
+        for tid in [tid for tid in temps if w.tensors[tid].free_op == j and tid not in cand_tensors]:
             del temps[tid]
     total = sum(size[w.candidates[ci].tensor] for ci, _ in regenerated)
     last_bwd = max(owned, default=-1)
@@ -529,8 +537,25 @@ def _region(w, r, mine, within, size, op_s, host_op, hc):  # type: ignore[no-unt
         for tid in sorted(set(frame.args) - {-1} - cand_tensors)
         if w.tensors[tid].free_op is not None and w.tensors[tid].free_op < last_bwd
     ]
+
+    # Gradients into the call's backward (from a backward op outside it) and out of it to an op that frees
+    # them outside it or adds them into an existing gradient live until it is done.
+    def accumulates(j: int) -> bool:
+        op = w.ops[j]
+        return op.phase == Phase.BACKWARD and any(
+            w.tensors[o].kind == TensorKind.GRADIENT and w.tensors[o].alloc_op != j for o in op.outputs
+        )
+
+    for tid, t in enumerate(w.tensors):
+        if not nodes or t.free_op is None or t.free_op >= last_bwd or t.alloc_op < 0:
+            continue
+        made_outside = w.ops[t.alloc_op].phase == Phase.BACKWARD and t.alloc_op not in owned
+        read_inside = any(tid in w.ops[j].inputs for j in owned)
+        goes_out = t.alloc_op in owned and (t.free_op not in owned or accumulates(t.free_op))
+        if (made_outside and read_inside) or goes_out:
+            held.append((tid, last_bwd))
     packs = sum(f.packs for f in w.frames if within(f.index, r))
-    own_s = hc.region_s + hc.region_pack_s * packs
+    own_s = hc.region_s + (0.0 if nodes else hc.region_pack_s * packs)
     return {
         "use": use,
         "rerun_s": sum(op_s[j] for j in rerun),

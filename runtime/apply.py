@@ -57,9 +57,12 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
     R9. A handle drops its device copy after the last unpack of its storage (the pack count of the
         forward), so the memory lives until the last backward node that needs it is done, as when kept.
     R10. Regions (Rule 11; NOTE [ Recompute mechanisms ] in runtime/plan.py): a module call that the
-        policy's schedule lists as a region runs under ``torch.utils.checkpoint`` (non-reentrant, the RNG
-        state preserved only where the call draws random numbers, no determinism check): no Python per op.
-        The runtime's own hooks are suspended during the call, so the checkpoint's saved inputs are kept
+        policy's schedule lists as a region runs as one autograd node (runtime/regions.py, NOTE [ Regions
+        without a graph ]): its forward records no graph, its backward re-runs the call (the RNG state
+        preserved only where it draws random numbers) and differentiates it, with no Python per op or per
+        saved tensor. The call's first step runs under ``torch.utils.checkpoint`` (non-reentrant, no
+        determinism check), which learns the leaves the call reads (N4); a call the node cannot carry stays
+        there. The runtime's own hooks are suspended during the call, so the node's saved inputs are kept
         (they are, by P4). During the recompute BatchNorm runs with momentum 0, which rewrites its running
         statistics with their own values, exactly, and its step count is taken back in place: they are
         updated once, as in plain training, and nothing is allocated. In a first step the keyer names the
@@ -121,6 +124,8 @@ from runtime.partition import partitioned
 from runtime.plan import Region
 from runtime.policy import Action, Policy
 from runtime.precision import check_active
+from runtime.regions import leaves_of, sequence_mark
+from runtime.regions import run as run_region
 from runtime.replay import Frame, Recorder, Replayer, view_of
 from runtime.shared_grads import SharedGradients
 from runtime.target import allocate_library_workspaces
@@ -188,7 +193,8 @@ class RuntimeStats:
     swaps: int = 0
     recorded_ops: int = 0  # forward ops the recorder ran under (R6)
     recomputed_ops: int = 0  # ops replayed (R6)
-    regions: int = 0  # module calls run under torch.utils.checkpoint (R10)
+    regions: int = 0  # module calls run as regions (R10)
+    checkpointed: int = 0  # ... of which under torch.utils.checkpoint (a region's first step, or for good: N4)
     compressed_bytes: int = 0
     unknown_keys: list[str] = field(default_factory=list)
 
@@ -281,6 +287,8 @@ class PolicyRuntime:
         self._keying = False  # a first step is running (R11)
         self._wrappers: list[tuple[torch.nn.Module, Callable[..., Any]]] | None = None  # R10, made at first use
         self._region_calls: dict[str, int] = {}
+        self._leaves: dict[Frame, list[torch.Tensor] | None] = {}  # R10: learnt in a region's first step
+        self._parameters = {id(p) for p in model.parameters()}
         self.stats = RuntimeStats()
 
     def _usable_regions(self, regions: list[Region]) -> dict[Frame, Region]:
@@ -429,15 +437,24 @@ class PolicyRuntime:
                 return forward(*args, **kwargs)
             self.stats.regions += 1
             self._suspended += 1
+            frame = (path, call)
             try:
-                out = checkpoint(
-                    recomputable,
-                    *args,
-                    use_reentrant=False,
-                    preserve_rng_state=region.rng,
-                    determinism_check="none",
-                    **kwargs,
-                )
+                leaves = self._leaves.get(frame, ()) if self.policy.options.region_nodes else None
+                if leaves is None or frame not in self._leaves:
+                    before = sequence_mark() if leaves is not None else 0
+                    self.stats.checkpointed += 1
+                    out = checkpoint(
+                        recomputable,
+                        *args,
+                        use_reentrant=False,
+                        preserve_rng_state=region.rng,
+                        determinism_check="none",
+                        **kwargs,
+                    )
+                    if leaves is not None:
+                        self._leaves[frame] = leaves_of(out, args, kwargs, before, self._parameters)
+                else:
+                    out = run_region(recomputable, args, kwargs, leaves, region.rng, self.device.type)
             finally:
                 self._suspended -= 1
             if self._keying:  # the first step's keyer names what the trace saw packed inside

@@ -75,8 +75,8 @@ class HostCosts:
     pack_s: float = 0.0  # one pack the runtime's saved-tensor hooks observe (runtime R11)
     unpack_s: float = 0.0  # ... and its unpack in backward
     swap_s: float = 0.0  # issuing one copy out or back: the stream waits, the event, the pinned buffer (R3, R4)
-    region_s: float = 0.0  # one module call under torch.utils.checkpoint, once in forward and once recomputing (R10)
-    region_pack_s: float = 0.0  # each pack inside a region: checkpoint's own hooks, forward and recompute together
+    region_s: float = 0.0  # one region (R10), once in forward and once recomputing
+    region_pack_s: float = 0.0  # each pack inside a checkpointed region: its Python hooks, forward and recompute
     record_op_s: float = 0.0  # one forward op under the recorder (R6)
     replay_op_s: float = 0.0  # replaying one recorded op, beyond issuing it (R6)
     source: str = "none: host time not modelled"
@@ -243,7 +243,9 @@ def _positive_float(value: object, what: str, minimum: float = math.ulp(0.0)) ->
 # Issuing an op took 5.9 us (the eager launch estimate above was 6); the runtime's own work: frame 11.8 us,
 # pack and unpack 3.5 each, swap 132 (stream waits, the event and the pinned buffer of a real copy: the 2-core
 # CPU's 12-14 were a clone), region 92, region pack 4.8, record 30, replay 127. The host CPU, not the GPU,
-# sets them: every built-in GPU profile shares them; a profile file can carry its own machine's.
+# sets them: every built-in GPU profile shares them; a profile file can carry its own machine's. Region and
+# region pack were measured under torch.utils.checkpoint; a region as one node (runtime/regions.py) runs
+# nothing per pack and is planned at the same cost per call, not yet measured on a GPU host.
 _GPU_HOST = HostCosts(
     op_s=5.9e-6,
     frame_s=11.8e-6,

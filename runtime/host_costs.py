@@ -10,7 +10,7 @@ into the ``cpu`` profile, and experiments/gpu_check.py prints it for a GPU.
 
     hooks, m relus per module        d(m) = P(m) (relu pack + unpack) + C frame   -> frame
     hooks, CNN blocks                d = P (pack + unpack) + C frame               -> pack + unpack
-    regions, m relus per module      d(m) = 2 N (region + m region_pack) + kernels -> region, region_pack
+    regions (checkpointed), m relus  d(m) = 2 N (region + m region_pack) + kernels -> region, region_pack
     the recorder alone, CNN blocks   a forward under it, less a plain forward      -> record_op
     replays of tiny blocks' ReLUs    d = hooks + record + R (replay_op + kernel)    -> replay_op
     swaps (every relu)               d = hooks + S swap                              -> swap
@@ -33,7 +33,7 @@ import torch
 
 from runtime.apply import PolicyRuntime, RuntimeStats
 from runtime.hardware import HostCosts
-from runtime.policy import Policy
+from runtime.policy import Policy, PolicyOptions
 from runtime.replay import Recorder
 from runtime.trace import capture
 from runtime.workload import Workload
@@ -99,14 +99,14 @@ class _Bench:
     """One network, plain and under one policy, timed in alternation."""
 
     def __init__(self, net: Net, device: torch.device, codes: Callable[[Workload], np.ndarray] | None,
-                 force: bool) -> None:  # fmt: skip
+                 force: bool, options: PolicyOptions | None = None) -> None:  # fmt: skip
         self.device = device
         self.model, self.batch = net(device)
         self.force = force
         self.rt: PolicyRuntime | None = None
         if codes is not None:
             w = capture(lambda: (*net(torch.device("cpu")), _loss), name="host-costs", batch_size=1)
-            self.rt = PolicyRuntime(Policy.from_vector(w, codes(w), hardware=device.type), self.model)
+            self.rt = PolicyRuntime(Policy.from_vector(w, codes(w), hardware=device.type, options=options), self.model)
         self.stats = RuntimeStats()
 
     def step(self, policy: bool) -> float:
@@ -192,7 +192,11 @@ def calibrate(device: str = "cpu", seconds: float = 1.0) -> HostCosts:
     per_pack = max(relu_pack, (d_forced - st.hooked_calls * frame_s) / max(1, st.packs))
 
     relu_op_s, _ = _forward_op_s(relus[3], dev, share / 2)
-    regions = {m: _Bench(relus[m], dev, _by_position(lambda i, m: 2, m), force=False) for m in (1, 3)}
+    # Regions under checkpoint, whose Python hooks cost per pack (regions as one node run nothing per pack
+    # and are planned at the same cost per call: envs/simulator.py Rule 12).
+    checkpointed = PolicyOptions(region_nodes=False)
+    regions = {m: _Bench(relus[m], dev, _by_position(lambda i, m: 2, m), force=False, options=checkpointed)
+               for m in (1, 3)}  # fmt: skip
     d_regions = {m: b.extra_s(share) - m * _MODULES * relu_op_s for m, b in regions.items()}
     n = max(1, regions[1].stats.regions)
     region_pack_s = max(0.0, (d_regions[3] - d_regions[1]) / (2 * n * 2))

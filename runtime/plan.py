@@ -2,8 +2,10 @@
 
 NOTE [ Recompute mechanisms ]
     A recomputed candidate is served one of two ways. Where a policy recomputes everything one module call
-    makes and keeps inside, the runtime runs that call under ``torch.utils.checkpoint`` (non-reentrant): a
-    *region*, no Python per op, recomputed at its first unpack in backward (runtime R10, simulator Rule 11).
+    makes and keeps inside, the runtime runs that call as one autograd node that records no graph in forward
+    and re-runs the call in backward (runtime/regions.py; its first step under ``torch.utils.checkpoint``):
+    a *region*, no Python per op or per saved tensor (runtime R10, simulator Rule 11). The rules below say
+    "the checkpoint" for either.
     Every other recomputed candidate is *replayed* from the recorded ops of its producer chain (R6, Rule 7).
     A module call R (a frame, NOTE [ Frames ] in runtime/workload.py) is a region when
 
@@ -43,7 +45,7 @@ from runtime.workload import Phase, TensorKind, Workload
 
 @dataclass
 class Region:
-    """One module call recomputed with ``torch.utils.checkpoint`` (NOTE [ Recompute mechanisms ])."""
+    """One module call recomputed as a region (NOTE [ Recompute mechanisms ])."""
 
     module: str  # module path, as in the keys
     call: int  # which call of it in the forward

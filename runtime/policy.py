@@ -85,6 +85,11 @@ class PolicyOptions:
     release_after: int = 4
     # The user's consent to partitions (runtime/partition.py), which change the order gradients are summed in.
     allow_partition: bool = False
+    # Regions (runtime R10, simulator Rule 11) as one autograd node each (runtime/regions.py: no Python per
+    # saved tensor; holds the outputs' gradients and the re-made outputs through the call's backward), or under
+    # torch.utils.checkpoint (Python hooks per saved tensor; stops its recompute at the last save): the search
+    # picks the one that runs fastest within the budget.
+    region_nodes: bool = True
 
     def __post_init__(self) -> None:
         if self.compress_dtype not in COMPRESS_DTYPES:

@@ -289,9 +289,10 @@ def test_later_steps_are_bit_identical_too(name: str, kwargs: dict) -> None:  # 
         assert later.packs <= first.packs  # later steps observe only what they must
 
 
-def test_block_recompute_runs_through_checkpoint_and_all_keep_installs_nothing() -> None:
-    """The uniform recompute policy on resnet18: every block is a region (runtime/plan.py); from the
-    second step on the only saved-tensor hooks are the loss's (its log-softmax output is replayed, from the
+def test_block_recompute_runs_as_region_nodes_and_all_keep_installs_nothing() -> None:
+    """The uniform recompute policy on resnet18: every block is a region (runtime/plan.py), under checkpoint in
+    the first step and as one node each after it (R10); from the second step on the only saved-tensor hooks
+    are the loss's (its log-softmax output is replayed, from the
     classifier's output: the recorder runs in the classifier's call and in the loss up to the log-softmax,
     and backward's ops do not pass through it), and an all-keep policy sees no pack and hooks no module call
     at all."""
@@ -301,9 +302,13 @@ def test_block_recompute_runs_through_checkpoint_and_all_keep_installs_nothing()
     blocks = [r.module for r in policy.schedule.regions]  # type: ignore[union-attr]
     assert {f"layer{i}.{j}" for i in range(1, 5) for j in range(2)} <= set(blocks)
     modes: list[int] = []
-    later = _steps(name, kwargs, policy, steps=2, modes_in_backward=modes)[-1][3]
+    steps = _steps(name, kwargs, policy, steps=2, modes_in_backward=modes)
+    first, later = steps[0][3], steps[-1][3]
     assert modes == [1, 0]  # the first step records everything, backward included; later ones none of it
-    assert later.regions == len(blocks)
+    assert later.regions == len(blocks) == first.checkpointed and later.checkpointed == 0
+    checkpointed = Policy.from_vector(w, policy.to_vector(w), hardware="cpu", options=PolicyOptions(region_nodes=False))
+    again = _steps(name, kwargs, checkpointed, steps=2)[-1][3]
+    assert again.regions == again.checkpointed == len(blocks)  # region_nodes off: checkpoint every step
     assert later.recomputed_ops == 3  # the loss's chain, back to the classifier's kept input
     assert later.packs == 4 and later.hooked_calls == 2  # <loss>, and fc's call for the recorder
     assert later.recorded_ops == 5  # fc's ops and the loss's up to its log-softmax: not the whole forward

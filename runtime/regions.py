@@ -1,0 +1,240 @@
+"""A region's forward without an autograd graph, its backward recomputing it (runtime R10, simulator Rule 11).
+
+NOTE [ Regions without a graph ]
+    ``torch.utils.checkpoint(use_reentrant=False)`` runs a region's forward with autograd on and a Python
+    pack hook per saved tensor, and recomputes at the first unpack with a Python pack hook and a Python
+    unpack per saved tensor again: about 20 us of host time a saved tensor on an H200 machine's host, which
+    made a ResNet-50 b64 forward under per-block checkpoint 22.8 ms against 10.9 ms plain (bench_runtime's
+    phases). Here the region is one ``autograd.Function`` node instead:
+
+    N1. Forward. The call runs inside ``Function.forward``, where autograd records nothing: no node, no saved
+        tensor, no hook per op. The node saves the call's tensor arguments (the region's inputs, P4 of
+        runtime/plan.py) and takes the leaves the call reads (its parameters: N4) as inputs of its own, so
+        that their gradients leave it as edges into their ``AccumulateGrad`` nodes, in the graph task that
+        runs backward (DistributedDataParallel's hooks fire there, as without a policy).
+    N2. Backward. When the engine reaches the node (every gradient of the call's outputs is in: the point
+        where the call's own backward would begin), the call runs again with autograd on, under the RNG
+        state of its forward where it draws random numbers and the autocast state of its forward, with no
+        saved-tensor hooks (the runtime's own may be on through backward, R11); the
+        recomputed outputs are dropped once their gradient edges are taken (what backward does not save
+        goes at once), and ``torch.autograd.grad`` runs the call's backward from those edges to the inputs
+        and the leaves: the same kernels on the same values in the same order as plain training, so the
+        gradients are the same bits. Every saved tensor of the recompute is held natively, nothing in Python
+        per tensor. It re-runs the whole call, not up to its last pack as checkpoint does. What it holds
+        longer than checkpoint would: the outputs' gradients until the call's backward is done (the node's
+        caller holds its arguments), and the gradients it returns (parameters' gradients that are added into
+        existing ones: gradient accumulation) until then too; Rule 11 counts both.
+    N3. Autocast's cache of parameters' casts is off during the forward: a cast made there has no graph and
+        must not serve a later use of the parameter in the step (torch 2.14 does not cache casts made without
+        grad mode anyway; this guards the versions the project supports). The values are the same. Under
+        autocast a parameter used both inside a region and after it gets the two gradients summed in float32
+        (each use has its own cast), where plain training sums them in the cast dtype at the one cached cast:
+        equal to rounding, not bit for bit. BatchNorm's running statistics: the caller passes a forward that
+        runs the recompute with momentum 0
+        (runtime/apply.py R10), recognised by running inside a backward graph task.
+    N4. The leaves are learnt in the call's first step, which runs under ``torch.utils.checkpoint``
+        (non-reentrant): its graph, walked once from the outputs to the inputs, names every leaf that
+        requires grad (``AccumulateGrad`` nodes). Where that walk finds what this node could not carry, the
+        call stays under checkpoint for good: a leaf that is not a parameter of the model (a tensor a closure
+        holds, new each step), a node made before the call that is not one of its inputs' (a tensor that
+        requires grad reaching the call other than as an argument), or an output that shares storage with an
+        input (a view of an argument, which a custom Function's output cannot be modified as in place).
+    N5. Limit: the leaves are those of the first step; a later step whose call reads another parameter
+        (control flow that differs between steps) would not carry its gradient. A policy is made for one
+        iteration's graph (its keys, its regions), and this holds for the models a trace records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+_TENSOR = object()  # a tensor's place among a call's outputs
+_TOP_HOOKS = torch._C._autograd._top_saved_tensors_default_hooks
+_PUSH_HOOKS = torch._C._autograd._push_saved_tensors_default_hooks
+_POP_HOOKS = torch._C._autograd._pop_saved_tensors_default_hooks
+
+
+@contextlib.contextmanager
+def _native_saves() -> Iterator[None]:
+    """No saved-tensor hooks for a while (N2: the runtime's own can still be on in backward, R11)."""
+    stack = []
+    while (top := _TOP_HOOKS(True)) is not None:
+        stack.append(top)
+        _POP_HOOKS()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(stack):
+            _PUSH_HOOKS(pack, unpack)
+
+
+def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
+    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+@dataclass
+class _Call:
+    """One call of a region: what its backward needs besides the saved inputs."""
+
+    forward: Callable[..., Any]
+    flat: list[Any]  # the call's flattened (args, kwargs), tensors as None (the node saves those)
+    spec: TreeSpec
+    positions: list[int]  # where the tensors go in ``flat``
+    leaves: Sequence[torch.Tensor]
+    rng: bool
+    device_type: str
+    cpu_rng: torch.Tensor | None = None
+    devices: list[int] | None = None
+    device_rng: list[torch.Tensor] | None = None
+    autocast: tuple[tuple[bool, torch.dtype], tuple[bool, torch.dtype], bool] | None = None
+    out_flat: list[Any] | None = None  # the outputs' non-tensor leaves, tensors as _TENSOR
+    out_spec: TreeSpec | None = None
+
+    def arguments(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        flat = list(self.flat)
+        for i, t in zip(self.positions, tensors, strict=True):
+            flat[i] = t
+        args, kwargs = tree_unflatten(flat, self.spec)
+        return args, kwargs
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """The forward's RNG and autocast states, for the recompute (N2)."""
+        with contextlib.ExitStack() as stack:
+            if self.rng:
+                stack.enter_context(torch.random.fork_rng(devices=self.devices or [], device_type=self.device_type))
+                assert self.cpu_rng is not None
+                torch.set_rng_state(self.cpu_rng)
+                if self.devices:
+                    set_device_states(self.devices, self.device_rng, device_type=self.device_type)
+            assert self.autocast is not None
+            device_state, cpu_state, cache = self.autocast
+            if device_state != _autocast_state(self.device_type) or cpu_state != _autocast_state("cpu"):
+                states = [(self.device_type, device_state)]
+                if self.device_type != "cpu":
+                    states.append(("cpu", cpu_state))
+                for device_type, (enabled, dtype) in states:
+                    stack.enter_context(torch.autocast(device_type, enabled=enabled, dtype=dtype, cache_enabled=cache))
+            yield
+
+
+class _Region(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        n = len(call.positions)
+        inputs = tensors[:n]
+        ctx.call = call
+        ctx.save_for_backward(*inputs)
+        ctx.set_materialize_grads(False)
+        if call.rng:
+            call.cpu_rng = torch.get_rng_state()
+            if call.device_type != "cpu":
+                call.devices, call.device_rng = get_device_states(*inputs)
+        call.autocast = (_autocast_state(call.device_type), _autocast_state("cpu"), torch.is_autocast_cache_enabled())
+        args, kwargs = call.arguments(inputs)
+        cache = torch.is_autocast_cache_enabled()
+        if cache and (call.autocast[0][0] or call.autocast[1][0]):
+            # Autocast caches its casts of parameters for the rest of the forward: made here, without a
+            # graph, a later use of the same parameter outside the call would get no gradient through it.
+            torch.set_autocast_cache_enabled(False)
+        try:
+            out = call.forward(*args, **kwargs)  # autograd records nothing inside Function.forward (N1)
+        finally:
+            torch.set_autocast_cache_enabled(cache)
+        flat, call.out_spec = tree_flatten(out)
+        outs = tuple(x for x in flat if isinstance(x, torch.Tensor))
+        call.out_flat = [_TENSOR if isinstance(x, torch.Tensor) else x for x in flat]
+        plain = [t for t in outs if not (t.is_floating_point() or t.is_complex())]
+        if plain:
+            ctx.mark_non_differentiable(*plain)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        call: _Call = ctx.call
+        inputs = [
+            t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else t
+            for t in ctx.saved_tensors
+        ]
+        with call.replaying(), _native_saves(), torch.enable_grad():
+            args, kwargs = call.arguments(inputs)
+            out = call.forward(*args, **kwargs)
+        roots: list[Any] = []
+        root_grads: list[torch.Tensor] = []
+        for o, g in zip((x for x in tree_leaves(out) if isinstance(x, torch.Tensor)), grads, strict=True):
+            if g is not None and o.requires_grad:
+                roots.append(get_gradient_edge(o))
+                root_grads.append(g)
+        del out  # what backward does not save goes now (N2)
+        wanted = [t for t in inputs if t.requires_grad]
+        wrt = [*wanted, *call.leaves]
+        got: list[torch.Tensor | None] = [None for _ in wrt]
+        if roots and wrt:
+            got = list(torch.autograd.grad(roots, wrt, root_grads, allow_unused=True))
+        it = iter(got)
+        input_grads = [next(it) if t.requires_grad else None for t in inputs]
+        return (None, *input_grads, *it)
+
+
+def run(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], leaves: Sequence[torch.Tensor],
+        rng: bool, device_type: str) -> Any:  # fmt: skip
+    """The call ``forward(*args, **kwargs)`` as one node (N1, N2)."""
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    tensors = [flat[i] for i in positions]
+    for i in positions:
+        flat[i] = None
+    call = _Call(forward, flat, spec, positions, leaves, rng, device_type)
+    outs = _Region.apply(call, *tensors, *leaves)
+    assert call.out_flat is not None and call.out_spec is not None
+    it = iter(outs)
+    return tree_unflatten([next(it) if x is _TENSOR else x for x in call.out_flat], call.out_spec)
+
+
+def leaves_of(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], before: int,
+              parameters: set[int]) -> list[torch.Tensor] | None:  # fmt: skip
+    """N4: the leaves that the call which returned ``out`` (its graph made under checkpoint, its nodes
+    numbered from ``before``) reads, or None where this node could not carry the call."""
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr() for t in inputs if t.untyped_storage().nbytes()}
+    if any(o.untyped_storage().nbytes() and o.untyped_storage().data_ptr() in storages for o in outs):
+        return None  # an output shares storage with an argument
+    stops = set()
+    for t in inputs:
+        if t.requires_grad:
+            stops.add(get_gradient_edge(t).node)
+    found: dict[int, torch.Tensor] = {}
+    seen: set[Any] = set()
+    todo: list[Any] = [o.grad_fn for o in outs if o.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in stops:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:  # AccumulateGrad
+            if id(variable) not in parameters:
+                return None  # a leaf that is not a parameter
+            found[id(variable)] = variable
+            continue
+        if node._sequence_nr() < before:
+            return None  # made before the call, not by an input
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return list(found.values())
+
+
+def sequence_mark() -> int:
+    """The sequence number the next autograd node will get (N4: the nodes of a call are numbered from it)."""
+    with torch.enable_grad():
+        probe = torch.zeros((), requires_grad=True).view(())
+    assert probe.grad_fn is not None
+    return int(probe.grad_fn._sequence_nr()) + 1

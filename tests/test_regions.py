@@ -1,0 +1,107 @@
+"""Regions as one autograd node (runtime/regions.py, NOTE [ Regions without a graph ]): gradients, RNG and
+autocast as plain training's, and the leaves learnt from a checkpointed call (N4)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from runtime.regions import leaves_of, run, sequence_mark
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 8)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0, mask: torch.Tensor | None = None) -> dict[str, object]:
+        h = self.drop(torch.relu(self.fc1(x))) * scale
+        if mask is not None:
+            h = h * mask
+        return {"out": self.fc2(h) + x, "aux": None, "count": 3}
+
+
+def _grads(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    assert x.grad is not None
+    return [x.grad, *[p.grad for p in model.parameters() if p.grad is not None]]
+
+
+def _step(block: torch.nn.Module, mode: str, autocast: bool = False, reuse: bool = True):  # type: ignore[no-untyped-def]
+    """One forward and backward on the CPU through ``block``: plain, or (``node``) its call as this module's
+    node, with the leaves learnt from a checkpointed call of it; ``reuse``: ``fc1`` is used again after it."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    mask = torch.ones(4, 16)
+    block.zero_grad(set_to_none=True)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with ctx:
+        y = torch.tanh(x)
+        if mode == "node":
+            before = sequence_mark()
+            out = checkpoint(block.forward, y, scale=2.0, mask=mask, use_reentrant=False)
+            leaves = leaves_of(out, (y,), {"scale": 2.0, "mask": mask}, before, {id(p) for p in block.parameters()})
+            assert leaves is not None and {id(t) for t in leaves} == {id(p) for p in block.parameters()}
+            torch.manual_seed(1)
+            z = run(block.forward, (y,), {"scale": 2.0, "mask": mask}, leaves, rng=True, device_type="cpu")
+            assert "_Region" in type(z["out"].grad_fn).__name__  # one node for the whole call
+            assert z["aux"] is None and z["count"] == 3
+        else:
+            torch.manual_seed(1)
+            z = block(y, scale=2.0, mask=mask)
+        loss = (z["out"].float() ** 2).sum()
+        if reuse:
+            loss = loss + block.fc1(x).float().sum()  # fc1 used again after the call
+    loss.backward()
+    return _grads(block, x), loss.detach()
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_a_region_node_gives_plain_trainings_gradients(autocast: bool) -> None:
+    """Dropout inside (the RNG state replayed), keyword and non-tensor arguments and outputs, a parameter
+    used again after the call: the gradients are plain training's, bit for bit."""
+    block = _Block()
+    plain, loss_plain = _step(block, "plain", autocast, reuse=not autocast)
+    node, loss_node = _step(block, "node", autocast, reuse=not autocast)
+    assert torch.equal(loss_plain, loss_node)
+    assert len(plain) == len(node) and all(torch.equal(a, b) for a, b in zip(plain, node, strict=True))
+
+
+def test_under_autocast_a_parameter_used_after_the_call_keeps_its_gradient() -> None:
+    """N3: the node's forward casts ``fc1``'s weight without a graph; were that cast served to the use of
+    ``fc1`` after the call, that use's gradient would be lost. It casts again: its gradient arrives, summed
+    in float32 with the node's where plain training sums the two in bfloat16 at the shared cast (a limit:
+    equal to rounding, not bit for bit)."""
+    block = _Block()
+    plain, _ = _step(block, "plain", True, reuse=True)
+    node, _ = _step(block, "node", True, reuse=True)
+    without, _ = _step(block, "plain", True, reuse=False)
+    fc1_weight = 1  # x's gradient first, then fc1's weight
+    assert not torch.allclose(plain[fc1_weight], without[fc1_weight], rtol=0.05)  # the use after matters
+    assert torch.allclose(plain[fc1_weight], node[fc1_weight], rtol=0.02, atol=1e-2)
+
+
+def test_leaves_the_node_cannot_carry() -> None:
+    """N4: a leaf that is not a parameter, a tensor requiring grad reached other than as an argument, and an
+    output that is a view of an argument each keep the call under checkpoint (None)."""
+    lin = torch.nn.Linear(4, 4)
+    params = {id(p) for p in lin.parameters()}
+    x = torch.randn(2, 4, requires_grad=True)
+    h = x * 2
+
+    def call(fn, *args):  # type: ignore[no-untyped-def]
+        before = sequence_mark()
+        out = checkpoint(fn, *args, use_reentrant=False)
+        return leaves_of(out, args, {}, before, params)
+
+    assert {id(t) for t in call(lin, h)} == params  # type: ignore[union-attr]
+    stray = torch.randn(4, requires_grad=True)
+    assert call(lambda a: lin(a) + stray, h) is None  # a leaf, not a parameter
+    outer = x * 3  # made before the call, requiring grad, not an argument
+    assert call(lambda a: lin(a) + outer, h) is None
+    assert call(lambda a: (lin(a), a[:, :2]), h) is None  # a view of the argument among the outputs
+    assert call(functools.partial(torch.nn.functional.linear, weight=lin.weight), h) is not None
