@@ -24,7 +24,8 @@ Subclasses implement :meth:`Searcher._search`; the public :meth:`Searcher.search
 When the proposal swaps, that includes when the runtime lets swapped bytes go (``PolicyOptions.
 release_after``, the simulator's Rule 4): the published methods do not say, so every answer is tried at
 each of ``RELEASES`` and the best kept, alike for every searcher but the exact solvers (which answer for the
-options as given).
+options as given). An answer that recomputes is tried with its regions both ways too (``PolicyOptions.
+region_nodes``, Rule 11: one node each, or checkpointed).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from agents.finalists import Finalists
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError
 from runtime.policy import Policy, PolicyOptions, Prediction
-from runtime.vocab import COMPRESS, KEEP, SWAP
+from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP
 
 
 class Status(str, enum.Enum):
@@ -214,6 +215,8 @@ class Searcher(abc.ABC):
         result = problem.evaluate(actions, options)
         if np.any(actions == SWAP) and not self.exact:  # exact solvers answer for the options as given
             options, result = best_release(problem, actions, options, result)
+        if np.any(actions == RECOMPUTE) and not self.exact:
+            options, result = best_regions(problem, actions, options, result)
         status = proposal.status or (Status.FEASIBLE if result.feasible else Status.INFEASIBLE)
         if status in (Status.FEASIBLE, Status.OPTIMAL) and not result.feasible:
             status = Status.INFEASIBLE  # a solver's own model can disagree with the simulator: trust the latter
@@ -307,6 +310,16 @@ def best_release(
     return options, result
 
 
+def best_regions(
+    problem: Problem, actions: np.ndarray, options: PolicyOptions, result: SimResult
+) -> tuple[PolicyOptions, SimResult]:
+    """``actions`` with their regions run the other way (``region_nodes``, Rule 11) where that does better
+    (:func:`better`); ``options`` and their ``result`` otherwise."""
+    trial = dataclasses.replace(options, region_nodes=not options.region_nodes)
+    r = problem.evaluate(actions, trial)
+    return (trial, r) if better(r, result) else (options, result)
+
+
 def apply_until_fits(
     problem: Problem,
     ranked: Iterable[tuple[int, int]],
@@ -369,6 +382,7 @@ __all__ = [
     "apply_until_fits",
     "baseline_names",
     "best_of",
+    "best_regions",
     "best_release",
     "better",
     "get_searcher",

@@ -2,7 +2,8 @@
 
 Cheap moves first: on the non-keep candidates from the largest down, back to keep (it frees nothing, so it
 only stays if the policy still fits) or to the other of swap / recompute; then the prefetch look-ahead at each
-of agents.rule.LOOKAHEADS and the release point of swapped bytes at each of agents.base.RELEASES. These repeat
+of agents.rule.LOOKAHEADS, the release point of swapped bytes at each of agents.base.RELEASES and the regions
+run the other way (one node each or checkpointed, ``PolicyOptions.region_nodes``). These repeat
 while they find something (at most ``CHEAP_PASSES`` times in a row), before the costly moves: exchanges, one
 costly decision given back and one cheap one taken (see :func:`_exchange`); when those find nothing, pairs of
 changes among the largest candidates (:func:`_pairs`), then every assignment of a window of consecutive
@@ -103,11 +104,14 @@ def fastest_lookahead(
     late: Callable[[], bool] | None = None,
 ) -> tuple[PolicyOptions, SimResult]:
     """The prefetch look-ahead (of agents.rule's ``LOOKAHEADS``), then the release point (``RELEASES``),
-    under which ``actions`` fit and run fastest, starting from ``options`` and their ``result`` (returned as
+    then the regions' mechanism (``region_nodes``), under which ``actions`` fit and run fastest, starting from
+    ``options`` and their ``result`` (returned as
     they are when none is faster); stops when ``late()``."""
-    trials = [("prefetch_lookahead", x) for x in LOOKAHEADS]
+    trials: list[tuple[str, object]] = [("prefetch_lookahead", x) for x in LOOKAHEADS]
     if np.any(actions == SWAP):
         trials += [("release_after", x) for x in RELEASES]
+    if np.any(actions == RECOMPUTE):
+        trials.append(("region_nodes", not options.region_nodes))
     for name, value in trials:
         if late is not None and late():
             break
@@ -137,7 +141,9 @@ def _repair(
                 r = problem.evaluate(trial, options)
                 if r.shortfall_bytes < best_result.shortfall_bytes:
                     best, best_result, improved = trial, r, True
-        for name, value in [("prefetch_lookahead", x) for x in LOOKAHEADS] + [("release_after", x) for x in RELEASES]:
+        moves: list[tuple[str, object]] = [("prefetch_lookahead", x) for x in LOOKAHEADS]
+        moves += [("release_after", x) for x in RELEASES] + [("region_nodes", not options.region_nodes)]
+        for name, value in moves:
             other = replace(options, **{name: value})  # type: ignore[arg-type]
             r = problem.evaluate(best, other)
             if r.shortfall_bytes < best_result.shortfall_bytes:

@@ -234,6 +234,14 @@ def simulate(
         int, typer.Option(help="Prefetch look-ahead for swaps (unpack points; 0 = on demand), with --action.")
     ] = 2,
     lossy: Annotated[bool, typer.Option(help="Allow compression (lossy), with --action compress.")] = False,
+    region_nodes: Annotated[
+        bool,
+        typer.Option(
+            "--region-nodes/--checkpoint-regions",
+            help="With --action: recomputed blocks run as one autograd node each (no Python per saved tensor), "
+            "or under torch.utils.checkpoint (less memory in their backward).",
+        ),
+    ] = True,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
     timeline: Annotated[Path | None, typer.Option(help="Write the memory timeline as an HTML plot.")] = None,
     save_policy: Annotated[Path | None, typer.Option(help="Write the simulated policy as a policy file.")] = None,
@@ -262,6 +270,7 @@ def simulate(
         budget=budget,
         lookahead=lookahead,
         lossy=lossy,
+        region_nodes=region_nodes,
         optimizer=optimizer,
         precision=precision,
         grad_accum=grad_accum,

@@ -35,6 +35,7 @@ def run_simulate(
     lookahead: int,
     lossy: bool,
     optimizer: str,
+    region_nodes: bool = True,
     precision: str | None,
     grad_accum: int | None,
     timeline: Path | None,
@@ -83,7 +84,7 @@ def run_simulate(
         policy = loaded
     else:
         assert act is not None
-        options = PolicyOptions(prefetch_lookahead=lookahead, lossy=lossy)
+        options = PolicyOptions(prefetch_lookahead=lookahead, lossy=lossy, region_nodes=region_nodes)
         policy = Policy.from_vector(
             w,
             uniform_actions(w, act),

