@@ -441,7 +441,10 @@ class PolicyRuntime:
             try:
                 leaves = self._leaves.get(frame, ()) if self.policy.options.region_nodes else None
                 if leaves is None or frame not in self._leaves:
-                    before = sequence_mark() if leaves is not None else 0
+                    learn = leaves is not None
+                    before = sequence_mark() if learn else 0
+                    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)] if learn else []
+                    versions = [t._version for t in tensors]
                     self.stats.checkpointed += 1
                     out = checkpoint(
                         recomputable,
@@ -451,8 +454,8 @@ class PolicyRuntime:
                         determinism_check="none",
                         **kwargs,
                     )
-                    if leaves is not None:
-                        self._leaves[frame] = leaves_of(out, args, kwargs, before, self._parameters)
+                    if learn:
+                        self._leaves[frame] = leaves_of(out, args, kwargs, before, self._parameters, versions)
                 else:
                     out = run_region(recomputable, args, kwargs, leaves, region.rng, self.device.type)
             finally:

@@ -418,7 +418,8 @@ class Policy:
         try:
             return cls(
                 actions={canonical_key(k): Action(a) for k, a in d["actions"].items()},
-                options=PolicyOptions(**d.get("options", {})),
+                # A file from before regions ran as nodes was planned with them under checkpoint: so they run.
+                options=PolicyOptions(**{"region_nodes": False, **d.get("options", {})}),
                 model=d["model"],
                 batch_size=d["batch_size"],
                 seq_len=d.get("seq_len"),

@@ -37,8 +37,9 @@ NOTE [ Regions without a graph ]
         requires grad (``AccumulateGrad`` nodes). Where that walk finds what this node could not carry, the
         call stays under checkpoint for good: a leaf that is not a parameter of the model (a tensor a closure
         holds, new each step), a node made before the call that is not one of its inputs' (a tensor that
-        requires grad reaching the call other than as an argument), or an output that shares storage with an
-        input (a view of an argument, which a custom Function's output cannot be modified as in place).
+        requires grad reaching the call other than as an argument), an output that shares storage with an
+        input (a view of an argument, which a custom Function's output cannot be modified as in place), or an
+        argument the call writes into (the node saves its arguments for its backward).
     N5. Limit: the leaves are those of the first step; a later step whose call reads another parameter
         (control flow that differs between steps) would not carry its gradient. A policy is made for one
         iteration's graph (its keys, its regions), and this holds for the models a trace records.
@@ -199,11 +200,14 @@ def run(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     return tree_unflatten([next(it) if x is _TENSOR else x for x in call.out_flat], call.out_spec)
 
 
-def leaves_of(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], before: int,
-              parameters: set[int]) -> list[torch.Tensor] | None:  # fmt: skip
+def leaves_of(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], before: int, parameters: set[int],
+              versions: Sequence[int] | None = None) -> list[torch.Tensor] | None:  # fmt: skip
     """N4: the leaves that the call which returned ``out`` (its graph made under checkpoint, its nodes
-    numbered from ``before``) reads, or None where this node could not carry the call."""
+    numbered from ``before``; its tensor arguments at ``versions`` before it) reads, or None where this node
+    could not carry the call."""
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if versions is not None and [t._version for t in inputs] != list(versions):
+        return None  # it wrote into an argument, which the node saves for its backward
     outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
     storages = {t.untyped_storage().data_ptr() for t in inputs if t.untyped_storage().nbytes()}
     if any(o.untyped_storage().nbytes() and o.untyped_storage().data_ptr() in storages for o in outs):

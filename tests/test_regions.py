@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from runtime.policy import Policy, PolicyOptions
 from runtime.regions import leaves_of, run, sequence_mark
+from runtime.vocab import KEEP, RECOMPUTE
+from tests.synthetic import framed_chain_workload
 
 
 class _Block(torch.nn.Module):
@@ -104,4 +108,18 @@ def test_leaves_the_node_cannot_carry() -> None:
     outer = x * 3  # made before the call, requiring grad, not an argument
     assert call(lambda a: lin(a) + outer, h) is None
     assert call(lambda a: (lin(a), a[:, :2]), h) is None  # a view of the argument among the outputs
+    before, g = sequence_mark(), x * 4
+    versions = [g._version]
+    out = checkpoint(lambda a: lin(a.mul_(2)), g, use_reentrant=False)
+    assert leaves_of(out, (g,), {}, before, params, versions) is None  # it wrote into its argument
     assert call(functools.partial(torch.nn.functional.linear, weight=lin.weight), h) is not None
+
+
+def test_a_policy_file_from_before_region_nodes_runs_its_regions_as_planned() -> None:
+    """A file whose options do not name ``region_nodes`` was planned with regions under checkpoint."""
+    w = framed_chain_workload(4, 1000, 1e-3, block=2)
+    written = Policy.from_vector(w, np.array([RECOMPUTE, RECOMPUTE, KEEP, KEEP], dtype=np.int8), hardware="cpu")
+    d = written.to_dict()
+    assert d["options"]["region_nodes"] is True and Policy.from_dict(d).options.region_nodes
+    del d["options"]["region_nodes"]
+    assert Policy.from_dict(d).options == PolicyOptions(region_nodes=False)
