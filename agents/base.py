@@ -36,6 +36,7 @@ import dataclasses
 import difflib
 import enum
 import importlib
+import logging
 import signal
 import sys
 import threading
@@ -121,16 +122,21 @@ class SearchContext:
         again if no search took it. Python drops an exception raised inside a finalizer (a ``__del__``, a
         weakref callback such as SQLAlchemy's ``InstanceState._cleanup``) with an "Exception ignored" traceback,
         and a Ctrl-C that lands there would leave the search running to its end; inside, that traceback is not
-        printed either. Only in the main thread, and only where SIGINT has Python's default handler (a caller's
-        own handler is left alone)."""
+        printed either; nor is what SQLAlchemy logs when the interrupt lands inside one of Optuna's queries (its
+        cursor's cleanup then fails with a traceback, "Error closing cursor"). Only in the main thread, and only
+        where SIGINT has Python's default handler (a caller's own handler is left alone)."""
         if threading.current_thread() is not threading.main_thread() or (
             signal.getsignal(signal.SIGINT) is not signal.default_int_handler
         ):
             yield
             return
 
+        sqlalchemy = logging.getLogger("sqlalchemy")
+        level = sqlalchemy.level
+
         def noted(signum: int, frame: Any) -> None:
             self.state.sigint_pending = True
+            sqlalchemy.setLevel(logging.CRITICAL)
             signal.default_int_handler(signum, frame)
 
         def unraisable(info: Any) -> None:
@@ -145,6 +151,7 @@ class SearchContext:
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             sys.unraisablehook = hook
+            sqlalchemy.setLevel(level)
 
     def derive(self, **changes: Any) -> SearchContext:
         """These settings with ``changes`` (a phase's seeds and study name, a sub-search's time limit); the

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 
@@ -95,3 +100,20 @@ def test_rule_6_heuristics_stop_once_the_budget_holds(name: str) -> None:
 def test_unknown_searcher_did_you_mean() -> None:
     with pytest.raises(AutotuneError, match="did you mean"):
         get_searcher("capuchn")
+
+
+def test_ctrl_c_inside_a_query_prints_no_sqlalchemy_cleanup_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """A Ctrl-C that lands inside one of Optuna's queries makes SQLAlchemy's cursor cleanup fail, which it
+    logs with a traceback ("Error closing cursor"): inside ``noting_sigint`` after a Ctrl-C that is not
+    logged, and the logger is as it was afterwards."""
+    pool = logging.getLogger("sqlalchemy.pool.impl.QueuePool")
+    ctx = SearchContext()
+    with ctx.noting_sigint():
+        pool.error("before")
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs at the next bytecode; the sleep is interrupted
+        pool.error("Error closing cursor")
+    pool.error("after")
+    assert ctx.state.sigint_pending
+    assert [r.getMessage() for r in caplog.records] == ["before", "after"]
