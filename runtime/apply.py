@@ -318,6 +318,8 @@ class PolicyRuntime:
             if not (hooks or self.regions):
                 yield self.stats
                 return
+            if self.regions:  # a parameter replaced since (load_state_dict(assign=True)): its regions learn again
+                self._parameters = {id(p) for p in self.model.parameters()}
             with self._regions_installed():
                 if not hooks:
                     yield self.stats
@@ -440,6 +442,8 @@ class PolicyRuntime:
             frame = (path, call)
             try:
                 leaves = self._leaves.get(frame, ()) if self.policy.options.region_nodes else None
+                if leaves and any(id(t) not in self._parameters for t in leaves):
+                    del self._leaves[frame]
                 if leaves is None or frame not in self._leaves:
                     learn = leaves is not None
                     before = sequence_mark() if learn else 0

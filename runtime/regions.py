@@ -40,7 +40,9 @@ NOTE [ Regions without a graph ]
         requires grad reaching the call other than as an argument), an output that shares storage with an
         input (a view of an argument, which a custom Function's output cannot be modified as in place), or an
         argument the call writes into (the node saves its arguments for its backward).
-    N5. Limit: the leaves are those of the first step; a later step whose call reads another parameter
+    N5. A leaf that is no longer one of the model's parameters at a step's start (replaced, as
+        ``load_state_dict(..., assign=True)`` does) sends its call back to learning. Limit: the leaves are
+        those of the first step; a later step whose call reads another parameter
         (control flow that differs between steps) would not carry its gradient. A policy is made for one
         iteration's graph (its keys, its regions), and this holds for the models a trace records.
 """

@@ -10,8 +10,10 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from runtime.apply import PolicyRuntime
 from runtime.policy import Policy, PolicyOptions
 from runtime.regions import leaves_of, run, sequence_mark
+from runtime.trace import capture
 from runtime.vocab import KEEP, RECOMPUTE
 from tests.synthetic import framed_chain_workload
 
@@ -123,3 +125,40 @@ def test_a_policy_file_from_before_region_nodes_runs_its_regions_as_planned() ->
     assert d["options"]["region_nodes"] is True and Policy.from_dict(d).options.region_nodes
     del d["options"]["region_nodes"]
     assert Policy.from_dict(d).options == PolicyOptions(region_nodes=False)
+
+
+def test_a_parameter_replaced_between_steps_gets_its_gradient() -> None:
+    """N4's leaves are the model's parameter objects: one replaced between steps (``load_state_dict(...,
+    assign=True)`` does so) makes its region learn again, and the new parameter gets its gradient."""
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(_Chain(), _Chain())
+        return model, (torch.randn(4, 8),), lambda m, b: m(b[0]).pow(2).sum()
+
+    w = capture(build, name="chain", batch_size=4)
+    acts = np.array([RECOMPUTE if c.block in ("0", "1") and not c.block_input else KEEP for c in w.candidates])
+    policy = Policy.from_vector(w, acts.astype(np.int8), hardware="cpu")
+    assert policy.schedule is not None and len(policy.schedule.regions) == 2
+    model, batch, loss_fn = build()
+    rt = PolicyRuntime(policy, model)
+    for step in range(3):
+        if step == 2:
+            model[0].fc.weight = torch.nn.Parameter(model[0].fc.weight.detach().clone())
+        model.zero_grad(set_to_none=True)
+        with rt.step() as stats:
+            loss_fn(model, batch).backward()
+        got = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, batch).backward()
+        assert all(torch.equal(a, b) for a, b in zip(got, [p.grad for p in model.parameters()], strict=True))
+    assert stats.regions == 2 and stats.checkpointed == 1  # the replaced one's region learnt again
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) * 2
