@@ -288,7 +288,7 @@ class PolicyRuntime:
         self._wrappers: list[tuple[torch.nn.Module, Callable[..., Any]]] | None = None  # R10, made at first use
         self._region_calls: dict[str, int] = {}
         self._leaves: dict[Frame, list[torch.Tensor] | None] = {}  # R10: learnt in a region's first step
-        self._parameters = {id(p) for p in model.parameters()}
+        self._parameters: frozenset[int] = frozenset()  # the trainable parameters the leaves were learnt with
         self.stats = RuntimeStats()
 
     def _usable_regions(self, regions: list[Region]) -> dict[Frame, Region]:
@@ -318,8 +318,11 @@ class PolicyRuntime:
             if not (hooks or self.regions):
                 yield self.stats
                 return
-            if self.regions:  # a parameter replaced since (load_state_dict(assign=True)): its regions learn again
-                self._parameters = {id(p) for p in self.model.parameters()}
+            if self.regions:  # parameters replaced (load_state_dict(assign=True)), frozen or unfrozen: learn again
+                trainable = frozenset(id(p) for p in self.model.parameters() if p.requires_grad)
+                if trainable != self._parameters:
+                    self._leaves.clear()
+                    self._parameters = trainable
             with self._regions_installed():
                 if not hooks:
                     yield self.stats
@@ -442,8 +445,6 @@ class PolicyRuntime:
             frame = (path, call)
             try:
                 leaves = self._leaves.get(frame, ()) if self.policy.options.region_nodes else None
-                if leaves and any(id(t) not in self._parameters for t in leaves):
-                    del self._leaves[frame]
                 if leaves is None or frame not in self._leaves:
                     learn = leaves is not None
                     before = sequence_mark() if learn else 0

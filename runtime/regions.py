@@ -40,9 +40,9 @@ NOTE [ Regions without a graph ]
         requires grad reaching the call other than as an argument), an output that shares storage with an
         input (a view of an argument, which a custom Function's output cannot be modified as in place), or an
         argument the call writes into (the node saves its arguments for its backward).
-    N5. A leaf that is no longer one of the model's parameters at a step's start (replaced, as
-        ``load_state_dict(..., assign=True)`` does) sends its call back to learning. Limit: the leaves are
-        those of the first step; a later step whose call reads another parameter
+    N5. When the model's trainable parameters change between steps (one replaced, as ``load_state_dict(...,
+        assign=True)`` does, or frozen, or unfrozen as fine-tuning schedules do), every call learns its leaves
+        again. Limit: the leaves are those of the first step; a later step whose call reads another parameter
         (control flow that differs between steps) would not carry its gradient. A policy is made for one
         iteration's graph (its keys, its regions), and this holds for the models a trace records.
 """
@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,7 +203,7 @@ def run(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     return tree_unflatten([next(it) if x is _TENSOR else x for x in call.out_flat], call.out_spec)
 
 
-def leaves_of(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], before: int, parameters: set[int],
+def leaves_of(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], before: int, parameters: AbstractSet[int],
               versions: Sequence[int] | None = None) -> list[torch.Tensor] | None:  # fmt: skip
     """N4: the leaves that the call which returned ``out`` (its graph made under checkpoint, its nodes
     numbered from ``before``; its tensor arguments at ``versions`` before it) reads, or None where this node

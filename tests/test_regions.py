@@ -128,8 +128,9 @@ def test_a_policy_file_from_before_region_nodes_runs_its_regions_as_planned() ->
 
 
 def test_a_parameter_replaced_between_steps_gets_its_gradient() -> None:
-    """N4's leaves are the model's parameter objects: one replaced between steps (``load_state_dict(...,
-    assign=True)`` does so) makes its region learn again, and the new parameter gets its gradient."""
+    """N5: the leaves are the model's trainable parameter objects: one replaced between steps
+    (``load_state_dict(..., assign=True)`` does so), then one frozen in the first step and unfrozen later (a
+    fine-tuning schedule), make the regions learn again, and every trainable parameter gets its gradient."""
 
     def build():  # type: ignore[no-untyped-def]
         torch.manual_seed(0)
@@ -142,17 +143,24 @@ def test_a_parameter_replaced_between_steps_gets_its_gradient() -> None:
     assert policy.schedule is not None and len(policy.schedule.regions) == 2
     model, batch, loss_fn = build()
     rt = PolicyRuntime(policy, model)
-    for step in range(3):
+    model[1].fc.weight.requires_grad_(False)
+    checkpointed = []
+    for step in range(5):
         if step == 2:
             model[0].fc.weight = torch.nn.Parameter(model[0].fc.weight.detach().clone())
+        if step == 4:
+            model[1].fc.weight.requires_grad_(True)
         model.zero_grad(set_to_none=True)
         with rt.step() as stats:
             loss_fn(model, batch).backward()
-        got = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        got = [p.grad for p in model.parameters()]
         model.zero_grad(set_to_none=True)
         loss_fn(model, batch).backward()
-        assert all(torch.equal(a, b) for a, b in zip(got, [p.grad for p in model.parameters()], strict=True))
-    assert stats.regions == 2 and stats.checkpointed == 1  # the replaced one's region learnt again
+        want = [p.grad for p in model.parameters()]
+        assert [g is None for g in got] == [g is None for g in want], step
+        assert all(a is None or torch.equal(a, b) for a, b in zip(got, want, strict=True)), step
+        checkpointed.append(stats.checkpointed)
+    assert checkpointed == [2, 0, 2, 0, 2]  # learnt in steps 0, 2 and 4, as nodes in between
 
 
 class _Chain(torch.nn.Module):
