@@ -38,8 +38,9 @@ NOTE [ Regions without a graph ]
         call stays under checkpoint for good: a leaf that is not a parameter of the model (a tensor a closure
         holds, new each step), a node made before the call that is not one of its inputs' (a tensor that
         requires grad reaching the call other than as an argument), an output that shares storage with an
-        input (a view of an argument, which a custom Function's output cannot be modified as in place), or an
-        argument the call writes into (the node saves its arguments for its backward).
+        input (a view of an argument, which a custom Function's output cannot be modified as in place), an
+        argument the call writes into (the node saves its arguments for its backward), or an argument or output
+        that torch's pytree cannot open (an object that may hold tensors the node would not see).
     N5. When the model's trainable parameters change between steps (one replaced, as ``load_state_dict(...,
         assign=True)`` does, or frozen, or unfrozen as fine-tuning schedules do), every call learns its leaves
         again. Limit: the leaves are those of the first step; a later step whose call reads another parameter
@@ -61,6 +62,8 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflat
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 _TENSOR = object()  # a tensor's place among a call's outputs
+# What a call's arguments and outputs may hold besides tensors once pytree has opened them (N4).
+_PLAIN = (torch.Tensor, type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 _TOP_HOOKS = torch._C._autograd._top_saved_tensors_default_hooks
 _PUSH_HOOKS = torch._C._autograd._push_saved_tensors_default_hooks
 _POP_HOOKS = torch._C._autograd._pop_saved_tensors_default_hooks
@@ -208,6 +211,8 @@ def leaves_of(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], before: i
     """N4: the leaves that the call which returned ``out`` (its graph made under checkpoint, its nodes
     numbered from ``before``; its tensor arguments at ``versions`` before it) reads, or None where this node
     could not carry the call."""
+    if any(not isinstance(x, _PLAIN) for x in (*tree_leaves((args, kwargs)), *tree_leaves(out))):
+        return None  # a container pytree cannot open, which may hold tensors the node would not see
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if versions is not None and [t._version for t in inputs] != list(versions):
         return None  # it wrote into an argument, which the node saves for its backward

@@ -116,6 +116,12 @@ def test_leaves_the_node_cannot_carry() -> None:
     assert leaves_of(out, (g,), {}, before, params, versions) is None  # it wrote into its argument
     assert call(functools.partial(torch.nn.functional.linear, weight=lin.weight), h) is not None
 
+    class Box:  # a container pytree does not know
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    assert call(lambda a: Box(lin(a)), h) is None
+
 
 def test_a_policy_file_from_before_region_nodes_runs_its_regions_as_planned() -> None:
     """A file whose options do not name ``region_nodes`` was planned with regions under checkpoint."""
