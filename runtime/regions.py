@@ -21,22 +21,23 @@ NOTE [ Regions without a graph ]
         and the leaves: the same kernels on the same values in the same order as plain training, so the
         gradients are the same bits. Every saved tensor of the recompute is held natively, nothing in Python
         per tensor. It re-runs the whole call, not up to its last pack as checkpoint does. What it holds
-        longer than checkpoint would: the outputs' gradients until the call's backward is done (the node's
-        caller holds its arguments), and the gradients it returns (parameters' gradients that are added into
-        existing ones: gradient accumulation) until then too; Rule 11 counts both.
+        that checkpoint would not: the outputs it re-makes that nothing inside saves, until the recompute
+        ends; the outputs' gradients until the call's backward is done (the node's caller holds its
+        arguments); the gradients it returns (parameters' gradients that are added into existing ones:
+        gradient accumulation) until then too. Rule 11 counts all three.
     N3. Autocast's cache of parameters' casts is off during the forward: a cast made there has no graph and
         must not serve a later use of the parameter in the step (torch 2.14 does not cache casts made without
         grad mode anyway; this guards the versions the project supports). The values are the same. Under
         autocast a parameter used both inside a region and after it gets the two gradients summed in float32
         (each use has its own cast), where plain training sums them in the cast dtype at the one cached cast:
         equal to rounding, not bit for bit. BatchNorm's running statistics: the caller passes a forward that
-        runs the recompute with momentum 0
-        (runtime/apply.py R10), recognised by running inside a backward graph task.
+        runs the recompute with momentum 0 (runtime/apply.py R10), recognised by running inside a backward
+        graph task.
     N4. The leaves are learnt in the call's first step, which runs under ``torch.utils.checkpoint``
         (non-reentrant): its graph, walked once from the outputs to the inputs, names every leaf that
         requires grad (``AccumulateGrad`` nodes). Where that walk finds what this node could not carry, the
-        call stays under checkpoint for good: a leaf that is not a parameter of the model (a tensor a closure
-        holds, new each step), a node made before the call that is not one of its inputs' (a tensor that
+        call stays under checkpoint for good: a leaf that is not a trainable parameter of the model (a tensor
+        a closure holds, new each step), a node made before the call that is not one of its inputs' (a tensor that
         requires grad reaching the call other than as an argument), an output that shares storage with an
         input (a view of an argument, which a custom Function's output cannot be modified as in place), an
         argument the call writes into (the node saves its arguments for its backward), or an argument or output
