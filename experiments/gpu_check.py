@@ -170,6 +170,10 @@ def end_to_end(
         "finalists": plan.get("finalists"), "compile_report": got.get("compile_report"),
         "alloc_retries": got.get("alloc_retries"), "segments_freed": got.get("segments_freed"),
     }  # fmt: skip
+    written = json.loads(policy.read_text())  # how its recomputes run: regions (nodes or checkpointed), replays
+    row["regions"] = len((written.get("schedule") or {}).get("regions") or [])
+    row["region_nodes"] = (written.get("options") or {}).get("region_nodes")
+    row["recomputed"] = sum(1 for a in written.get("actions", {}).values() if a == "recompute")
     f = plan.get("finalists") or {}
     if f.get("finalists"):
         print(
@@ -186,7 +190,9 @@ def end_to_end(
             f"   {model}: planned {plan['samples_per_s']:.1f} samples/s at {plan['peak_bytes'] / 2**30:.3f} GiB; "
             f"trained {measured['samples_per_s']:.1f} ({ratio:.2f}x, target >= 0.90) at "
             f"{measured['peak_bytes'] / 2**30:.3f} GiB ({'within' if fits else 'over'} the budget); the allocator "
-            f"retried {got.get('alloc_retries')} times within the cap ({got.get('segments_freed')} segments freed)",
+            f"retried {got.get('alloc_retries')} times within the cap ({got.get('segments_freed')} segments freed); "
+            f"{row['recomputed']} tensors recomputed, {row['regions']} regions "
+            f"({'as nodes' if row['region_nodes'] else 'checkpointed'})",
             flush=True,
         )
     return row
