@@ -199,6 +199,19 @@ def _partitioner(hw: Any, budget_bytes: int, req: Any) -> Any:
     return partition
 
 
+def _with_local_host_costs(hw: Any, req: Any, here: str | None) -> tuple[Any, Any]:
+    """The profile and the trace request with this host's runtime costs where the plan is for this machine's
+    GPU (autotune.search.with_local_host_costs), said on stderr; after ``req`` is validated, since measuring
+    takes seconds."""
+    from autotune import search as sr
+
+    hw, note = sr.with_local_host_costs(hw, here)
+    if not note:
+        return hw, req
+    err.print(note, highlight=False)
+    return hw, dataclasses.replace(req, target=hw)
+
+
 def _trace(req: Any) -> tuple[Any, float]:
     """Trace with a spinner on stderr (a ResNet-101 takes a few seconds)."""
     from autotune.workloads import trace_model
@@ -492,10 +505,7 @@ def search(
     err.print(note)
     if host_note:
         err.print(host_note, highlight=False)
-    hw, costs_note = sr.with_local_host_costs(hw, here)
-    if costs_note:
-        req = dataclasses.replace(req, target=hw)
-        err.print(costs_note, highlight=False)
+    hw, req = _with_local_host_costs(hw, req, here)
     backends: dict[tuple[Any, ...], Any] = {}
 
     def backend_for(partitions: tuple[Any, ...]) -> Any:
@@ -677,10 +687,7 @@ def maxbatch(
         target=hw,
     )
     req.validate()
-    hw, costs_note = sr.with_local_host_costs(hw, here)
-    if costs_note:
-        req = dataclasses.replace(req, target=hw)
-        err.print(costs_note, highlight=False)
+    hw, req = _with_local_host_costs(hw, req, here)
 
     def trace(b: int) -> Any:
         return trace_model(dataclasses.replace(req, batch_size=b))[0]
