@@ -124,7 +124,7 @@ from runtime.partition import partitioned
 from runtime.plan import Region
 from runtime.policy import Action, Policy
 from runtime.precision import check_active
-from runtime.regions import leaves_of, sequence_mark
+from runtime.regions import Learning
 from runtime.regions import run as run_region
 from runtime.replay import Frame, Recorder, Replayer, view_of
 from runtime.shared_grads import SharedGradients
@@ -444,12 +444,12 @@ class PolicyRuntime:
             self._suspended += 1
             frame = (path, call)
             try:
-                leaves = self._leaves.get(frame, ()) if self.policy.options.region_nodes else None
-                if leaves is None or frame not in self._leaves:
-                    learn = leaves is not None
-                    before = sequence_mark() if learn else 0
-                    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)] if learn else []
-                    versions = [t._version for t in tensors]
+                nodes, known = self.policy.options.region_nodes, frame in self._leaves
+                leaves = self._leaves[frame] if nodes and known else None  # None: under checkpoint (N4)
+                if leaves is not None:
+                    out = run_region(recomputable, args, kwargs, leaves, region.rng, self.device.type)
+                else:
+                    learning = Learning(args, kwargs) if nodes and not known else None
                     self.stats.checkpointed += 1
                     out = checkpoint(
                         recomputable,
@@ -459,10 +459,8 @@ class PolicyRuntime:
                         determinism_check="none",
                         **kwargs,
                     )
-                    if learn:
-                        self._leaves[frame] = leaves_of(out, args, kwargs, before, self._parameters, versions)
-                else:
-                    out = run_region(recomputable, args, kwargs, leaves, region.rng, self.device.type)
+                    if learning is not None:
+                        self._leaves[frame] = learning.leaves(out, self._parameters)
             finally:
                 self._suspended -= 1
             if self._keying:  # the first step's keyer names what the trace saw packed inside

@@ -148,7 +148,7 @@ class _Region(torch.autograd.Function):
                 call.devices, call.device_rng = get_device_states(*inputs)
         call.autocast = (_autocast_state(call.device_type), _autocast_state("cpu"), torch.is_autocast_cache_enabled())
         args, kwargs = call.arguments(inputs)
-        cache = torch.is_autocast_cache_enabled()
+        cache = call.autocast[2]
         if cache and (call.autocast[0][0] or call.autocast[1][0]):
             # Autocast caches its casts of parameters for the rest of the forward: made here, without a
             # graph, a later use of the same parameter outside the call would get no gradient through it.
@@ -207,42 +207,51 @@ def run(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     return tree_unflatten([next(it) if x is _TENSOR else x for x in call.out_flat], call.out_spec)
 
 
-def leaves_of(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], before: int, parameters: AbstractSet[int],
-              versions: Sequence[int] | None = None) -> list[torch.Tensor] | None:  # fmt: skip
-    """N4: the leaves that the call which returned ``out`` (its graph made under checkpoint, its nodes
-    numbered from ``before``; its tensor arguments at ``versions`` before it) reads, or None where this node
-    could not carry the call."""
-    if any(not isinstance(x, _PLAIN) for x in (*tree_leaves((args, kwargs)), *tree_leaves(out))):
-        return None  # a container pytree cannot open, which may hold tensors the node would not see
-    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if versions is not None and [t._version for t in inputs] != list(versions):
-        return None  # it wrote into an argument, which the node saves for its backward
-    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    storages = {t.untyped_storage().data_ptr() for t in inputs if t.untyped_storage().nbytes()}
-    if any(o.untyped_storage().nbytes() and o.untyped_storage().data_ptr() in storages for o in outs):
-        return None  # an output shares storage with an argument
-    stops = set()
-    for t in inputs:
-        if t.requires_grad:
-            stops.add(get_gradient_edge(t).node)
-    found: dict[int, torch.Tensor] = {}
-    seen: set[Any] = set()
-    todo: list[Any] = [o.grad_fn for o in outs if o.grad_fn is not None]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen or node in stops:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None:  # AccumulateGrad
-            if id(variable) not in parameters:
-                return None  # a leaf that is not a parameter
-            found[id(variable)] = variable
-            continue
-        if node._sequence_nr() < before:
-            return None  # made before the call, not by an input
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return list(found.values())
+class Learning:
+    """N4 for one call's first step: made just before the call runs under checkpoint (the arguments' versions,
+    the first sequence number its nodes can have), then asked for its leaves with what it returned."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.arguments = tree_leaves((args, kwargs))
+        self.inputs = [t for t in self.arguments if isinstance(t, torch.Tensor)]
+        self.versions = [t._version for t in self.inputs]
+        self.before = sequence_mark()
+
+    def leaves(self, out: Any, parameters: AbstractSet[int]) -> list[torch.Tensor] | None:
+        """The leaves the call read (its graph made under checkpoint), or None where this node could not carry
+        the call."""
+        returned = tree_leaves(out)
+        if any(not isinstance(x, _PLAIN) for x in (*self.arguments, *returned)):
+            return None  # a container pytree cannot open, which may hold tensors the node would not see
+        inputs, before = self.inputs, self.before
+        if [t._version for t in inputs] != self.versions:
+            return None  # it wrote into an argument, which the node saves for its backward
+        outs = [t for t in returned if isinstance(t, torch.Tensor)]
+        storages = {t.untyped_storage().data_ptr() for t in inputs if t.untyped_storage().nbytes()}
+        if any(o.untyped_storage().nbytes() and o.untyped_storage().data_ptr() in storages for o in outs):
+            return None  # an output shares storage with an argument
+        stops = set()
+        for t in inputs:
+            if t.requires_grad:
+                stops.add(get_gradient_edge(t).node)
+        found: dict[int, torch.Tensor] = {}
+        seen: set[Any] = set()
+        todo: list[Any] = [o.grad_fn for o in outs if o.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen or node in stops:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            if variable is not None:  # AccumulateGrad
+                if id(variable) not in parameters:
+                    return None  # a leaf that is not a parameter
+                found[id(variable)] = variable
+                continue
+            if node._sequence_nr() < before:
+                return None  # made before the call, not by an input
+            todo.extend(next_node for next_node, _ in node.next_functions)
+        return list(found.values())
 
 
 def sequence_mark() -> int:

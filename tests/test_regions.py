@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from runtime.apply import PolicyRuntime
 from runtime.policy import Policy, PolicyOptions
-from runtime.regions import leaves_of, run, sequence_mark
+from runtime.regions import Learning, run
 from runtime.trace import capture
 from runtime.vocab import KEEP, RECOMPUTE
 from tests.synthetic import framed_chain_workload
@@ -48,9 +48,9 @@ def _step(block: torch.nn.Module, mode: str, autocast: bool = False, reuse: bool
     with ctx:
         y = torch.tanh(x)
         if mode == "node":
-            before = sequence_mark()
+            learning = Learning((y,), {"scale": 2.0, "mask": mask})
             out = checkpoint(block.forward, y, scale=2.0, mask=mask, use_reentrant=False)
-            leaves = leaves_of(out, (y,), {"scale": 2.0, "mask": mask}, before, {id(p) for p in block.parameters()})
+            leaves = learning.leaves(out, {id(p) for p in block.parameters()})
             assert leaves is not None and {id(t) for t in leaves} == {id(p) for p in block.parameters()}
             torch.manual_seed(1)
             z = run(block.forward, (y,), {"scale": 2.0, "mask": mask}, leaves, rng=True, device_type="cpu")
@@ -100,9 +100,9 @@ def test_leaves_the_node_cannot_carry() -> None:
     h = x * 2
 
     def call(fn, *args):  # type: ignore[no-untyped-def]
-        before = sequence_mark()
+        learning = Learning(args, {})
         out = checkpoint(fn, *args, use_reentrant=False)
-        return leaves_of(out, args, {}, before, params)
+        return learning.leaves(out, params)
 
     assert {id(t) for t in call(lin, h)} == params  # type: ignore[union-attr]
     stray = torch.randn(4, requires_grad=True)
@@ -110,10 +110,7 @@ def test_leaves_the_node_cannot_carry() -> None:
     outer = x * 3  # made before the call, requiring grad, not an argument
     assert call(lambda a: lin(a) + outer, h) is None
     assert call(lambda a: (lin(a), a[:, :2]), h) is None  # a view of the argument among the outputs
-    before, g = sequence_mark(), x * 4
-    versions = [g._version]
-    out = checkpoint(lambda a: lin(a.mul_(2)), g, use_reentrant=False)
-    assert leaves_of(out, (g,), {}, before, params, versions) is None  # it wrote into its argument
+    assert call(lambda a: lin(a.mul_(2)), x * 4) is None  # it wrote into its argument
     assert call(functools.partial(torch.nn.functional.linear, weight=lin.weight), h) is not None
 
     class Box:  # a container pytree does not know
