@@ -298,7 +298,10 @@ class OptunaSearcher(Searcher):
         except KeyboardInterrupt:
             ctx.interrupt()
         except Exception as e:  # a Ctrl-C inside Optuna's own bookkeeping comes out as another error
-            if not from_interrupt(e):
+            # Its chain holds the KeyboardInterrupt, or not where the interrupt landed in a storage query whose
+            # connection then failed otherwise (Optuna 5: AssertionError "Should not reach." from its trial
+            # bookkeeping): a Ctrl-C noted and not yet taken says so then.
+            if not (from_interrupt(e) or ctx.state.sigint_pending):
                 raise
             ctx.interrupt()
         if isinstance(storage, optuna.storages.RDBStorage) and not ctx.interrupted:

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -117,3 +118,25 @@ def test_ctrl_c_inside_a_query_prints_no_sqlalchemy_cleanup_traceback(caplog: py
     pool.error("after")
     assert ctx.state.sigint_pending
     assert [r.getMessage() for r in caplog.records] == ["before", "after"]
+
+
+def test_an_error_optuna_raises_after_a_ctrl_c_is_the_interrupt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C that lands in one of Optuna's storage queries can come out of ``study.optimize`` as an error
+    whose chain does not hold the KeyboardInterrupt (Optuna 5: AssertionError "Should not reach."). With the
+    Ctrl-C noted and not yet taken, the search takes it as the interrupt and answers; without, it is raised."""
+    import optuna
+
+    w = capture(tiny_cnn_build(), name="cnn", batch_size=2)
+    hw = get_profile("a100-40gb")
+    budget = int(peak_report(w, hw.alloc_granularity_bytes).peak_bytes * 0.8)
+
+    def optimize(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("Should not reach.")
+
+    monkeypatch.setattr(optuna.study.Study, "optimize", optimize)
+    ctx = SearchContext(time_limit_s=5, trials=3)
+    ctx.state.sigint_pending = True
+    result = get_searcher("optuna-tpe").search(Problem(w, hw, budget), ctx)
+    assert ctx.interrupted and result.policy is not None
+    with pytest.raises(AssertionError, match="Should not reach"):
+        get_searcher("optuna-tpe").search(Problem(w, hw, budget), SearchContext(time_limit_s=5, trials=3))
