@@ -460,7 +460,8 @@ class PolicyRuntime:
                         **kwargs,
                     )
                     if learning is not None:
-                        self._leaves[frame] = learning.leaves(out, self._parameters)
+                        own = {id(p) for p in mod.parameters() if p.requires_grad}
+                        self._leaves[frame] = learning.leaves(out, self._parameters, own)
             finally:
                 self._suspended -= 1
             if self._keying:  # the first step's keyer names what the trace saw packed inside

@@ -40,13 +40,19 @@ NOTE [ Regions without a graph ]
         a closure holds, new each step), a node made before the call that is not one of its inputs' (a tensor that
         requires grad reaching the call other than as an argument), an output that shares storage with an
         input (a view of an argument, which a custom Function's output cannot be modified as in place), an
-        argument the call writes into (the node saves its arguments for its backward), or an argument or output
-        that torch's pytree cannot open (an object that may hold tensors the node would not see).
+        argument the call writes into (the node saves its arguments for its backward), an argument or output
+        that torch's pytree cannot open (an object that may hold tensors the node would not see), or a
+        trainable parameter of the called module that the call did not read: control flow that differs
+        between steps (a mixture of experts whose router skips an expert in this step) may read it in another
+        step, whose gradient a node carrying the first call's leaves would drop.
     N5. When the model's trainable parameters change between steps (one replaced, as ``load_state_dict(...,
         assign=True)`` does, or frozen, or unfrozen as fine-tuning schedules do), every call learns its leaves
-        again. Limit: the leaves are those of the first step; a later step whose call reads another parameter
-        (control flow that differs between steps) would not carry its gradient. A policy is made for one
-        iteration's graph (its keys, its regions), and this holds for the models a trace records.
+        again. Limit: the leaves are those of the first step; a later step whose call reads a parameter that is
+        not the called module's own and that the first call did not read (control flow that differs between
+        steps, outside the module's parameters, which N4 checks) would not carry its gradient. A call that
+        reads fewer of its leaves than the first (an expert the router skips this time) returns no gradient
+        for them: their ``.grad`` stays as it was, as in plain training, but their ``AccumulateGrad`` hooks
+        run with no gradient where plain training runs none.
 """
 
 from __future__ import annotations
@@ -217,9 +223,12 @@ class Learning:
         self.versions = [t._version for t in self.inputs]
         self.before = sequence_mark()
 
-    def leaves(self, out: Any, parameters: AbstractSet[int]) -> list[torch.Tensor] | None:
+    def leaves(
+        self, out: Any, parameters: AbstractSet[int], own: AbstractSet[int] = frozenset()
+    ) -> list[torch.Tensor] | None:
         """The leaves the call read (its graph made under checkpoint), or None where this node could not carry
-        the call."""
+        the call. ``parameters``: the model's trainable parameters; ``own``: those of the called module, each
+        of which the call must have read."""
         returned = tree_leaves(out)
         if any(not isinstance(x, _PLAIN) for x in (*self.arguments, *returned)):
             return None  # a container pytree cannot open, which may hold tensors the node would not see
@@ -251,6 +260,8 @@ class Learning:
             if node._sequence_nr() < before:
                 return None  # made before the call, not by an input
             todo.extend(next_node for next_node, _ in node.next_functions)
+        if not own <= found.keys():
+            return None  # a parameter of its own it did not read: another step's control flow may read it
         return list(found.values())
 
 

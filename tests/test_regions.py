@@ -173,3 +173,51 @@ class _Chain(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.fc(x)) * 2
+
+
+class _Gated(torch.nn.Module):
+    """Reads ``b`` only when ``use_b`` is set: control flow that differs between steps (a mixture of experts
+    whose router skips an expert in one step and not in the next reads its parameters so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.use_b = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x)) * 2
+        return h + torch.tanh(self.b(x)) * 2 if self.use_b else h
+
+
+def test_a_parameter_first_read_in_a_later_step_gets_its_gradient() -> None:
+    """N4: a region's module whose first call left some of its trainable parameters unread (``b``, skipped
+    in step 0) may read them in a later step; as a node the call would carry only the leaves of the first
+    call and ``b`` would get no gradient in step 1. Such a call stays under checkpoint, and every step's
+    gradients are plain training's."""
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(_Chain(), _Gated(), _Chain())
+        return model, (torch.randn(4, 8),), lambda m, b: m(b[0]).pow(2).sum()
+
+    w = capture(build, name="gated", batch_size=4)  # traced with b read
+    acts = np.array([RECOMPUTE if c.block in ("0", "1", "2") and not c.block_input else KEEP for c in w.candidates])
+    policy = Policy.from_vector(w, acts.astype(np.int8), hardware="cpu")
+    assert policy.schedule is not None and len(policy.schedule.regions) == 3
+    model, batch, loss_fn = build()
+    rt = PolicyRuntime(policy, model)
+    nodes = []
+    for step, use_b in enumerate([False, True, False, True]):
+        model[1].use_b = use_b
+        model.zero_grad(set_to_none=True)
+        with rt.step() as stats:
+            loss_fn(model, batch).backward()
+        got = [p.grad for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, batch).backward()
+        want = [p.grad for p in model.parameters()]
+        assert [g is None for g in got] == [g is None for g in want], step
+        assert all(a is None or torch.equal(a, b) for a, b in zip(got, want, strict=True)), step
+        nodes.append(stats.regions - stats.checkpointed)
+    assert nodes == [0, 2, 2, 2]  # the gated call under checkpoint for good, the two chains as nodes
