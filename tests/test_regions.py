@@ -153,17 +153,23 @@ def test_a_parameter_replaced_between_steps_gets_its_gradient() -> None:
             model[0].fc.weight = torch.nn.Parameter(model[0].fc.weight.detach().clone())
         if step == 4:
             model[1].fc.weight.requires_grad_(True)
-        model.zero_grad(set_to_none=True)
-        with rt.step() as stats:
-            loss_fn(model, batch).backward()
-        got = [p.grad for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        loss_fn(model, batch).backward()
-        want = [p.grad for p in model.parameters()]
-        assert [g is None for g in got] == [g is None for g in want], step
-        assert all(a is None or torch.equal(a, b) for a, b in zip(got, want, strict=True)), step
+        stats = _step_as_plain(rt, model, batch, loss_fn, step)
         checkpointed.append(stats.checkpointed)
     assert checkpointed == [2, 0, 2, 0, 2]  # learnt in steps 0, 2 and 4, as nodes in between
+
+
+def _step_as_plain(rt: PolicyRuntime, model: torch.nn.Module, batch, loss_fn, step: int):  # type: ignore[no-untyped-def]
+    """One step under ``rt``, then the same step plain: every parameter's gradient the same (or None in both)."""
+    model.zero_grad(set_to_none=True)
+    with rt.step() as stats:
+        loss_fn(model, batch).backward()
+    got = [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    loss_fn(model, batch).backward()
+    want = [p.grad for p in model.parameters()]
+    assert [g is None for g in got] == [g is None for g in want], step
+    assert all(a is None or torch.equal(a, b) for a, b in zip(got, want, strict=True)), step
+    return stats
 
 
 class _Chain(torch.nn.Module):
@@ -210,14 +216,6 @@ def test_a_parameter_first_read_in_a_later_step_gets_its_gradient() -> None:
     nodes = []
     for step, use_b in enumerate([False, True, False, True]):
         model[1].use_b = use_b
-        model.zero_grad(set_to_none=True)
-        with rt.step() as stats:
-            loss_fn(model, batch).backward()
-        got = [p.grad for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        loss_fn(model, batch).backward()
-        want = [p.grad for p in model.parameters()]
-        assert [g is None for g in got] == [g is None for g in want], step
-        assert all(a is None or torch.equal(a, b) for a, b in zip(got, want, strict=True)), step
+        stats = _step_as_plain(rt, model, batch, loss_fn, step)
         nodes.append(stats.regions - stats.checkpointed)
     assert nodes == [0, 2, 2, 2]  # the gated call under checkpoint for good, the two chains as nodes
