@@ -56,31 +56,33 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         tensors wider than the target dtype (others are kept, as envs.simulator treats them).
     R9. A handle drops its device copy after the last unpack of its storage (the pack count of the
         forward), so the memory lives until the last backward node that needs it is done, as when kept.
-    R10. Regions (Rule 11; NOTE [ Recompute mechanisms ] in runtime/plan.py): a module call that the
-        policy's schedule lists as a region runs as one autograd node (runtime/regions.py, NOTE [ Regions
-        without a graph ]): its forward records no graph, its backward re-runs the call (the RNG state
-        preserved only where it draws random numbers) and differentiates it, with no Python per op or per
-        saved tensor. The call's first step runs under ``torch.utils.checkpoint`` (non-reentrant, no
-        determinism check), which learns the leaves the call reads (N4); a call the node cannot carry stays
-        there. The runtime's own hooks are suspended during the call, so the node's saved inputs are kept
+    R10. Regions (Rule 11; NOTE [ Recompute mechanisms ] in runtime/plan.py): a module call that the policy's
+        schedule lists as a region runs as one autograd node (runtime/regions.py, NOTE [ Regions without a graph ]):
+        its forward records no graph, its backward re-runs the call (the RNG state preserved only where it draws
+        random numbers) and differentiates it, with no Python per op or per saved tensor. The call's first step runs
+        under ``torch.utils.checkpoint`` (non-reentrant, no determinism check), which learns the leaves the call
+        reads (N4); a call the node cannot carry stays there. So does the call in any step that learns (R11): the
+        keys of the call's outputs where later modules save them name the op that made them, which a node would
+        stand in for. The runtime's own hooks are suspended during the call, so the node's saved inputs are kept
         (they are, by P4). During the recompute BatchNorm runs with momentum 0, which rewrites its running
-        statistics with their own values, exactly, and its step count is taken back in place: they are
-        updated once, as in plain training, and nothing is allocated. In a first step the keyer names the
-        call's inputs and outputs that the trace first saw packed inside it.
-    R11. Scope. The first step runs as R1 says, with hooks on every pack, the keyer's module hooks and,
-        when anything is replayed, the recorder over the whole forward; it learns each pack's module call
-        (frame) and key. From the second step on, saved-tensor hooks are entered only in the module calls
-        that hold a pack of a tensor swapped, compressed or replayed, or of a prefetch trigger (R4), and
-        stay on inside them; ``<loss>`` is what runs after the model's forward. Each pack is looked up in
-        its call's table by its ordinal there and checked by shape and dtype (and, for a later pack of a
-        handled tensor, by storage); a mismatch keeps that tensor and every later one of the step, warns
-        once, and the next step learns again. The recorder is entered only in the calls whose ops a replay
-        re-ran. Entered for ``<loss>``, it leaves at the first pack there after the last op a replay re-ran
-        (the first step tells which), still in forward, so that backward's ops do not pass through it (a
-        Python call each); without such a pack, at the step's end. Never inside backward: backward runs
-        each node under the thread-local state captured when it began, so a mode popped inside it is back
-        on the stack when it returns. An all-keep policy, or one that only recomputes through regions,
-        installs no saved-tensor hooks at all.
+        statistics with their own values, exactly, and its step count is taken back in place: they are updated once,
+        as in plain training, and nothing is allocated. In a first step the keyer names the call's inputs and
+        outputs that the trace first saw packed inside it.
+    R11. Scope. The first step runs as R1 says, with hooks on every pack, the keyer's module hooks and, when
+        anything is replayed, the recorder over the whole forward; it learns each pack's module call (frame) and
+        key. From the second step on, saved-tensor hooks are entered only in the module calls that hold a pack of a
+        tensor swapped, compressed or replayed, or of a prefetch trigger (R4), and stay on inside them; ``<loss>``
+        is what runs after the model's forward. Each pack is looked up in its call's table by its ordinal there and
+        checked by shape and dtype (and, for a later pack of a handled tensor, by storage); a mismatch keeps that
+        tensor and every later one of the step, warns once, and the next step learns again. A step is learnt from
+        only when it saved something for backward and its backward unpacked it inside the step: a forward under
+        ``torch.no_grad`` (a validation pass) or one whose backward is skipped (a loss not used) leaves the learning
+        to the next step. The recorder is entered only in the calls whose ops a replay re-ran. Entered for
+        ``<loss>``, it leaves at the first pack there after the last op a replay re-ran (the first step tells
+        which), still in forward, so that backward's ops do not pass through it (a Python call each); without such a
+        pack, at the step's end. Never inside backward: backward runs each node under the thread-local state
+        captured when it began, so a mode popped inside it is back on the stack when it returns. An all-keep policy,
+        or one that only recomputes through regions, installs no saved-tensor hooks at all.
     R12. The model. A policy records its model's parameters by name and shape
         (runtime.keys.parameter_fingerprint); a model with other ones is refused when the runtime is made,
         before anything runs, unless ``strict=False`` (the keys that still match are then applied, the
@@ -282,6 +284,7 @@ class PolicyRuntime:
             self._d2h = torch.cuda.Stream(self.device)
             self._h2d = torch.cuda.Stream(self.device)
         self._reported: set[str] = set()
+        self._warned_no_backward = False
         self._recorder: Recorder | None = None
         self._suspended = 0
         self._keying = False  # a first step is running (R11)
@@ -367,6 +370,7 @@ class PolicyRuntime:
         self._points = 0  # pack points so far (R3)
         self._suspended = 0
         self._mismatch: str | None = None
+        self._unpacked = False  # backward unpacked something (R11: a step without backward teaches nothing)
         self._replays_open = 0  # replayed handles not yet past their last unpack (R6: then the RNG states go)
 
     def _end_step(self) -> None:
@@ -445,7 +449,9 @@ class PolicyRuntime:
             frame = (path, call)
             try:
                 nodes, known = self.policy.options.region_nodes, frame in self._leaves
-                leaves = self._leaves[frame] if nodes and known else None  # None: under checkpoint (N4)
+                # None: under checkpoint (N4), as in any step that learns (R11): the keys of what the call's
+                # outputs are saved as name the op that made them, which a node would stand in for.
+                leaves = self._leaves[frame] if nodes and known and not self._keying else None
                 if leaves is not None:
                     out = run_region(recomputable, args, kwargs, leaves, region.rng, self.device.type)
                 else:
@@ -507,7 +513,19 @@ class PolicyRuntime:
                 yield
         finally:
             self._keying = False
+            unpacked = self._unpacked
             self._end_step()
+        if not any(e.key is not None for e in log):
+            return  # nothing was saved for backward (torch.no_grad, a validation pass): the next step learns
+        if not unpacked:  # a forward whose backward did not run in the step (a skipped loss)
+            if not self._warned_no_backward:
+                self._warned_no_backward = True
+                warnings.warn(
+                    "autotune: a step under the policy ran a forward but no backward inside it; it is not "
+                    "learnt from, the next step is (run loss.backward() inside `with policy.applied(model):`)",
+                    stacklevel=3,
+                )
+            return
         self._learned = self._learn(log, rec, force)
 
     def _learn(self, log: list[_Logged], rec: Recorder | None, force: bool) -> _Learned:
@@ -713,7 +731,9 @@ class PolicyRuntime:
             self._mismatch = f"pack {pos}" if pos >= 0 else "a later pack of a handled tensor"
             warnings.warn(
                 f"autotune: the saved tensors of this step differ from the first step's ({self._mismatch}: "
-                f"{tuple(t.shape)} {t.dtype}); from here on this step keeps them, and the next step learns again",
+                f"{tuple(t.shape)} {t.dtype}); from here on this step keeps them, so it holds more memory than the "
+                "plan (a batch of another size: a DataLoader's smaller last batch, which drop_last=True avoids), and "
+                "the next step learns again",
                 stacklevel=3,
             )
         return t.detach()
@@ -784,6 +804,7 @@ class PolicyRuntime:
 
     # -- unpack --------------------------------------------------------------------------------------------
     def _unpack(self, p: Any) -> torch.Tensor:
+        self._unpacked = True
         if isinstance(p, torch.Tensor):
             return p
         rec = self._recorder

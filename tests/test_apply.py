@@ -358,3 +358,58 @@ def test_regions_that_no_longer_match_the_actions_are_replayed_instead() -> None
     with pytest.warns(UserWarning, match=f"region {region.module}#0"):
         _, got, _ = _step(name, kwargs, policy)
     assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
+def test_a_step_without_backward_or_grad_teaches_nothing() -> None:
+    """What users run under ``policy.applied`` before their first training step: a validation pass under
+    ``torch.no_grad()`` (nothing packed), then a forward whose loss they skip (no backward). Neither is
+    learnt from (R11): the next full step learns, and every later step applies the policy as it would
+    have, gradients plain training's. (A no-grad step learnt an empty table and left the policy off for
+    good; a step without backward learnt no replay, and every later backward failed an assertion.)"""
+    name, kwargs = RESNET
+    w = capture(_build(name, kwargs), name=name, batch_size=2)
+    acts = _policies(w)["mixed-1"]
+    policy = Policy.from_vector(w, acts, hardware="cpu")
+    reference = _steps(name, kwargs, policy, steps=2)[-1][3]
+    assert reference.recomputed_ops > 0 and reference.swaps > 0
+    model, batch, loss_fn = _build(name, kwargs)()
+    plain, _, _ = _build(name, kwargs)()
+    rt = PolicyRuntime(policy, model)
+    model.eval()
+    with torch.no_grad(), rt.step():
+        loss_fn(model, batch)
+    model.train()
+    with pytest.warns(UserWarning, match="no backward"), rt.step():
+        loss_fn(model, batch)  # skipped: no backward
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        with rt.step() as stats:
+            loss_fn(model, batch).backward()
+        loss_fn(plain, batch).backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+        if step:
+            assert (stats.recomputed_ops, stats.swaps, stats.packs) == (
+                reference.recomputed_ops, reference.swaps, reference.packs), step  # fmt: skip
+
+
+def test_a_step_that_learns_again_keys_what_regions_make_as_the_first_did() -> None:
+    """A step that learns again (after a smaller batch) runs its regions under checkpoint, as the first
+    step: as nodes, a region's output saved by the next module got a key naming the node's op (``_Region``),
+    not in the policy, and was kept."""
+    name, kwargs = RESNET
+    w = capture(_build(name, kwargs), name=name, batch_size=2)
+    policy = Policy.from_vector(w, _policies(w)["recompute"], hardware="cpu")
+    assert policy.schedule is not None and policy.schedule.regions
+    model, batch, loss_fn = _build(name, kwargs)()
+    rt = PolicyRuntime(policy, model)
+    small = tuple(t[:1] for t in batch)
+    with pytest.warns(UserWarning, match="differ from the first step"):
+        for b in (batch, batch, small):
+            with rt.step():
+                loss_fn(model, b).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no unknown key
+        with rt.step() as again:
+            loss_fn(model, small).backward()
+    assert not again.unknown_keys and again.checkpointed == again.regions > 0
