@@ -255,7 +255,9 @@ def simulate(
             "or under torch.utils.checkpoint (less memory in their backward).",
         ),
     ] = True,
-    optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
+    optimizer: Annotated[
+        str | None, typer.Option(help="sgd, adam or adamw \\[default: the policy file's, or sgd].")
+    ] = None,
     timeline: Annotated[Path | None, typer.Option(help="Write the memory timeline as an HTML plot.")] = None,
     save_policy: Annotated[Path | None, typer.Option(help="Write the simulated policy as a policy file.")] = None,
     precision: Annotated[
@@ -750,6 +752,10 @@ def train(
         int | None,
         typer.Option("--grad-accum", help="Micro-batches per optimizer step \\[default: the policy's]."),
     ] = None,
+    optimizer: Annotated[
+        str | None,
+        typer.Option(help="sgd, adam or adamw \\[default: the policy's, or sgd; another one is refused]."),
+    ] = None,
     expandable_segments: Annotated[
         bool,
         typer.Option(
@@ -782,6 +788,7 @@ def train(
             device=device,
             precision=precision,
             grad_accum=grad_accum,
+            optimizer=optimizer,
             expandable_segments=expandable_segments,
             compile_backend=backend if compile_ else None,
         )

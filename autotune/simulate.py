@@ -34,7 +34,7 @@ def run_simulate(
     budget: str | None,
     lookahead: int,
     lossy: bool,
-    optimizer: str,
+    optimizer: str | None,
     region_nodes: bool = True,
     precision: str | None,
     grad_accum: int | None,
@@ -57,6 +57,7 @@ def run_simulate(
         gpu = gpu or loaded.hardware
         precision = precision or loaded.precision  # another one: check_against says why it cannot apply
         grad_accum = grad_accum or loaded.grad_accum
+        optimizer = optimizer or loaded.optimizer  # another one: check_against says why it cannot apply
     if model is None:
         raise AutotuneError("no model: pass --model NAME (see `autotune models`)")
     budget_bytes = parse_size(budget) if budget is not None else (loaded.budget_bytes if loaded else None)
@@ -71,7 +72,7 @@ def run_simulate(
             model=model,
             batch_size=batch_size,
             seq_len=seq_len,
-            optimizer=optimizer,
+            optimizer=optimizer or "sgd",
             precision=precision or "fp32",
             grad_accum=grad_accum or 1,
             target=hw,

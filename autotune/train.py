@@ -160,10 +160,12 @@ def train(
     device: str,
     precision: str | None = None,
     grad_accum: int | None = None,
+    optimizer: str | None = None,
     expandable_segments: bool = False,
     compile_backend: str | None = None,
 ) -> TrainReport:
-    """``precision`` and ``grad_accum`` None: the policy's; other ones are refused by the policy check.
+    """``precision``, ``grad_accum`` and ``optimizer`` None: the policy's (sgd for a file without an optimizer);
+    other ones are refused by the policy check.
     ``expandable_segments``: the caching allocator runs with ``expandable_segments:True`` (set here, before
     CUDA initialises) and the reserved bytes are predicted with the matching model (A8-A11).
     ``compile_backend``: the model runs under ``torch.compile`` with that backend and the policy through
@@ -189,6 +191,7 @@ def train(
         device=device,
         precision=precision or policy.precision,
         grad_accum=grad_accum or policy.grad_accum,
+        optimizer=optimizer or policy.optimizer or "sgd",
         partitions=policy.partitions,
     )
     req.validate()

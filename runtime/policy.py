@@ -181,6 +181,9 @@ class Policy:
     hardware: str  # hardware profile name, e.g. "a100-40gb"
     precision: str = "fp32"
     grad_accum: int = 1  # micro-batches per optimizer step it was planned for
+    # The optimizer it was traced with (its state and step temporaries are in the plan); None in files from
+    # before it was recorded, which were traced with the default, sgd.
+    optimizer: str | None = None
     predicted: Prediction | None = None
     measured: Prediction | None = None
     provenance: Provenance
@@ -260,6 +263,7 @@ class Policy:
             hardware=hardware,
             precision=precision or workload.precision,
             grad_accum=workload.grad_accum,
+            optimizer=workload.optimizer,
             predicted=predicted,
             provenance=Provenance.now(searcher, trials, wall_s),
             schedule=Schedule.of(workload, codes),
@@ -344,6 +348,12 @@ class Policy:
                 "other parts of the iteration (NOTE [ Gradient accumulation ] in runtime.trace); search a policy "
                 f"for it with `autotune search --model {workload.model} --grad-accum {workload.grad_accum} ...`"
             )
+        if self.optimizer is not None and self.optimizer != workload.optimizer:
+            raise AutotuneError(
+                f"{source}: policy was made for training with {self.optimizer} but the workload was traced with "
+                f"{workload.optimizer}: its state and step temporaries are in the plan; trace it with --optimizer "
+                f"{self.optimizer} (`autotune train` and `autotune simulate --policy` take the file's by default)"
+            )
         self._check_keys(workload, source)
         if self.shape_fingerprint != workload.shape_fingerprint and not allow_other_shapes:
             mine = _shape(self.batch_size, self.seq_len)
@@ -397,6 +407,8 @@ class Policy:
         d["actions"] = {k: a.value for k, a in self.actions.items()}
         if not self.partitions:
             del d["partitions"]  # files without partitions stay as they were
+        if self.optimizer is None:
+            del d["optimizer"]
         d["format"] = FORMAT
         return d
 
@@ -430,6 +442,7 @@ class Policy:
                 hardware=d["hardware"],
                 precision=d.get("precision", "fp32"),
                 grad_accum=d.get("grad_accum", 1),
+                optimizer=d.get("optimizer"),
                 predicted=Prediction(**pred) if pred is not None else None,
                 measured=Prediction(**meas) if meas is not None else None,
                 provenance=Provenance(**d["provenance"]),

@@ -366,3 +366,21 @@ def test_train_warns_where_the_allocator_freed_segments_to_make_room(
         line = " ".join(out.split())
         assert ("the caching allocator ran out of room within the budget" in line) is warned, (retries, freed)
         assert not warned or f"freed {freed} cached segments to go on ({retries} times all it held" in line
+
+
+def test_a_policy_searched_with_adamw_trains_with_adamw(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The policy file records the optimizer it was traced with: `autotune simulate --policy` and `autotune
+    train` take it by default (both refused it before: sgd's state has other sizes, reported as "other tensor
+    sizes" at the same batch size), and another one is refused naming both."""
+    path = tmp_path / "adamw.policy.json"
+    code, _, err = run(capsys, "simulate", "--model", "resnet18", "--batch-size", "2", "--gpu", "cpu", "--optimizer",
+                       "adamw", "--action", "recompute", "--save-policy", str(path), "--json")  # fmt: skip
+    assert code == 0, err
+    assert json.loads(path.read_text())["optimizer"] == "adamw"
+    code, out, err = run(capsys, "simulate", "--policy", str(path), "--json")
+    assert code == 0, err
+    code, out, err = run(capsys, "train", "--policy", str(path), "--steps", "1", "--json")
+    assert code == 0, err
+    assert json.loads(out)["iterations"]
+    line = user_error(capsys, "simulate", "--policy", str(path), "--optimizer", "sgd")
+    assert "made for training with adamw" in line and "--optimizer adamw" in line
