@@ -907,6 +907,17 @@ def _compressible(dtype: torch.dtype, target: torch.dtype) -> bool:
 _RUNTIMES_ATTR = "_autotune_runtimes"
 
 
+class _Runtimes(dict):  # type: ignore[type-arg]
+    """A model's runtimes by policy: not part of the model's state. ``torch.save(model)``, pickling and
+    ``copy.deepcopy`` (an EMA copy) see an empty table, and a copy makes its own runtime when it first runs."""
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (_Runtimes, ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Runtimes:
+        return _Runtimes()
+
+
 def check_model(policy: Policy, model: torch.nn.Module) -> None:
     """R12: refuse a model whose parameters are not those of the model the policy was made for."""
     want = policy.parameter_fingerprint
@@ -924,7 +935,7 @@ def check_model(policy: Policy, model: torch.nn.Module) -> None:
 @contextlib.contextmanager
 def applied(policy: Policy, model: torch.nn.Module, *, strict: bool = True) -> Iterator[RuntimeStats]:
     """``with applied(policy, model):`` one forward and backward under the policy (see the module docs)."""
-    per_model: dict[int, PolicyRuntime] = model.__dict__.setdefault(_RUNTIMES_ATTR, {})
+    per_model: dict[int, PolicyRuntime] = model.__dict__.setdefault(_RUNTIMES_ATTR, _Runtimes())
     rt = per_model.get(id(policy))
     if rt is None or rt.policy is not policy:
         rt = per_model[id(policy)] = PolicyRuntime(policy, model, strict=strict)

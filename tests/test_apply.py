@@ -413,3 +413,34 @@ def test_a_step_that_learns_again_keys_what_regions_make_as_the_first_did() -> N
         with rt.step() as again:
             loss_fn(model, small).backward()
     assert not again.unknown_keys and again.checkpointed == again.regions > 0
+
+
+def test_a_model_that_ran_under_a_policy_saves_and_copies_without_its_runtime() -> None:
+    """``torch.save(model)`` (whole-module checkpoints) and pickling failed once ``policy.applied(model)``
+    had run (the runtime kept on the model holds weak references); now they save the model alone, and a
+    deep copy (an EMA model) trains under the policy with a runtime of its own, gradients as plain."""
+    import copy
+    import io
+    import pickle
+
+    name, kwargs = RESNET
+    w = capture(_build(name, kwargs), name=name, batch_size=2)
+    policy = Policy.from_vector(w, _policies(w)["mixed-1"], hardware="cpu")
+    model, batch, loss_fn = _build(name, kwargs)()
+    with policy.applied(model):
+        loss_fn(model, batch).backward()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), loaded.parameters(), strict=True))
+    assert not pickle.loads(pickle.dumps(model)).__dict__.get("_autotune_runtimes")
+    twin = copy.deepcopy(model)
+    assert not twin.__dict__["_autotune_runtimes"]
+    for m in (twin, loaded):
+        m.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        with policy.applied(m):
+            loss_fn(m, batch).backward()
+        loss_fn(model, batch).backward()  # plain, outside the policy
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), model.parameters(), strict=True))
