@@ -18,6 +18,7 @@ from rich.console import Console
 
 from autotune import __version__
 from runtime.errors import AutotuneError, from_interrupt
+from runtime.fileio import check_writable
 
 app = typer.Typer(
     add_completion=False,
@@ -112,6 +113,7 @@ def profile(
     from runtime.hardware import resolve_profile
     from runtime.workload import Workload
 
+    check_writable(out_file, "--out")
     budget_bytes = parse_size(budget) if budget is not None else None
     if budget is not None and not as_json:
         err.print(f"budget: {format_size_echo(budget, budget_bytes or 0)}")
@@ -271,6 +273,8 @@ def simulate(
     as_json: JsonOpt = False,
 ) -> None:
     """Simulate one iteration under a policy file or a uniform action and print the SimResult."""
+    check_writable(save_policy, "--save-policy")
+    check_writable(timeline, "--timeline")
     from autotune.simulate import run_simulate
 
     run_simulate(
@@ -465,6 +469,7 @@ def search(
         raise AutotuneError(f"invalid --timeout {timeout}: expected a positive number of seconds, e.g. --timeout 60")
     if trials is not None and trials <= 0:
         raise AutotuneError(f"invalid --trials {trials}: expected a positive number, e.g. --trials 200")
+    check_writable(out_path, "--out")
     from agents.base import get_searcher
 
     get_searcher(searcher)  # unknown names fail before tracing
@@ -660,6 +665,7 @@ def maxbatch(
     from runtime.hardware import resolve_profile
 
     mb.check_start(start_batch)
+    check_writable(out_path, "--out")
     if max_slowdown is not None and max_slowdown < 0:
         raise AutotuneError(f"invalid --max-slowdown {max_slowdown}: expected 0 or more, e.g. --max-slowdown 0.2")
     if per_size <= 0:
@@ -847,6 +853,8 @@ def sweep(
     from autotune.units import parse_size
     from autotune.workloads import TraceRequest
     from runtime.hardware import get_profile, resolve_profile
+
+    check_writable(report, "--report")
 
     method_list = sw.check_methods(methods)
     budget_list = [parse_size(b) for b in budgets.split(",") if b.strip()]

@@ -60,6 +60,16 @@ def run_simulate(
         optimizer = optimizer or loaded.optimizer  # another one: check_against says why it cannot apply
     if model is None:
         raise AutotuneError("no model: pass --model NAME (see `autotune models`)")
+    if loaded is not None:
+        assert policy_file is not None
+        loaded.check_settings(
+            batch_size=batch_size or loaded.batch_size,
+            seq_len=seq_len,
+            precision=precision or "fp32",
+            grad_accum=grad_accum or 1,
+            optimizer=optimizer or "sgd",
+            source=str(policy_file),
+        )
     budget_bytes = parse_size(budget) if budget is not None else (loaded.budget_bytes if loaded else None)
     if budget is not None and not as_json:
         err.print(f"budget: {format_size_echo(budget, budget_bytes or 0)}")

@@ -928,7 +928,7 @@ def check_model(policy: Policy, model: torch.nn.Module) -> None:
         raise AutotuneError(
             f"policy for {policy.model} (parameters {want}) applied to a model with other parameters ({got}): its "
             f"keys would name other tensors; search a policy for this model (`autotune search --model ...`), or "
-            f"pass strict=False to apply what still matches (the rest is kept)"
+            f"in Python pass strict=False to apply what still matches (the rest is kept)"
         )
 
 

@@ -24,3 +24,23 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_writable(path: str | os.PathLike[str] | None, option: str) -> None:
+    """Refuse, before any long work, an output path that cannot be written: a folder, a file under a folder
+    that does not exist or under a file, a folder this process may not write in."""
+    from runtime.errors import AutotuneError
+
+    if path is None:
+        return
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    how = f"choose another {option}"
+    if p.is_dir():
+        raise AutotuneError(f"{option} {str(path)!r} is a folder: expected a file name in it, e.g. {p / 'out.json'}")
+    if not parent.exists():
+        raise AutotuneError(f"{option} {str(path)!r}: the folder {str(parent)!r} does not exist: create it or {how}")
+    if not parent.is_dir():
+        raise AutotuneError(f"{option} {str(path)!r}: {str(parent)!r} is not a folder; {how}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise AutotuneError(f"{option} {str(path)!r}: cannot write in the folder {str(parent)!r}; {how}")

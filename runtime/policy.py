@@ -334,39 +334,77 @@ class Policy:
                 f"workload is {workload.model} (fingerprint {workload.fingerprint}){same}; search a policy "
                 f"for this model with `autotune search --model {workload.model} ...`"
             )
-        if self.precision != workload.precision:
-            raise AutotuneError(
-                f"{source}: policy was made for {self.precision} training but the workload trains in "
-                f"{workload.precision}: the saved tensors, their sizes and the op times differ (NOTE [ Precision ] "
-                f"in runtime.precision); search a policy for it with `autotune search --model {workload.model} "
-                f"--precision {workload.precision} ...`"
-            )
-        if self.grad_accum != workload.grad_accum:
-            raise AutotuneError(
-                f"{source}: policy was made for {_n(self.grad_accum, 'micro-batch')} per optimizer step but the "
-                f"workload accumulates {_n(workload.grad_accum, 'micro-batch')}: the gradients live through "
-                "other parts of the iteration (NOTE [ Gradient accumulation ] in runtime.trace); search a policy "
-                f"for it with `autotune search --model {workload.model} --grad-accum {workload.grad_accum} ...`"
-            )
-        if self.optimizer is not None and self.optimizer != workload.optimizer:
-            raise AutotuneError(
-                f"{source}: policy was made for training with {self.optimizer} but the workload was traced with "
-                f"{workload.optimizer}: its state and step temporaries are in the plan; trace it with --optimizer "
-                f"{self.optimizer} (`autotune train` and `autotune simulate --policy` take the file's by default)"
-            )
+        self._check_setting(workload.precision, workload.grad_accum, workload.optimizer, workload.model, source)
         self._check_keys(workload, source)
         if self.shape_fingerprint != workload.shape_fingerprint and not allow_other_shapes:
             mine = _shape(self.batch_size, self.seq_len)
             theirs = _shape(workload.batch_size, workload.seq_len)
-            if mine == theirs:
-                theirs += " with other tensor sizes"
             seq = f" --seq-len {workload.seq_len}" if workload.seq_len is not None else ""
+            if mine == theirs:  # the file's batch size and its shape fingerprint disagree (an edited file)
+                raise AutotuneError(
+                    f"{source}: policy was made for {self.model} at {mine} (its batch_size and seq_len fields) "
+                    f"but its shape fingerprint {self.shape_fingerprint} is not that of {mine} "
+                    f"({workload.shape_fingerprint}): the file's fields disagree (edited by hand?); search again "
+                    f"with `autotune search --model {workload.model} --batch-size {workload.batch_size}{seq} ...`"
+                )
             raise AutotuneError(
                 f"{source}: policy was made for {self.model} at {mine} but the workload is at {theirs} "
                 f"(shape fingerprint {self.shape_fingerprint} vs {workload.shape_fingerprint}): a plan for "
                 "one shape is not a plan for another; search again with `autotune search --model "
-                f"{workload.model} --batch-size {workload.batch_size}{seq} ...`, "
-                "or pass allow_other_shapes=True to apply it anyway"
+                f"{workload.model} --batch-size {workload.batch_size}{seq} ...` (in Python, "
+                "allow_other_shapes=True applies it anyway)"
+            )
+
+    def check_settings(
+        self,
+        *,
+        batch_size: int,
+        seq_len: int | None,
+        precision: str,
+        grad_accum: int,
+        optimizer: str,
+        source: str = "policy",
+    ) -> None:
+        """Before any trace: refuse the settings that :meth:`check_against` would refuse after it (another
+        shape, precision, accumulation or optimizer than the file's)."""
+        self._check_setting(precision, grad_accum, optimizer, self.model, source, cli=True)
+        if (batch_size, seq_len) != (self.batch_size, self.seq_len):
+            mine, theirs = _shape(self.batch_size, self.seq_len), _shape(batch_size, seq_len)
+            seq = f" --seq-len {seq_len}" if seq_len is not None else ""
+            raise AutotuneError(
+                f"{source}: policy was made for {self.model} at {mine}, not {theirs}: a plan for one shape is not "
+                f"a plan for another; drop --batch-size/--seq-len to use the file's, or search again with "
+                f"`autotune search --model {self.model} --batch-size {batch_size}{seq} ...`"
+            )
+
+    def _check_setting(
+        self, precision: str, grad_accum: int, optimizer: str, model: str, source: str, cli: bool = False
+    ) -> None:
+        """The precision, accumulation and optimizer of a run against the file's (``cli``: before the trace,
+        the run's come from the command line's flags)."""
+        drop = "drop {flag} to use the file's, or " if cli else ""
+        if self.precision != precision:
+            raise AutotuneError(
+                f"{source}: policy was made for {self.precision} training but the workload trains in {precision}: "
+                "the saved tensors, their sizes and the op times differ (NOTE [ Precision ] in runtime.precision); "
+                + drop.format(flag="--precision")
+                + f"search a policy for it with `autotune search --model {model} --precision {precision} ...`"
+            )
+        if self.grad_accum != grad_accum:
+            raise AutotuneError(
+                f"{source}: policy was made for {_n(self.grad_accum, 'micro-batch')} per optimizer step but the "
+                f"workload accumulates {_n(grad_accum, 'micro-batch')}: the gradients live through other parts of "
+                "the iteration (NOTE [ Gradient accumulation ] in runtime.trace); "
+                + drop.format(flag="--grad-accum")
+                + f"search a policy for it with `autotune search --model {model} --grad-accum {grad_accum} ...`"
+            )
+        if self.optimizer is not None and self.optimizer != optimizer:
+            raise AutotuneError(
+                f"{source}: policy was made for training with {self.optimizer} but the workload was traced with "
+                f"{optimizer}: its state and step temporaries are in the plan; "
+                + drop.format(flag="--optimizer")
+                + f"search a policy for it with `autotune search --model {model} --optimizer {optimizer} ...` "
+                "(`autotune train` and `autotune simulate --policy` take the file's by default)"
             )
 
     def _check_keys(self, workload: Workload, source: str, *, warn: bool = True) -> None:
@@ -534,7 +572,8 @@ def _fix(model: str = "M") -> str:
 
 
 def _n(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
+    plural = noun + ("es" if noun.endswith(("ch", "sh", "s", "x")) else "s")
+    return f"{count} {noun if count == 1 else plural}"
 
 
 def _shape(batch_size: int, seq_len: int | None) -> str:

@@ -383,4 +383,45 @@ def test_a_policy_searched_with_adamw_trains_with_adamw(capsys: pytest.CaptureFi
     assert code == 0, err
     assert json.loads(out)["iterations"]
     line = user_error(capsys, "simulate", "--policy", str(path), "--optimizer", "sgd")
-    assert "made for training with adamw" in line and "--optimizer adamw" in line
+    assert "made for training with adamw" in line and "drop --optimizer" in line
+
+
+@pytest.mark.parametrize("where", ["missing/x.json", "file.txt/x.json", "folder"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, where: str
+) -> None:
+    """--out under a folder that does not exist or under a file, or naming a folder: one line, exit 2, before
+    the trace (it said "internal error" after the whole search)."""
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "folder").mkdir()
+    out = str(tmp_path / where)
+    line = user_error(capsys, "search", "--model", "resnet18", "--budget", "1GB", "--out", out)
+    assert "--out" in line and out in line
+    assert "--save-policy" in user_error(capsys, "simulate", "--model", "resnet18", "--action", "keep",
+                                         "--save-policy", out)  # fmt: skip
+    assert not list(tmp_path.glob("**/*.tmp"))
+
+
+def test_settings_a_policy_file_refuses_are_refused_before_the_trace(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another batch size, precision, accumulation or optimizer than the policy file's: refused at once with
+    the flag to drop (they were refused after a real trace of the model, 20-40 s)."""
+    import autotune.train
+    import autotune.workloads
+
+    path = tmp_path / "p.json"
+    code, _, err = run(capsys, "simulate", "--model", "resnet18", "--batch-size", "2", "--gpu", "cpu", "--action",
+                       "keep", "--save-policy", str(path), "--json")  # fmt: skip
+    assert code == 0, err
+
+    def no_trace(*_: object, **__: object) -> None:
+        raise AssertionError("traced")
+
+    monkeypatch.setattr(autotune.workloads, "trace_model", no_trace)
+    monkeypatch.setattr(autotune.train, "trace_model", no_trace)
+    for cmd in ("simulate", "train"):
+        for flag, value in (("--batch-size", "4"), ("--precision", "bf16"), ("--grad-accum", "2"),
+                            ("--optimizer", "adam")):  # fmt: skip
+            line = user_error(capsys, cmd, "--policy", str(path), flag, value)
+            assert flag in line and "drop" in line, line
