@@ -195,7 +195,7 @@ def train(
         partitions=policy.partitions,
     )
     req.validate()
-    policy.check_settings(batch_size=req.batch_size, seq_len=req.seq_len, precision=req.precision,
+    policy.check_settings(batch_size=batch, seq_len=req.seq_len, precision=req.precision,
                           grad_accum=req.grad_accum, optimizer=req.optimizer, source=str(policy_path))  # fmt: skip
     check_structure(policy, req, source=str(policy_path))
     # A real-mode trace on this device: it checks the policy against the model before any training, and
