@@ -290,6 +290,8 @@ class OptunaSearcher(Searcher):
         callbacks: list[Any] = [] if trials == 0 else [optuna.study.MaxTrialsCallback(trials, states=complete)]
         if stop is not None:
             callbacks.append(stop)
+        running = (optuna.trial.TrialState.RUNNING,)
+        running_before = {t._trial_id for t in study.get_trials(deepcopy=False, states=running)}
         try:  # a Ctrl-C from the warm start on (its trials are stored at once) is the search's to take
             warm_start()
             with _quiet_experimental():
@@ -304,6 +306,8 @@ class OptunaSearcher(Searcher):
             if not (from_interrupt(e) or ctx.state.sigint_pending):
                 raise
             ctx.interrupt()
+        if ctx.interrupted and ctx.heartbeat_s is None:
+            _fail_left_running(study, running_before)
         if isinstance(storage, optuna.storages.RDBStorage) and not ctx.interrupted:
             _settle(study, storage, objective)
         absorb()  # other workers' trials on a shared storage
@@ -323,6 +327,22 @@ class OptunaSearcher(Searcher):
         actions, options, result = rule_actions(problem, params, start=seeds.get(start))
         best.offer(actions, options, result)
         return result
+
+
+def _fail_left_running(study: Any, before: set[int]) -> None:
+    """After a Ctrl-C: the trial it left RUNNING (the interrupt landed in Optuna's own bookkeeping, after the
+    trial was stored and before its end was) is marked FAIL, as Optuna marks an interrupted objective's, so
+    that no dashboard shows it running for ever. Only without heartbeats, where nothing else would (with
+    them, NOTE [ Distributed search ]: the next worker fails or retries it), and only the trials that were not
+    running when this run began."""
+    import optuna
+
+    try:
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            if t._trial_id not in before:
+                study._storage.set_trial_state_values(t._trial_id, state=optuna.trial.TrialState.FAIL)
+    except Exception:  # the storage's connection may be what the interrupt broke: leave it as it is
+        return
 
 
 def adopt_orphans(study: Any, storage: Any) -> int:

@@ -562,10 +562,17 @@ def search(
             study_name=name,
             heartbeat_s=heartbeat,
         )
-        resumed = existing_trials(storage, name)
-        if resumed:
+        # The portfolio (and ppo-pretrained) run their Optuna phases in studies of their own (agents/portfolio.py).
+        phases = [f"{name}.explore", f"{name}.seeded"] if searcher in ("portfolio", "ppo-pretrained") else []
+        found = {n: existing_trials(storage, n) for n in [name, *phases]}
+        resumed = sum(found.values())
+        if resumed and not phases:
             more = f"up to {max(0, trials - resumed)} more (--trials is the study's total)" if trials else "more"
             err.print(f"resuming study {name} in {storage}: {resumed} trials found, running {more}")
+        elif resumed:
+            studies = ", ".join(f"{n} ({k})" for n, k in found.items() if k)
+            err.print(f"resuming the search's Optuna studies in {storage}: {studies} trials found; the baselines and "
+                      "refinement run again")  # fmt: skip
         got = sr.run_search(
             problem,
             ctx,

@@ -425,3 +425,17 @@ def test_settings_a_policy_file_refuses_are_refused_before_the_trace(
                             ("--optimizer", "adam")):  # fmt: skip
             line = user_error(capsys, cmd, "--policy", str(path), flag, value)
             assert flag in line and "drop" in line, line
+
+
+def test_a_portfolio_search_run_again_says_it_resumes_its_studies(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The portfolio's Optuna phases run in NAME.explore and NAME.seeded: a second run with the same --study
+    said nothing of them (it looked for NAME alone)."""
+    args = ["search", "--model", "resnet18", "--batch-size", "2", "--gpu", "a100-40gb", "--budget", "200MB",
+            "--reserve", "8MiB", "--timeout", "4", "--study", "again", "--storage", f"sqlite:///{tmp_path / 's.db'}",
+            "--out", str(tmp_path / "p.json")]  # fmt: skip
+    code, _, err = run(capsys, *args)
+    assert code == 0 and "resuming" not in err, err
+    code, _, err = run(capsys, *args)
+    assert code == 0 and "resuming the search's Optuna studies" in err and "again.seeded (" in err, err

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import optuna
 import pytest
 import torch
 
@@ -535,6 +536,11 @@ def test_ctrl_c_while_optuna_stores_a_trial_keeps_the_best_policy(
                        "--storage", f"sqlite:///{tmp_path / 'u.db'}")  # fmt: skip
     assert code == 130 and "internal error" not in err and "the best policy so far is in" in err, err
     assert calls[0] == 6 and load_policy(out).predicted is not None
+    # The trial whose end was never stored is FAIL, not RUNNING for ever (a dashboard showed it running).
+    url = f"sqlite:///{tmp_path / 'u.db'}"
+    states = [t.state for s in optuna.get_all_study_summaries(url) for t in optuna.load_study(
+        study_name=s.study_name, storage=url).get_trials(deepcopy=False)]  # fmt: skip
+    assert optuna.trial.TrialState.RUNNING not in states and optuna.trial.TrialState.FAIL in states
 
 
 def test_a_ctrl_c_that_lands_in_a_finalizer_still_stops_the_search(
