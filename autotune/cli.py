@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -1046,6 +1047,12 @@ def _reader_gone() -> None:
     raise SystemExit(0) from None
 
 
+def _one_line_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+    text = str(message).removeprefix("autotune: ")
+    label = "warning" if issubclass(category, UserWarning) else category.__name__
+    err.print(f"[yellow]{label}:[/] {text}", highlight=False, soft_wrap=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: ``--debug`` anywhere shows tracebacks; user errors exit with code 2."""
     global _DEBUG
@@ -1053,7 +1060,10 @@ def main(argv: list[str] | None = None) -> None:
     _DEBUG = "--debug" in args
     args = [a for a in args if a != "--debug"]
     try:
-        code = app(args, prog_name="autotune", standalone_mode=False)
+        with warnings.catch_warnings():
+            if not _DEBUG:  # a warning is one line on stderr, as errors are (--debug: Python's, with its source)
+                warnings.showwarning = _one_line_warning
+            code = app(args, prog_name="autotune", standalone_mode=False)
     except AutotuneError as e:
         if _DEBUG:
             raise

@@ -515,6 +515,7 @@ class PolicyRuntime:
             self._keying = False
             unpacked = self._unpacked
             self._end_step()
+            self._say_unknown()
         if not any(e.key is not None for e in log):
             return  # nothing was saved for backward (torch.no_grad, a validation pass): the next step learns
         if not unpacked:  # a forward whose backward did not run in the step (a skipped loss)
@@ -527,6 +528,18 @@ class PolicyRuntime:
                 )
             return
         self._learned = self._learn(log, rec, force)
+
+    def _say_unknown(self) -> None:
+        """One warning for the saved tensors of this step that the policy does not name (each said once)."""
+        keys = self.stats.unknown_keys
+        if len(keys) == 1:
+            what = f"saved tensor {keys[0]!r} is not in the policy for {self.policy.model}; it is kept"
+        elif keys:
+            named = ", ".join(repr(k) for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            what = f"{len(keys)} saved tensors are not in the policy for {self.policy.model} ({named}); they are kept"
+        else:
+            return
+        warnings.warn(f"autotune: {what}", stacklevel=4)
 
     def _learn(self, log: list[_Logged], rec: Recorder | None, force: bool) -> _Learned:
         """Which module calls later steps hook, and their tables (R11)."""
@@ -582,9 +595,7 @@ class PolicyRuntime:
         if action is None:
             if key not in self.ignored and key not in self._reported:
                 self._reported.add(key)
-                self.stats.unknown_keys.append(key)
-                warnings.warn(f"autotune: saved tensor {key!r} is not in the policy for {self.policy.model}; "
-                              "it is kept", stacklevel=3)  # fmt: skip
+                self.stats.unknown_keys.append(key)  # said once, at the step's end (_say_unknown)
             return t.detach(), None
         if action == Action.COMPRESS and not _compressible(t.dtype, self.compress_dtype):
             action = Action.KEEP  # R8

@@ -131,6 +131,16 @@ def test_unknown_keys_are_kept_and_reported_once() -> None:
         loss_fn(model, batch).backward()
     assert stats.unknown_keys == [dropped]
     assert stats.swapped_bytes == sum(c.nbytes for c in w.candidates if c.key != dropped)
+    # Many: one warning for the step, not one each (a policy searched on another device's trace printed 72).
+    for c in w.candidates[6:12]:
+        del policy.actions[c.key]
+    model, batch, loss_fn = _build(name, kwargs)()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with PolicyRuntime(policy, model).step() as stats:
+            loss_fn(model, batch).backward()
+    said = [str(x.message) for x in caught if "not in the policy" in str(x.message)]
+    assert len(stats.unknown_keys) == 7 and len(said) == 1 and "7 saved tensors" in said[0] and "4 more" in said[0]
 
 
 def test_policy_for_another_model_fails_before_training(tmp_path) -> None:  # type: ignore[no-untyped-def]
