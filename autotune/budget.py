@@ -69,7 +69,13 @@ def reserve_bytes(reserve: str | None, budget: str, budget_bytes: int, hw: Hardw
 
 def plan_budget(text: str, reserve: str | None, hw: HardwareProfile) -> Budget:
     """``--budget`` and ``--reserve`` as planned for on ``hw`` (NOTE [ Budget and reserve ])."""
-    return budget_of(parse_size(text), reserve, hw, text)
+    given = parse_size(text)
+    if given < 2**20 and text.strip().isdigit():  # a number alone is bytes: a unit left out, surely
+        raise AutotuneError(
+            f"invalid --budget '{text}': without a unit that is {given} bytes, not enough to train anything; write "
+            f"the unit, e.g. {text.strip()}GB or {text.strip()}GiB"
+        )
+    return budget_of(given, reserve, hw, text)
 
 
 def budget_of(given_bytes: int, reserve: str | None, hw: HardwareProfile, text: str | None = None) -> Budget:

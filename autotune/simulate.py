@@ -73,7 +73,12 @@ def run_simulate(
     budget_bytes = parse_size(budget) if budget is not None else (loaded.budget_bytes if loaded else None)
     if budget is not None and not as_json:
         err.print(f"budget: {format_size_echo(budget, budget_bytes or 0)}")
-    hw, hw_note = resolve_profile(gpu)
+    try:
+        hw, hw_note = resolve_profile(gpu)
+    except AutotuneError as e:
+        if loaded is None or gpu != loaded.hardware:
+            raise
+        raise AutotuneError(f"{policy_file}: hardware: {e}; or pass --gpu NAME") from None
     if not as_json and hw_note:
         err.print(hw_note)
 

@@ -421,10 +421,15 @@ class Policy:
         matched = len(wanted) - len(missing)
         if matched * 2 >= len(wanted) and matched * 2 >= len(self.actions):
             if warn:
+                parts = []
+                if missing:
+                    parts.append(f"{_n(len(missing), 'candidate')} of {workload.model} without an action (kept: "
+                                 f"{_some(missing)})")  # fmt: skip
+                if extra:
+                    parts.append(f"{_n(len(extra), 'action')} for tensors it does not save (ignored: {_some(extra)})")
                 warnings.warn(
-                    f"{source}: {_n(len(missing), 'candidate')} of {workload.model} without an action (kept: "
-                    f"{_some(missing)}) and {_n(len(extra), 'action')} for tensors it does not save (ignored: "
-                    f"{_some(extra)}); expected when the policy was searched on a trace from another device",
+                    f"{source}: {' and '.join(parts)}; expected when the policy was searched on another device's "
+                    "trace (otherwise the file was edited)",
                     stacklevel=3,
                 )
             return
@@ -542,9 +547,15 @@ def _validate(d: dict[str, Any], source: str) -> None:
     errors = list(jsonschema.Draft202012Validator(schema()).iter_errors(d))
     if errors:
         err = best_match(errors)
+        while err.context:  # "not valid under any of the given schemas" (null or an object): the object's error
+            inner = [e for e in err.context if not (e.validator == "type" and e.validator_value == "null")]
+            if not inner:
+                break
+            err = best_match(inner)
         where = ".".join(str(p) for p in err.absolute_path) or "top level"
         more = f" (and {_n(len(errors) - 1, 'more problem')})" if len(errors) > 1 else ""
-        raise AutotuneError(f"{source}: {where}: {err.message}{more}")
+        message = err.message if len(err.message) <= 300 else err.message[:240] + " ... " + err.message[-40:]
+        raise AutotuneError(f"{source}: {where}: {message}{more}")
 
 
 class _DuplicateKey(ValueError):

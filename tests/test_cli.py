@@ -160,6 +160,7 @@ BAD_INPUTS = [
     (["profile", "--model", "resnet18", "--gpu", "a100"], "a100"),
     (["simulate", "--model", "resnet18", "--action", "swapp"], "swapp"),
     (["simulate", "--model", "resnet18"], "--policy"),
+    (["search", "--model", "resnet18", "--budget", "6"], "e.g. 6GB or 6GiB"),  # a unit left out: refused at once
 ]
 
 

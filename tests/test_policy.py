@@ -188,6 +188,14 @@ def test_wrong_format(tmp_path: Path, mlp: Workload) -> None:
             lambda d: d.update(batch_size=0, seq_len=0),
             r"(batch_size: 0|seq_len: 0) is less than the minimum of 1 \(and 1 more problem\)",
         ),
+        # Inside a field that may be null: the object's own error, not "not valid under any of the given
+        # schemas" with the whole schedule printed (2.8 KB on one line).
+        (
+            lambda d: d.update(schedule={"regions": [{"module": "nope"}], "ignored_keys": [], "unpack_rank": {}}),
+            r"schedule\.regions\.0: 'call' is a required property$",
+        ),
+        (lambda d: d.update(schedule={"foo": 1}), r"schedule: .*'foo' was unexpected"),
+        (lambda d: d.update(predicted={"iter_s": "slow"}), r"predicted\.iter_s: 'slow' is not of type"),
     ],
 )
 def test_schema_violations(tmp_path: Path, mlp: Workload, edit: Any, message: str) -> None:
