@@ -26,7 +26,7 @@ from envs.simulator import Floor, SimResult, Simulator, frugal_starts, peak_floo
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
 from runtime.policy import Action, Policy, PolicyOptions
-from runtime.workload import Phase, Workload
+from runtime.workload import Workload
 
 
 @dataclass
@@ -548,7 +548,7 @@ def render(out: Console, outcome: SearchOutcome) -> None:
     out.print(f"saved activations: {parts}")
     r = f.result
     where = w.ops[r.peak_op]
-    phase = "forward" if where.phase == Phase.FORWARD else "backward"
+    phase = where.phase.value  # forward, backward or optimizer
     out.print(
         f"peak {format_bytes(r.peak_bytes)} during op {r.peak_op} ({where.name}, {where.module}, {phase}); "
         f"time: compute {r.compute_s * 1e3:.1f} ms, recompute {r.recompute_s * 1e3:.1f} ms, "
