@@ -92,7 +92,7 @@ def _summary_table(cells: Sequence[CellResult]) -> str:
                 c.model,
                 str(c.batch_size),
                 c.profile,
-                f"{c.budget_bytes / GIB:.2f} GiB",
+                _budget(c),
                 f"{f(j['no_policy_samples_per_s'])} ({j['no_policy_peak_bytes'] / GIB:.2f} GiB)",
                 h,
                 f(j["optuna_samples_per_s"]),
@@ -120,7 +120,7 @@ def _throughput(cells: Sequence[CellResult]) -> Any:
     shown: set[str] = set()
     for col, (model, profile) in enumerate(groups, start=1):
         sub = sorted((c for c in cells if c.model == model and c.profile == profile), key=lambda c: c.budget_bytes)
-        x = [c.budget_bytes / GIB for c in sub]
+        x = [(c.budget_bytes + c.reserve_bytes) / GIB for c in sub]  # the budget as typed
         series: dict[str, list[float | None]] = {
             "no policy": [c.no_policy["samples_per_s"] for c in sub],
             "best heuristic": [(h[1]["samples_per_s"] if (h := c.best_heuristic()) else None) for c in sub],
@@ -145,7 +145,7 @@ def _throughput(cells: Sequence[CellResult]) -> Any:
                 col=col,
             )
             shown.add(name)
-        fig.update_xaxes(title_text="budget (GiB)", row=1, col=col)
+        fig.update_xaxes(title_text="budget as given (GiB)", row=1, col=col)
     fig.update_yaxes(title_text="samples/s (simulated)", row=1, col=1)
     fig.update_layout(template="plotly_white", height=420, legend={"orientation": "h", "y": -0.25})
     return fig
@@ -168,7 +168,7 @@ def _pareto(cells: Sequence[CellResult], trials: dict[str, list[dict[str, Any]]]
                 if t["feasible"] and t["samples_per_s"]:
                     saved = 100 * (1 - t["peak_bytes"] / peak0)
                     slow = 100 * (speed0 / t["samples_per_s"] - 1)
-                    pts.append((saved, slow, f"{c.budget_bytes / GIB:.2f} GiB budget, trial {t['number']}"))
+                    pts.append((saved, slow, f"{_budget(c)} budget, trial {t['number']}"))
         if not pts:
             continue
         any_point = True
@@ -223,7 +223,7 @@ def _timelines(cells: Sequence[CellResult], workload_of: WorkloadOf, profiles: d
     fig = make_subplots(
         rows=1,
         cols=len(chosen),
-        subplot_titles=[f"{m} on {p}, budget {c.budget_bytes / GIB:.2f} GiB" for m, p, c in chosen],
+        subplot_titles=[f"{m} on {p}, budget {_budget(c)}" for m, p, c in chosen],
     )
     for col, (_model, profile, cell) in enumerate(chosen, start=1):
         (plain, w), hw = workload_of(cell), profiles[profile]
@@ -319,7 +319,7 @@ def _history(cells: Sequence[CellResult], trials: dict[str, list[dict[str, Any]]
                     y=ys,
                     mode="lines",
                     line={"shape": "hv"},
-                    name=f"{c.model} {c.profile} {c.budget_bytes / GIB:.2f} GiB",
+                    name=f"{c.model} {c.profile} {_budget(c)}",
                 )
             )
     if not fig.data:
@@ -353,3 +353,9 @@ def study_trials(storage: str, names: Sequence[str]) -> dict[str, list[dict[str,
                 )
         out[name] = rows
     return out
+
+
+def _budget(c: Any) -> str:
+    """A cell's budget as typed, and what was planned for where a reserve was kept back."""
+    given = f"{(c.budget_bytes + c.reserve_bytes) / GIB:.2f} GiB"
+    return given + (f" (planned {c.budget_bytes / GIB:.2f})" if c.reserve_bytes else "")
