@@ -440,3 +440,15 @@ def test_a_portfolio_search_run_again_says_it_resumes_its_studies(
     assert code == 0 and "resuming" not in err, err
     code, _, err = run(capsys, *args)
     assert code == 0 and "resuming the search's Optuna studies" in err and "again.seeded (" in err, err
+
+
+def test_an_unknown_hardware_profile_in_a_policy_file_names_the_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "p.json"
+    code, _, err = run(capsys, "simulate", "--model", "resnet18", "--batch-size", "2", "--gpu", "a100-40gb",
+                       "--action", "keep", "--save-policy", str(path), "--json")  # fmt: skip
+    assert code == 0, err
+    path.write_text(path.read_text().replace('"hardware": "a100-40gb"', '"hardware": "h900"'))
+    line = user_error(capsys, "simulate", "--policy", str(path))
+    assert line.startswith(f"error: {path}: hardware: unknown hardware profile 'h900'") and "--gpu" in line
