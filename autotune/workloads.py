@@ -43,6 +43,8 @@ class TraceRequest:
             raise AutotuneError(
                 f"invalid batch size {self.batch_size}: expected a positive integer, e.g. --batch-size 64"
             )
+        if self.seq_len is not None and self.seq_len <= 0:
+            raise AutotuneError(f"invalid --seq-len {self.seq_len}: expected a positive integer, e.g. --seq-len 1024")
         if self.optimizer.lower() not in OPTIMIZERS:
             raise AutotuneError(f"unknown optimizer '{self.optimizer}': expected one of {', '.join(OPTIMIZERS)}")
         if self.mode not in MODES:
