@@ -50,7 +50,7 @@ import numpy as np
 import envs.problem
 from agents.finalists import Finalists
 from envs.simulator import SimResult
-from runtime.errors import AutotuneError
+from runtime.errors import AutotuneError, note_sigint
 from runtime.policy import Policy, PolicyOptions, Prediction
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP
 
@@ -136,6 +136,7 @@ class SearchContext:
 
         def noted(signum: int, frame: Any) -> None:
             self.state.sigint_pending = True
+            note_sigint()
             sqlalchemy.setLevel(logging.CRITICAL)
             signal.default_int_handler(signum, frame)
 

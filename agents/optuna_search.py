@@ -310,7 +310,11 @@ class OptunaSearcher(Searcher):
             _fail_left_running(study, running_before)
         if isinstance(storage, optuna.storages.RDBStorage) and not ctx.interrupted:
             _settle(study, storage, objective)
-        absorb()  # other workers' trials on a shared storage
+        try:
+            absorb()  # other workers' trials on a shared storage
+        except Exception:
+            if not ctx.interrupted:
+                raise  # after a Ctrl-C the storage's connection may be broken: what was found stands
         return study
 
     @staticmethod

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 
 from autotune import __version__
-from runtime.errors import AutotuneError, from_interrupt
+from runtime.errors import AutotuneError, from_interrupt, note_sigint, sigint_arrived
 from runtime.fileio import check_writable
 
 app = typer.Typer(
@@ -1059,6 +1059,7 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     _DEBUG = "--debug" in args
     args = [a for a in args if a != "--debug"]
+    note_sigint(False)  # this command's own Ctrl-C only (tests run several commands in one process)
     try:
         with warnings.catch_warnings():
             if not _DEBUG:  # a warning is one line on stderr, as errors are (--debug: Python's, with its source)
@@ -1080,7 +1081,7 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:  # the same, where click did not see it
         _reader_gone()
     except Exception as e:  # click's own usage errors carry their exit code (2)
-        if from_interrupt(e) and not _DEBUG:  # a Ctrl-C that a library turned into another error
+        if (from_interrupt(e) or sigint_arrived()) and not _DEBUG:  # a Ctrl-C that a library turned into another error
             err.print("interrupted")
             raise SystemExit(130) from None
         if _is_click(e, "ClickException"):

@@ -206,7 +206,11 @@ def run_cell(
     if need_optuna:
         say("optuna")
         found = get_searcher("optuna-tpe").search(problem, ctx.derive(seeds=tuple(seeds)))
-        _offer(study, "optuna", found, w)
+        try:
+            _offer(study, "optuna", found, w)
+        except Exception:
+            if not ctx.interrupted:
+                raise  # after a Ctrl-C the storage's connection may be broken: the cell keeps what it stored
     if "ppo" in methods and "ppo" not in done and not ctx.interrupted:
         say("ppo")
         found = get_searcher("ppo").search(problem, SearchContext(time_limit_s=timeout_s, seed=seed, state=ctx.state))

@@ -13,6 +13,22 @@ class AutotuneError(Exception):
     """An error caused by the user's input, with a message fit to print as is."""
 
 
+_SIGINT = [False]
+
+
+def note_sigint(arrived: bool = True) -> None:
+    """Say that a Ctrl-C has arrived in this process (agents.base's ``noting_sigint``), or forget it (a
+    command's start)."""
+    _SIGINT[0] = arrived
+
+
+def sigint_arrived() -> bool:
+    """Whether a Ctrl-C has arrived in this process since :func:`note_sigint` was first called: an error that
+    follows it (a storage whose connection the interrupt broke, failing in the bookkeeping after it) is the
+    interrupt's, not a bug to report."""
+    return _SIGINT[0]
+
+
 def from_interrupt(e: BaseException) -> bool:
     """Whether ``e`` is a Ctrl-C that a library turned into another error while handling it: a
     KeyboardInterrupt in its chain of causes and contexts. (Optuna 5's trial bookkeeping, interrupted while it

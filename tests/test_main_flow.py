@@ -543,6 +543,39 @@ def test_ctrl_c_while_optuna_stores_a_trial_keeps_the_best_policy(
     assert optuna.trial.TrialState.RUNNING not in states and optuna.trial.TrialState.FAIL in states
 
 
+def test_a_storage_error_after_a_sweeps_ctrl_c_is_the_interrupt(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C that lands in one of Optuna's commits can leave the SQLite file locked for the sweep's own
+    bookkeeping after it (CI, once: "internal error: StorageInternalError: An exception is raised during the
+    commit", exit 1). An error that follows a Ctrl-C is the interrupt's: exit 130, said so."""
+    import optuna.study._optimize as optimize
+
+    import autotune.sweep
+
+    real, calls = optimize._tell_with_warning, [0]
+
+    def interrupted(*a, **k):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 6:
+            signal.raise_signal(signal.SIGINT)
+        return real(*a, **k)
+
+    def locked(study, method, *_: object) -> None:  # type: ignore[no-untyped-def]
+        raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.")
+
+    monkeypatch.setattr(optimize, "_tell_with_warning", interrupted)
+    monkeypatch.setattr(autotune.sweep, "_offer", locked)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a process of its own
+    try:
+        code, _, err = run(capsys, "sweep", "--models", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb",
+                           "--budgets", "200MB", "--reserve", "8MiB", "--methods", "optuna", "--trials", "40",
+                           "--storage", f"sqlite:///{tmp_path / 'w.db'}")  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code == 130 and "internal error" not in err and "Traceback" not in err, err
+
+
 def test_a_ctrl_c_that_lands_in_a_finalizer_still_stops_the_search(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
