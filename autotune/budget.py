@@ -58,7 +58,10 @@ def reserve_bytes(reserve: str | None, budget: str, budget_bytes: int, hw: Hardw
     if reserve is None:
         n = DEFAULT_GPU_RESERVE if hw.is_gpu else 0
     else:
-        n = 0 if reserve.strip().upper() in ("0", "0B") else parse_size(reserve)
+        try:
+            n = 0 if reserve.strip().upper() in ("0", "0B") else parse_size(reserve)
+        except AutotuneError as e:
+            raise AutotuneError(f"--reserve: {e} (or 0 for none)") from None
     if n >= budget_bytes and reserve is not None:
         raise AutotuneError(
             f"--reserve {reserve} is not below the budget ({budget}): nothing would be left to plan for; pass "

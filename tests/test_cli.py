@@ -160,8 +160,9 @@ BAD_INPUTS = [
     (["profile", "--model", "resnet18", "--gpu", "a100"], "a100"),
     (["simulate", "--model", "resnet18", "--action", "swapp"], "swapp"),
     (["simulate", "--model", "resnet18"], "--policy"),
-    (["search", "--model", "resnet18", "--budget", "6"], "e.g. 6GB or 6GiB"),
-    (["profile", "--model", "gpt2", "--seq-len", "0"], "invalid --seq-len 0"),  # a unit left out: refused at once
+    (["search", "--model", "resnet18", "--budget", "6"], "e.g. 6GB or 6GiB"),  # a unit left out: refused at once
+    (["profile", "--model", "gpt2", "--seq-len", "0"], "invalid --seq-len 0"),
+    (["search", "--model", "resnet18", "--budget", "1GB", "--reserve", "-1"], "--reserve: invalid size '-1'"),
 ]
 
 
