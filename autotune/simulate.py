@@ -82,18 +82,21 @@ def run_simulate(
     if not as_json and hw_note:
         err.print(hw_note)
 
-    w, _ = trace(
-        TraceRequest(
-            model=model,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            optimizer=optimizer or "sgd",
-            precision=precision or "fp32",
-            grad_accum=grad_accum or 1,
-            target=hw,
-            partitions=loaded.partitions if loaded is not None else (),
-        )
+    req = TraceRequest(
+        model=model,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        optimizer=optimizer or "sgd",
+        precision=precision or "fp32",
+        grad_accum=grad_accum or 1,
+        target=hw,
+        partitions=loaded.partitions if loaded is not None else (),
     )
+    if loaded is not None and model != loaded.model:  # another model's name: its parameters, before the trace
+        from autotune.train import check_structure
+
+        check_structure(loaded, req, source=str(policy_file))
+    w, _ = trace(req)
     if loaded is not None:
         assert policy_file is not None
         loaded.check_against(w, source=str(policy_file))

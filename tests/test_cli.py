@@ -428,6 +428,8 @@ def test_settings_a_policy_file_refuses_are_refused_before_the_trace(
                             ("--optimizer", "adam")):  # fmt: skip
             line = user_error(capsys, cmd, "--policy", str(path), flag, value)
             assert flag in line and "drop" in line, line
+        # Another model's name: its parameters are compared on a fake build, before any trace.
+        assert "other parameters" in user_error(capsys, cmd, "--policy", str(path), "--model", "resnet34")
 
 
 def test_a_portfolio_search_run_again_says_it_resumes_its_studies(
