@@ -209,6 +209,11 @@ class Searcher(abc.ABC):
     exact: ClassVar[bool] = False
     composite: ClassVar[bool] = False
 
+    def study_names(self, name: str) -> list[str]:
+        """The Optuna studies this searcher keeps under the study name ``name`` (each of a composite's phases
+        may have its own)."""
+        return [name]
+
     def search(self, problem: Problem, ctx: SearchContext | None = None) -> SearchResult:
         """Run the search (with ``ctx``'s settings; the defaults when None) and package its proposal as a
         policy with its simulated result."""

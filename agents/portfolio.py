@@ -88,6 +88,9 @@ class Portfolio(Searcher):
             ctx.report("ppo-onepass")
         return tuple(seeds)
 
+    def study_names(self, name: str) -> list[str]:
+        return [name + suffix for _, _, suffix, _ in self._phases(())]
+
     def _phases(self, seeds: Seeds) -> list[tuple[float, Seeds, str, OptunaSearcher]]:
         """(share of the Optuna time left, seeds, study-name suffix, searcher) per Optuna phase."""
         return [(0.5, (), ".explore", OptunaNSGA2()), (1.0, seeds, ".seeded", OptunaTPE())]

@@ -564,10 +564,9 @@ def search(
             heartbeat_s=heartbeat,
         )
         # The portfolio (and ppo-pretrained) run their Optuna phases in studies of their own (agents/portfolio.py).
-        phases = [f"{name}.explore", f"{name}.seeded"] if searcher in ("portfolio", "ppo-pretrained") else []
-        found = {n: existing_trials(storage, n) for n in [name, *phases]}
+        found = {n: existing_trials(storage, n) for n in get_searcher(searcher).study_names(name)}
         resumed = sum(found.values())
-        if resumed and not phases:
+        if resumed and list(found) == [name]:
             more = f"up to {max(0, trials - resumed)} more (--trials is the study's total)" if trials else "more"
             err.print(f"resuming study {name} in {storage}: {resumed} trials found, running {more}")
         elif resumed:

@@ -355,7 +355,7 @@ def study_trials(storage: str, names: Sequence[str]) -> dict[str, list[dict[str,
     return out
 
 
-def _budget(c: Any) -> str:
+def _budget(c: CellResult) -> str:
     """A cell's budget as typed, and what was planned for where a reserve was kept back."""
     given = f"{(c.budget_bytes + c.reserve_bytes) / GIB:.2f} GiB"
     return given + (f" (planned {c.budget_bytes / GIB:.2f})" if c.reserve_bytes else "")

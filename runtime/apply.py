@@ -124,7 +124,7 @@ from runtime.errors import AutotuneError
 from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, parameter_fingerprint
 from runtime.partition import partitioned
 from runtime.plan import Region
-from runtime.policy import Action, Policy
+from runtime.policy import Action, Policy, some_keys
 from runtime.precision import check_active
 from runtime.regions import Learning
 from runtime.regions import run as run_region
@@ -535,7 +535,7 @@ class PolicyRuntime:
         if len(keys) == 1:
             what = f"saved tensor {keys[0]!r} is not in the policy for {self.policy.model}; it is kept"
         elif keys:
-            named = ", ".join(repr(k) for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            named = some_keys(keys)
             what = f"{len(keys)} saved tensors are not in the policy for {self.policy.model} ({named}); they are kept"
         else:
             return

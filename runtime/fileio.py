@@ -6,6 +6,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from runtime.errors import AutotuneError
+
 
 def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder and a rename, so readers see
@@ -29,8 +31,6 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
 def check_writable(path: str | os.PathLike[str] | None, option: str) -> None:
     """Refuse, before any long work, an output path that cannot be written: a folder, a file under a folder
     that does not exist or under a file, a folder this process may not write in."""
-    from runtime.errors import AutotuneError
-
     if path is None:
         return
     p = Path(path)

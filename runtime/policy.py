@@ -206,7 +206,7 @@ class Policy:
         if compressed and not self.options.lossy:
             raise AutotuneError(
                 f"options.lossy is false but {_n(len(compressed), 'tensor')} would be compressed "
-                f"({_some(compressed)}): compression changes the gradients, so it must be allowed with "
+                f"({some_keys(compressed)}): compression changes the gradients, so it must be allowed with "
                 '"lossy": true in the file\'s options (PolicyOptions(lossy=True) in code)'
             )
 
@@ -424,9 +424,11 @@ class Policy:
                 parts = []
                 if missing:
                     parts.append(f"{_n(len(missing), 'candidate')} of {workload.model} without an action (kept: "
-                                 f"{_some(missing)})")  # fmt: skip
+                                 f"{some_keys(missing)})")  # fmt: skip
                 if extra:
-                    parts.append(f"{_n(len(extra), 'action')} for tensors it does not save (ignored: {_some(extra)})")
+                    parts.append(
+                        f"{_n(len(extra), 'action')} for tensors it does not save (ignored: {some_keys(extra)})"
+                    )
                 warnings.warn(
                     f"{source}: {' and '.join(parts)}; expected when the policy was searched on another device's "
                     "trace (otherwise the file was edited)",
@@ -436,11 +438,11 @@ class Policy:
         if extra:
             raise AutotuneError(
                 f"{source}: actions name {_n(len(extra), 'tensor')} that {workload.model} does not save "
-                f"({_some(extra)}); remove them or {_fix(workload.model)}"
+                f"({some_keys(extra)}); remove them or {_fix(workload.model)}"
             )
         raise AutotuneError(
             f"{source}: no action for {_n(len(missing), 'candidate')} of {workload.model} "
-            f"({_some(missing)}); "
+            f"({some_keys(missing)}); "
             f"every candidate needs one (keep is explicit): add them or {_fix(workload.model)}"
         )
 
@@ -572,7 +574,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
-def _some(keys: Sequence[str], n: int = 3) -> str:
+def some_keys(keys: Sequence[str], n: int = 3) -> str:
     """Up to ``n`` keys, quoted, and how many more."""
     shown = ", ".join(repr(k) for k in keys[:n])
     return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
