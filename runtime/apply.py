@@ -72,9 +72,15 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         anything is replayed, the recorder over the whole forward; it learns each pack's module call (frame) and
         key. From the second step on, saved-tensor hooks are entered only in the module calls that hold a pack of a
         tensor swapped, compressed or replayed, or of a prefetch trigger (R4), and stay on inside them; ``<loss>``
-        is what runs after the model's forward. Each pack is looked up in its call's table by its ordinal there and
-        checked by shape and dtype (and, for a later pack of a handled tensor, by storage); a mismatch keeps that
-        tensor and every later one of the step, warns once, and the next step learns again. A step is learnt from
+        is what runs after the model's forward. What a step learns is kept per signature of the model's first call
+        (the shapes, dtypes and devices of its tensor arguments, its flags; the last 16 signatures): a step starts
+        with the last step's tables and, at that call, if its inputs differ and nothing was packed yet, goes on with
+        the tables learnt for them or learns from there (the keyer's hooks and the recorder entered inside the
+        call). A DataLoader's smaller last batch, or a sequence length that changes with padding, so learns once
+        and then applies the policy as a step of the planned shape does. Each pack is looked up in its call's
+        table by its ordinal there and checked by shape and dtype (and, for a later pack of a handled tensor, by
+        storage); a mismatch keeps that tensor and every later one of the step, warns once, and the next step
+        with these inputs learns again. A step is learnt from
         only when it saved something for backward and its backward unpacked it inside the step: a forward under
         ``torch.no_grad`` (a validation pass) or one whose backward is skipped (a loss not used) leaves the learning
         to the next step. The recorder is entered only in the calls whose ops a replay re-ran. Entered for
@@ -110,7 +116,7 @@ import contextlib
 import functools
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -238,6 +244,32 @@ class _Learned:
     loss_done: int | None = None  # the ``<loss>`` pack after which the recorder has recorded all a replay needs
 
 
+_LEARNT_INPUTS = 16  # R11: tables kept for this many input signatures, the least recently used dropped
+
+
+def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What the saved tensors of a step depend on, as far as the model's first call shows it (R11): each
+    tensor argument's shape, dtype and device, each flag's value (bool, str, None), other values' types
+    (a step counter passed as an int does not make every step new), the keyword names."""
+    out: list[Any] = [tuple(kwargs)]
+
+    def add(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            out.append((tuple(value.shape), value.dtype, value.device, value.requires_grad))
+        elif value is None or isinstance(value, (bool, str)):
+            out.append(value)
+        elif isinstance(value, Mapping):  # what pytree leaves whole (transformers' BatchEncoding)
+            out.append(tuple(value))
+            for v in value.values():
+                add(v)
+        else:
+            out.append(type(value))
+
+    for leaf in tree_leaves((args, kwargs)):
+        add(leaf)
+    return tuple(out)
+
+
 @dataclass
 class _Table:
     entries: list[_Entry]
@@ -277,7 +309,8 @@ class PolicyRuntime:
         due = {max(0, self.ranks[k] - self.lookahead) for k in swapped if k in self.ranks}
         self.carriers = {k for k, r in self.ranks.items() if r in due} if self.needs_triggers else set()
         self.observed = set(per_tensor) | self.carriers  # keys whose packs later steps must see (R11)
-        self._learned: _Learned | None = None
+        self._learned: collections.OrderedDict[tuple[Any, ...] | None, _Learned] = collections.OrderedDict()
+        self._inputs: tuple[Any, ...] | None = None  # the signature of the last step's inputs (R11)
         self._pinned: dict[str, torch.Tensor] = {}  # R3: one pinned buffer per key, reused
         self._cuda = self.device.type == "cuda"
         if self._cuda:
@@ -329,12 +362,55 @@ class PolicyRuntime:
             with self._regions_installed():
                 if not hooks:
                     yield self.stats
-                elif self._learned is None or self._learned.forced != force_hooks:
-                    with self._learning(force_hooks):
-                        yield self.stats
                 else:
-                    with self._steady(self._learned):
+                    with self._hooked(force_hooks):
                         yield self.stats
+
+    def _learnt(self, inputs: tuple[Any, ...] | None, force: bool) -> _Learned | None:
+        learned = self._learned.get(inputs)
+        if learned is None or learned.forced != force:
+            return None
+        self._learned.move_to_end(inputs)
+        return learned
+
+    def _latest(self, force: bool) -> _Learned | None:
+        """The tables learnt for the last step's inputs, else the ones used last (a validation pass of another
+        shape ran in between), else none: the step learns. ``_inputs`` names the ones returned."""
+        if self._learnt(self._inputs, force) is None:
+            self._inputs = next((i for i, v in reversed(self._learned.items()) if v.forced == force), self._inputs)
+        return self._learnt(self._inputs, force)
+
+    @contextlib.contextmanager
+    def _hooked(self, force: bool) -> Iterator[None]:
+        """R11: the step applies what a step with the same inputs learnt, or learns. Which inputs is known at
+        the model's first call: the step starts as for the last step's inputs (so it sees a pack before that
+        call) and, when the call's inputs differ and nothing was packed yet, goes on from there with the tables
+        learnt for them, or learns."""
+        mode = contextlib.ExitStack()
+        steady = self._latest(force)
+        seen = False
+
+        def first_call(_m: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            nonlocal seen
+            if seen:
+                return
+            seen = True
+            inputs = signature(args, kwargs)
+            if inputs == self._inputs:
+                return
+            self._inputs = inputs
+            if steady is not None and self.stats.packs == 0:
+                mode.close()
+                other = self._learnt(inputs, force)
+                mode.enter_context(self._steady(other, started=True) if other else self._learning(force, True))
+
+        hook = self.model.register_forward_pre_hook(first_call, with_kwargs=True, prepend=True)
+        try:
+            with mode:
+                mode.enter_context(self._steady(steady) if steady is not None else self._learning(force))
+                yield
+        finally:
+            hook.remove()
 
     @contextlib.contextmanager
     def _precision_checked(self) -> Iterator[None]:
@@ -487,7 +563,8 @@ class PolicyRuntime:
 
     # -- R11: the first step -------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _learning(self, force: bool) -> Iterator[None]:
+    def _learning(self, force: bool, started: bool = False) -> Iterator[None]:
+        """``started``: from inside the model's first call, whose pre-hooks have run (R11)."""
         self._begin_step()
         log: list[_Logged] = []
         self._log = log
@@ -506,6 +583,8 @@ class PolicyRuntime:
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(keyer.attached(global_hooks=True))
+                if started:
+                    keyer.enter_root()
                 stack.callback(self.model.register_forward_hook(root_done, always_call=True).remove)
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack_first, self._unpack))
                 if rec is not None:
@@ -527,7 +606,10 @@ class PolicyRuntime:
                     stacklevel=3,
                 )
             return
-        self._learned = self._learn(log, rec, force)
+        self._learned[self._inputs] = self._learn(log, rec, force)
+        self._learned.move_to_end(self._inputs)
+        while len(self._learned) > _LEARNT_INPUTS:
+            self._learned.popitem(last=False)
 
     def _say_unknown(self) -> None:
         """One warning for the saved tensors of this step that the policy does not name (each said once)."""
@@ -614,7 +696,8 @@ class PolicyRuntime:
 
     # -- R11: later steps ----------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _steady(self, learned: _Learned) -> Iterator[None]:
+    def _steady(self, learned: _Learned, started: bool = False) -> Iterator[None]:
+        """``started``: from inside the model's first call, whose pre-hooks have run (R11)."""
         self._begin_step()
         rec = Recorder(self.device) if learned.record and self.needs_recorder else None
         self._recorder = rec
@@ -685,7 +768,7 @@ class PolicyRuntime:
                 mod = self._module(path)
                 handles.append(mod.register_forward_pre_hook(pre))
                 handles.append(mod.register_forward_hook(post, always_call=True))
-            if _BEFORE in learned.tables or _BEFORE in learned.record:
+            if (_BEFORE in learned.tables or _BEFORE in learned.record) and not started:
                 outside.append(enter(_BEFORE))
                 handles.append(self.model.register_forward_pre_hook(root_starts))
             if _LOSS in learned.tables or _LOSS in learned.record:
@@ -699,8 +782,9 @@ class PolicyRuntime:
             while outside:
                 leave(outside.pop())
             self._end_step()
-            if self._mismatch is not None:
-                self._learned = None  # learn again next step
+            if self._mismatch is not None:  # learn again at the next step with these inputs
+                for inputs in [i for i, v in self._learned.items() if v is learned]:
+                    del self._learned[inputs]
 
     def _pack_later(self, t: torch.Tensor) -> Any:
         if self._suspended:
@@ -741,10 +825,10 @@ class PolicyRuntime:
         if self._mismatch is None:
             self._mismatch = f"pack {pos}" if pos >= 0 else "a later pack of a handled tensor"
             warnings.warn(
-                f"autotune: the saved tensors of this step differ from the first step's ({self._mismatch}: "
-                f"{tuple(t.shape)} {t.dtype}); from here on this step keeps them, so it holds more memory than the "
-                "plan (a batch of another size: a DataLoader's smaller last batch, which drop_last=True avoids), and "
-                "the next step learns again",
+                f"autotune: the saved tensors of this step differ from those of the step that learnt its inputs "
+                f"({self._mismatch}: {tuple(t.shape)} {t.dtype}); from here on this step keeps them, so it holds "
+                "more memory than the plan, and the next step with these inputs learns again (the model saves "
+                "other tensors for the same input shapes: control flow that depends on the data)",
                 stacklevel=3,
             )
         return t.detach()
@@ -792,8 +876,9 @@ class PolicyRuntime:
             src = _bytes_of(storage)
             if self._cuda:
                 buf = self._pinned.get(key)
-                if buf is None or buf.numel() != h.nbytes:
+                if buf is None or buf.numel() < h.nbytes:  # a smaller batch's copy reuses the larger buffer
                     buf = self._pinned[key] = torch.empty(h.nbytes, dtype=torch.uint8, pin_memory=True)
+                buf = buf[: h.nbytes]
                 self._d2h.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._d2h):
                     buf.copy_(src, non_blocking=True)

@@ -118,6 +118,11 @@ class SavedTensorKeyer:
         self._calls[name] = call + 1
         self._stack.append((name, call))
 
+    def enter_root(self) -> None:
+        """The root module's forward has already started: its pre-hooks ran before :meth:`attached`'s
+        global ones were registered (the runtime learns from inside that call, R11). Its post-hook runs."""
+        self._enter(ROOT)
+
     def _leave(self, name: str) -> None:
         # Hooks registered with always_call=True: this also runs when forward raised, so the stack stays
         # balanced.
