@@ -73,11 +73,13 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         key. From the second step on, saved-tensor hooks are entered only in the module calls that hold a pack of a
         tensor swapped, compressed or replayed, or of a prefetch trigger (R4), and stay on inside them; ``<loss>``
         is what runs after the model's forward. What a step learns is kept per signature of the model's first call
-        (the shapes, dtypes and devices of its tensor arguments, its flags; the last 16 signatures): a step starts
-        with the last step's tables and, at that call, if its inputs differ and nothing was packed yet, goes on with
-        the tables learnt for them or learns from there (the keyer's hooks and the recorder entered inside the
-        call). A DataLoader's smaller last batch, or a sequence length that changes with padding, so learns once
-        and then applies the policy as a step of the planned shape does. Each pack is looked up in its call's
+        (the shapes, dtypes and devices of its tensor arguments, its flags, the model's training mode; the last 16
+        signatures): a step starts with the last step's tables and, at that call, if its inputs differ and nothing
+        was packed yet, goes on with the tables learnt for them or learns from there (the keyer's hooks and the
+        recorder entered inside the call, the hooks of the model's own call entered by hand; the hooks of the mode
+        it leaves, which PyTorch gathered for that call already, do nothing). A DataLoader's smaller last batch, or
+        a sequence length that changes with padding, so learns once and then applies the policy as a step of the
+        planned shape does. Each pack is looked up in its call's
         table by its ordinal there and checked by shape and dtype (and, for a later pack of a handled tensor, by
         storage); a mismatch keeps that tensor and every later one of the step, warns once, and the next step
         with these inputs learns again. A step is learnt from
@@ -395,7 +397,7 @@ class PolicyRuntime:
             if seen:
                 return
             seen = True
-            inputs = signature(args, kwargs)
+            inputs = (self.model.training, *signature(args, kwargs))  # eval-mode steps with backward (PGD) save others
             if inputs == self._inputs:
                 return
             self._inputs = inputs
@@ -742,23 +744,29 @@ class PolicyRuntime:
                 _POP_HOOKS()
                 tables.pop()
 
+        # False once this step has left the mode (R11: the model's first call went on with other tables): a call
+        # already under way runs the hooks PyTorch gathered when it began, removed or not.
+        live = True
+
         def make_hooks(path: str) -> tuple[Callable[..., None], Callable[..., None]]:
             def pre(_m: torch.nn.Module, _args: Any) -> None:
-                call = calls.get(path, 0)
-                calls[path] = call + 1
-                tokens.append(enter((path, call)))
+                if live:
+                    call = calls.get(path, 0)
+                    calls[path] = call + 1
+                    tokens.append(enter((path, call)))
 
             def post(_m: torch.nn.Module, _args: Any, _out: Any) -> None:
-                leave(tokens.pop())
+                if live:
+                    leave(tokens.pop())
 
             return pre, post
 
         def root_starts(*_: Any) -> None:
-            while outside:
+            while live and outside:
                 leave(outside.pop())
 
         def root_done(*_: Any) -> None:
-            if not outside:
+            if live and not outside:
                 outside.append(enter(_LOSS))
 
         handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -768,6 +776,8 @@ class PolicyRuntime:
                 mod = self._module(path)
                 handles.append(mod.register_forward_pre_hook(pre))
                 handles.append(mod.register_forward_hook(post, always_call=True))
+                if started and path == ROOT:  # its pre-hooks ran before this one was registered; its post will run
+                    pre(self.model, ())
             if (_BEFORE in learned.tables or _BEFORE in learned.record) and not started:
                 outside.append(enter(_BEFORE))
                 handles.append(self.model.register_forward_pre_hook(root_starts))
@@ -775,6 +785,7 @@ class PolicyRuntime:
                 handles.append(self.model.register_forward_hook(root_done, always_call=True))
             yield
         finally:
+            live = False
             for handle in handles:
                 handle.remove()
             while tokens:

@@ -519,3 +519,53 @@ def test_a_validation_pass_of_another_shape_does_not_make_the_next_step_learn() 
             loss_fn(model, b).backward()
         packs.append(stats.packs)
     assert packs[0] > packs[1] == packs[2] > 0
+
+
+class _SavesInItsOwnForward(torch.nn.Module):
+    """``tanh``'s output is saved in the model's own call, not a submodule's (as GPT-2 computing its loss
+    from ``labels=`` inside its forward): the model's own call is a hooked frame."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("action", [Action.RECOMPUTE, Action.SWAP])
+def test_a_new_shape_goes_on_from_inside_a_model_call_that_is_hooked_itself(action: Action) -> None:
+    """R11 when the model's own call holds handled packs: at a new shape the step leaves the old tables inside
+    that call, whose hooks PyTorch had gathered already. They ran anyway, pushed the old tables' hooks and
+    recorder and nothing popped them: every later step of the process ran through them, and the new shape
+    never learnt (a warning every step). Now each shape learns once, nothing stays behind, and a step that
+    switches to the training mode's other tables does so too (eval-mode steps with backward)."""
+
+    def build(batch: int = 8):  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        data = (torch.randn(batch, 16), torch.randint(0, 4, (batch,)))
+        return _SavesInItsOwnForward(), data, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    policy = Policy.uniform(capture(build, name="net", batch_size=8), action, hardware="cpu")
+    model, batch, loss_fn = build()
+    plain, _, _ = build()
+    rt = PolicyRuntime(policy, model)
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for size, training in ((8, True), (8, True), (5, True), (5, True), (8, True), (8, False), (8, True)):
+            b = tuple(t[:size] for t in batch)
+            model.train(training)
+            plain.train(training)
+            model.zero_grad(set_to_none=True)
+            plain.zero_grad(set_to_none=True)
+            with rt.step() as stats:
+                loss_fn(model, b).backward()
+            loss_fn(plain, b).backward()
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+            assert not _get_current_dispatch_mode_stack()  # nothing of the runtime stays behind a step
+            assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+            seen.append((stats.swaps, stats.recomputed_ops))
+    assert len(set(seen)) == 1 and seen[0] != (0, 0)
+    assert len(rt._learned) == 3  # 8 and 5 training, 8 in eval mode
