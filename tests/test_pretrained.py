@@ -177,15 +177,49 @@ def test_a_sweep_that_changed_something_is_followed_by_another(monkeypatch: pyte
         (rng.normal(0, 1, (4, 8)).astype(np.float32), rng.normal(0, 1, 4).astype(np.float32)),
         OBS_FIELDS,
     )
+    sweeps = ("fit", "lookahead", "give_back", "second_choice")  # step 5 would trade the eighth away too
     monkeypatch.setattr(P, "SWEEPS", 1)
-    once = one_pass(agent, problem(0.95))
+    once = one_pass(agent, problem(0.95), stages=sweeps)
     monkeypatch.setattr(P, "SWEEPS", 4)
-    more = one_pass(agent, problem(0.95))
+    more = one_pass(agent, problem(0.95), stages=sweeps)
     n = problem(0.95).n
     assert once.actions.tolist() == [RECOMPUTE] + [KEEP] * 6 + [SWAP] + [KEEP] * (n - 8)
     assert more.actions.tolist() == [RECOMPUTE] + [KEEP] * (n - 1) and more.result.feasible
     assert (once.given_back, once.switched, more.given_back, more.switched) == (8, 1, 9, 1)
     assert round(once.result.samples_per_s) == 4425 and round(more.result.samples_per_s) == 6694
+
+
+def test_the_exchange_step_trades_a_drop_for_another_that_the_sweeps_cannot_reach() -> None:
+    """NOTE [ One pass ] step 5 on a network of random weights (seed 10) at 85%: steps 1-4 end at the first
+    candidate recomputed and the fourth and eighth swapped (3,331 samples/s): neither swap can go back to
+    keep alone (the policy would not fit) and neither is faster recomputed. Giving the fourth back and
+    fitting again from the network's order recomputes the fifth; then the eighth goes back as well. The
+    answer is the fastest of all policies with at most two drops (brute force over every look-ahead)."""
+    import itertools
+
+    rng = np.random.default_rng(10)
+    agent = Agent(
+        [(rng.normal(0, 1, (8, OBS_SIZE)).astype(np.float32), rng.normal(0, 1, 8).astype(np.float32))],
+        (rng.normal(0, 1, (4, 8)).astype(np.float32), rng.normal(0, 1, 4).astype(np.float32)),
+        OBS_FIELDS,
+    )
+    p = problem(0.85)
+    before = one_pass(agent, p, stages=("fit", "lookahead", "give_back", "second_choice"))
+    after = one_pass(agent, p)
+    n = p.n
+    assert before.actions.tolist() == [RECOMPUTE, KEEP, KEEP, SWAP] + [KEEP] * 3 + [SWAP] + [KEEP] * (n - 8)
+    assert after.actions.tolist() == [RECOMPUTE] + [KEEP] * 3 + [RECOMPUTE] + [KEEP] * (n - 5)
+    assert after.exchanged == 2 and round(before.result.samples_per_s) == 3331
+    best = 0.0
+    for drops in (1, 2):
+        for at in itertools.combinations(range(n), drops):
+            for how in itertools.product((SWAP, RECOMPUTE), repeat=drops):
+                acts = p.keep_all()
+                acts[list(at)] = how
+                for x in LOOKAHEADS:
+                    r = p.evaluate(acts, dataclasses.replace(p.options, prefetch_lookahead=x))
+                    best = max(best, r.samples_per_s if r.feasible else 0.0)
+    assert after.result.feasible and after.result.samples_per_s == best
 
 
 def test_where_the_fits_fail_the_frugal_ends_fit_and_the_sweep_gives_back() -> None:
