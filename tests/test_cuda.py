@@ -82,6 +82,36 @@ def test_swap_moves_bytes_to_pinned_host_memory_and_reuses_the_buffers() -> None
     assert sum(b.numel() for b in buffers) == stats.swapped_bytes  # one buffer per key, reused: no growth
 
 
+def test_a_smaller_batch_swaps_through_the_larger_batchs_pinned_buffers() -> None:
+    """A DataLoader's smaller last batch (R11: its own tables, learnt once): its copies out go to slices of
+    the full batch's pinned buffers (none made for it), copies back and releases on the streams as planned,
+    and every step's gradients equal plain training's."""
+    name, kwargs = RESNET
+    w = capture(_build(name, kwargs), name=name, batch_size=4, fake=False, device="cuda")
+    options = PolicyOptions(prefetch_lookahead=2)
+    policy = Policy.from_vector(w, _policies(w)["mixed-1"], hardware="h200", options=options)
+    model, batch, loss_fn = _build(name, kwargs)()
+    plain, _, _ = _build(name, kwargs)()
+    rt = PolicyRuntime(policy, model)
+    small = tuple(t[:3] for t in batch)
+    buffers: dict[str, int] = {}
+    for step, b in enumerate((batch, batch, small, batch, small)):
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        with rt.step() as stats:
+            loss_fn(model, b).backward()
+        torch.manual_seed(step)
+        loss_fn(plain, b).backward()
+        torch.cuda.synchronize()
+        assert stats.swaps > 0
+        grads = zip(model.parameters(), plain.parameters(), strict=True)
+        assert all(torch.equal(p.grad, q.grad) for p, q in grads), step
+        if step == 1:
+            buffers = {k: v.data_ptr() for k, v in rt._pinned.items()}
+    assert {k: v.data_ptr() for k, v in rt._pinned.items()} == buffers  # the small batch made none
+
+
 @pytest.mark.parametrize(("name", "kwargs"), [RESNET, GPT2], ids=["resnet18", "gpt2-2layer-dropout"])
 def test_allocator_peak_matches_the_simulator(name: str, kwargs: dict) -> None:  # type: ignore[type-arg]
     """Keep, swap and recompute: the allocator's peak within 3% of the simulator's (the h200 profile's 512 B
