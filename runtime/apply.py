@@ -450,6 +450,7 @@ class PolicyRuntime:
         self._mismatch: str | None = None
         self._unpacked = False  # backward unpacked something (R11: a step without backward teaches nothing)
         self._replays_open = 0  # replayed handles not yet past their last unpack (R6: then the RNG states go)
+        self._region_saves: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> its one detached copy (R10)
 
     def _end_step(self) -> None:
         for h in self._leaving:  # a forward without backward: nothing waits for these any more
@@ -651,7 +652,7 @@ class PolicyRuntime:
 
     def _pack_first(self, t: torch.Tensor) -> Any:
         if self._suspended:
-            return t.detach()  # a region's saved inputs (R10)
+            return self._region_save(t)  # a region's saved inputs (R10)
         if self._recorder is None:
             return self._pack_keyed(t)
         with self._without_recorder():  # the runtime's own ops (copies, casts) are not the model's (R6)
@@ -797,9 +798,20 @@ class PolicyRuntime:
                 for inputs in [i for i, v in self._learned.items() if v is learned]:
                     del self._learned[inputs]
 
+    def _region_save(self, t: torch.Tensor) -> torch.Tensor:
+        """What a checkpointed region saves, kept as it is (R10): one detached tensor per tensor, so that an
+        argument passed several times comes back as one object several times. ``nn.MultiheadAttention`` tests
+        ``query is key is value`` and takes another path (one packed projection or three) on the answer: a
+        recompute given three copies computed otherwise than its forward, and checkpoint matched the wrong
+        saved tensors to its backward."""
+        d = self._region_saves.get(t)
+        if d is None:
+            d = self._region_saves[t] = t.detach()
+        return d
+
     def _pack_later(self, t: torch.Tensor) -> Any:
         if self._suspended:
-            return t.detach()  # a region's saved inputs (R10)
+            return self._region_save(t)  # a region's saved inputs (R10)
         table = self._tables[-1]
         i = table.pos
         table.pos = i + 1

@@ -9,9 +9,11 @@ NOTE [ Regions without a graph ]
 
     N1. Forward. The call runs inside ``Function.forward``, where autograd records nothing: no node, no saved
         tensor, no hook per op. The node saves the call's tensor arguments (the region's inputs, P4 of
-        runtime/plan.py) and takes the leaves the call reads (its parameters: N4) as inputs of its own, so
-        that their gradients leave it as edges into their ``AccumulateGrad`` nodes, in the graph task that
-        runs backward (DistributedDataParallel's hooks fire there, as without a policy).
+        runtime/plan.py; a tensor passed several times is one input, so that the recompute gets one object
+        where the forward did: ``nn.MultiheadAttention(x, x, x)`` projects otherwise when it is not) and
+        takes the leaves the call reads (its parameters: N4) as inputs of its own, so that their gradients
+        leave it as edges into their ``AccumulateGrad`` nodes, in the graph task that runs backward
+        (DistributedDataParallel's hooks fire there, as without a policy).
     N2. Backward. When the engine reaches the node (every gradient of the call's outputs is in: the point
         where the call's own backward would begin), the call runs again with autograd on, under the RNG
         state of its forward where it draws random numbers and the autocast state of its forward, with no
@@ -102,6 +104,8 @@ class _Call:
     flat: list[Any]  # the call's flattened (args, kwargs), tensors as None (the node saves those)
     spec: TreeSpec
     positions: list[int]  # where the tensors go in ``flat``
+    slots: list[int]  # which of the node's inputs goes at each position (a tensor passed twice is one input)
+    n_inputs: int
     leaves: Sequence[torch.Tensor]
     rng: bool
     device_type: str
@@ -114,8 +118,8 @@ class _Call:
 
     def arguments(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         flat = list(self.flat)
-        for i, t in zip(self.positions, tensors, strict=True):
-            flat[i] = t
+        for i, slot in zip(self.positions, self.slots, strict=True):
+            flat[i] = tensors[slot]
         args, kwargs = tree_unflatten(flat, self.spec)
         return args, kwargs
 
@@ -143,7 +147,7 @@ class _Call:
 class _Region(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        n = len(call.positions)
+        n = call.n_inputs
         inputs = tensors[:n]
         ctx.call = call
         ctx.save_for_backward(*inputs)
@@ -203,10 +207,18 @@ def run(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     """The call ``forward(*args, **kwargs)`` as one node (N1, N2)."""
     flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
-    tensors = [flat[i] for i in positions]
+    # A tensor passed several times is one input of the node, so that the recompute gets one object several
+    # times, as the forward did (nn.MultiheadAttention's ``query is key is value`` picks its projection).
+    slot_of: dict[int, int] = {}
+    tensors: list[torch.Tensor] = []
+    slots = []
     for i in positions:
+        slot = slot_of.setdefault(id(flat[i]), len(tensors))
+        if slot == len(tensors):
+            tensors.append(flat[i])
+        slots.append(slot)
         flat[i] = None
-    call = _Call(forward, flat, spec, positions, leaves, rng, device_type)
+    call = _Call(forward, flat, spec, positions, slots, len(tensors), leaves, rng, device_type)
     outs = _Region.apply(call, *tensors, *leaves)
     assert call.out_flat is not None and call.out_spec is not None
     it = iter(outs)

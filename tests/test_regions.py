@@ -219,3 +219,44 @@ def test_a_parameter_first_read_in_a_later_step_gets_its_gradient() -> None:
         stats = _step_as_plain(rt, model, batch, loss_fn, step)
         nodes.append(stats.regions - stats.checkpointed)
     assert nodes == [0, 2, 2, 2]  # the gated call under checkpoint for good, the two chains as nodes
+
+
+class _SelfAttention(torch.nn.Module):
+    """``nn.MultiheadAttention`` called as self-attention, ``attn(x, x, x)``: it tests ``query is key is
+    value`` and projects with one packed matrix product when so, three otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+        self.norm = torch.nn.LayerNorm(32)
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x + self.attn(x, x, x, need_weights=False)[0])).mean(1)
+
+
+@pytest.mark.parametrize("nodes", [True, False], ids=["node", "checkpointed"])
+def test_an_argument_passed_several_times_is_one_object_in_the_recompute(nodes: bool) -> None:
+    """R10 with ``attn(x, x, x)`` as a region and the loss's log-softmax replayed (so the runtime's saved-tensor
+    hooks are on around the region): the recompute got three copies of ``x``, took the three-projection path
+    where the forward took the packed one, and either failed in backward (checkpointed: checkpoint matched
+    the wrong saved tensors, "t() expects a tensor with <= 2 dimensions") or gave other gradients (a node:
+    the same sums rounded otherwise). Now every step's gradients are plain training's."""
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        data = (torch.randn(4, 16, 32), torch.randint(0, 10, (4,)))
+        return _SelfAttention(), data, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    w = capture(build, name="attention", batch_size=4)
+    acts = np.array(
+        [RECOMPUTE if c.key.startswith("attn#") or c.key.startswith("<loss>#0.0") else KEEP for c in w.candidates]
+    )
+    policy = Policy.from_vector(w, acts.astype(np.int8), hardware="cpu", options=PolicyOptions(region_nodes=nodes))
+    assert policy.schedule is not None and [r.module for r in policy.schedule.regions] == ["attn"]
+    assert any(k.startswith("<loss>") and a.value == "recompute" for k, a in policy.actions.items())
+    model, batch, loss_fn = build()
+    rt = PolicyRuntime(policy, model)
+    for step in range(3):
+        stats = _step_as_plain(rt, model, batch, loss_fn, step)
+        assert stats.recomputed_ops > 0 and stats.regions == 1
