@@ -16,10 +16,11 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from autotune import __version__
 from runtime.errors import AutotuneError, from_interrupt, note_sigint, sigint_arrived
-from runtime.fileio import check_writable
+from runtime.fileio import check_folder, check_writable
 
 app = typer.Typer(
     add_completion=False,
@@ -115,6 +116,11 @@ def profile(
     from runtime.workload import Workload
 
     check_writable(out_file, "--out")
+    if top < 0:
+        raise AutotuneError(f"invalid --top {top}: expected 0 or more candidates to list, e.g. --top 10")
+    if workload is None:
+        _early_checks(model, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, precision=precision,
+                      grad_accum=grad_accum)  # fmt: skip
     budget_bytes = parse_size(budget) if budget is not None else None
     if budget is not None and not as_json:
         err.print(f"budget: {format_size_echo(budget, budget_bytes or 0)}")
@@ -145,6 +151,46 @@ def profile(
     render_profile(out, report)
     if out_file is not None:
         out.print(f"workload saved to {out_file}")
+
+
+def _check_heartbeat(heartbeat: float | None) -> None:
+    if heartbeat is not None and heartbeat <= 0:
+        raise AutotuneError(f"invalid --heartbeat {heartbeat}: expected a positive number of seconds, e.g. 60")
+
+
+def _early_checks(
+    model: str | None,
+    budget: str | None = None,
+    reserve: str | None = None,
+    *,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    optimizer: str = "sgd",
+    precision: str = "fp32",
+    grad_accum: int = 1,
+    device: str | None = None,
+    measure: int | None = None,
+    partition: str | None = None,
+) -> None:
+    """What the user typed, checked before the profile is resolved (``--gpu cpu`` calibrates this CPU: seconds)
+    and before any trace, each with the message the later check would give."""
+    from autotune.budget import plan_budget
+    from autotune.models import check_model_name
+    from autotune.workloads import TraceRequest
+    from runtime.hardware import get_profile
+
+    if budget is not None:  # the size's syntax; the reserve's default waits for the profile
+        plan_budget(budget, reserve, get_profile("a100-40gb"))
+    if device is not None and device != "cpu" and not device.startswith("cuda"):
+        raise AutotuneError(f"unknown device '{device}': expected cpu, cuda or cuda:N")
+    if measure is not None and measure < 0:
+        raise AutotuneError(f"invalid --measure {measure}: expected 0 or a number of policies to train, e.g. 3")
+    parse_partition_option(partition)
+    req = TraceRequest(model=model or "", batch_size=batch_size, seq_len=seq_len, optimizer=optimizer)
+    req.precision, req.grad_accum = precision, grad_accum
+    req.validate()
+    if model is not None:
+        check_model_name(model)
 
 
 def parse_partition_option(text: str | None) -> tuple[Any, ...]:
@@ -332,6 +378,11 @@ def baselines(
     from autotune.workloads import TraceRequest
     from runtime.hardware import resolve_profile
 
+    check_folder(save, "--save")
+    if time_limit <= 0:
+        raise AutotuneError(f"invalid --time-limit {time_limit}: expected a positive number of seconds, e.g. 30")
+    _early_checks(model, budget, reserve, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer,
+                  precision=precision, grad_accum=grad_accum, partition=partition)  # fmt: skip
     methods = bl.select_methods(only)
     hw, note = resolve_profile(gpu)
     plan = plan_budget(budget, reserve, hw)
@@ -468,6 +519,7 @@ def search(
 
     if timeout <= 0:
         raise AutotuneError(f"invalid --timeout {timeout}: expected a positive number of seconds, e.g. --timeout 60")
+    _check_heartbeat(heartbeat)
     if trials is not None and trials <= 0:
         raise AutotuneError(f"invalid --trials {trials}: expected a positive number, e.g. --trials 200")
     check_writable(out_path, "--out")
@@ -477,6 +529,10 @@ def search(
     from autotune.reserved import check_kind, new_pool
 
     check_kind(budget_kind)
+    _early_checks(
+        model, budget, reserve, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, precision=precision,
+        grad_accum=grad_accum, device=device, measure=measure, partition=partition,
+    )  # fmt: skip
     hw, note = resolve_profile(gpu)
     here = sr.plan_device(hw, device)
     hw, host_note = sr.with_host_memory(hw, host_memory, here)
@@ -677,6 +733,8 @@ def maxbatch(
         raise AutotuneError(f"invalid --max-slowdown {max_slowdown}: expected 0 or more, e.g. --max-slowdown 0.2")
     if per_size <= 0:
         raise AutotuneError(f"invalid --per-size {per_size}: expected a positive number of seconds, e.g. 10")
+    _early_checks(model, budget, reserve, seq_len=seq_len, optimizer=optimizer, precision=precision,
+                  grad_accum=grad_accum, device=device, measure=measure)  # fmt: skip
     hw, note = resolve_profile(gpu)
     here = sr.plan_device(hw, device)
     hw, host_note = sr.with_host_memory(hw, host_memory, here)
@@ -862,6 +920,8 @@ def sweep(
     from runtime.hardware import get_profile, resolve_profile
 
     check_writable(report, "--report")
+    check_folder(out_dir, "--out-dir")
+    _check_heartbeat(heartbeat)
 
     method_list = sw.check_methods(methods)
     budget_list = [parse_size(b) for b in budgets.split(",") if b.strip()]
@@ -994,6 +1054,14 @@ def dashboard(
         ) from None
     if not 0 < port < 65536:
         raise AutotuneError(f"invalid --port {port}: expected 1 to 65535, e.g. --port 8080")
+    from agents.optuna_search import check_storage
+
+    if storage.startswith("sqlite:///") and not Path(storage.removeprefix("sqlite:///")).is_file():
+        raise AutotuneError(
+            f"--storage {storage}: no such file; give the storage `autotune search` or `autotune sweep` wrote "
+            "(by default sqlite:///autotune.db in the folder they ran in)"
+        )
+    check_storage(storage)
     err.print(f"optuna-dashboard on {storage}: http://{host}:{port}/ (Ctrl-C stops it)")
     optuna_dashboard.run_server(storage, host=host, port=port)
 
@@ -1049,7 +1117,7 @@ def _reader_gone() -> None:
 def _one_line_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
     text = str(message).removeprefix("autotune: ")
     label = "warning" if issubclass(category, UserWarning) else category.__name__
-    err.print(f"[yellow]{label}:[/] {text}", highlight=False, soft_wrap=True)
+    err.print(f"[yellow]{label}:[/] {escape(text)}", highlight=False, soft_wrap=True, emoji=False)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1067,7 +1135,8 @@ def main(argv: list[str] | None = None) -> None:
     except AutotuneError as e:
         if _DEBUG:
             raise
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        # The message as it is: a key such as ``d1.0#0.0:Cat`` is no emoji code, ``[x]`` no markup.
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True, emoji=False)
         raise SystemExit(2) from None
     except KeyboardInterrupt:
         err.print("interrupted")
@@ -1093,10 +1162,11 @@ def main(argv: list[str] | None = None) -> None:
         if _DEBUG:
             raise
         err.print(
-            f"[bold red]internal error:[/] {type(e).__name__}: {e} (rerun with --debug for the "
+            f"[bold red]internal error:[/] {type(e).__name__}: {escape(str(e))} (rerun with --debug for the "
             "traceback, and please report it)",
             highlight=False,
             soft_wrap=True,
+            emoji=False,
         )
         raise SystemExit(1) from None
     # Not standalone, typer returns an ``Exit``'s code instead of raising it, and turns a Ctrl-C outside our

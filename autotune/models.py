@@ -209,6 +209,14 @@ def _torchvision_names() -> tuple[str, ...]:
     return tuple(_import("torchvision").models.list_models(module=_import("torchvision.models")))
 
 
+def check_model_name(name: str) -> None:
+    """Refuse an unknown model name, or a factory that cannot be imported, before any long work (a factory's
+    module is imported: what building the model does first)."""
+    family, path = _resolve(name)
+    if family == "custom":
+        _load_factory(path)
+
+
 def takes_seq_len(name: str) -> bool:
     """Whether ``--seq-len`` applies to ``name`` (language models and factories; not torchvision)."""
     return _resolve(name)[0] != "torchvision"

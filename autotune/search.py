@@ -79,8 +79,14 @@ def with_host_memory(hw: HardwareProfile, text: str | None, here: str | None) ->
     """``--host-memory``: the host memory a plan may pin for swapped tensors (simulator Rule 2, runtime R3),
     on GPU profiles. Default: this machine's physical memory where the plan is for its GPU, else unbounded
     (another machine's host is not known). Returns the profile and a line for stderr (empty: nothing to say)."""
+    n = 0
+    if text is not None:
+        try:
+            n = parse_size(text)
+        except AutotuneError as e:
+            raise AutotuneError(f"--host-memory: {e}") from None
     if not hw.is_gpu:
-        return hw, ""
+        return hw, "" if text is None else f"--host-memory {text} does not apply to the {hw.name} profile (no copies)"
     if text is None:
         if here is None or not here.startswith("cuda"):
             return hw, ""
@@ -88,10 +94,6 @@ def with_host_memory(hw: HardwareProfile, text: str | None, here: str | None) ->
         return dataclasses.replace(hw, host_memory_bytes=total), (
             f"swapped tensors may pin up to this machine's {format_bytes(total)} of host memory (--host-memory)"
         )
-    try:
-        n = parse_size(text)
-    except AutotuneError as e:
-        raise AutotuneError(f"--host-memory: {e}") from None
     return dataclasses.replace(hw, host_memory_bytes=n), f"swapped tensors may pin up to {format_size_echo(text, n)}"
 
 

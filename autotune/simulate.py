@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune.budget import record_budget
+from autotune.models import check_model_name
 from autotune.units import format_bytes, format_size_echo, parse_size
 from autotune.workloads import TraceRequest
 from envs.simulator import SimResult, Simulator, uniform_actions
@@ -60,6 +61,7 @@ def run_simulate(
         optimizer = optimizer or loaded.optimizer  # another one: check_against says why it cannot apply
     if model is None:
         raise AutotuneError("no model: pass --model NAME (see `autotune models`)")
+    check_model_name(model)  # before the profile (--gpu cpu calibrates this CPU: seconds)
     if loaded is not None:
         assert policy_file is not None
         loaded.check_settings(

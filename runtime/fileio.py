@@ -44,3 +44,32 @@ def check_writable(path: str | os.PathLike[str] | None, option: str) -> None:
         raise AutotuneError(f"{option} {str(path)!r}: {str(parent)!r} is not a folder; {how}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise AutotuneError(f"{option} {str(path)!r}: cannot write in the folder {str(parent)!r}; {how}")
+    _probe(parent, f"{option} {str(path)!r}", how)
+
+
+def check_folder(path: str | os.PathLike[str] | None, option: str) -> None:
+    """Refuse, before any long work, an output folder that cannot be made or written in: a file of that name,
+    a folder under a file, a folder this process may not write in."""
+    if path is None:
+        return
+    p = Path(path)
+    how = f"choose another {option}"
+    if p.exists() and not p.is_dir():
+        raise AutotuneError(f"{option} {str(path)!r} is a file: expected a folder (made if missing); {how}")
+    existing = next((q for q in (p, *p.parents) if q.exists()), Path("."))
+    if not existing.is_dir():
+        raise AutotuneError(f"{option} {str(path)!r}: {str(existing)!r} is not a folder; {how}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise AutotuneError(f"{option} {str(path)!r}: cannot write in the folder {str(existing)!r}; {how}")
+    _probe(existing, f"{option} {str(path)!r}", how)
+
+
+def _probe(folder: Path, what: str, how: str) -> None:
+    """Make and remove a file in ``folder``, as the write will: permissions say yes where a read-only or
+    special file system (``/proc``) says no."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".autotune-", suffix=".tmp")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise AutotuneError(f"{what}: cannot write in the folder {str(folder)!r} ({e.strerror}); {how}") from None
