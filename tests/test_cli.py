@@ -405,6 +405,77 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
     assert not list(tmp_path.glob("**/*.tmp"))
 
 
+def test_outputs_where_nothing_can_be_made_are_refused_before_any_work(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder where permissions say yes but no file can be made (/proc), a file named as an output folder,
+    a storage the dashboard cannot open: one line, exit 2, before the work (each was an "internal error"
+    after it, the finished search lost)."""
+    import autotune.workloads
+
+    def no_trace(*_: object, **__: object) -> None:
+        raise AssertionError("traced before the inputs were checked")
+
+    monkeypatch.setattr(autotune.workloads, "trace_model", no_trace)
+    (tmp_path / "file.json").write_text("{}")
+    line = user_error(capsys, "search", "--model", "resnet18", "--budget", "1GB", "--out", "/proc/autotune.json")
+    assert "--out '/proc/autotune.json': cannot write in the folder '/proc'" in line
+    line = user_error(
+        capsys, "baselines", "--model", "resnet18", "--budget", "1GB", "--save", str(tmp_path / "file.json")
+    )
+    assert "--save" in line and "is a file" in line
+    line = user_error(
+        capsys, "sweep", "--models", "resnet18", "--budgets", "1GB", "--out-dir", str(tmp_path / "file.json")
+    )
+    assert "--out-dir" in line and "is a file" in line
+    assert "cannot open it" in user_error(capsys, "dashboard", "--storage", "bogus://")
+    assert "no such file" in user_error(capsys, "dashboard", "--storage", f"sqlite:///{tmp_path / 'none.db'}")
+    assert not (tmp_path / "none.db").exists()
+
+
+def test_inputs_are_checked_before_the_cpu_is_calibrated(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--gpu cpu`` calibrates this CPU (seconds, tens of seconds on a busy machine): an unknown model, a bad
+    budget, batch, optimizer, precision, device or partition is said before it."""
+    import runtime.hardware
+
+    def no_calibration(*_: object, **__: object) -> None:
+        raise AssertionError("calibrated before the inputs were checked")
+
+    monkeypatch.setattr(runtime.hardware, "calibrate_cpu", no_calibration)
+    monkeypatch.setattr(runtime.hardware, "_calibrate_cpu", no_calibration)
+    base = ["--model", "resnet18", "--budget", "1GB", "--gpu", "cpu"]
+    cases = [
+        (["--model", "resnet999"], "unknown model 'resnet999'"),
+        (["--budget", "0"], "invalid size '0'"),
+        (["-b", "0"], "invalid batch size 0"),
+        (["--optimizer", "adamm"], "unknown optimizer 'adamm'"),
+        (["--precision", "fp8"], "unknown precision 'fp8'"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--partition", "layer1"], "invalid --partition 'layer1'"),
+        (["--heartbeat", "0"], "invalid --heartbeat 0"),
+    ]
+    for extra, said in cases:
+        assert said in user_error(capsys, "search", *base, *extra), extra
+    assert "unknown model" in user_error(capsys, "simulate", "--model", "resnet999", "--gpu", "cpu", "--action", "keep")
+    assert "invalid --top -1" in user_error(capsys, "profile", "--model", "resnet18", "--gpu", "cpu", "--top", "-1")
+
+
+def test_an_error_message_is_printed_as_written(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A key in a schema error, ``block.0#0.0:Cat``, printed as a cat emoji (rich's ``:cat:`` code); ``[x]``
+    would have been read as markup."""
+    policy = tmp_path / "p.json"
+    code, _, err = run(capsys, "simulate", "--model", "resnet18", "--batch-size", "2", "--gpu", "cpu", "--action",
+                       "keep", "--save-policy", str(policy), "--json")  # fmt: skip
+    assert code == 0, err
+    data = json.loads(policy.read_text())
+    data["actions"]["d1.0#0.0:Cat"] = "teleport [x]"
+    policy.write_text(json.dumps(data))
+    line = user_error(capsys, "simulate", "--policy", str(policy))
+    assert "d1.0#0.0:Cat" in line and "teleport [x]" in line
+
+
 def test_settings_a_policy_file_refuses_are_refused_before_the_trace(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
