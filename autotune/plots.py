@@ -9,6 +9,13 @@ from typing import Any
 from runtime.fileio import atomic_write
 
 GIB = 2**30
+_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def memory_unit(largest_bytes: float) -> tuple[str, int]:
+    """The binary unit for an axis whose values reach ``largest_bytes``: GiB from 1 GiB up, else MiB, else KiB
+    (a small model's 4 and 5 MiB budgets both read 0.00 GiB)."""
+    return next(((name, size) for name, size in _UNITS if largest_bytes >= size), _UNITS[-1])
 
 
 def memory_timeline_figure(
@@ -23,8 +30,9 @@ def memory_timeline_figure(
     import plotly.graph_objects as go
 
     fig = go.Figure()
+    unit, size = memory_unit(max([max(live, default=0) for _, _, live in series] + [budget_bytes or 0]))
     for i, (name, times, live) in enumerate(series):
-        gib = [b / GIB for b in live]
+        gib = [b / size for b in live]
         ms = [t * 1e3 for t in times]
         fig.add_trace(go.Scatter(x=ms, y=gib, mode="lines", name=name, line={"shape": "hv"}))
         top = max(range(len(gib)), key=gib.__getitem__)
@@ -34,8 +42,8 @@ def memory_timeline_figure(
                 x=[ms[top]],
                 y=[gib[top]],
                 mode="markers+text",
-                name=f"{name}: peak {gib[top]:.2f} GiB",
-                text=[f"peak {gib[top]:.2f} GiB"],
+                name=f"{name}: peak {gib[top]:.2f} {unit}",
+                text=[f"peak {gib[top]:.2f} {unit}"],
                 textposition="top center",
                 marker={"size": 10, "symbol": "x"},
                 hovertext=[label],
@@ -44,15 +52,15 @@ def memory_timeline_figure(
         )
     if budget_bytes is not None:
         fig.add_hline(
-            y=budget_bytes / GIB,
+            y=budget_bytes / size,
             line_dash="dash",
             line_color="red",
-            annotation_text=f"budget {budget_bytes / GIB:.2f} GiB",
+            annotation_text=f"budget {budget_bytes / size:.2f} {unit}",
         )
     fig.update_layout(
         title=title,
         xaxis_title="time in the iteration (ms)",
-        yaxis_title="device memory (GiB)",
+        yaxis_title=f"device memory ({unit})",
         template="plotly_white",
         legend={"orientation": "h", "y": -0.2},
     )

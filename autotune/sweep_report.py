@@ -13,14 +13,14 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from autotune.plots import pareto_front
+from autotune.plots import memory_unit, pareto_front
 from autotune.sweep import CellResult, WorkloadOf, best_policy
+from autotune.units import format_bytes
 from envs.simulator import Simulator
 from runtime.fileio import atomic_write
 from runtime.hardware import HardwareProfile
 from runtime.policy import ACTIONS
 
-GIB = 2**30
 COLORS = {"no policy": "#7f7f7f", "best heuristic": "#ff7f0e", "optuna": "#1f77b4", "ppo": "#2ca02c"}
 ACTION_COLORS = {"keep": "#9e9e9e", "swap": "#1f77b4", "recompute": "#ff7f0e", "compress": "#2ca02c"}
 
@@ -87,13 +87,14 @@ def _summary_table(cells: Sequence[CellResult]) -> str:
 
         h = f"{f(j['best_heuristic_samples_per_s'])} ({j['best_heuristic']})" if j["best_heuristic"] else "—"
         chosen = "below the floor" if c.below_floor else f"{f(j['samples_per_s'])} ({j['best_method'] or '—'})"
+        chosen += " (interrupted)" if c.interrupted else ""  # as the terminal's table says
         rows.append(
             [
                 c.model,
                 str(c.batch_size),
                 c.profile,
                 _budget(c),
-                f"{f(j['no_policy_samples_per_s'])} ({j['no_policy_peak_bytes'] / GIB:.2f} GiB)",
+                f"{f(j['no_policy_samples_per_s'])} ({format_bytes(j['no_policy_peak_bytes'])})",
                 h,
                 f(j["optuna_samples_per_s"]),
                 f(j["ppo_samples_per_s"]),
@@ -120,7 +121,8 @@ def _throughput(cells: Sequence[CellResult]) -> Any:
     shown: set[str] = set()
     for col, (model, profile) in enumerate(groups, start=1):
         sub = sorted((c for c in cells if c.model == model and c.profile == profile), key=lambda c: c.budget_bytes)
-        x = [(c.budget_bytes + c.reserve_bytes) / GIB for c in sub]  # the budget as typed
+        unit, size = memory_unit(max(c.budget_bytes + c.reserve_bytes for c in sub))
+        x = [(c.budget_bytes + c.reserve_bytes) / size for c in sub]  # the budget as typed
         series: dict[str, list[float | None]] = {
             "no policy": [c.no_policy["samples_per_s"] for c in sub],
             "best heuristic": [(h[1]["samples_per_s"] if (h := c.best_heuristic()) else None) for c in sub],
@@ -145,7 +147,7 @@ def _throughput(cells: Sequence[CellResult]) -> Any:
                 col=col,
             )
             shown.add(name)
-        fig.update_xaxes(title_text="budget as given (GiB)", row=1, col=col)
+        fig.update_xaxes(title_text=f"budget as given ({unit})", row=1, col=col)
     fig.update_yaxes(title_text="samples/s (simulated)", row=1, col=1)
     fig.update_layout(template="plotly_white", height=420, legend={"orientation": "h", "y": -0.25})
     return fig
@@ -225,6 +227,7 @@ def _timelines(cells: Sequence[CellResult], workload_of: WorkloadOf, profiles: d
         cols=len(chosen),
         subplot_titles=[f"{m} on {p}, budget {_budget(c)}" for m, p, c in chosen],
     )
+    unit, size = memory_unit(max(c.budget_bytes for _, _, c in chosen))
     for col, (_model, profile, cell) in enumerate(chosen, start=1):
         (plain, w), hw = workload_of(cell), profiles[profile]
         policy = best_policy(cell, w, hw)
@@ -237,7 +240,7 @@ def _timelines(cells: Sequence[CellResult], workload_of: WorkloadOf, profiles: d
             fig.add_trace(
                 go.Scatter(
                     x=[t * 1e3 for t in r.timeline["op_start_s"]],
-                    y=[b / GIB for b in r.timeline["live_bytes"]],
+                    y=[b / size for b in r.timeline["live_bytes"]],
                     mode="lines",
                     line={"shape": "hv", "color": color},
                     name=name,
@@ -247,9 +250,9 @@ def _timelines(cells: Sequence[CellResult], workload_of: WorkloadOf, profiles: d
                 row=1,
                 col=col,
             )
-        fig.add_hline(y=cell.budget_bytes / GIB, line_dash="dash", line_color="red", row=1, col=col)
+        fig.add_hline(y=cell.budget_bytes / size, line_dash="dash", line_color="red", row=1, col=col)
         fig.update_xaxes(title_text="time in the iteration (ms)", row=1, col=col)
-    fig.update_yaxes(title_text="device memory (GiB)", row=1, col=1)
+    fig.update_yaxes(title_text=f"device memory ({unit})", row=1, col=1)
     fig.update_layout(template="plotly_white", height=420, legend={"orientation": "h", "y": -0.25})
     return fig
 
@@ -357,5 +360,5 @@ def study_trials(storage: str, names: Sequence[str]) -> dict[str, list[dict[str,
 
 def _budget(c: CellResult) -> str:
     """A cell's budget as typed, and what was planned for where a reserve was kept back."""
-    given = f"{(c.budget_bytes + c.reserve_bytes) / GIB:.2f} GiB"
-    return given + (f" (planned {c.budget_bytes / GIB:.2f})" if c.reserve_bytes else "")
+    given = format_bytes(c.budget_bytes + c.reserve_bytes)
+    return given + (f" (planned {format_bytes(c.budget_bytes)})" if c.reserve_bytes else "")

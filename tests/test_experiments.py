@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.plots import pareto_front
+from autotune.plots import memory_timeline_figure, memory_unit, pareto_front
 from tests.synthetic import chain_workload, fixed_profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
@@ -134,3 +134,12 @@ def test_gpu_check_conv_workspaces_dry_run_on_the_cpu() -> None:
     first = next(r for r in rows if r["op"] == "forward" and r["weight"] == (64, 3, 7, 7))
     assert (first["input"], first["stride"], first["padding"], first["groups"]) == ((2, 3, 224, 224), (2, 2), (3, 3), 1)
     assert all(r["workspace_bytes"] == 0 for r in rows)
+
+
+def test_memory_axes_take_the_unit_of_their_values() -> None:
+    """A small model's plots read 0.00 GiB everywhere (its 4 and 5 MiB budgets could not be told apart)."""
+    assert memory_unit(5 * 2**20) == ("MiB", 2**20) and memory_unit(3 * 2**30) == ("GiB", 2**30)
+    assert memory_unit(100) == ("KiB", 2**10)
+    fig = memory_timeline_figure([("plan", [0.0, 0.001], [4 * 2**20, 5 * 2**20])], title="t", budget_bytes=6 * 2**20)
+    assert fig.layout.yaxis.title.text == "device memory (MiB)"
+    assert fig.data[1].text == ("peak 5.00 MiB",)
