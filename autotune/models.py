@@ -426,7 +426,15 @@ def _load_factory(path: str) -> Callable[..., Any]:
     if factory is None:
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
         close = difflib.get_close_matches(attr, public, n=3, cutoff=0.6)
-        hint = f"did you mean {', '.join(close)}?" if close else f"its callables: {', '.join(public[:10])}"
+
+        # Functions first (factories usually are), then classes; the module's own before what it imported.
+        def rank(n: str) -> tuple[bool, bool, str]:
+            v = vars(module)[n]
+            return isinstance(v, type), getattr(v, "__module__", None) != module_name, n
+
+        own = sorted(public, key=rank)
+        more = f" and {len(own) - 10} more" if len(own) > 10 else ""
+        hint = f"did you mean {', '.join(close)}?" if close else f"its callables: {', '.join(own[:10])}{more}"
         raise AutotuneError(f"module {module_name!r} has no factory {attr!r} (from {path!r}): {hint}")
     if not callable(factory):
         raise AutotuneError(
