@@ -159,9 +159,11 @@ def run_cell(
         heartbeat_s=heartbeat_s,
         state=state if state is not None else RunState(),
     )
-    no_policy = plain_no_policy(problem, plain)
+    # A resumed cell's no-policy row is the one stored with its figures: on the cpu profile, which this run
+    # calibrated again, one simulated now can be slower than the stored heuristics it is the ceiling of.
+    no_policy = attrs.get("no_policy") or _sim_json(plain_no_policy(problem, plain))
     cell = CellResult(
-        w.model, w.batch_size, hw.name, budget_bytes, name, _sim_json(no_policy), reserve_bytes=reserve_bytes,
+        w.model, w.batch_size, hw.name, budget_bytes, name, no_policy, reserve_bytes=reserve_bytes,
         partitions=list(w.meta.get("partitions", [])),
     )  # fmt: skip
     cell.resumed = [m for m in methods if m in done and m != "optuna"]
