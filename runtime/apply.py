@@ -109,6 +109,8 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         cuBLAS allocate the workspaces of both handles training uses (a product of 8 x 8 matrices, forward
         and backward): a persistent block allocated mid-step lands in a cached block of the step's own tensors
         and splits it for good, so a later step's large tensor (GPT-2's logits) needs a segment more.
+    R16. A model that checkpoints its own layers (Hugging Face's ``gradient_checkpointing``) is refused at its
+        first step under a policy that hooks or has regions: the model's recompute would re-run them.
 """
 
 from __future__ import annotations
@@ -313,6 +315,7 @@ class PolicyRuntime:
         self.observed = set(per_tensor) | self.carriers  # keys whose packs later steps must see (R11)
         self._learned: collections.OrderedDict[tuple[Any, ...] | None, _Learned] = collections.OrderedDict()
         self._inputs: tuple[Any, ...] | None = None  # the signature of the last step's inputs (R11)
+        self._own_checkpointing_checked = False  # R16
         self._pinned: dict[str, torch.Tensor] = {}  # R3: one pinned buffer per key, reused
         self._cuda = self.device.type == "cuda"
         if self._cuda:
@@ -356,6 +359,7 @@ class PolicyRuntime:
             if not (hooks or self.regions):
                 yield self.stats
                 return
+            self._check_own_checkpointing()
             if self.regions:  # parameters replaced (load_state_dict(assign=True)), frozen or unfrozen: learn again
                 trainable = frozenset(id(p) for p in self.model.parameters() if p.requires_grad)
                 if trainable != self._parameters:
@@ -367,6 +371,20 @@ class PolicyRuntime:
                 else:
                     with self._hooked(force_hooks):
                         yield self.stats
+
+    def _check_own_checkpointing(self) -> None:
+        """R16: refuse a model that checkpoints its own layers (Hugging Face's ``gradient_checkpointing_enable``,
+        ``TrainingArguments(gradient_checkpointing=True)``): its recompute re-runs the policy's regions and
+        hooks, which count calls and packs per step, so the recompute saves other tensors than its forward did
+        and torch's checkpoint fails in backward."""
+        if not self._own_checkpointing_checked:  # at the first step: enabled before training, as the Trainer does
+            self._own_checkpointing_checked = True
+            if any(getattr(m, "gradient_checkpointing", False) is True for m in self.model.modules()):
+                raise AutotuneError(
+                    "the model checkpoints its own layers (gradient_checkpointing_enable(), or the Trainer's "
+                    "gradient_checkpointing=True): turn that off, the policy decides what to recompute (search "
+                    "with it off too); a policy and the model's own checkpointing cannot both recompute its layers"
+                )
 
     def _learnt(self, inputs: tuple[Any, ...] | None, force: bool) -> _Learned | None:
         learned = self._learned.get(inputs)

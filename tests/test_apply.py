@@ -569,3 +569,19 @@ def test_a_new_shape_goes_on_from_inside_a_model_call_that_is_hooked_itself(acti
             seen.append((stats.swaps, stats.recomputed_ops))
     assert len(set(seen)) == 1 and seen[0] != (0, 0)
     assert len(rt._learned) == 3  # 8 and 5 training, 8 in eval mode
+
+
+def test_a_model_that_checkpoints_its_own_layers_is_refused_in_one_line() -> None:
+    """R16: Hugging Face's gradient checkpointing under a policy with regions or hooks failed in backward with
+    torch's "Recomputed values ... have different metadata" (its recompute re-ran the policy's regions).
+    Now the first step says what to do, and nothing of the runtime stays installed."""
+    name, kwargs = GPT2
+    w = capture(_build(name, kwargs), name=name, batch_size=2)
+    policy = Policy.from_vector(w, _policies(w)["mixed-1"], hardware="cpu")
+    model, batch, loss_fn = _build(name, kwargs)()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    rt = PolicyRuntime(policy, model)
+    with pytest.raises(AutotuneError, match="checkpoints its own layers"), rt.step():
+        loss_fn(model, batch).backward()
+    assert not _get_current_dispatch_mode_stack()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
