@@ -189,6 +189,11 @@ def measure(
         return out
     tried = 0.0  # the largest share of the budget kept free by the finalists measured so far
     notes = []
+    if len(out.rows) < k:  # --measure K asked for more than the search found apart from each other
+        notes.append(
+            f"{len(out.rows)} of the {k} finalists asked for: the search found no more fitting policies that differ "
+            f"from these in at least {distance} decisions"
+        )
     while not any(m.fits(budget_bytes) for m in out.rows):
         higher = [m for m in MARGINS if m > tried]
         if not higher:

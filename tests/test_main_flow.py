@@ -275,6 +275,9 @@ def test_measure_tries_policies_with_room_when_the_first_ones_measure_over() -> 
     got = measure(problem, _Device(planned, 1.2), 2, budget_bytes=1000, found=found, baselines=[])  # type: ignore[arg-type]
     assert [m.finalist.result.peak_bytes for m in got.rows] == [1000, 995, 890] and got.chosen is None
     assert got.lowest_peak() == 1068
+    # --measure 6 where the search found four policies: it says so (it trained four and said nothing).
+    got = measure(problem, _Device(planned, 1.0), 6, budget_bytes=1000, found=found, baselines=[])  # type: ignore[arg-type]
+    assert len(got.rows) == 4 and got.note.startswith("4 of the 6 finalists asked for")
 
 
 def test_the_reserved_check_tries_the_finalists_with_room(monkeypatch: pytest.MonkeyPatch) -> None:
