@@ -326,6 +326,18 @@ def test_block_recompute_runs_as_region_nodes_and_all_keep_installs_nothing() ->
     assert (keep.packs, keep.hooked_calls, keep.regions) == (0, 0, 0)
 
 
+def _beside_plain(rt: PolicyRuntime, model: torch.nn.Module, plain: torch.nn.Module, loss_fn, batch) -> RuntimeStats:  # type: ignore[no-untyped-def]
+    """One step of ``model`` under ``rt`` and one of ``plain`` without: the same gradients (or None in both)."""
+    model.zero_grad(set_to_none=True)
+    plain.zero_grad(set_to_none=True)
+    with rt.step() as stats:
+        loss_fn(model, batch).backward()
+    loss_fn(plain, batch).backward()
+    grads = zip(model.parameters(), plain.parameters(), strict=True)
+    assert all(p.grad is q.grad is None or torch.equal(p.grad, q.grad) for p, q in grads)  # type: ignore[arg-type]
+    return stats
+
+
 def test_a_batch_of_another_shape_learns_once_then_runs_as_planned() -> None:
     """The last, smaller batch of an epoch (R11): the tables of the full batch do not fit its shapes. It
     learns its own at its first step, from inside the model's call, and from then on full and small batches
@@ -342,12 +354,7 @@ def test_a_batch_of_another_shape_learns_once_then_runs_as_planned() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for b in (batch, batch, small, batch, small, small, batch):
-            model.zero_grad(set_to_none=True)
-            plain.zero_grad(set_to_none=True)
-            with rt.step() as stats:
-                loss_fn(model, b).backward()
-            loss_fn(plain, b).backward()
-            assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+            stats = _beside_plain(rt, model, plain, loss_fn, b)
             got.append((len(b[0]), stats.packs, stats.swaps, stats.recomputed_ops))
     learning, steady = got[0][1], got[1][1]  # a learning step hooks every pack, a later one only its tables'
     assert learning > steady and got[1][2] > 0 and got[1][3] > 0
@@ -382,15 +389,9 @@ def test_a_step_that_saves_other_tensors_for_the_same_inputs_keeps_them_and_lear
     seen = []
     for use_b in (True, True, False, False, True):
         model.use_b = plain.use_b = use_b  # type: ignore[assignment]
-        model.zero_grad(set_to_none=True)
-        plain.zero_grad(set_to_none=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with rt.step() as stats:
-                loss_fn(model, batch).backward()
-        loss_fn(plain, batch).backward()
-        grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters(), strict=True)]
-        assert all(g is h is None or torch.equal(g, h) for g, h in grads)  # type: ignore[arg-type]
+            stats = _beside_plain(rt, model, plain, loss_fn, batch)
         seen.append((stats.swaps, [str(c.message) for c in caught]))
     assert [s for s, _ in seen] == [2, 2, 1, 1, 1]  # tanh's and sigmoid's outputs; then tanh's alone
     assert [len(m) for _, m in seen] == [0, 0, 1, 0, 1]  # the step that learns again says nothing
@@ -437,12 +438,7 @@ def test_a_step_without_backward_or_grad_teaches_nothing() -> None:
     with pytest.warns(UserWarning, match="no backward"), rt.step():
         loss_fn(model, batch)  # skipped: no backward
     for step in range(3):
-        model.zero_grad(set_to_none=True)
-        plain.zero_grad(set_to_none=True)
-        with rt.step() as stats:
-            loss_fn(model, batch).backward()
-        loss_fn(plain, batch).backward()
-        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+        stats = _beside_plain(rt, model, plain, loss_fn, batch)
         if step:
             assert (stats.recomputed_ops, stats.swaps, stats.packs) == (
                 reference.recomputed_ops, reference.swaps, reference.packs), step  # fmt: skip
@@ -555,15 +551,9 @@ def test_a_new_shape_goes_on_from_inside_a_model_call_that_is_hooked_itself(acti
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for size, training in ((8, True), (8, True), (5, True), (5, True), (8, True), (8, False), (8, True)):
-            b = tuple(t[:size] for t in batch)
             model.train(training)
             plain.train(training)
-            model.zero_grad(set_to_none=True)
-            plain.zero_grad(set_to_none=True)
-            with rt.step() as stats:
-                loss_fn(model, b).backward()
-            loss_fn(plain, b).backward()
-            assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+            stats = _beside_plain(rt, model, plain, loss_fn, tuple(t[:size] for t in batch))
             assert not _get_current_dispatch_mode_stack()  # nothing of the runtime stays behind a step
             assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
             seen.append((stats.swaps, stats.recomputed_ops))
