@@ -14,6 +14,11 @@ import warnings
 from pathlib import Path
 from typing import Annotated, Any
 
+# The profiler's own log lines (kineto: "USDT ... profiler_start", "ERROR ... gpuGetDeviceCount failed" on a
+# machine without a GPU) are not the command's output: quiet unless the user asked for them. Read when torch
+# loads, so set before the first import of it below.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
 import typer
 from rich.console import Console
 from rich.markup import escape

@@ -527,3 +527,21 @@ def test_an_unknown_hardware_profile_in_a_policy_file_names_the_file(
     path.write_text(path.read_text().replace('"hardware": "a100-40gb"', '"hardware": "h900"'))
     line = user_error(capsys, "simulate", "--policy", str(path))
     assert line.startswith(f"error: {path}: hardware: unknown hardware profile 'h900'") and "--gpu" in line
+
+
+def test_the_profilers_own_log_lines_stay_out_of_the_output() -> None:
+    """`train --compile` measures the compiled peak with torch's profiler, whose log lines ("USDT ...
+    profiler_start", "ERROR ... gpuGetDeviceCount failed" without a GPU) came out among the command's."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import autotune.cli, torch\n"
+        "from runtime.measure import profiler_peak_bytes\n"
+        "print(profiler_peak_bytes(lambda: torch.ones(8) * 2, 0))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "profiler_start" not in done.stdout + done.stderr and "gpuGetDeviceCount" not in done.stderr
