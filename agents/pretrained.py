@@ -371,14 +371,12 @@ def _exchange(
     several others, which give-back and second choice, one decision at a time, cannot make."""
     actions = actions.copy()
     exchanged = 0
+    # A trade only drops kept candidates, so the decisions to try stay decisions until their own turn.
     for g in [int(i) for i in np.argsort(margin, kind="stable") if actions[i] != KEEP][:EXCHANGE_GIVE]:
-        if actions[g] == KEEP:
-            continue
-        takers = [int(i) for i in np.argsort(-margin, kind="stable") if actions[i] == KEEP and np.isfinite(margin[i])]
         trial = actions.copy()
         trial[g] = KEEP
         back = problem.evaluate(trial, options)
-        moves = ((t, int(best_drop[t])) for t in takers[:EXCHANGE_TAKE] if t != g)
+        moves = ((t, int(best_drop[t])) for t in _droppable(actions, margin)[:EXCHANGE_TAKE])
         trial, r, _ = _lower_peak(problem, trial, options, back, moves)
         if r.feasible and r.samples_per_s > result.samples_per_s:
             actions, result = trial, r
@@ -403,7 +401,7 @@ def _fit(
 ) -> tuple[np.ndarray, PolicyOptions, SimResult, int]:
     """NOTE [ One pass ] step 2 from ``actions``: returns actions, options, result and the moves taken."""
     order = np.argsort(-margin, kind="stable")
-    kept = [int(i) for i in order if actions[i] == KEEP and np.isfinite(margin[i])]
+    kept = _droppable(actions, margin)
     options = problem.options
     actions, result, fitted = _lower_peak(problem, actions, options, result, ((i, int(best_drop[i])) for i in kept))
     if not result.feasible:  # a nearer prefetch holds fewer copies on the device at once
@@ -419,6 +417,11 @@ def _fit(
         actions, result, more = _lower_peak(problem, actions, options, result, ((i, RECOMPUTE) for i in swapped))
         fitted += more
     return actions, options, result, fitted
+
+
+def _droppable(actions: np.ndarray, margin: np.ndarray) -> list[int]:
+    """The kept candidates the network may drop (a legal drop: a finite margin), most preferred first."""
+    return [int(i) for i in np.argsort(-margin, kind="stable") if actions[i] == KEEP and np.isfinite(margin[i])]
 
 
 def _frugal(

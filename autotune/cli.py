@@ -181,19 +181,23 @@ def _early_checks(
     and before any trace, each with the message the later check would give."""
     from autotune.budget import plan_budget
     from autotune.models import check_model_name
+    from autotune.search import check_device, check_measure
     from autotune.workloads import TraceRequest
     from runtime.hardware import get_profile
 
     if budget is not None:  # the size's syntax; the reserve's default waits for the profile
         plan_budget(budget, reserve, get_profile("a100-40gb"))
-    if device is not None and device != "cpu" and not device.startswith("cuda"):
-        raise AutotuneError(f"unknown device '{device}': expected cpu, cuda or cuda:N")
-    if measure is not None and measure < 0:
-        raise AutotuneError(f"invalid --measure {measure}: expected 0 or a number of policies to train, e.g. 3")
+    check_device(device)
+    check_measure(measure)
     parse_partition_option(partition)
-    req = TraceRequest(model=model or "", batch_size=batch_size, seq_len=seq_len, optimizer=optimizer)
-    req.precision, req.grad_accum = precision, grad_accum
-    req.validate()
+    TraceRequest(
+        model=model or "",
+        batch_size=batch_size,
+        seq_len=seq_len,
+        optimizer=optimizer,
+        precision=precision,
+        grad_accum=grad_accum,
+    ).validate()
     if model is not None:
         check_model_name(model)
 

@@ -50,6 +50,17 @@ class SearchOutcome:
 DEFAULT_GPU_MEASURE = 5  # finalists measured by default where the planned profile is this machine's GPU
 
 
+def check_device(device: str | None) -> None:
+    """``--device``: cpu, cuda or cuda:N (whether it is here is :func:`plan_device`'s to say)."""
+    if device is not None and device != "cpu" and not device.startswith("cuda"):
+        raise AutotuneError(f"unknown device '{device}': expected cpu, cuda or cuda:N")
+
+
+def check_measure(measure: int | None) -> None:
+    if measure is not None and measure < 0:
+        raise AutotuneError(f"invalid --measure {measure}: expected 0 or a number of policies to train, e.g. 3")
+
+
 def plan_device(hw: HardwareProfile, device: str | None) -> str | None:
     """The device here that a plan for ``hw`` runs on: ``cpu`` for the cpu profile, ``cuda`` (or the
     ``device`` given, cuda:N) where the detected GPU is ``hw``; None where the plan is for another machine.
@@ -63,10 +74,8 @@ def plan_device(hw: HardwareProfile, device: str | None) -> str | None:
         here = "cuda" if found.profile is not None and found.profile.name == hw.name else None
     if device is None:
         return here
-    wanted = device if device == "cpu" or device.startswith("cuda") else None
-    if wanted is None:
-        raise AutotuneError(f"unknown device '{device}': expected cpu, cuda or cuda:N")
-    if here is None or (wanted == "cpu") != (here == "cpu"):
+    check_device(device)
+    if here is None or (device == "cpu") != (here == "cpu"):
         where = f"this machine's {here}" if here else "no device of this machine"
         raise AutotuneError(
             f"--device {device}: the plan is for the {hw.name} profile, which is {where}; measure where the plan "
@@ -119,8 +128,7 @@ def with_local_host_costs(hw: HardwareProfile, here: str | None, seconds: float 
 def measure_count(measure: int | None, device: str | None, hw: HardwareProfile) -> int:
     """``--measure``: as given, else DEFAULT_GPU_MEASURE where the plan is for this machine's GPU, else 0;
     an error when asked for where the planned device is not here."""
-    if measure is not None and measure < 0:
-        raise AutotuneError(f"invalid --measure {measure}: expected 0 or a number of policies to train, e.g. 3")
+    check_measure(measure)
     if measure and device is None:
         raise AutotuneError(
             f"--measure {measure}: the plan is for {hw.name}, which is not on this machine, so its policies cannot "

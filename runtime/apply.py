@@ -79,11 +79,10 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         recorder entered inside the call, the hooks of the model's own call entered by hand; the hooks of the mode
         it leaves, which PyTorch gathered for that call already, do nothing). A DataLoader's smaller last batch, or
         a sequence length that changes with padding, so learns once and then applies the policy as a step of the
-        planned shape does. Each pack is looked up in its call's
-        table by its ordinal there and checked by shape and dtype (and, for a later pack of a handled tensor, by
-        storage); a mismatch keeps that tensor and every later one of the step, warns once, and the next step
-        with these inputs learns again. A step is learnt from
-        only when it saved something for backward and its backward unpacked it inside the step: a forward under
+        planned shape does. Each pack is looked up in its call's table by its ordinal there and checked by shape
+        and dtype (and, for a later pack of a handled tensor, by storage); a mismatch keeps that tensor and every
+        later one of the step, warns once, and the next step with these inputs learns again. A step is learnt
+        from only when it saved something for backward and its backward unpacked it inside the step: a forward under
         ``torch.no_grad`` (a validation pass) or one whose backward is skipped (a loss not used) leaves the learning
         to the next step. The recorder is entered only in the calls whose ops a replay re-ran. Entered for
         ``<loss>``, it leaves at the first pack there after the last op a replay re-ran (the first step tells
@@ -396,9 +395,11 @@ class PolicyRuntime:
     def _latest(self, force: bool) -> _Learned | None:
         """The tables learnt for the last step's inputs, else the ones used last (a validation pass of another
         shape ran in between), else none: the step learns. ``_inputs`` names the ones returned."""
-        if self._learnt(self._inputs, force) is None:
+        learned = self._learnt(self._inputs, force)
+        if learned is None:
             self._inputs = next((i for i, v in reversed(self._learned.items()) if v.forced == force), self._inputs)
-        return self._learnt(self._inputs, force)
+            learned = self._learnt(self._inputs, force)
+        return learned
 
     @contextlib.contextmanager
     def _hooked(self, force: bool) -> Iterator[None]:
