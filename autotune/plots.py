@@ -8,7 +8,6 @@ from typing import Any
 
 from runtime.fileio import atomic_write
 
-GIB = 2**30
 _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 

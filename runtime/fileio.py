@@ -42,9 +42,7 @@ def check_writable(path: str | os.PathLike[str] | None, option: str) -> None:
         raise AutotuneError(f"{option} {str(path)!r}: the folder {str(parent)!r} does not exist: create it or {how}")
     if not parent.is_dir():
         raise AutotuneError(f"{option} {str(path)!r}: {str(parent)!r} is not a folder; {how}")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise AutotuneError(f"{option} {str(path)!r}: cannot write in the folder {str(parent)!r}; {how}")
-    _probe(parent, f"{option} {str(path)!r}", how)
+    _writable_in(parent, f"{option} {str(path)!r}", how)
 
 
 def check_folder(path: str | os.PathLike[str] | None, option: str) -> None:
@@ -59,14 +57,14 @@ def check_folder(path: str | os.PathLike[str] | None, option: str) -> None:
     existing = next((q for q in (p, *p.parents) if q.exists()), Path("."))
     if not existing.is_dir():
         raise AutotuneError(f"{option} {str(path)!r}: {str(existing)!r} is not a folder; {how}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise AutotuneError(f"{option} {str(path)!r}: cannot write in the folder {str(existing)!r}; {how}")
-    _probe(existing, f"{option} {str(path)!r}", how)
+    _writable_in(existing, f"{option} {str(path)!r}", how)
 
 
-def _probe(folder: Path, what: str, how: str) -> None:
-    """Make and remove a file in ``folder``, as the write will: permissions say yes where a read-only or
-    special file system (``/proc``) says no."""
+def _writable_in(folder: Path, what: str, how: str) -> None:
+    """Refuse a folder this process may not write in: by its permissions, then by making and removing a file
+    in it, as the write will (permissions say yes where a read-only or special file system, ``/proc``, says no)."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise AutotuneError(f"{what}: cannot write in the folder {str(folder)!r}; {how}")
     try:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".autotune-", suffix=".tmp")
         os.close(fd)

@@ -105,7 +105,6 @@ class _Call:
     spec: TreeSpec
     positions: list[int]  # where the tensors go in ``flat``
     slots: list[int]  # which of the node's inputs goes at each position (a tensor passed twice is one input)
-    n_inputs: int
     leaves: Sequence[torch.Tensor]
     rng: bool
     device_type: str
@@ -115,6 +114,10 @@ class _Call:
     autocast: tuple[tuple[bool, torch.dtype], tuple[bool, torch.dtype], bool] | None = None
     out_flat: list[Any] | None = None  # the outputs' non-tensor leaves, tensors as _TENSOR
     out_spec: TreeSpec | None = None
+
+    @property
+    def n_inputs(self) -> int:
+        return max(self.slots, default=-1) + 1
 
     def arguments(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         flat = list(self.flat)
@@ -218,7 +221,7 @@ def run(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
             tensors.append(flat[i])
         slots.append(slot)
         flat[i] = None
-    call = _Call(forward, flat, spec, positions, slots, len(tensors), leaves, rng, device_type)
+    call = _Call(forward, flat, spec, positions, slots, leaves, rng, device_type)
     outs = _Region.apply(call, *tensors, *leaves)
     assert call.out_flat is not None and call.out_spec is not None
     it = iter(outs)
