@@ -126,6 +126,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from envs import walk
+from envs.walk import USE
 from runtime.hardware import HardwareProfile, host_times_s, op_times_s
 from runtime.plan import RegionPlanner, closures_of
 from runtime.policy import Policy, PolicyOptions
@@ -343,13 +345,17 @@ class Simulator:
         self.closures = [self._closure_cost(ci, cl.ops, cl.deps) for ci, cl in enumerate(closures)]
         self._closure_host = [float(self.host_op_s[sorted(ops)].sum()) for ops in self.closure_ops]
         self._closure_len = [len(ops) for ops in self.closure_ops]
-        # ... as lists for the walk: (seconds, bytes, candidate inputs), the host's seconds (h_i and the replay's
-        # own per op, Rule 12) and their runtime part.
-        self._rec_device = [device for device, _, _ in self.closures]
-        self._rec_transient = [transient for _, transient, _ in self.closures]
-        self._deps_list = [deps for _, _, deps in self.closures]
-        self._rec_own_list = [length * hw.host.replay_op_s for length in self._closure_len]
-        self._rec_host_list = [h + own for h, own in zip(self._closure_host, self._rec_own_list, strict=True)]
+        # ... as arrays for the walk (envs/walk.py): seconds, bytes, the candidate inputs (CSR: those of ci are
+        # _deps_idx[_deps_ptr[ci]:_deps_ptr[ci + 1]]), the host's seconds (h_i and the replay's own per op,
+        # Rule 12) and their runtime part.
+        self._rec_device = np.array([device for device, _, _ in self.closures], dtype=np.float64)
+        self._rec_transient = np.array([transient for _, transient, _ in self.closures], dtype=np.int64)
+        deps_of = [deps for _, _, deps in self.closures]
+        self._deps_ptr = np.concatenate([[0], np.cumsum([len(d) for d in deps_of])]).astype(np.int64)
+        self._deps_idx = np.array([d for deps in deps_of for d in deps], dtype=np.int64)
+        self._rec_own = np.array([length * hw.host.replay_op_s for length in self._closure_len], dtype=np.float64)
+        self._rec_host = np.array(self._closure_host, dtype=np.float64) + self._rec_own
+        self._no_floors = np.empty((0, 3))
         self._compress_cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         needed = np.flatnonzero(self.first_use < n)
         self._need_order = needed[np.lexsort((needed, self.first_use[needed]))]
@@ -363,8 +369,6 @@ class Simulator:
         self._save_order = np.lexsort((np.arange(self.k), self.save_op))
         self._cand_index = np.arange(self.k)
         self._op_index = np.arange(n)
-        self._d2h_list, self._h2d_list = self.d2h_s.tolist(), self.h2d_s.tolist()
-        self._unpack_lists: dict[str, list[float]] = {}
         self._packed_w: dict[str, np.ndarray] = {}
         self._used = self.first_use < n
         self._save_after = self.save_op + 1
@@ -812,7 +816,7 @@ class Simulator:
         else:
             dcum = self._dcum  # (adding 0.0 changes no op time)
         reach = hcum[1:] - dcum[:-1]  # A_k: when the host has issued op k, less the compute before it
-        d2h_end: dict[int, float] = {}
+        d2h_end = np.zeros(k)  # each swapped candidate's copy out's end (Rule 4)
         begin_at, ih, ed = 0, 0.0, 0.0
         if copies:
             fetch_arr = self._need_order[swp_mask[self._need_order]]
@@ -826,11 +830,10 @@ class Simulator:
             # Events as keys 4 x op + kind (kinds in the order above), ``pos`` those of copies back and uses.
             keys = [self._use_key[uses_arr], trigger_all[fetch_arr] * 4 + 2]
             if fwd_events:
-                d2h_end = dict.fromkeys(swp.tolist(), 0.0)
                 keys += [release_event * 4 + 1, self._d2h_key[swp]]
                 ci_a = np.concatenate([uses_arr, fetch_arr, swp, swp])
             else:
-                d2h_end = dict(zip(swp.tolist(), swp_end.tolist(), strict=True))
+                d2h_end[swp] = swp_end
                 begin_at = self._first_bwd
                 ih, ed = float(hcum[begin_at]), float(e_after[begin_at - 1]) if begin_at > 0 else 0.0
                 late = release_event >= begin_at
@@ -841,211 +844,62 @@ class Simulator:
             order_ev = np.argsort(key_a, kind="stable")
             key_a = key_a[order_ev]
             key_a = key_a[: np.searchsorted(key_a, 4 * n)]  # a release at n: none
-            ci_l = ci_a[order_ev[: len(key_a)]].tolist()
-            kind_l = (key_a & 3).tolist()
+            ev_ci = ci_a[order_ev[: len(key_a)]]
+            ev_kind = key_a & 3
             sorted_pos = key_a >> 2
         else:  # only uses, already in order of need
             sorted_pos = self.first_use[uses_arr]
-            ci_l = uses_arr.tolist()
-            kind_l = [3] * len(ci_l)
-        pos_l = sorted_pos.tolist()
+            ev_ci = uses_arr
+            ev_kind = np.full(len(uses_arr), USE, dtype=np.int64)
         # Where the clocks are read: the start, each op with events, the end; one segment of ops with no event
         # inside between each two (Hc, Dc at its ends, the largest reach inside), read in turn by the walk.
         firsts = np.ones(len(sorted_pos), dtype=bool)
         np.not_equal(sorted_pos[1:], sorted_pos[:-1], out=firsts[1:])
         stops = np.concatenate([[begin_at], sorted_pos[firsts], [n]])
-        seg_max = np.maximum.reduceat(reach, stops[:-1]).tolist() if n > begin_at else [0.0]
-        hcl, dcl = hcum[stops].tolist(), dcum[stops].tolist()
-        segs = zip(hcl, dcl, hcl[1:], dcl[1:], seg_max, strict=False)  # (one more stop than segments)
-        pos_l.append(n)  # the end, as an event of no kind: the walk reads the last segment's clocks there
-        kind_l.append(4)
-        ci_l.append(-1)
-        at = -1
-        if pos_l[0] == begin_at:  # events at the start: an empty segment before them
-            next(segs)
-            at = begin_at
-
-        stall_s = 0.0
-        d2h_free = 0.0
-        h2d_free = 0.0
-        h2d_end: dict[int, float] = {}
-        mat_op = [False] * k  # materialized (Rules 6-8)
-        fetched = [False] * k  # its copy back issued (Rule 5)
-        # Made again in backward (Rules 5, 7, 8): each handled candidate at its first use (a swapped one at its
-        # copy back's trigger op), but those materialized (or fetched) earlier for a recompute: candidate, op, ...
-        moved: list[int] = []
-        extra: dict[int, int] = {}
-        actl = act.tolist()
-        deps_of = self._deps_list
-        rec_device, rec_transient = self._rec_device, self._rec_transient
-        rec_own, rec_host = self._rec_own_list, self._rec_host_list
-        unpack_cost = self._unpack_list(options.compress_dtype, pack_s)
-        h2d_dur = self._h2d_list
-        d2h_dur = self._d2h_list
-        floors: dict[int, tuple[float, float]] = {}  # timeline: the clocks after the events at an op
-        host_dyn = 0.0
-        own_dyn = 0.0  # the runtime's own part of it (copies back, replays)
-        h_op = hc.op_s if hw.is_gpu else 0.0
-        swap_host = hc.swap_s
-
-        def expand(ci: int, out: list[int]) -> None:
-            """Rule 7: what materializing recomputed ``ci`` materializes, in order: its candidate inputs that
-            are not kept (recursively, in candidate order), then itself."""
-            mat_op[ci] = True  # first, so that a cycle through in-place writers cannot recurse forever
-            for d in deps_of[ci]:
-                if not mat_op[d] and actl[d] != KEEP:
-                    if actl[d] == RECOMPUTE:
-                        expand(d, out)
-                    else:
-                        mat_op[d] = True
-                        out.append(d)
-            out.append(ci)
-
-        # (Comparisons, not max(): its call costs more than the rest of a step.)
-        for x, kind, ci in zip(pos_l, kind_l, ci_l, strict=True):
-            if x != at:  # Rule 1 over the ops since the last event, none inside
-                if timeline and at >= 0:
-                    floors[at] = (ih, ed)
-                hp, dp, hn, dn, top = next(segs)
-                if sync:
-                    ed = ed + (hn - hp) + (dn - dp)
-                    ih = ed
-                else:
-                    e_dev, e_host = ed - dp, ih - hp + top
-                    ih = ih + hn - hp
-                    ed = dn + (e_dev if e_dev > e_host else e_host)
-                at = x
-            if kind == 3:  # Rules 6-8 at x: dynamic work issued as blocks (Rule 12), the device running each after
-                if mat_op[ci]:
-                    continue
-                a = actl[ci]
-                if a == SWAP:
-                    mat_op[ci] = True
-                    if sync:
-                        continue  # Rule 4: no copy back without copy engines
-                    if not fetched[ci]:
-                        own_dyn += swap_host
-                        fetched[ci] = True
-                        moved.extend((ci, x))
-                        begin = d2h_end[ci]
-                        if ed > begin:
-                            begin = ed
-                        if h2d_free > begin:
-                            begin = h2d_free
-                        h2d_free = h2d_end[ci] = begin + h2d_dur[ci]
-                        host_dyn += swap_host
-                        ih += swap_host
-                    until = h2d_end[ci]
-                    if until > ed:
-                        stall_s += until - ed
-                        ed = until
-                    continue
-                if a == COMPRESS:
-                    mat_op[ci] = True
-                    device = unpack_cost[ci]
-                    compress_s += device
-                    host_dyn += h_op
-                    if sync:
-                        ed += h_op + device
-                        ih = ed
-                    else:
-                        ih += h_op
-                        if device:  # the device runs the block once the host has issued it
-                            if ih > ed:
-                                ed = ih
-                            ed += device
-                    continue
-                for d in deps_of[ci]:
-                    if not mat_op[d] and actl[d] != KEEP:
-                        break
-                else:  # recomputed, its candidate inputs kept or there already
-                    mat_op[ci] = True
-                    device = rec_device[ci]
-                    own_dyn += rec_own[ci]
-                    recompute_s += device
-                    host = rec_host[ci]
-                    host_dyn += host
-                    if sync:
-                        ed += host + device
-                        ih = ed
-                    else:
-                        ih += host
-                        if device:
-                            if ih > ed:
-                                ed = ih
-                            ed += device
-                    if rec_transient[ci] > extra.get(x, 0):  # separate recomputations at one op run one after the other
-                        extra[x] = rec_transient[ci]
-                    continue
-                items: list[int] = []
-                expand(ci, items)
-                held = 0  # nested recomputations hold theirs until the outer one is done
-                for c in items:
-                    a = actl[c]
-                    if a == SWAP:
-                        if sync:
-                            continue
-                        if not fetched[c]:
-                            own_dyn += swap_host
-                            fetched[c] = True
-                            moved.extend((c, x))
-                            begin = d2h_end[c]
-                            if ed > begin:
-                                begin = ed
-                            if h2d_free > begin:
-                                begin = h2d_free
-                            h2d_free = h2d_end[c] = begin + h2d_dur[c]
-                            host_dyn += swap_host
-                            ih += swap_host
-                        until = h2d_end[c]
-                        if until > ed:
-                            stall_s += until - ed
-                            ed = until
-                        continue
-                    if a == COMPRESS:
-                        host, device = h_op, unpack_cost[c]
-                        compress_s += device
-                    else:
-                        device = rec_device[c]
-                        own_dyn += rec_own[c]
-                        host = rec_host[c]
-                        recompute_s += device
-                        held += rec_transient[c]
-                    moved.extend((c, x))
-                    host_dyn += host
-                    if sync:
-                        ed += host + device
-                        ih = ed
-                    else:
-                        ih += host
-                        if device:
-                            if ih > ed:
-                                ed = ih
-                            ed += device
-                if held > extra.get(x, 0):
-                    extra[x] = held
-            elif kind == 2:
-                if not fetched[ci]:  # Rule 5: the copy back, issued as a block of no device work
-                    own_dyn += swap_host
-                    fetched[ci] = True
-                    begin = d2h_end[ci]
-                    if ed > begin:
-                        begin = ed
-                    if h2d_free > begin:
-                        begin = h2d_free
-                    h2d_free = h2d_end[ci] = begin + h2d_dur[ci]
-                    host_dyn += swap_host  # (not on the CPU: no copies there)
-                    ih += swap_host
-            elif kind == 1:
-                until = d2h_end[ci]
-                if until > ed:
-                    stall_s += until - ed
-                    ed = until
-            elif kind == 0:
-                begin = ed if ed > d2h_free else d2h_free
-                d2h_free = d2h_end[ci] = begin + d2h_dur[ci]
-        if timeline and at >= 0:
-            floors[at] = (ih, ed)
+        seg_max = np.maximum.reduceat(reach, stops[:-1]) if n > begin_at else np.zeros(1)
+        # Events at the start: an empty segment before them, skipped.
+        at_start = (sorted_pos[0] if len(sorted_pos) else n) == begin_at
+        extra = np.zeros(n, dtype=np.int64)  # Rule 7: the largest recompute held before each op
+        moved = np.empty(2 * k, dtype=np.int64)  # made again in backward: candidate, op, ...
+        floors = np.empty((n + 1, 3)) if timeline else self._no_floors  # the clocks after the events at an op
+        ih, ed, stall_s, host_dyn, own_dyn, compress_s, recompute_s, n_moved, n_floors = walk.compiled()(
+            sorted_pos,
+            ev_kind,
+            ev_ci,
+            n,
+            hcum[stops],
+            dcum[stops],
+            seg_max,
+            1 if at_start else 0,
+            begin_at if at_start else -1,
+            ih,
+            ed,
+            compress_s,
+            recompute_s,
+            sync,
+            timeline,
+            act,
+            self._deps_ptr,
+            self._deps_idx,
+            self._rec_device,
+            self._rec_transient,
+            self._rec_own,
+            self._rec_host,
+            pack_s,
+            self.h2d_s,
+            self.d2h_s,
+            d2h_end,
+            hc.op_s if hw.is_gpu else 0.0,
+            hc.swap_s,
+            KEEP,
+            SWAP,
+            RECOMPUTE,
+            COMPRESS,
+            extra,
+            moved,
+            floors,
+        )
+        moved = moved[:n_moved]
         t_end = max(ih, ed)
         overhead_s += own_dyn
         iter_s = accumulated_s(w, t_end, self._optimizer_alone)
@@ -1072,7 +926,7 @@ class Simulator:
             if sync and swapping:
                 made &= ~swp_mask  # Rule 4: no copy back without copy engines
             bop = np.where(swp_mask, trigger_all, self.first_use) if copies else self.first_use.copy()
-            if moved:
+            if n_moved:
                 made[moved[::2]] = True
                 bop[moved[::2]] = moved[1::2]
                 if regions:
@@ -1098,17 +952,17 @@ class Simulator:
         else:
             live = self._live_keep.copy()
         for rc in region_costs:
-            if rc.use < n and rc.transient > extra.get(rc.use, 0):
+            if rc.use < n and rc.transient > extra[rc.use]:
                 extra[rc.use] = rc.transient
-        if extra:  # Rules 7, 11: the recompute runs before op u allocates its own outputs
-            ops = np.fromiter(extra.keys(), dtype=np.int64, count=len(extra))
-            held_b = np.fromiter(extra.values(), dtype=np.int64, count=len(extra))
+        ops = np.flatnonzero(extra)
+        if len(ops):  # Rules 7, 11: the recompute runs before op u allocates its own outputs
+            held_b = extra[ops]
             live[ops] = np.maximum(live[ops], live[ops] - self._alloc_ws[ops] + held_b)
         peak_op = int(live.argmax())
         peak = int(live[peak_op])
         swapped_bytes = int(self.nbytes[swp].sum())
         over = host_over(hw, swapped_bytes)
-        host_total = hcl[-1] + host_dyn
+        host_total = float(hcum[n]) + host_dyn
         return SimResult(
             peak_bytes=peak,
             iter_s=iter_s,
@@ -1122,7 +976,7 @@ class Simulator:
             feasible=(budget_bytes is None or peak <= budget_bytes) and not over,
             budget_bytes=budget_bytes,
             peak_op=peak_op,
-            timeline=self._timeline(hx, dx, floors, live) if timeline else None,
+            timeline=self._timeline(hx, dx, floors[:n_floors], live) if timeline else None,
             host_s=host_total,
             overhead_s=overhead_s,
             regions=len(regions),
@@ -1150,12 +1004,6 @@ class Simulator:
             self._packed_w[dtype] = packed.astype(np.float64)
         return self._packed_w[dtype]
 
-    def _unpack_list(self, dtype: str, pack_s: np.ndarray) -> list[float]:
-        """Rule 8's kernel seconds per candidate as a list, for the walk (cached)."""
-        if dtype not in self._unpack_lists:
-            self._unpack_lists[dtype] = pack_s.tolist()
-        return self._unpack_lists[dtype]
-
     def _optimizer_alone_s(self) -> float:
         """Rule 10: the optimizer ops on Rule 1's clocks from idle (no policy acts there)."""
         a = self._opt_start
@@ -1168,9 +1016,11 @@ class Simulator:
         return float(dcum[-1] + max(0.0, float((hcum - dcum[:-1]).max())))
 
     def _timeline(
-        self, hx: np.ndarray, dx: np.ndarray, floors: dict[int, tuple[float, float]], live: np.ndarray
+        self, hx: np.ndarray, dx: np.ndarray, floors_rows: np.ndarray, live: np.ndarray
     ) -> dict[str, list[float]]:
-        """Op start times on the compute stream (Rule 1), from the walk's clocks at its events, and live bytes."""
+        """Op start times on the compute stream (Rule 1), from the walk's clocks at its events (rows of op,
+        host clock, compute clock), and live bytes."""
+        floors = {int(at): (float(h), float(d)) for at, h, d in floors_rows.tolist()}
         ih = ed = 0.0
         starts = []
         for i in range(self.n_ops):

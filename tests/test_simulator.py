@@ -279,6 +279,24 @@ def test_fast_equals_reference_on_random_policies(profile: str) -> None:
             _assert_same(sim.run(acts, options=opts, timeline=True), simulate_reference(w, hw, acts, options=opts))
 
 
+def test_the_compiled_walk_equals_the_same_walk_run_as_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """envs/walk.py compiled by numba computes what its source computes as plain Python, to the bit: the
+    timelines, clocks and every figure of random policies on both a GPU profile and the CPU's."""
+    from envs import walk
+
+    compiled = walk.compiled()
+    assert compiled is not walk.walk and hasattr(compiled, "signatures")  # a numba dispatcher, not the source
+    w = capture(tiny_cnn_build(), name="w", batch_size=2)
+    for profile in ("a100-40gb", "cpu"):
+        sim = Simulator(w, get_profile(profile))
+        policies = _random_policies(len(w.candidates), 40, 7)
+        fast = [sim.run(acts, options=opts, timeline=True).to_dict() for acts, opts in policies]
+        with monkeypatch.context() as m:
+            m.setattr(walk, "compiled", lambda: walk.walk)
+            plain = [sim.run(acts, options=opts, timeline=True).to_dict() for acts, opts in policies]
+        assert fast == plain
+
+
 def test_the_floor_of_the_diamond_is_its_keep_all_peak() -> None:
     """At op 4 (mul_backward) x, the seed s and gb are held as traced, and a and b are read: 5 tensors,
     whatever the policy; keeping both reaches it."""

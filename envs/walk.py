@@ -1,0 +1,303 @@
+"""The simulator's event walk (NOTE [ Simulator semantics ], Rules 1, 4-8 and 12), compiled.
+
+:meth:`envs.simulator.Simulator.run` computes everything that does not depend on the order of events with
+array operations, then walks the events of backward (and of forward, where a release point waits for a copy)
+one by one: the host and compute clocks, the copy streams, and what each first use materializes. That walk
+is the one part that cannot be vectorised, and in Python it took most of an evaluation's time (about 70% on
+ResNet-101 for a random policy). :func:`walk` is written in the subset of Python that numba compiles
+(numbers, NumPy arrays, loops) and is compiled once on first use, its machine code cached next to this file
+(``cache=True``), so later processes load it in milliseconds.
+
+The function is the only implementation: with ``NUMBA_DISABLE_JIT=1`` it runs as plain Python, much more
+slowly, which is how to step through it in a debugger. The op-by-op reference
+(envs/simulator_reference.py) stays the independent check of both.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+# Event kinds, in the order they happen at one op (Simulator.run: keys 4 x op + kind).
+COPY_OUT, RELEASE, COPY_BACK, USE = 0, 1, 2, 3
+
+
+def walk(
+    pos: np.ndarray,
+    kind: np.ndarray,
+    cis: np.ndarray,
+    n: int,
+    hcl: np.ndarray,
+    dcl: np.ndarray,
+    seg_max: np.ndarray,
+    seg0: int,
+    at0: int,
+    ih: float,
+    ed: float,
+    compress_s: float,
+    recompute_s: float,
+    sync: bool,
+    timeline: bool,
+    act: np.ndarray,
+    deps_ptr: np.ndarray,
+    deps_idx: np.ndarray,
+    rec_device: np.ndarray,
+    rec_transient: np.ndarray,
+    rec_own: np.ndarray,
+    rec_host: np.ndarray,
+    unpack_cost: np.ndarray,
+    h2d_dur: np.ndarray,
+    d2h_dur: np.ndarray,
+    d2h_end: np.ndarray,
+    h_op: float,
+    swap_host: float,
+    keep: int,
+    swap: int,
+    recompute: int,
+    compress: int,
+    extra: np.ndarray,
+    moved: np.ndarray,
+    floors: np.ndarray,
+) -> tuple[float, float, float, float, float, float, float, int, int]:
+    """Walk the events ``pos`` (op before which each happens, in order), ``kind`` and ``cis`` (candidate), then
+    the end at op ``n``.
+
+    Between two ops with events the clocks advance over the segment of ops in between (Rule 1): ``hcl`` and
+    ``dcl`` are the host's and the compute stream's cumulative seconds at each segment's ends, ``seg_max``
+    the largest reach inside; ``seg0`` is the first segment to read and ``at0`` the op the walk starts at
+    (-1: before any); ``compress_s`` and ``recompute_s`` are those before the walk, added to in order.
+    ``d2h_end`` holds each swapped candidate's copy-out end where forward was settled
+    before the walk, and receives those the walk issues. Writes, per op, the largest recompute held
+    (``extra``, Rule 7), each candidate made again in backward and where (``moved``: candidate, op, ...)
+    and, with ``timeline``, the clocks after the events at each op (``floors``: op, host, device rows).
+
+    Returns (host clock, compute clock, stall, host's dynamic work, its runtime part, compress seconds,
+    recompute seconds, entries written to ``moved``, rows written to ``floors``).
+    """
+    k = act.shape[0]
+    mat_op = np.zeros(k, dtype=np.bool_)  # materialized (Rules 6-8)
+    fetched = np.zeros(k, dtype=np.bool_)  # its copy back issued (Rule 5)
+    h2d_end = np.zeros(k, dtype=np.float64)
+    items = np.empty(k, dtype=np.int64)  # what one expansion materializes, in order (Rule 7)
+    stack = np.empty(k, dtype=np.int64)
+    stack_at = np.empty(k, dtype=np.int64)
+    stall_s = 0.0
+    host_dyn = 0.0
+    own_dyn = 0.0  # the runtime's own part of it (copies back, replays)
+    d2h_free = 0.0
+    h2d_free = 0.0
+    n_moved = 0
+    n_floors = 0
+    seg = seg0
+    at = at0
+    n_events = pos.shape[0]
+    for e in range(n_events + 1):
+        if e < n_events:
+            x = pos[e]
+            ev = kind[e]
+            ci = cis[e]
+        else:  # the end, as an event of no kind: the walk reads the last segment's clocks there
+            x = n
+            ev = 4
+            ci = -1
+        if x != at:  # Rule 1 over the ops since the last event, none inside
+            if timeline and at >= 0:
+                floors[n_floors, 0] = at
+                floors[n_floors, 1] = ih
+                floors[n_floors, 2] = ed
+                n_floors += 1
+            hp, dp, hn, dn, top = hcl[seg], dcl[seg], hcl[seg + 1], dcl[seg + 1], seg_max[seg]
+            seg += 1
+            if sync:
+                ed = ed + (hn - hp) + (dn - dp)
+                ih = ed
+            else:
+                e_dev, e_host = ed - dp, ih - hp + top
+                ih = ih + hn - hp
+                ed = dn + (e_dev if e_dev > e_host else e_host)
+            at = x
+        if ev == USE:  # Rules 6-8 at x: dynamic work issued as blocks (Rule 12), the device running each after
+            if mat_op[ci]:
+                continue
+            a = act[ci]
+            if a == swap:
+                mat_op[ci] = True
+                if sync:
+                    continue  # Rule 4: no copy back without copy engines
+                if not fetched[ci]:
+                    own_dyn += swap_host
+                    fetched[ci] = True
+                    moved[n_moved] = ci
+                    moved[n_moved + 1] = x
+                    n_moved += 2
+                    begin = d2h_end[ci]
+                    if ed > begin:
+                        begin = ed
+                    if h2d_free > begin:
+                        begin = h2d_free
+                    h2d_free = begin + h2d_dur[ci]
+                    h2d_end[ci] = h2d_free
+                    host_dyn += swap_host
+                    ih += swap_host
+                until = h2d_end[ci]
+                if until > ed:
+                    stall_s += until - ed
+                    ed = until
+                continue
+            if a == compress:
+                mat_op[ci] = True
+                device = unpack_cost[ci]
+                compress_s += device
+                host_dyn += h_op
+                if sync:
+                    ed += h_op + device
+                    ih = ed
+                else:
+                    ih += h_op
+                    if device:  # the device runs the block once the host has issued it
+                        if ih > ed:
+                            ed = ih
+                        ed += device
+                continue
+            ready = True
+            for j in range(deps_ptr[ci], deps_ptr[ci + 1]):
+                d = deps_idx[j]
+                if not mat_op[d] and act[d] != keep:
+                    ready = False
+                    break
+            if ready:  # recomputed, its candidate inputs kept or there already
+                mat_op[ci] = True
+                device = rec_device[ci]
+                own_dyn += rec_own[ci]
+                recompute_s += device
+                host = rec_host[ci]
+                host_dyn += host
+                if sync:
+                    ed += host + device
+                    ih = ed
+                else:
+                    ih += host
+                    if device:
+                        if ih > ed:
+                            ed = ih
+                        ed += device
+                if rec_transient[ci] > extra[x]:  # separate recomputations at one op run one after the other
+                    extra[x] = rec_transient[ci]
+                continue
+            # Rule 7: what materializing recomputed ``ci`` materializes, in order: its candidate inputs that
+            # are not kept (recursively, in candidate order), then itself; depth first, by an explicit stack.
+            n_items = 0
+            mat_op[ci] = True  # first, so that a cycle through in-place writers cannot recurse forever
+            stack[0] = ci
+            stack_at[0] = deps_ptr[ci]
+            depth = 1
+            while depth:
+                top_ci = stack[depth - 1]
+                j = stack_at[depth - 1]
+                if j == deps_ptr[top_ci + 1]:  # its inputs done: itself
+                    items[n_items] = top_ci
+                    n_items += 1
+                    depth -= 1
+                    continue
+                stack_at[depth - 1] = j + 1
+                d = deps_idx[j]
+                if not mat_op[d] and act[d] != keep:
+                    mat_op[d] = True
+                    if act[d] == recompute:
+                        stack[depth] = d
+                        stack_at[depth] = deps_ptr[d]
+                        depth += 1
+                    else:
+                        items[n_items] = d
+                        n_items += 1
+            held = 0  # nested recomputations hold theirs until the outer one is done
+            for i in range(n_items):
+                c = items[i]
+                a = act[c]
+                if a == swap:
+                    if sync:
+                        continue
+                    if not fetched[c]:
+                        own_dyn += swap_host
+                        fetched[c] = True
+                        moved[n_moved] = c
+                        moved[n_moved + 1] = x
+                        n_moved += 2
+                        begin = d2h_end[c]
+                        if ed > begin:
+                            begin = ed
+                        if h2d_free > begin:
+                            begin = h2d_free
+                        h2d_free = begin + h2d_dur[c]
+                        h2d_end[c] = h2d_free
+                        host_dyn += swap_host
+                        ih += swap_host
+                    until = h2d_end[c]
+                    if until > ed:
+                        stall_s += until - ed
+                        ed = until
+                    continue
+                if a == compress:
+                    host = h_op
+                    device = unpack_cost[c]
+                    compress_s += device
+                else:
+                    device = rec_device[c]
+                    own_dyn += rec_own[c]
+                    host = rec_host[c]
+                    recompute_s += device
+                    held += rec_transient[c]
+                moved[n_moved] = c
+                moved[n_moved + 1] = x
+                n_moved += 2
+                host_dyn += host
+                if sync:
+                    ed += host + device
+                    ih = ed
+                else:
+                    ih += host
+                    if device:
+                        if ih > ed:
+                            ed = ih
+                        ed += device
+            if held > extra[x]:
+                extra[x] = held
+        elif ev == COPY_BACK:
+            if not fetched[ci]:  # Rule 5: the copy back, issued as a block of no device work
+                own_dyn += swap_host
+                fetched[ci] = True
+                begin = d2h_end[ci]
+                if ed > begin:
+                    begin = ed
+                if h2d_free > begin:
+                    begin = h2d_free
+                h2d_free = begin + h2d_dur[ci]
+                h2d_end[ci] = h2d_free
+                host_dyn += swap_host  # (not on the CPU: no copies there)
+                ih += swap_host
+        elif ev == RELEASE:
+            until = d2h_end[ci]
+            if until > ed:
+                stall_s += until - ed
+                ed = until
+        elif ev == COPY_OUT:
+            begin = ed if ed > d2h_free else d2h_free
+            d2h_free = begin + d2h_dur[ci]
+            d2h_end[ci] = d2h_free
+    if timeline and at >= 0:
+        floors[n_floors, 0] = at
+        floors[n_floors, 1] = ih
+        floors[n_floors, 2] = ed
+        n_floors += 1
+    return ih, ed, stall_s, host_dyn, own_dyn, compress_s, recompute_s, n_moved, n_floors
+
+
+@functools.cache
+def compiled() -> Callable[..., Any]:
+    """:func:`walk` compiled by numba (once per process; its machine code is cached on disk)."""
+    import numba
+
+    return numba.njit(cache=True, nogil=True)(walk)  # type: ignore[no-any-return]
