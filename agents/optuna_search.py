@@ -238,21 +238,23 @@ class OptunaSearcher(Searcher):
                     seen.add(t.number)
                     self._evaluate(problem, t.params, classes, seeds, seed_options, best)
 
-        def warm_start() -> None:
+        def warm_start(trials: int) -> None:
             """A resumed study's trials offered, or a new study's first trials enqueued: the seeds, then three
-            of keep's neighbours."""
+            of keep's neighbours, no more than the study's ``trials`` (0: no limit; one enqueued beyond them
+            would stay WAITING in the storage, never run)."""
             absorb()
             if study.trials:
                 return
+            warm: list[dict[str, Any]] = []
             for s in starts[1:]:
                 lookahead = min(LOOKAHEADS, key=lambda x: abs(x - seed_options[s].prefetch_lookahead))
-                study.enqueue_trial({"start": s, "lookahead": lookahead, "revert": 0.0}, skip_if_exists=True)
-            warm: list[dict[str, Any]] = [
+                warm.append({"start": s, "lookahead": lookahead, "revert": 0.0})
+            warm += [
                 {"start": "keep", "swap_bias": 0.1, "recompute_bias": 10.0, "lookahead": 8},
                 {"start": "keep", "swap_bias": 10.0, "recompute_bias": 0.1},
                 {"start": "keep"},
             ]
-            for params in warm:
+            for params in warm[:trials] if trials else warm:
                 study.enqueue_trial(params, skip_if_exists=True)
 
         def objective(trial: Any) -> Any:
@@ -293,7 +295,7 @@ class OptunaSearcher(Searcher):
         running = (optuna.trial.TrialState.RUNNING,)
         running_before = {t._trial_id for t in study.get_trials(deepcopy=False, states=running)}
         try:  # a Ctrl-C from the warm start on (its trials are stored at once) is the search's to take
-            warm_start()
+            warm_start(trials)
             with _quiet_experimental():
                 if trials == 0 or len(study.get_trials(deepcopy=False, states=complete)) < trials:
                     study.optimize(objective, timeout=ctx.time_limit_s, catch=(), callbacks=callbacks)

@@ -306,6 +306,21 @@ def test_optuna_interrupted_while_it_enqueues_its_seeds_answers_its_best_seed(mo
     assert got.result.samples_per_s == top.result.samples_per_s
 
 
+def test_optuna_enqueues_no_more_warm_starts_than_its_trials(tmp_path: Path) -> None:
+    """A study of 2 trials (`autotune sweep --trials 2`) enqueued all its warm starts (the seeds and three of
+    keep's neighbours): the ones beyond its trials stayed WAITING in the storage for good, shown so in the
+    dashboard."""
+    import optuna
+
+    url = f"sqlite:///{tmp_path / 'studies.db'}"
+    p = chain_problem(0.7)
+    seeds = tuple(get_searcher(name).search(p) for name in baseline_names())
+    get_searcher("optuna-tpe").search(p, SearchContext(trials=2, storage=url, seeds=seeds))
+    (name,) = optuna.get_all_study_names(url)
+    states = [t.state for t in optuna.load_study(study_name=name, storage=url).trials]
+    assert states == [optuna.trial.TrialState.COMPLETE] * 2
+
+
 def test_optuna_study_resumes_from_storage(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'studies.db'}"
     import optuna
