@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from numba.extending import register_jitable
 
 # Event kinds, in the order they happen at one op (Simulator.run: keys 4 x op + kind).
 COPY_OUT, RELEASE, COPY_BACK, USE = 0, 1, 2, 3
@@ -122,97 +123,20 @@ def walk(
         if ev == USE:  # Rules 6-8 at x: dynamic work issued as blocks (Rule 12), the device running each after
             if mat_op[ci]:
                 continue
-            a = act[ci]
-            if a == swap:
+            ready = act[ci] != recompute
+            if not ready:  # recomputed: ready when its candidate inputs are kept or there already
+                ready = True
+                for j in range(deps_ptr[ci], deps_ptr[ci + 1]):
+                    d = deps_idx[j]
+                    if not mat_op[d] and act[d] != keep:
+                        ready = False
+                        break
+            if ready:
                 mat_op[ci] = True
-                if sync:
-                    continue  # Rule 4: no copy back without copy engines
-                if not fetched[ci]:
-                    own_dyn += swap_host
-                    fetched[ci] = True
-                    moved[n_moved] = ci
-                    moved[n_moved + 1] = x
-                    n_moved += 2
-                    begin = d2h_end[ci]
-                    if ed > begin:
-                        begin = ed
-                    if h2d_free > begin:
-                        begin = h2d_free
-                    h2d_free = begin + h2d_dur[ci]
-                    h2d_end[ci] = h2d_free
-                    host_dyn += swap_host
-                    ih += swap_host
-                until = h2d_end[ci]
-                if until > ed:
-                    stall_s += until - ed
-                    ed = until
-                continue
-            if a == compress:
-                mat_op[ci] = True
-                device = unpack_cost[ci]
-                compress_s += device
-                host_dyn += h_op
-                if sync:
-                    ed += h_op + device
-                    ih = ed
-                else:
-                    ih += h_op
-                    if device:  # the device runs the block once the host has issued it
-                        if ih > ed:
-                            ed = ih
-                        ed += device
-                continue
-            ready = True
-            for j in range(deps_ptr[ci], deps_ptr[ci + 1]):
-                d = deps_idx[j]
-                if not mat_op[d] and act[d] != keep:
-                    ready = False
-                    break
-            if ready:  # recomputed, its candidate inputs kept or there already
-                mat_op[ci] = True
-                device = rec_device[ci]
-                own_dyn += rec_own[ci]
-                recompute_s += device
-                host = rec_host[ci]
-                host_dyn += host
-                if sync:
-                    ed += host + device
-                    ih = ed
-                else:
-                    ih += host
-                    if device:
-                        if ih > ed:
-                            ed = ih
-                        ed += device
-                if rec_transient[ci] > extra[x]:  # separate recomputations at one op run one after the other
-                    extra[x] = rec_transient[ci]
-                continue
-            # Rule 7: what materializing recomputed ``ci`` materializes, in order: its candidate inputs that
-            # are not kept (recursively, in candidate order), then itself; depth first, by an explicit stack.
-            n_items = 0
-            mat_op[ci] = True  # first, so that a cycle through in-place writers cannot recurse forever
-            stack[0] = ci
-            stack_at[0] = deps_ptr[ci]
-            depth = 1
-            while depth:
-                top_ci = stack[depth - 1]
-                j = stack_at[depth - 1]
-                if j == deps_ptr[top_ci + 1]:  # its inputs done: itself
-                    items[n_items] = top_ci
-                    n_items += 1
-                    depth -= 1
-                    continue
-                stack_at[depth - 1] = j + 1
-                d = deps_idx[j]
-                if not mat_op[d] and act[d] != keep:
-                    mat_op[d] = True
-                    if act[d] == recompute:
-                        stack[depth] = d
-                        stack_at[depth] = deps_ptr[d]
-                        depth += 1
-                    else:
-                        items[n_items] = d
-                        n_items += 1
+                items[0] = ci
+                n_items = 1
+            else:
+                n_items = _expand(ci, act, deps_ptr, deps_idx, keep, recompute, mat_op, items, stack, stack_at)
             held = 0  # nested recomputations hold theirs until the outer one is done
             for i in range(n_items):
                 c = items[i]
@@ -293,6 +217,49 @@ def walk(
         floors[n_floors, 2] = ed
         n_floors += 1
     return ih, ed, stall_s, host_dyn, own_dyn, compress_s, recompute_s, n_moved, n_floors
+
+
+@register_jitable  # plain Python called from Python, compiled into walk where walk is compiled
+def _expand(
+    ci: int,
+    act: np.ndarray,
+    deps_ptr: np.ndarray,
+    deps_idx: np.ndarray,
+    keep: int,
+    recompute: int,
+    mat_op: np.ndarray,
+    items: np.ndarray,
+    stack: np.ndarray,
+    stack_at: np.ndarray,
+) -> int:
+    """Rule 7: what materializing recomputed ``ci`` materializes, written to ``items`` in order (returns how
+    many): its candidate inputs that are not kept (recursively, in candidate order), then itself; depth first,
+    by an explicit stack."""
+    n_items = 0
+    mat_op[ci] = True  # first, so that a cycle through in-place writers cannot recurse forever
+    stack[0] = ci
+    stack_at[0] = deps_ptr[ci]
+    depth = 1
+    while depth:
+        top = stack[depth - 1]
+        j = stack_at[depth - 1]
+        if j == deps_ptr[top + 1]:  # its inputs done: itself
+            items[n_items] = top
+            n_items += 1
+            depth -= 1
+            continue
+        stack_at[depth - 1] = j + 1
+        d = deps_idx[j]
+        if not mat_op[d] and act[d] != keep:
+            mat_op[d] = True
+            if act[d] == recompute:
+                stack[depth] = d
+                stack_at[depth] = deps_ptr[d]
+                depth += 1
+            else:
+                items[n_items] = d
+                n_items += 1
+    return n_items
 
 
 @functools.cache
