@@ -188,13 +188,16 @@ class _Region(torch.autograd.Function):
         with call.replaying(), _native_saves(), torch.enable_grad():
             args, kwargs = call.arguments(inputs)
             out = call.forward(*args, **kwargs)
-        roots: list[Any] = []
-        root_grads: list[torch.Tensor] = []
-        for o, g in zip((x for x in tree_leaves(out) if isinstance(x, torch.Tensor)), grads, strict=True):
-            if g is not None and o.requires_grad:
-                roots.append(get_gradient_edge(o))
-                root_grads.append(g)
+        # Edges, not the outputs: no name may hold a recomputed output past this point (a loop variable did,
+        # the call's last output, one output's size more than planned until the node returned).
+        pairs = [
+            (get_gradient_edge(o), g)
+            for o, g in zip((x for x in tree_leaves(out) if isinstance(x, torch.Tensor)), grads, strict=True)
+            if g is not None and o.requires_grad
+        ]
         del out  # what backward does not save goes now (N2)
+        roots = [edge for edge, _ in pairs]
+        root_grads = [g for _, g in pairs]
         wanted = [t for t in inputs if t.requires_grad]
         wrt = [*wanted, *call.leaves]
         got: list[torch.Tensor | None] = [None for _ in wrt]
