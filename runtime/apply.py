@@ -27,7 +27,10 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         synchronisation) and the handle lets go, so the block is released at that point of the program,
         as the simulator plans. On the CPU the host store is the same memory: the copy is counted like any
         storage (runtime.measure), unpacks return views of it, and it goes after the last one (R9).
-        Tensors on another device than the model's (attention's RNG seed on the host) are kept.
+        Tensors on another device than the model's (attention's RNG seed on the host) are kept. A later pack
+        of the storage after a write into it (its version moved, or it is a part of its storage that is no
+        view: ``unsafe_chunk``'s, as in the CPU's GRU cell) copies it again, so that the copy holds its
+        final bytes, as Rule 4 copies after ``save_op`` (the second copy's time is not in the plan).
     R4. Prefetch (Rule 5): when backward first unpacks a tensor of unpack rank r, the copies back of every
         swapped tensor of rank <= r + L are issued, in rank order, on a host-to-device stream that waits
         for the compute stream (so the copy starts where the GPU is, not where Python is) and for the
@@ -170,6 +173,7 @@ class _Handle:
     issued: bool = False
     leaving: torch.Tensor | None = None  # swap on CUDA: the device bytes until the release point (R3)
     release_at: int = 0  # the pack point at which it lets them go
+    version: int = 0  # the storage's version when copied (swap) or cast (compress): R3, R7
     views: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]] = field(default_factory=list)
 
 
@@ -713,6 +717,8 @@ class PolicyRuntime:
         handle = self._by_storage.get(storage)
         if handle is None:
             handle = self._by_storage[storage] = self._new_handle(key, action, t)
+        else:
+            self._written_since(handle, t)
         handle.packs += 1
         return _Packed(handle, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset())), action
 
@@ -860,6 +866,8 @@ class PolicyRuntime:
             handle = self._by_key[e.key] = self._new_handle(e.key, e.action, t)
         elif handle.ref() is not t.untyped_storage():
             return self._mismatched(t, -1)
+        else:
+            self._written_since(handle, t)
         handle.packs += 1
         return _Packed(handle, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
@@ -906,6 +914,7 @@ class PolicyRuntime:
     def _new_handle(self, key: str, action: Action, t: torch.Tensor) -> _Handle:
         storage = t.untyped_storage()
         h = _Handle(key, action, storage.nbytes(), self.ranks.get(key, -1), weakref.ref(storage))
+        h.version = t._version
         if self._recorder is not None:
             h.sid = self._recorder.sid(storage)
             self._by_sid[h.sid] = h
@@ -915,23 +924,7 @@ class PolicyRuntime:
         if action == Action.SWAP:  # R3
             self.stats.swapped_bytes += h.nbytes
             self.stats.swaps += 1
-            src = _bytes_of(storage)
-            if self._cuda:
-                buf = self._pinned.get(key)
-                if buf is None or buf.numel() < h.nbytes:  # a smaller batch's copy reuses the larger buffer
-                    buf = self._pinned[key] = torch.empty(h.nbytes, dtype=torch.uint8, pin_memory=True)
-                buf = buf[: h.nbytes]
-                self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self._d2h):
-                    buf.copy_(src, non_blocking=True)
-                    h.d2h_done = torch.cuda.Event()
-                    h.d2h_done.record()
-                h.leaving = src  # held to the release point, never reused under the copy
-                h.release_at = self._points + self.release_after
-                self._leaving.append(h)
-                h.host = buf
-            else:
-                h.host = src.clone()  # on the CPU, host memory is the same memory: counted (R3)
+            self._copy_out(h, storage)
             self._swapped.append(h)
         elif action == Action.COMPRESS:  # R7
             self.stats.compressed_bytes += h.nbytes
@@ -939,6 +932,48 @@ class PolicyRuntime:
                 h.packed = _bytes_of(storage).view(t.dtype).to(self.compress_dtype)
             h.views.append((t.dtype, (), (), 0))
         return h
+
+    def _written_since(self, h: _Handle, t: torch.Tensor) -> None:
+        """R3, R7 at a later pack of a swapped or compressed storage: where the step may have written into it
+        since the copy, the copy is taken again, so that it holds the storage's final bytes as a kept tensor
+        would (the simulator's Rules 4 and 8 copy after ``save_op``, the last forward write). Written: the
+        version counter moved (views share their base's), or the tensor is a part of its storage that is no
+        view (``unsafe_chunk``'s, whose siblings count their writes apart: the CPU's GRU cell runs
+        ``sigmoid_`` on one chunk of its gates, packs it, then writes the next chunks and packs them)."""
+        if h.action not in (Action.SWAP, Action.COMPRESS):
+            return
+        part = t._base is None and t.numel() * t.element_size() < h.nbytes
+        if t._version == h.version and not part:
+            return
+        h.version = t._version
+        storage = t.untyped_storage()
+        if h.action == Action.SWAP:
+            self._copy_out(h, storage, again=True)
+        else:
+            with torch.no_grad():
+                h.packed = _bytes_of(storage).view(h.views[0][0]).to(self.compress_dtype)
+
+    def _copy_out(self, h: _Handle, storage: torch.UntypedStorage, again: bool = False) -> None:
+        """R3: the storage's bytes to host memory; ``again`` where it was written since the first copy (the
+        same buffer, the copy after the first on the copy stream, the device bytes held as the first's)."""
+        src = _bytes_of(storage)
+        if not self._cuda:
+            h.host = src.clone()  # on the CPU, host memory is the same memory: counted (R3)
+            return
+        buf = self._pinned.get(h.key)
+        if buf is None or buf.numel() < h.nbytes:  # a smaller batch's copy reuses the larger buffer
+            buf = self._pinned[h.key] = torch.empty(h.nbytes, dtype=torch.uint8, pin_memory=True)
+        buf = buf[: h.nbytes]
+        self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._d2h):
+            buf.copy_(src, non_blocking=True)
+            h.d2h_done = torch.cuda.Event()
+            h.d2h_done.record()
+        h.host = buf
+        if not again or h.leaving is None:  # held to the release point (again: released already), never
+            h.leaving = src  # reused under the copy
+            h.release_at = self._points + self.release_after
+            self._leaving.append(h)
 
     # -- unpack --------------------------------------------------------------------------------------------
     def _unpack(self, p: Any) -> torch.Tensor:

@@ -575,3 +575,39 @@ def test_a_model_that_checkpoints_its_own_layers_is_refused_in_one_line() -> Non
         loss_fn(model, batch).backward()
     assert not _get_current_dispatch_mode_stack()
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_a_swapped_storage_written_after_its_first_pack_is_copied_with_its_final_bytes() -> None:
+    """R3: the CPU's GRU cell runs ``sigmoid_`` on one ``unsafe_chunk`` of its gates, packs it, then writes
+    the other chunks (siblings that count their writes apart, no view) and packs them. The swap's copy was
+    taken at the first pack alone, so backward read stale chunks: swapping the first step's reset gate gave
+    gradients off by up to 0.0175, every tensor swapped by 0.13 (a QA run's GRU). Now they are plain
+    training's bits."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = torch.nn.GRU(16, 32, batch_first=True)
+            self.h = torch.nn.Linear(32, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.h(self.rnn(x)[0][:, -1])
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        x, y = torch.randn(4, 5, 16), torch.randint(0, 10, (4,))
+        return Net(), (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    def grads(policy: Policy | None) -> list[torch.Tensor]:
+        model, batch, loss_fn = build()
+        with policy.applied(model) if policy is not None else contextlib.nullcontext():
+            loss_fn(model, batch).backward()
+        return [p.grad for p in model.parameters() if p.grad is not None]
+
+    w = capture(build, name="gru", batch_size=4)
+    one = np.zeros(len(w.candidates), dtype=np.int8)
+    one[[c.key for c in w.candidates].index("rnn#0.2:Sigmoid")] = SWAP
+    plain = grads(None)
+    for acts in (one, uniform_actions(w, Action.SWAP)):
+        got = grads(Policy.from_vector(w, acts, hardware="cpu"))
+        assert len(got) == len(plain) and all(torch.equal(a, b) for a, b in zip(plain, got, strict=True))
