@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
@@ -438,6 +438,8 @@ def capture(
     gpu = fake and trace_key(target)[0]
     with mode, fake_trace_choices(target) if fake else contextlib.nullcontext(), contextlib.ExitStack() as stack:
         model, batch, loss_fn = build()
+        if isinstance(mode, FakeTensorMode):
+            _own_fakes(model, mode)
         model.train()
         stack.enter_context(partitioned(model, partitions))
         opt = make_optimizer(optimizer, model.parameters(), foreach=True if gpu else None)
@@ -508,6 +510,28 @@ def _plain_iteration_s(
     elapsed = time.perf_counter() - start
     opt.zero_grad(set_to_none=True)
     return elapsed, (issued - start) if cuda else None
+
+
+def _own_fakes(model: torch.nn.Module, mode: FakeTensorMode) -> None:
+    """Parameters and buffers of another fake mode made this trace's. ``copy.deepcopy`` under a FakeTensorMode
+    (``nn.TransformerEncoder`` copies its layer so) returns tensors of a fake mode of their own, no longer
+    ``Parameter``s, which every later op refuses ("Mixing fake modes NYI"); a fake tensor has no values, so
+    one of the same shape, strides, dtype and device in this mode stands in (a tensor shared by several
+    modules stays one)."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table, parameter in ((module._parameters, True), (module._buffers, False)):
+            for name, t in table.items():
+                if not isinstance(t, FakeTensor) or t.fake_mode is mode:
+                    continue
+                new = made.get(id(t))
+                if new is None:
+                    with mode:
+                        new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                    if parameter:
+                        new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                    made[id(t)] = new
+                table[name] = new
 
 
 def _warm_up(

@@ -120,6 +120,37 @@ def test_fake_and_real_agree() -> None:
     assert all(op.time_s is not None and op.time_s >= 0 for op in real.ops)
 
 
+def test_a_model_that_deep_copies_its_layers_traces_in_fake_mode() -> None:
+    """``nn.TransformerEncoder`` deep-copies its layer; under FakeTensorMode the copies came out in a fake mode
+    of their own, and the fake trace (the default for a GPU profile) failed with an internal error ("Mixing
+    fake modes NYI", a QA run). Now it traces, with the real trace's keys and sizes; a parameter shared by
+    two modules stays one."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = nn.Linear(32, 10)
+            self.tied = nn.Linear(32, 10)
+            self.tied.weight = self.head.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.enc(x).mean(1)
+            return self.head(h) + self.tied(h)
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        x, y = torch.randn(4, 6, 32), torch.randint(0, 10, (4,))
+        return Net(), (x, y), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])
+
+    fake = capture(build, name="encoder", batch_size=4, fake=True)
+    real = capture(build, name="encoder", batch_size=4, fake=False)
+    assert [(c.key, c.nbytes) for c in fake.candidates] == [(c.key, c.nbytes) for c in real.candidates]
+    assert len(fake.candidates) > 20
+    assert fake.fingerprint == real.fingerprint
+
+
 def test_keys_stable_and_fingerprints() -> None:
     a = capture(tiny_cnn_build(), name="cnn", batch_size=2, fake=True)
     b = capture(tiny_cnn_build(), name="cnn", batch_size=2, fake=True)
