@@ -520,7 +520,8 @@ def _own_fakes(model: torch.nn.Module, mode: FakeTensorMode) -> None:
     modules stays one)."""
     made: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for table, parameter in ((module._parameters, True), (module._buffers, False)):
+        tables: tuple[tuple[dict[str, Any], bool], ...] = ((module._parameters, True), (module._buffers, False))
+        for table, parameter in tables:
             for name, t in table.items():
                 if not isinstance(t, FakeTensor) or t.fake_mode is mode:
                     continue
