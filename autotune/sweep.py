@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from autotune.search import budget_floor, format_bytes, plain_no_policy
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
-from runtime.policy import Policy, PolicyOptions
+from runtime.policy import Policy, PolicyOptions, Prediction
 from runtime.workload import Workload
 
 METHODS = ("baselines", "optuna", "ppo")
@@ -54,11 +54,16 @@ def check_methods(value: str) -> list[str]:
 
 
 def cell_study_name(w: Workload, hw: HardwareProfile, budget_bytes: int) -> str:
+    """One study per workload, profile and planned budget: everything that makes another problem is in the
+    name (a sweep again with another --optimizer or --seq-len on the same storage resumed the first one's
+    studies and answered with their policies)."""
+    seq = f".s{w.seq_len}" if w.seq_len is not None else ""
     precision = f".{w.precision}" if w.precision != "fp32" else ""
+    optimizer = f".{w.optimizer}" if w.optimizer != "sgd" else ""
     accum = f".ga{w.grad_accum}" if w.grad_accum > 1 else ""
     # A partitioned trace's candidates are the slices' tensors: a study of its own (--allow-partition).
     sliced = "".join(f".{p['module']}x{p['chunks']}" for p in w.meta.get("partitions", ()))
-    return f"sweep.{w.model}.b{w.batch_size}{precision}{accum}{sliced}.{hw.name}.{budget_bytes}"
+    return f"sweep.{w.model}.b{w.batch_size}{seq}{precision}{optimizer}{accum}{sliced}.{hw.name}.{budget_bytes}"
 
 
 @dataclass
@@ -244,11 +249,11 @@ def _offer(study: Any, method: str, found: SearchResult | None, w: Workload) -> 
             "method": method,
             "searcher": found.searcher,
             "actions": [int(a) for a in found.policy.to_vector(w)],
-            "options": {
-                "prefetch_lookahead": found.policy.options.prefetch_lookahead,
-                "compress_dtype": found.policy.options.compress_dtype,
-                "lossy": found.policy.options.lossy,
-            },
+            # Every option the policy was scored with (release_after and region_nodes were dropped, and the
+            # file --out-dir wrote ran otherwise than the sweep said); partition consent comes from the trace.
+            "options": {k: v for k, v in asdict(found.policy.options).items() if k != "allow_partition"},
+            "evaluations": found.evaluations,
+            "search_s": found.wall_s,
             **_sim_json(found.result),
         }
         study.set_user_attr("best", best)
@@ -265,7 +270,10 @@ def best_policy(cell: CellResult, w: Workload, hw: HardwareProfile) -> Policy | 
         return None
     # A partitioned cell's workload carries the consent (envs.problem.Problem does the same).
     options = PolicyOptions(**b["options"], allow_partition=bool(w.meta.get("partitions")))
-    policy = Policy.from_vector(w, b["actions"], hardware=hw.name, options=options, searcher=f"sweep:{b['method']}")
+    predicted = Prediction(peak_bytes=b["peak_bytes"], iter_s=b["iter_s"], samples_per_s=b["samples_per_s"])
+    policy = Policy.from_vector(w, b["actions"], hardware=hw.name, options=options, searcher=f"sweep:{b['method']}",
+                                trials=int(b.get("evaluations", 0)), predicted=predicted,
+                                wall_s=b.get("search_s"))  # fmt: skip
     return record_budget(policy, cell.budget_bytes + cell.reserve_bytes)
 
 

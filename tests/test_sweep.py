@@ -47,6 +47,54 @@ def test_one_study_per_cell_with_the_baselines_beside_it(sweep_run: SweepRun) ->
     assert len(policies) == sum(c["samples_per_s"] is not None for c in cells)
 
 
+def test_the_policies_written_are_the_ones_scored(sweep_run: SweepRun) -> None:
+    """--out-dir wrote each cell's best with only three of its options (release_after and region_nodes fell
+    back to their defaults: a QA run's mobilenet_v2 cell said 302.89 samples/s for capuchin's policy, whose
+    file simulated at 288.73), no prediction and 0 trials. Each file now carries every option it was scored
+    with, and simulates to the sweep's figures."""
+    from autotune.workloads import TraceRequest, trace_model
+    from envs.simulator import Simulator
+    from runtime.hardware import get_profile
+    from runtime.policy import load_policy
+
+    hw = get_profile("a100-40gb")
+    w, _ = trace_model(TraceRequest(model="resnet18", batch_size=8, target=hw))
+    sim = Simulator(w, hw)
+    for c in sweep_run.out["cells"]:
+        if c["samples_per_s"] is None:
+            continue
+        best = _study(sweep_run.storage, c["study"]).user_attrs["best"]
+        (path,) = sweep_run.folder.glob(f"*{c['budget_bytes']}*.policy.json") or [None]
+        assert path is not None, c["budget_bytes"]
+        policy = load_policy(path, w)
+        assert {k: getattr(policy.options, k) for k in best["options"]} == best["options"]
+        assert set(best["options"]) >= {"release_after", "region_nodes", "prefetch_lookahead"}
+        r = sim.run(policy)
+        assert r.samples_per_s == c["samples_per_s"] and r.peak_bytes == c["peak_bytes"]
+        assert policy.predicted is not None and policy.predicted.samples_per_s == c["samples_per_s"]
+        assert policy.provenance.trials > 0
+
+
+def test_a_cell_of_another_optimizer_or_sequence_length_is_a_study_of_its_own() -> None:
+    """A sweep again with --optimizer adam (or another --seq-len) on the same storage resumed the first one's
+    studies, whose names left both out, and answered with their policies (a QA run: an SGD plan labelled adam,
+    38.27 MiB over its budget)."""
+    import dataclasses
+
+    from autotune.sweep import cell_study_name
+    from runtime.hardware import get_profile
+    from tests.synthetic import chain_workload
+
+    w, hw = chain_workload(4, 2**20, 1e-3), get_profile("a100-40gb")
+    names = {
+        cell_study_name(w, hw, 10**9),
+        cell_study_name(dataclasses.replace(w, optimizer="adam"), hw, 10**9),
+        cell_study_name(dataclasses.replace(w, seq_len=128), hw, 10**9),
+        cell_study_name(dataclasses.replace(w, seq_len=256), hw, 10**9),
+    }
+    assert len(names) == 4
+
+
 def test_running_again_recomputes_nothing(sweep_run: SweepRun) -> None:
     """Nor the no-policy row: the one stored with the cell's figures stands (on the cpu profile, calibrated
     again by each run, a row simulated again could be slower than the stored heuristics it is the ceiling
