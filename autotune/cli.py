@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import warnings
@@ -158,8 +159,13 @@ def profile(
         out.print(f"workload saved to {out_file}")
 
 
+def _positive(value: float) -> bool:
+    """A positive, finite number (click reads "nan" and "inf" as floats, and nan passes every comparison)."""
+    return math.isfinite(value) and value > 0
+
+
 def _check_heartbeat(heartbeat: float | None) -> None:
-    if heartbeat is not None and heartbeat <= 0:
+    if heartbeat is not None and not _positive(heartbeat):
         raise AutotuneError(f"invalid --heartbeat {heartbeat}: expected a positive number of seconds, e.g. 60")
 
 
@@ -388,7 +394,7 @@ def baselines(
     from runtime.hardware import resolve_profile
 
     check_folder(save, "--save")
-    if time_limit <= 0:
+    if not _positive(time_limit):
         raise AutotuneError(f"invalid --time-limit {time_limit}: expected a positive number of seconds, e.g. 30")
     _early_checks(model, budget, reserve, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer,
                   precision=precision, grad_accum=grad_accum, partition=partition)  # fmt: skip
@@ -526,7 +532,7 @@ def search(
     from autotune.workloads import TraceRequest
     from runtime.hardware import resolve_profile
 
-    if timeout <= 0:
+    if not _positive(timeout):
         raise AutotuneError(f"invalid --timeout {timeout}: expected a positive number of seconds, e.g. --timeout 60")
     _check_heartbeat(heartbeat)
     if trials is not None and trials <= 0:
@@ -738,9 +744,9 @@ def maxbatch(
 
     mb.check_start(start_batch)
     check_writable(out_path, "--out")
-    if max_slowdown is not None and max_slowdown < 0:
+    if max_slowdown is not None and not (math.isfinite(max_slowdown) and max_slowdown >= 0):
         raise AutotuneError(f"invalid --max-slowdown {max_slowdown}: expected 0 or more, e.g. --max-slowdown 0.2")
-    if per_size <= 0:
+    if not _positive(per_size):
         raise AutotuneError(f"invalid --per-size {per_size}: expected a positive number of seconds, e.g. 10")
     _early_checks(model, budget, reserve, seq_len=seq_len, optimizer=optimizer, precision=precision,
                   grad_accum=grad_accum, device=device, measure=measure)  # fmt: skip
@@ -937,7 +943,7 @@ def sweep(
     names = [m.strip() for m in models.split(",") if m.strip()]
     if not names or not budget_list:
         raise AutotuneError("give at least one model and one budget, e.g. --models resnet50 --budgets 4GB,6GB")
-    if trials <= 0 or timeout <= 0:
+    if trials <= 0 or not _positive(timeout):
         raise AutotuneError(f"invalid --trials {trials} / --timeout {timeout}: expected positive numbers")
     if gpu:
         profiles = [get_profile(p.strip()) for p in gpu.split(",") if p.strip()]

@@ -455,9 +455,20 @@ def test_inputs_are_checked_before_the_cpu_is_calibrated(
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--partition", "layer1"], "invalid --partition 'layer1'"),
         (["--heartbeat", "0"], "invalid --heartbeat 0"),
+        # click reads "nan" and "inf" as floats, and nan passed every range check: an internal error (heartbeat),
+        # or a search with no time limit (timeout).
+        (["--heartbeat", "nan"], "invalid --heartbeat nan"),
+        (["--heartbeat", "inf"], "invalid --heartbeat inf"),
+        (["--timeout", "nan"], "invalid --timeout nan"),
     ]
     for extra, said in cases:
         assert said in user_error(capsys, "search", *base, *extra), extra
+    mb = ["maxbatch", *base]
+    assert "invalid --max-slowdown nan" in user_error(capsys, *mb, "--max-slowdown", "nan")
+    assert "invalid --per-size nan" in user_error(capsys, *mb, "--per-size", "nan")
+    sweep = ["sweep", "--models", "resnet18", "--budgets", "1GB"]
+    assert "invalid --trials 15 / --timeout nan" in user_error(capsys, *sweep, "--trials", "15", "--timeout", "nan")
+    assert "invalid --time-limit inf" in user_error(capsys, "baselines", *base, "--time-limit", "inf")
     assert "unknown model" in user_error(capsys, "simulate", "--model", "resnet999", "--gpu", "cpu", "--action", "keep")
     assert "invalid --top -1" in user_error(capsys, "profile", "--model", "resnet18", "--gpu", "cpu", "--top", "-1")
 
