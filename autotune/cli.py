@@ -1077,8 +1077,24 @@ def dashboard(
             "(by default sqlite:///autotune.db in the folder they ran in)"
         )
     check_storage(storage)
+    _check_listen(host, port)
     err.print(f"optuna-dashboard on {storage}: http://{host}:{port}/ (Ctrl-C stops it)")
     optuna_dashboard.run_server(storage, host=host, port=port)
+
+
+def _check_listen(host: str, port: int) -> None:
+    """That the dashboard can listen there, said in one line before it starts (a busy port or a host that
+    does not resolve was an internal error after "Listening on ...")."""
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise AutotuneError(
+            f"cannot listen on {host}:{port}: {reason}; pick another --port (or --host), e.g. --port 8081"
+        ) from None
 
 
 @app.command()

@@ -11,6 +11,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import SweepRun
 
 
@@ -41,3 +43,24 @@ def test_dashboard_serves_the_sweep_studies(sweep_run: SweepRun) -> None:
         server.terminate()
         _, err = server.communicate(timeout=30)
     assert f"http://127.0.0.1:{port}/" in err  # the address, printed for the user
+
+
+def test_a_busy_port_or_an_unknown_host_is_a_one_line_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The dashboard said "Listening on http://127.0.0.1:PORT/" and then failed with an internal error (exit 1)
+    when the port was taken or the host did not resolve (a QA run). Now each is one line, exit 2, before it
+    starts."""
+    import optuna
+
+    from tests.test_cli import user_error
+
+    storage = f"sqlite:///{tmp_path / 'd.db'}"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.create_study(storage=storage, study_name="s")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = user_error(capsys, "dashboard", "--storage", storage, "--port", str(port))
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "--port" in line
+    line = user_error(capsys, "dashboard", "--storage", storage, "--host", "nosuchhost.invalid", "--port", "18999")
+    assert "cannot listen on nosuchhost.invalid:18999" in line
