@@ -951,9 +951,9 @@ def sweep(
         hw, note = resolve_profile(None)
         err.print(note)
         profiles = [hw]
-    from autotune.budget import budget_of
+    from autotune.budget import reserve_bytes
 
-    kept = max(budget_of(b, reserve, hw).reserve_bytes for hw in profiles for b in budget_list)  # checked
+    kept = max(reserve_bytes(reserve, sr.format_bytes(b), b, hw) for hw in profiles for b in budget_list)  # checked
     if kept:
         err.print(f"planning for each budget less a {sr.format_bytes(kept)} reserve for workspaces (--reserve)")
     from autotune.models import takes_seq_len

@@ -362,7 +362,9 @@ def run_sweep(
                     seed=seed,
                     heartbeat_s=heartbeat_s,
                     progress=say,
-                    reserve_bytes=plan.reserve_bytes,
+                    # What is kept back: at most the budget (a 100 MiB budget on a GPU profile planned for 0 B
+                    # and its row read the planned bytes plus the whole 128 MiB reserve).
+                    reserve_bytes=plan.given_bytes - plan.planned_bytes,
                     plain=w,
                     state=state,
                 )

@@ -185,3 +185,15 @@ def test_each_profile_plans_on_a_trace_taken_for_it(tmp_path: Path) -> None:
     assert all(c["peak_bytes"] <= c["budget_bytes"] for c in out["cells"])
     written = sorted(p.name for p in folder.glob("*.policy.json"))
     assert [n.split(".")[1] for n in written] == ["a100-40gb", "v100-16gb"] and report.exists()
+
+
+def test_a_budget_below_the_default_reserve_is_shown_as_typed(tmp_path: Path) -> None:
+    """On a GPU profile the default reserve (128 MiB) is more than a budget of 100 MiB: the cell planned for
+    0 B and its row read 128.00 MiB, the planned bytes plus the whole reserve (a QA run). The row reads the
+    budget typed, and the reserve said is the one kept back."""
+    proc = autotune("sweep", "--models", "resnet18", "--batch-size", "8", "--gpu", "a100-40gb", "--budgets",
+                    "100MiB", "--trials", "2", "--timeout", "5", "--storage", f"sqlite:///{tmp_path / 's.db'}",
+                    "--json")  # fmt: skip
+    (cell,) = json.loads(proc.stdout)["cells"]
+    assert cell["below_floor"] and cell["budget_bytes"] + cell["reserve_bytes"] == 100 * 2**20
+    assert "less a 128.00 MiB reserve" in proc.stderr
