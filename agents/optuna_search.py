@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -98,6 +99,12 @@ def check_storage(url: str) -> None:
     that cannot be written or a server that does not answer is the user's to fix, said in one line."""
     import optuna
 
+    new = _new_sqlite_file(url)
+    if new is not None:  # made by the search itself: a run refused before it leaves no empty database behind
+        from runtime.fileio import check_writable
+
+        check_writable(new, "--storage")
+        return
     try:
         optuna.storages.get_storage(url)  # RDB URLs: parse, connect, create the schema
     except Exception as e:  # SQLAlchemy's and the drivers' errors have no common base worth naming
@@ -107,6 +114,21 @@ def check_storage(url: str) -> None:
             f"--storage {url}: cannot open it ({cause}); expected a writable SQLite file such as "
             "sqlite:///autotune.db or a reachable database such as postgresql://user:password@host/db"
         ) from None
+
+
+def _new_sqlite_file(url: str) -> str | None:
+    """The file of a SQLite URL that names one not there yet (None otherwise)."""
+    if not url.startswith("sqlite:"):
+        return None
+    try:
+        from sqlalchemy.engine import make_url
+
+        database = make_url(url).database
+    except Exception:  # not a URL SQLAlchemy reads: get_storage says so
+        return None
+    if not database or database == ":memory:" or database.startswith("file:") or os.path.exists(database):
+        return None
+    return database
 
 
 def existing_trials(url: str, name: str) -> int:

@@ -717,7 +717,8 @@ def test_no_policy_that_fits_is_an_error_and_nothing_is_written(
 def test_a_budget_below_the_floor_is_refused_before_any_search(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """One byte under what no policy can go below: exit 2 at once, the op where the floor lies named."""
+    """One byte under what no policy can go below: exit 2 at once, the op where the floor lies named, and
+    nothing left behind (the storage's check made an empty SQLite database there, a QA run)."""
     from agents.base import Problem
     from autotune.search import budget_floor
     from runtime.hardware import get_profile
@@ -729,7 +730,7 @@ def test_a_budget_below_the_floor_is_refused_before_any_search(
     args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--reserve", "0",
             "--timeout", "4", "--trials", "3", "--out", str(out), "--storage", store]  # fmt: skip
     code, _, err = run(capsys, *args, "--budget", str(floor - 1))
-    assert code == 2 and not out.exists(), err
+    assert code == 2 and not out.exists() and not (tmp_path / "f.db").exists(), err
     line = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(line) == 1 and "that any policy needs (at op " in line[0] and "native_batch_norm_backward" in line[0]
     # The floor is reached on this model: a policy fits at exactly that budget.
