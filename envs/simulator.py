@@ -39,7 +39,9 @@ Rule 7 (replay). A recomputed candidate that no region serves lives [producer, f
     before its first backward use u, the compute stream re-runs its closure (runtime.plan.closures_of): its
     producer chain (producer and in-place writers) and, recursively, the chains of its inputs that are not
     resident at u, where resident means persistent, live at u as traced (tensors that are not candidates),
-    or a kept candidate. Candidate inputs that are swapped, recomputed or compressed are materialized first
+    or a kept candidate; an input that a forward op writes in place after the closure's op that reads it is not
+    resident there (its value has changed): its producer and the writers before that read are re-run too.
+    Candidate inputs that are swapped, recomputed or compressed are materialized first
     (Rules 6-8, in candidate order), at u, so their memory starts at u and lasts to their own free_op (they
     are not recomputed twice). The regenerated tensor lives [u, free_op]. Every other storage the closure's
     ops write (regenerated temporaries, other outputs of multi-output ops, copies of arguments an op would

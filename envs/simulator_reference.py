@@ -446,23 +446,30 @@ def _closure(w, ci, cand_of, first_use, writers):  # type: ignore[no-untyped-def
     """Rule 7: the ops re-run for candidate ``ci`` and its candidate inputs, walking its inputs now."""
     c = w.candidates[ci]
     ran: set[int] = set(c.recompute_ops)
-    pending = list(c.recompute_inputs)
+    pending = [(op, tid) for op in sorted(ran) for tid in w.ops[op].inputs]  # (reading op, tensor read)
     seen = {c.tensor}
     needed: set[int] = set()
     while pending:
-        tid = pending.pop()
-        if tid in seen:
-            continue
-        seen.add(tid)
-        if tid in cand_of:
-            needed.add(cand_of[tid])
+        op, tid = pending.pop()
+        if tid == c.tensor:
             continue
         info = w.tensors[tid]
-        if info.alloc_op < 0 or info.free_op is None or info.free_op >= first_use[ci]:
-            continue
-        chain = [info.alloc_op, *writers.get(tid, [])]
+        if info.alloc_op >= 0 and any(j > op for j in writers.get(tid, [])):
+            # Written in place after this read: re-made as it was when read (its producer, the writers before).
+            chain = [info.alloc_op, *[j for j in writers.get(tid, []) if j < op]]
+        else:
+            if tid in seen:
+                continue
+            seen.add(tid)
+            if tid in cand_of:
+                needed.add(cand_of[tid])
+                continue
+            if info.alloc_op < 0 or info.free_op is None or info.free_op >= first_use[ci]:
+                continue
+            chain = [info.alloc_op, *writers.get(tid, [])]
+        fresh = [j for j in chain if j not in ran]
         ran.update(chain)
-        pending.extend(x for op in chain for x in w.ops[op].inputs)
+        pending.extend((j, x) for j in fresh for x in w.ops[j].inputs)
     return ran, needed
 
 

@@ -47,9 +47,10 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         ones are used as they are, candidates that are swapped, recomputed or compressed are brought back
         first (and kept for their own use), other missing inputs are replayed recursively and dropped
         afterwards. Arguments an op would mutate that are not being regenerated (BatchNorm's running
-        statistics) are passed as copies, so replay changes no module state. The recorder records the
-        forward and the loss, never backward. Limit: an input modified in place after its use cannot be
-        detected (views made over a storage do not share the original tensor's version counter). The
+        statistics) are passed as copies, so replay changes no module state. An input that a later forward
+        op wrote in place (the recording's writers of its storage) is re-made as it was when read, from its
+        producer and the writers before the read, where the recording holds its producer (Rule 7). The recorder
+        records the forward and the loss, never backward. The
         random-number states (the CPU generator's is 5,056 bytes, held in memory on a CPU) are let go
         once every replayed storage has had its last unpack (R9): no replay can need them after that,
         and one that did would fail loudly. The simulator counts none of them (at most a few per block).
@@ -473,6 +474,7 @@ class PolicyRuntime:
         self._mismatch: str | None = None
         self._unpacked = False  # backward unpacked something (R11: a step without backward teaches nothing)
         self._replays_open = 0  # replayed handles not yet past their last unpack (R6: then the RNG states go)
+        self._replay_held: list[_Handle] = []  # CPU swaps past their last unpack, kept for those replays (R9)
         self._region_saves: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> its one detached copy (R10)
 
     def _end_step(self) -> None:
@@ -486,6 +488,7 @@ class PolicyRuntime:
         self._by_sid = {}
         self._by_key = {}
         self._swapped = []
+        self._replay_held = []
 
     # -- R10: regions --------------------------------------------------------------------------------------
     def _module(self, path: str) -> torch.nn.Module:
@@ -1005,9 +1008,40 @@ class PolicyRuntime:
                 self._replays_open -= 1
                 if self._replays_open == 0:  # R6: no replay is left to need them
                     self._recorder.release_rng()
+                    for held in self._replay_held:
+                        held.host = None
+                    self._replay_held = []
             if not self._cuda:
-                h.host = None  # R3 on the CPU: the copy was the tensor
+                if self._replays_open > 0 and self._read_by_open_replay(h):
+                    # R9 on the CPU: a replay still to run reads it (a GRU's gate, read again by the replay of
+                    # an earlier time step's tensor); its copy, the only one, goes when no replay is left.
+                    self._replay_held.append(h)
+                else:
+                    h.host = None  # R3 on the CPU: the copy was the tensor
         return out
+
+    def _read_by_open_replay(self, h: _Handle) -> bool:
+        """Whether a replayed storage not yet regenerated reads ``h``'s storage: through its recorded chain,
+        and the chains of the storages that chain reads and would regenerate (gone, not handled), as
+        :class:`runtime.replay.Replayer` resolves them."""
+        rec = self._recorder
+        if rec is None or h.sid is None:
+            return False
+        todo = [o.sid for o in self._handles if o.action == Action.RECOMPUTE and o.packs and o.device is None]
+        seen: set[int | None] = set()
+        while todo:
+            sid = todo.pop()
+            if sid in seen or sid is None:
+                continue
+            seen.add(sid)
+            for index in rec.writers.get(sid, []):
+                for leaf in rec.ops[index].leaves:
+                    other = getattr(leaf, "sid", None)
+                    if other == h.sid:
+                        return True
+                    if other is not None and other not in self._by_sid and rec.storage[other]() is None:
+                        todo.append(other)  # gone: the replay would regenerate it, reading what it read
+        return False
 
     def _prefetch_upto(self, rank: int) -> None:
         if self._next_fetch == 0 and self._swapped:

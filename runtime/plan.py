@@ -279,23 +279,34 @@ def closures_of(w: Workload) -> list[Closure]:
     for c in w.candidates:
         u = c.bwd_uses[0] if c.bwd_uses else n
         ops: set[int] = set(c.recompute_ops)
-        deps: list[int] = []
-        stack = list(c.recompute_inputs)
-        seen = {c.tensor}
-        while stack:
-            tid = stack.pop()
-            if tid in seen:
+        deps: set[int] = set()
+        todo = sorted(ops)  # ops whose inputs are still to resolve
+        done: set[int] = set()
+        made: set[int] = {c.tensor}  # tensors the closure makes from their producer
+        while todo:
+            at = todo.pop()
+            if at in done:
                 continue
-            seen.add(tid)
-            if tid in cand_of:
-                deps.append(cand_of[tid])
-                continue
-            t = w.tensors[tid]
-            if t.alloc_op < 0 or t.free_op is None or t.free_op >= u:
-                continue  # resident: persistent, or still live at u as traced
-            chain = [t.alloc_op, *writers.get(tid, [])]
-            ops.update(chain)
-            stack.extend(i for op in chain for i in w.ops[op].inputs)
+            done.add(at)
+            for tid in w.ops[at].inputs:
+                if tid == c.tensor:
+                    continue
+                t = w.tensors[tid]
+                later = t.alloc_op >= 0 and any(j > at for j in writers.get(tid, ()))
+                if later:  # written in place after this read: its value now is not the one read, so it is
+                    chain = [t.alloc_op, *(j for j in writers.get(tid, ()) if j < at)]  # re-made as of the read
+                elif tid in made:
+                    continue
+                elif tid in cand_of:
+                    deps.add(cand_of[tid])
+                    continue
+                elif t.alloc_op < 0 or t.free_op is None or t.free_op >= u:
+                    continue  # resident: persistent, or still live at u as traced
+                else:
+                    made.add(tid)
+                    chain = [t.alloc_op, *writers.get(tid, [])]
+                ops.update(chain)
+                todo.extend(chain)
         out.append(Closure(frozenset(ops), tuple(sorted(deps))))
     return out
 

@@ -209,6 +209,11 @@ def view_of(storage: torch.UntypedStorage, dtype: torch.dtype, size: tuple[int, 
     return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
 
 
+def _reads(op: OpRecord, sid: int) -> bool:
+    """Whether ``op`` takes storage ``sid`` as an argument (an in-place writer), rather than making it."""
+    return any(isinstance(leaf, _Ref) and leaf.sid == sid for leaf in op.leaves)
+
+
 class Replayer:
     """Regenerates storages by replaying recorded ops (R6)."""
 
@@ -217,11 +222,28 @@ class Replayer:
         self.rec = rec
         self.handles = rt._by_sid
         self.made: dict[int, torch.UntypedStorage] = {}  # temporaries regenerated in this replay
+        self.as_of: dict[tuple[int, int], torch.UntypedStorage] = {}  # (storage, writers re-run): R6's stale reads
 
     def storage(self, sid: int, before: int) -> torch.UntypedStorage:
         """The storage ``sid`` as it was just before op ``before`` (or at the end of the forward)."""
         from runtime.policy import Action
 
+        writers = self.rec.writers.get(sid, [])
+        if writers and writers[-1] > before:
+            # Written in place after op ``before`` read it (the CPU's GRU cell clones one chunk of its gates,
+            # then multiplies that chunk in place): what is there now is not what was read, so it is re-made
+            # as it was then, from its producer and the writers before (Rule 7 counts those ops), when the
+            # recording holds its producer; else (made before the recording: a buffer) it is used as it is.
+            chain = [i for i in writers if i < before]
+            if chain and not _reads(self.rec.ops[chain[0]], sid):
+                key = (sid, len(chain))
+                if key not in self.as_of:
+                    then: torch.UntypedStorage | None = None
+                    for index in chain:
+                        then = self._run(self.rec.ops[index], sid, then)
+                    assert then is not None
+                    self.as_of[key] = then
+                return self.as_of[key]
         if sid in self.made:
             return self.made[sid]
         alive = self.rec.storage[sid]()

@@ -577,7 +577,7 @@ def test_a_model_that_checkpoints_its_own_layers_is_refused_in_one_line() -> Non
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
-def test_a_swapped_storage_written_after_its_first_pack_is_copied_with_its_final_bytes() -> None:
+def test_the_cpu_gru_cell_trains_as_plain_under_any_policy() -> None:
     """R3: the CPU's GRU cell runs ``sigmoid_`` on one ``unsafe_chunk`` of its gates, packs it, then writes
     the other chunks (siblings that count their writes apart, no view) and packs them. The swap's copy was
     taken at the first pack alone, so backward read stale chunks: swapping the first step's reset gate gave
@@ -608,6 +608,20 @@ def test_a_swapped_storage_written_after_its_first_pack_is_copied_with_its_final
     one = np.zeros(len(w.candidates), dtype=np.int8)
     one[[c.key for c in w.candidates].index("rnn#0.2:Sigmoid")] = SWAP
     plain = grads(None)
-    for acts in (one, uniform_actions(w, Action.SWAP)):
+    clones = np.array([RECOMPUTE if c.key.endswith(":Clone") else KEEP for c in w.candidates], dtype=np.int8)
+    mixes = [np.random.default_rng(seed).integers(0, 3, len(w.candidates)).astype(np.int8) for seed in range(4)]
+    # R6: the cell clones one chunk of its gates, then multiplies that chunk in place; replaying the clone read
+    # the chunk as it is now (gradients off). R9: a mix replays a tensor whose chain reads a swapped gate after
+    # that gate's last unpack, whose only copy the CPU had let go ("needed after its release").
+    for acts in (one, uniform_actions(w, Action.SWAP), clones, *mixes):
         got = grads(Policy.from_vector(w, acts, hardware="cpu"))
         assert len(got) == len(plain) and all(torch.equal(a, b) for a, b in zip(plain, got, strict=True))
+    # Rule 7 re-runs what the replay re-runs: both simulators agree on the GRU's random policies.
+    from envs.simulator_reference import simulate_reference
+
+    for profile in ("cpu", "a100-40gb"):
+        hw = get_profile(profile)
+        sim = Simulator(w, hw)
+        for acts in mixes:
+            fast, ref = sim.run(acts), simulate_reference(w, hw, acts)
+            assert fast.peak_bytes == ref.peak_bytes and fast.iter_s == pytest.approx(ref.iter_s, rel=1e-9)
