@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from autotune.budget import DEFAULT_GPU_RESERVE
 from autotune.units import format_bytes
 from envs.allocator import no_policy_stats, plan_offsets, workload_intervals
 from envs.simulator import peak_floor
@@ -93,6 +94,15 @@ def profile_report(
         report["budget_bytes"] = budget_bytes
         report["fits"] = peak.peak_bytes <= budget_bytes
         report["below_floor"] = budget_bytes < floor.bytes
+        # What `autotune search` plans for at this budget (NOTE [ Budget and reserve ]): on a GPU profile the
+        # budget less the default reserve, so that this verdict and the search's agree (a budget could fit
+        # here with room to spare and be refused by search as below what any policy needs).
+        reserve = DEFAULT_GPU_RESERVE if hw.is_gpu else 0
+        planned = max(0, budget_bytes - reserve)
+        report["reserve_bytes"] = reserve
+        report["planned_budget_bytes"] = planned
+        report["fits_planned"] = peak.peak_bytes <= planned
+        report["planned_below_floor"] = planned < floor.bytes
     return report
 
 
@@ -160,6 +170,19 @@ def render_profile(console: Console, r: dict[str, Any]) -> None:
             + ("[red]below what any policy can reach[/]" if r["below_floor"] else "a memory policy is needed")
         )
         console.print(f"budget {format_bytes(r['budget_bytes'])}: the no-policy peak {verdict}")
+        if r.get("reserve_bytes"):
+            planned = r["planned_budget_bytes"]
+            gap = r["peak_bytes"] - planned
+            verdict = (
+                f"fits that with {format_bytes(-gap)} to spare"
+                if gap <= 0
+                else f"exceeds that by {format_bytes(gap)}: "
+                + ("below what any policy can reach" if r["planned_below_floor"] else "a memory policy is needed")
+            )
+            console.print(
+                f"`autotune search` plans for the budget less a {format_bytes(r['reserve_bytes'])} reserve for "
+                f"workspaces (--reserve), {format_bytes(planned)}: the no-policy peak {verdict}"
+            )
 
 
 def hardware_report(profiles: list[HardwareProfile], found: Detection) -> dict[str, Any]:

@@ -556,3 +556,18 @@ def test_the_profilers_own_log_lines_stay_out_of_the_output() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "profiler_start" not in done.stdout + done.stderr and "gpuGetDeviceCount" not in done.stderr
+
+
+def test_profile_says_what_search_plans_for_at_the_same_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    """On a GPU profile `profile --budget 300MiB` said the no-policy peak fits with 9.86 MiB to spare, and
+    `search --budget 300MiB` refused the budget as below what any policy needs: search plans for the budget
+    less its reserve (a QA run). Profile now says that too, and the two agree."""
+    args = ["--model", "resnet18", "--batch-size", "8", "--gpu", "a100-40gb", "--budget", "300MiB"]
+    code, out, err = run(capsys, "profile", *args, "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["fits"] and not r["fits_planned"] and r["planned_below_floor"]
+    assert r["planned_budget_bytes"] == 300 * 2**20 - r["reserve_bytes"] and r["reserve_bytes"] == 128 * 2**20
+    code, out, _ = run(capsys, "profile", *args)
+    assert code == 0 and "plans for the budget less a 128.00 MiB reserve" in " ".join(out.split())
+    assert "that any policy needs" in user_error(capsys, "search", *args)
