@@ -437,7 +437,8 @@ def capture(
     mode: contextlib.AbstractContextManager[Any] = FakeTensorMode() if fake else contextlib.nullcontext()
     gpu = fake and trace_key(target)[0]
     with mode, fake_trace_choices(target) if fake else contextlib.nullcontext(), contextlib.ExitStack() as stack:
-        model, batch, loss_fn = build()
+        with _fake_conversions() if fake else contextlib.nullcontext():
+            model, batch, loss_fn = build()
         if isinstance(mode, FakeTensorMode):
             _own_fakes(model, mode)
         model.train()
@@ -510,6 +511,31 @@ def _plain_iteration_s(
     elapsed = time.perf_counter() - start
     opt.zero_grad(set_to_none=True)
     return elapsed, (issued - start) if cuda else None
+
+
+@contextlib.contextmanager
+def _fake_conversions() -> Iterator[None]:
+    """A factory that converts its model in place (``model.to(memory_format=torch.channels_last)``, a dtype)
+    under FakeTensorMode: ``Module._apply`` swaps each fake parameter with its converted one
+    (``torch.utils.swap_tensors``), which fails on a fake tensor the mode holds a weak reference to
+    ("Couldn't swap Conv2d.weight"); there the parameter takes the converted one's data instead, which is what
+    ``_apply`` does for real tensors. Only while the factory runs."""
+    swap = torch.utils.swap_tensors
+
+    def swap_or_set(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        try:
+            swap(t1, t2)
+        except RuntimeError as e:
+            if "weakref" not in str(e) or not isinstance(t1, FakeTensor):
+                raise
+            with torch.no_grad():
+                t1.data = t2.detach()
+
+    torch.utils.swap_tensors = swap_or_set
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = swap
 
 
 def _own_fakes(model: torch.nn.Module, mode: FakeTensorMode) -> None:

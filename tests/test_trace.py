@@ -151,6 +151,25 @@ def test_a_model_that_deep_copies_its_layers_traces_in_fake_mode() -> None:
     assert fake.fingerprint == real.fingerprint
 
 
+def test_a_factory_that_converts_its_model_to_channels_last_traces_in_fake_mode() -> None:
+    """``model.to(memory_format=torch.channels_last)`` in a factory failed under FakeTensorMode ("_apply():
+    Couldn't swap Conv2d.weight", blamed on the factory: a QA run). Now the fake trace runs, with the real
+    trace's keys and sizes."""
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3),
+                              nn.Flatten(), nn.Linear(8 * 6 * 6, 10)).to(memory_format=torch.channels_last)  # fmt: skip
+        x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 10, (4,))
+        return model, (x, y), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])
+
+    fake = capture(build, name="cl", batch_size=4, fake=True)
+    real = capture(build, name="cl", batch_size=4, fake=False)
+    assert [(c.key, c.nbytes) for c in fake.candidates] == [(c.key, c.nbytes) for c in real.candidates]
+    assert len(fake.candidates) >= 4
+
+
 def test_keys_stable_and_fingerprints() -> None:
     a = capture(tiny_cnn_build(), name="cnn", batch_size=2, fake=True)
     b = capture(tiny_cnn_build(), name="cnn", batch_size=2, fake=True)
