@@ -431,6 +431,9 @@ def write_answer(outcome: SearchOutcome) -> bool:
     written (False)."""
     if not outcome.found.feasible:
         return False
+    # The run's evaluations, as its output counts them (the searcher's own share alone read as a third
+    # count beside the JSON's evaluations and simulations).
+    outcome.found.policy.provenance.trials = outcome.problem.evaluations
     outcome.found.policy.save(outcome.policy_path)
     outcome.written = True
     return True
@@ -589,7 +592,8 @@ def render(out: Console, outcome: SearchOutcome) -> None:
     if outcome.written:
         converged = "; converged, stopped before the time limit" if outcome.ctx.state.converged_s is not None else ""
         out.print(
-            f"policy written to {outcome.policy_path} ({p.evaluations - p.cached:,} simulations, {outcome.wall_s:.1f} s"
+            f"policy written to {outcome.policy_path} ({p.evaluations:,} evaluations, {p.evaluations - p.cached:,} of "
+            f"them simulated, the rest found in the cache; {outcome.wall_s:.1f} s"
             f"{converged}); check it with `autotune simulate --policy {outcome.policy_path}`"
         )
 

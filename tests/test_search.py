@@ -407,6 +407,9 @@ def test_search_json_and_policy_roundtrip(capsys: pytest.CaptureFixture[str], tm
     assert again["peak_bytes"] == got["peak_bytes"] and again["iter_s"] == got["iter_s"]
     assert "planning for a100-40gb" in err and "reserve" in err
     assert json.loads(out.read_text())["budget_bytes"] == 200_000_000  # train caps the device at the budget
+    # One count of the run's work: the file's trials were the searcher's own share (a QA run read 48,381 in the
+    # file beside 48,983 evaluations and 29,416 simulations in the JSON).
+    assert json.loads(out.read_text())["provenance"]["trials"] == got["evaluations"] > got["simulations"] > 0
 
 
 def test_search_stops_early_once_converged_and_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
