@@ -47,6 +47,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -100,13 +101,15 @@ def check_storage(url: str) -> None:
     import optuna
 
     new = _new_sqlite_file(url)
-    if new is not None:  # made by the search itself: a run refused before it leaves no empty database behind
-        from runtime.fileio import check_writable
-
-        check_writable(new, "--storage")
-        return
     try:
-        optuna.storages.get_storage(url)  # RDB URLs: parse, connect, create the schema
+        if new is not None:  # made by the search itself: a run refused before it leaves no empty database behind
+            from runtime.fileio import write_problem
+
+            problem = write_problem(Path(new).absolute().parent)
+            if problem is not None:
+                raise OSError(problem)
+        else:
+            optuna.storages.get_storage(url)  # RDB URLs: parse, connect, create the schema
     except Exception as e:  # SQLAlchemy's and the drivers' errors have no common base worth naming
         text = " ".join(str(e).split())
         cause = text.split("(Background on this error")[0].strip()[:240] or type(e).__name__

@@ -61,13 +61,24 @@ def check_folder(path: str | os.PathLike[str] | None, option: str) -> None:
 
 
 def _writable_in(folder: Path, what: str, how: str) -> None:
-    """Refuse a folder this process may not write in: by its permissions, then by making and removing a file
-    in it, as the write will (permissions say yes where a read-only or special file system, ``/proc``, says no)."""
+    """Refuse a folder this process may not write in (:func:`write_problem`)."""
+    problem = write_problem(folder)
+    if problem is not None:
+        raise AutotuneError(f"{what}: {problem}; {how}")
+
+
+def write_problem(folder: Path) -> str | None:
+    """Why this process cannot make a file in ``folder`` (None: it can): by its permissions, then by making and
+    removing a file in it, as the write will (permissions say yes where a read-only or special file system,
+    ``/proc``, says no)."""
+    if not folder.is_dir():
+        return f"the folder {str(folder)!r} does not exist"
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise AutotuneError(f"{what}: cannot write in the folder {str(folder)!r}; {how}")
+        return f"cannot write in the folder {str(folder)!r}"
     try:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".autotune-", suffix=".tmp")
         os.close(fd)
         os.unlink(tmp)
     except OSError as e:
-        raise AutotuneError(f"{what}: cannot write in the folder {str(folder)!r} ({e.strerror}); {how}") from None
+        return f"cannot write in the folder {str(folder)!r} ({e.strerror})"
+    return None

@@ -474,7 +474,8 @@ def test_applied_refuses_another_model_unless_told(tmp_path: Path, capsys: pytes
 @pytest.mark.parametrize(
     ("url", "says"),
     [
-        ("sqlite:////nonexistent-folder/x.db", "unable to open database file"),
+        ("sqlite:////nonexistent-folder/x.db", "the folder '/nonexistent-folder' does not exist"),
+        ("sqlite:////proc/x.db", "cannot write in the folder '/proc'"),
         ("not-a-url", "Could not parse"),
         ("postgresql://u:p@127.0.0.1:1/db", "onnect"),  # nothing listens on port 1
     ],
