@@ -939,14 +939,15 @@ def sweep(
     _check_heartbeat(heartbeat)
 
     method_list = sw.check_methods(methods)
-    budget_list = [parse_size(b) for b in budgets.split(",") if b.strip()]
-    names = [m.strip() for m in models.split(",") if m.strip()]
+    # Each model and budget once, in the order given (400MiB and 419430400 are one budget: one cell, one file).
+    budget_list = list(dict.fromkeys(parse_size(b) for b in budgets.split(",") if b.strip()))
+    names = list(dict.fromkeys(m.strip() for m in models.split(",") if m.strip()))
     if not names or not budget_list:
         raise AutotuneError("give at least one model and one budget, e.g. --models resnet50 --budgets 4GB,6GB")
     if trials <= 0 or not _positive(timeout):
         raise AutotuneError(f"invalid --trials {trials} / --timeout {timeout}: expected positive numbers")
     if gpu:
-        profiles = [get_profile(p.strip()) for p in gpu.split(",") if p.strip()]
+        profiles = [get_profile(p) for p in dict.fromkeys(p.strip() for p in gpu.split(",") if p.strip())]
     else:
         hw, note = resolve_profile(None)
         err.print(note)

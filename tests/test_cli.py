@@ -570,4 +570,9 @@ def test_profile_says_what_search_plans_for_at_the_same_budget(capsys: pytest.Ca
     assert r["planned_budget_bytes"] == 300 * 2**20 - r["reserve_bytes"] and r["reserve_bytes"] == 128 * 2**20
     code, out, _ = run(capsys, "profile", *args)
     assert code == 0 and "plans for the budget less a 128.00 MiB reserve" in " ".join(out.split())
+    # The no-policy speed as simulate (and search, sweep) say it: the host's clock included, not compute alone.
+    code, out, err = run(capsys, "simulate", *args[:6], "--action", "keep", "--json")
+    assert code == 0, err
+    assert json.loads(out)["no_policy"]["samples_per_s"] == r["samples_per_s"]
+    assert r["iter_s"] > r["compute_s"]
     assert "that any policy needs" in user_error(capsys, "search", *args)

@@ -197,3 +197,8 @@ def test_a_budget_below_the_default_reserve_is_shown_as_typed(tmp_path: Path) ->
     (cell,) = json.loads(proc.stdout)["cells"]
     assert cell["below_floor"] and cell["budget_bytes"] + cell["reserve_bytes"] == 100 * 2**20
     assert "less a 128.00 MiB reserve" in proc.stderr
+    # A model, budget or profile given twice is one cell (resnet18,resnet18 x 100MiB,104857600 made four).
+    proc = autotune("sweep", "--models", "resnet18,resnet18", "--batch-size", "8", "--gpu", "a100-40gb,a100-40gb",
+                    "--budgets", "100MiB,104857600", "--trials", "2", "--timeout", "5", "--storage",
+                    f"sqlite:///{tmp_path / 's.db'}", "--json")  # fmt: skip
+    assert len(json.loads(proc.stdout)["cells"]) == 1
