@@ -50,6 +50,7 @@ import functools
 import importlib.metadata
 import importlib.resources
 import json
+import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -114,6 +115,16 @@ class Prediction:
     peak_bytes: int
     iter_s: float
     samples_per_s: float
+
+    def __post_init__(self) -> None:
+        # JSON's schema takes NaN and Infinity for numbers (Python writes and reads them): refused here.
+        for name in ("peak_bytes", "iter_s", "samples_per_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise AutotuneError(
+                    f"{name}={value!r}: expected a finite number, 0 or more (a file's predicted or measured "
+                    "figures; remove the field, or simulate the policy again with --save-policy)"
+                )
 
 
 @dataclass

@@ -308,3 +308,17 @@ def test_keys_from_another_device_are_tolerated_when_most_agree(tmp_path: Path, 
         policy = load_policy(path, cnn)
     vec = policy.to_vector(cnn)
     assert vec[0] == Action.KEEP.code and all(v == Action.SWAP.code for v in vec[1:])
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_figure_that_is_no_number_is_refused(tmp_path: Path, mlp: Workload, value: float) -> None:
+    """``"samples_per_s": NaN`` passed the schema (JSON's numbers, as Python reads them) and loaded."""
+    path = tmp_path / "p.json"
+    policy = Policy.uniform(mlp, Action.KEEP, hardware="a100-40gb")
+    policy.predicted = Prediction(1000, 0.5, 2.0)
+    policy.save(path)
+    data = json.loads(path.read_text())
+    data["predicted"]["samples_per_s"] = value
+    path.write_text(json.dumps(data))
+    with pytest.raises(AutotuneError, match=r"samples_per_s=.*expected a finite number"):
+        load_policy(path)
