@@ -358,6 +358,9 @@ class Simulator:
         self._rec_own = np.array([length * hw.host.replay_op_s for length in self._closure_len], dtype=np.float64)
         self._rec_host = np.array(self._closure_host, dtype=np.float64) + self._rec_own
         self._no_floors = np.empty((0, 3))
+        self._no_served = np.zeros(self.k, dtype=bool)
+        self._no_ops = np.zeros(0, dtype=np.int64)
+        self._no_weights = np.zeros(0)
         self._compress_cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         needed = np.flatnonzero(self.first_use < n)
         self._need_order = needed[np.lexsort((needed, self.first_use[needed]))]
@@ -853,14 +856,9 @@ class Simulator:
             sorted_pos = self.first_use[uses_arr]
             ev_ci = uses_arr
             ev_kind = np.full(len(uses_arr), USE, dtype=np.int64)
-        # Where the clocks are read: the start, each op with events, the end; one segment of ops with no event
-        # inside between each two (Hc, Dc at its ends, the largest reach inside), read in turn by the walk.
-        firsts = np.ones(len(sorted_pos), dtype=bool)
-        np.not_equal(sorted_pos[1:], sorted_pos[:-1], out=firsts[1:])
-        stops = np.concatenate([[begin_at], sorted_pos[firsts], [n]])
-        seg_max = np.maximum.reduceat(reach, stops[:-1]) if n > begin_at else np.zeros(1)
-        # Events at the start: an empty segment before them, skipped.
-        at_start = (sorted_pos[0] if len(sorted_pos) else n) == begin_at
+        # The clocks are read at the start, each op with events and the end; between each two, a segment of ops
+        # with no event inside (Hc, Dc at its ends, the largest reach inside), walked in turn.
+        at_start = (sorted_pos[0] if len(sorted_pos) else n) == begin_at  # events at the start: walked first
         extra = np.zeros(n, dtype=np.int64)  # Rule 7: the largest recompute held before each op
         moved = np.empty(2 * k, dtype=np.int64)  # made again in backward: candidate, op, ...
         floors = np.empty((n + 1, 3)) if timeline else self._no_floors  # the clocks after the events at an op
@@ -869,11 +867,11 @@ class Simulator:
             ev_kind,
             ev_ci,
             n,
-            hcum[stops],
-            dcum[stops],
-            seg_max,
-            1 if at_start else 0,
-            begin_at if at_start else -1,
+            hcum,
+            dcum,
+            reach,
+            begin_at,
+            bool(at_start),
             ih,
             ed,
             compress_s,
@@ -906,60 +904,44 @@ class Simulator:
         overhead_s += own_dyn
         iter_s = accumulated_s(w, t_end, self._optimizer_alone)
 
-        # Rule 2: candidate intervals, as changes to keep-all's (each candidate [producer, free_op]), in one
-        # bincount of +size where an interval starts and -size after it ends. An interval that ends before it
-        # starts holds nothing: its end moves to just before its start (``_*_end``: one past the end so moved).
-        nk = cands[~keep_mask]
-        if len(nk):
-            z = self._size_f[nk]
-            at_l = [self._keep_end[nk], self._drop_end[nk]]  # not kept: storage until free_if_dropped_op
-            w_l = [z, -z]
-            if copies:  # ... a swapped one's until its release point, if later (Rule 4)
-                z = self._size_f[swp]
-                late = np.maximum(np.maximum(self.drop[swp], release_op), self.producer[swp] - 1) + 1
-                at_l += [self._drop_end[swp], late]
-                w_l += [z, -z]
-            elif swapping:  # Rule 4 without copy engines: the copy is device memory, [save_op, free_op]
-                z = self._size_f[swp]
-                at_l += [self.save_op[swp], self._keep_end_from_save[swp]]
-                w_l += [z, -z]
-            # Copied back, regenerated, unpacked: [op, free_op] (Rules 5, 7, 8), but those regions regenerate (Rule 11).
-            made = handled & self._used
-            if sync and swapping:
-                made &= ~swp_mask  # Rule 4: no copy back without copy engines
-            bop = np.where(swp_mask, trigger_all, self.first_use) if copies else self.first_use.copy()
-            if n_moved:
-                made[moved[::2]] = True
-                bop[moved[::2]] = moved[1::2]
-                if regions:
-                    made &= ~served
-            bci = cands[made]
-            b_op = bop[bci]
-            z = self._size_f[bci]
-            at_l += [b_op, np.maximum(self.free_keep[bci], b_op - 1) + 1]
-            w_l += [z, -z]
-            if len(comp):  # packed: [save_op, u], to the end if never unpacked (Rule 8; the end is past n)
-                pz = self._packed_f(options.compress_dtype, packed)
-                at_l.append(self.save_op[comp])
-                w_l.append(pz[comp])
-                uci = cands[made & comp_mask]
-                at_l.append(np.maximum(bop[uci], self.save_op[uci] - 1) + 1)
-                w_l.append(-pz[uci])
-            if regions:  # Rule 11: regenerated copies, held arguments
-                at_l.append(view.interval_at)
-                w_l.append(view.interval_w)
-            delta = np.bincount(np.concatenate(at_l), weights=np.concatenate(w_l), minlength=n + 1)[:n]
-            delta += self._live_keep_delta
-            live = np.add.accumulate(delta)
-        else:
-            live = self._live_keep.copy()
+        # Rule 2 (envs/walk.py: live_bytes), Rules 7 and 11's recomputes held at their op included.
         for rc in region_costs:
             if rc.use < n and rc.transient > extra[rc.use]:
                 extra[rc.use] = rc.transient
-        ops = np.flatnonzero(extra)
-        if len(ops):  # Rules 7, 11: the recompute runs before op u allocates its own outputs
-            held_b = extra[ops]
-            live[ops] = np.maximum(live[ops], live[ops] - self._alloc_ws[ops] + held_b)
+        live = walk.compiled_live()(
+            n,
+            act,
+            handled,
+            served if regions else self._no_served,
+            bool(regions),
+            copies,
+            swapping,
+            sync,
+            swp,
+            release_op if copies else self._no_ops,
+            trigger_all,
+            moved,
+            n_moved,
+            self._size_f,
+            self._keep_end,
+            self._drop_end,
+            self.drop,
+            self.producer,
+            self.save_op,
+            self._keep_end_from_save,
+            self.free_keep,
+            self.first_use,
+            self._used,
+            self._packed_f(options.compress_dtype, packed),
+            view.interval_at if regions else self._no_ops,
+            view.interval_w if regions else self._no_weights,
+            self._live_keep_delta,
+            extra,
+            self._alloc_ws,
+            KEEP,
+            SWAP,
+            COMPRESS,
+        )
         peak_op = int(live.argmax())
         peak = int(live[peak_op])
         swapped_bytes = int(self.nbytes[swp].sum())

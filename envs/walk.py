@@ -31,11 +31,11 @@ def walk(
     kind: np.ndarray,
     cis: np.ndarray,
     n: int,
-    hcl: np.ndarray,
-    dcl: np.ndarray,
-    seg_max: np.ndarray,
-    seg0: int,
-    at0: int,
+    hcum: np.ndarray,
+    dcum: np.ndarray,
+    reach: np.ndarray,
+    begin_at: int,
+    at_start: bool,
     ih: float,
     ed: float,
     compress_s: float,
@@ -66,11 +66,11 @@ def walk(
     """Walk the events ``pos`` (op before which each happens, in order), ``kind`` and ``cis`` (candidate), then
     the end at op ``n``.
 
-    Between two ops with events the clocks advance over the segment of ops in between (Rule 1): ``hcl`` and
-    ``dcl`` are the host's and the compute stream's cumulative seconds at each segment's ends, ``seg_max``
-    the largest reach inside; ``seg0`` is the first segment to read and ``at0`` the op the walk starts at
-    (-1: before any); ``compress_s`` and ``recompute_s`` are those before the walk, added to in order.
-    ``d2h_end`` holds each swapped candidate's copy-out end where forward was settled
+    Between two ops with events the clocks advance over the segment of ops in between (Rule 1): ``hcum`` and
+    ``dcum`` are the host's and the compute stream's cumulative seconds before each op, ``reach`` each op's
+    (when the host has issued it, less the compute before it); the walk starts at op ``begin_at``, at its
+    events there first where ``at_start``; ``compress_s`` and ``recompute_s`` are those before the walk,
+    added to in order. ``d2h_end`` holds each swapped candidate's copy-out end where forward was settled
     before the walk, and receives those the walk issues. Writes, per op, the largest recompute held
     (``extra``, Rule 7), each candidate made again in backward and where (``moved``: candidate, op, ...)
     and, with ``timeline``, the clocks after the events at each op (``floors``: op, host, device rows).
@@ -92,8 +92,8 @@ def walk(
     h2d_free = 0.0
     n_moved = 0
     n_floors = 0
-    seg = seg0
-    at = at0
+    prev = begin_at  # where the segment being walked starts
+    at = begin_at if at_start else -1
     n_events = pos.shape[0]
     for e in range(n_events + 1):
         if e < n_events:
@@ -110,8 +110,12 @@ def walk(
                 floors[n_floors, 1] = ih
                 floors[n_floors, 2] = ed
                 n_floors += 1
-            hp, dp, hn, dn, top = hcl[seg], dcl[seg], hcl[seg + 1], dcl[seg + 1], seg_max[seg]
-            seg += 1
+            hp, dp, hn, dn = hcum[prev], dcum[prev], hcum[x], dcum[x]
+            top = reach[prev] if prev < x else 0.0  # the largest reach in the segment
+            for i in range(prev + 1, x):
+                if reach[i] > top:
+                    top = reach[i]
+            prev = x
             if sync:
                 ed = ed + (hn - hp) + (dn - dp)
                 ih = ed
@@ -268,3 +272,103 @@ def compiled() -> Callable[..., Any]:
     import numba
 
     return numba.njit(cache=True, nogil=True)(walk)  # type: ignore[no-any-return]
+
+
+def live_bytes(
+    n: int,
+    act: np.ndarray,
+    handled: np.ndarray,
+    served: np.ndarray,
+    regions: bool,
+    copies: bool,
+    swapping: bool,
+    sync: bool,
+    swp: np.ndarray,
+    release_op: np.ndarray,
+    trigger_all: np.ndarray,
+    moved: np.ndarray,
+    n_moved: int,
+    size_f: np.ndarray,
+    keep_end: np.ndarray,
+    drop_end: np.ndarray,
+    drop: np.ndarray,
+    producer: np.ndarray,
+    save_op: np.ndarray,
+    keep_end_from_save: np.ndarray,
+    free_keep: np.ndarray,
+    first_use: np.ndarray,
+    used: np.ndarray,
+    packed_f: np.ndarray,
+    region_at: np.ndarray,
+    region_w: np.ndarray,
+    live_keep_delta: np.ndarray,
+    extra: np.ndarray,
+    alloc_ws: np.ndarray,
+    keep: int,
+    swap: int,
+    compress: int,
+) -> np.ndarray:
+    """Rule 2: the live bytes during each op under the policy, as changes to keep-all's (``live_keep_delta``,
+    op to op): each candidate not kept holds its storage to ``free_if_dropped_op`` (a swapped one to its
+    release point ``release_op``, in ``swp``'s order; without copy engines its copy [save_op, free_op]); what
+    is made again in backward (copied back, regenerated, unpacked: at its first use, its copy back's trigger
+    op, or where ``moved`` says) to its free op; a compressed one's packed bytes [save_op, its unpack]; the
+    regions' intervals (``region_at``, ``region_w``); and, Rules 7 and 11, the recompute held before op u
+    allocates its own outputs (``extra``). Byte counts are exact in float64, so the order of the sums is
+    free. An interval that ends before it starts holds nothing (its end moves to just before its start)."""
+    k = act.shape[0]
+    delta = np.zeros(n + 1)
+    bop = first_use.copy()
+    made = np.zeros(k, dtype=np.bool_)
+    for ci in range(k):
+        a = act[ci]
+        if a == keep:
+            continue
+        z = size_f[ci]
+        delta[keep_end[ci]] += z  # not kept: storage until free_if_dropped_op
+        delta[drop_end[ci]] -= z
+        if copies and a == swap:
+            bop[ci] = trigger_all[ci]
+        made[ci] = handled[ci] and used[ci] and not (sync and swapping and a == swap)  # Rule 4: no copy back
+    for j in range(swp.shape[0]):
+        ci = swp[j]
+        z = size_f[ci]
+        if copies:  # ... a swapped one's until its release point, if later (Rule 4)
+            late = max(max(drop[ci], release_op[j]), producer[ci] - 1) + 1
+            delta[drop_end[ci]] += z
+            delta[late] -= z
+        elif swapping:  # Rule 4 without copy engines: the copy is device memory, [save_op, free_op]
+            delta[save_op[ci]] += z
+            delta[keep_end_from_save[ci]] -= z
+    for i in range(0, n_moved, 2):
+        made[moved[i]] = True
+        bop[moved[i]] = moved[i + 1]
+    for ci in range(k):
+        if regions and served[ci]:
+            made[ci] = False  # a region regenerates it (Rule 11)
+        if made[ci]:  # copied back, regenerated, unpacked: [op, free_op] (Rules 5, 7, 8)
+            z = size_f[ci]
+            b = bop[ci]
+            delta[b] += z
+            delta[max(free_keep[ci], b - 1) + 1] -= z
+        if act[ci] == compress:  # packed: [save_op, u], to the end if never unpacked (Rule 8)
+            delta[save_op[ci]] += packed_f[ci]
+            if made[ci]:
+                delta[max(bop[ci], save_op[ci] - 1) + 1] -= packed_f[ci]
+    for j in range(region_at.shape[0]):  # Rule 11: regenerated copies, held arguments
+        delta[region_at[j]] += region_w[j]
+    live = np.empty(n)
+    acc = 0.0
+    for i in range(n):
+        acc += delta[i] + live_keep_delta[i]
+        held = extra[i]
+        live[i] = max(acc, acc - alloc_ws[i] + held) if held else acc
+    return live
+
+
+@functools.cache
+def compiled_live() -> Callable[..., Any]:
+    """:func:`live_bytes` compiled by numba (once per process; cached on disk)."""
+    import numba
+
+    return numba.njit(cache=True, nogil=True)(live_bytes)  # type: ignore[no-any-return]

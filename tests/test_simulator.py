@@ -280,12 +280,13 @@ def test_fast_equals_reference_on_random_policies(profile: str) -> None:
 
 
 def test_the_compiled_walk_equals_the_same_walk_run_as_python(monkeypatch: pytest.MonkeyPatch) -> None:
-    """envs/walk.py compiled by numba computes what its source computes as plain Python, to the bit: the
-    timelines, clocks and every figure of random policies on both a GPU profile and the CPU's."""
+    """envs/walk.py compiled by numba (the event walk, the live bytes) computes what its source computes as
+    plain Python, to the bit: the timelines, clocks and every figure of random policies on both a GPU profile
+    and the CPU's."""
     from envs import walk
 
-    compiled = walk.compiled()
-    assert compiled is not walk.walk and hasattr(compiled, "signatures")  # a numba dispatcher, not the source
+    for compiled, source in ((walk.compiled(), walk.walk), (walk.compiled_live(), walk.live_bytes)):
+        assert compiled is not source and hasattr(compiled, "signatures")  # a numba dispatcher, not the source
     w = capture(tiny_cnn_build(), name="w", batch_size=2)
     for profile in ("a100-40gb", "cpu"):
         sim = Simulator(w, get_profile(profile))
@@ -293,6 +294,7 @@ def test_the_compiled_walk_equals_the_same_walk_run_as_python(monkeypatch: pytes
         fast = [sim.run(acts, options=opts, timeline=True).to_dict() for acts, opts in policies]
         with monkeypatch.context() as m:
             m.setattr(walk, "compiled", lambda: walk.walk)
+            m.setattr(walk, "compiled_live", lambda: walk.live_bytes)
             plain = [sim.run(acts, options=opts, timeline=True).to_dict() for acts, opts in policies]
         assert fast == plain
 
