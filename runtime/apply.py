@@ -333,6 +333,7 @@ class PolicyRuntime:
         self._wrappers: list[tuple[torch.nn.Module, Callable[..., Any]]] | None = None  # R10, made at first use
         self._region_calls: dict[str, int] = {}
         self._leaves: dict[Frame, list[torch.Tensor] | None] = {}  # R10: learnt in a region's first step
+        self._double = False  # a backward with create_graph=True reached a node (R10: checkpoint from then on)
         self._parameters: frozenset[int] = frozenset()  # the trainable parameters the leaves were learnt with
         self.stats = RuntimeStats()
 
@@ -553,12 +554,16 @@ class PolicyRuntime:
             self._suspended += 1
             frame = (path, call)
             try:
-                nodes, known = self.policy.options.region_nodes, frame in self._leaves
+                # Once a backward that builds a graph (create_graph=True: a gradient penalty) has reached a node,
+                # the regions run under checkpoint for good (N2: a node's double backward sums otherwise).
+                nodes = self.policy.options.region_nodes and not self._double
+                known = frame in self._leaves
                 # None: under checkpoint (N4), as in any step that learns (R11): the keys of what the call's
                 # outputs are saved as name the op that made them, which a node would stand in for.
                 leaves = self._leaves[frame] if nodes and known and not self._keying else None
                 if leaves is not None:
-                    out = run_region(recomputable, args, kwargs, leaves, region.rng, self.device.type)
+                    out = run_region(recomputable, args, kwargs, leaves, region.rng, self.device.type,
+                                     on_double=self._double_backward)  # fmt: skip
                 else:
                     learning = Learning(args, kwargs) if nodes and not known else None
                     self.stats.checkpointed += 1
@@ -581,6 +586,20 @@ class PolicyRuntime:
             return out
 
         return region_forward
+
+    def _double_backward(self) -> None:
+        """R10: a backward with create_graph=True reached a region run as one node. Its gradients are plain
+        training's to rounding in this step (the node's second-order terms sum in another order); from the
+        next step on the regions run under torch.utils.checkpoint, which gives plain training's bits."""
+        if not self._double:
+            self._double = True
+            warnings.warn(
+                "autotune: a backward with create_graph=True (a gradient penalty, a double backward) reached a "
+                "region run as one autograd node: this step's gradients match plain training's to rounding; "
+                "from the next step the regions run under torch.utils.checkpoint, bit for bit (set "
+                '"region_nodes": false in the policy\'s options to start so)',
+                stacklevel=2,
+            )
 
     def _name(self, named: list[tuple[int, str]], values: Any) -> None:
         if not named:

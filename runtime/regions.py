@@ -21,7 +21,10 @@ NOTE [ Regions without a graph ]
         recomputed outputs are dropped once their gradient edges are taken (what backward does not save
         goes at once), and ``torch.autograd.grad`` runs the call's backward from those edges to the inputs
         and the leaves: the same kernels on the same values in the same order as plain training, so the
-        gradients are the same bits. Every saved tensor of the recompute is held natively, nothing in Python
+        gradients are the same bits. A backward that builds a graph (``create_graph=True``: a gradient
+        penalty) runs it on the inputs as saved, with their history, and builds the graph too: the second
+        order terms are kept, summed otherwise (plain training's to rounding), and the runtime runs the
+        regions under checkpoint from the next step on (runtime R10). Every saved tensor of the recompute is held natively, nothing in Python
         per tensor. It re-runs the whole call, not up to its last pack as checkpoint does. What it holds
         that checkpoint would not: the outputs it re-makes that nothing inside saves, until the recompute
         ends; the outputs' gradients until the call's backward is done (the node's caller holds its
@@ -114,6 +117,7 @@ class _Call:
     autocast: tuple[tuple[bool, torch.dtype], tuple[bool, torch.dtype], bool] | None = None
     out_flat: list[Any] | None = None  # the outputs' non-tensor leaves, tensors as _TENSOR
     out_spec: TreeSpec | None = None
+    on_double: Callable[[], None] | None = None  # told when a backward with create_graph=True reaches the node
 
     @property
     def n_inputs(self) -> int:
@@ -181,8 +185,19 @@ class _Region(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         call: _Call = ctx.call
+        # A backward that builds a graph of its own (create_graph=True: a gradient penalty, a double backward)
+        # runs in grad mode: then the recompute reads the inputs as saved, with their history, and the
+        # gradients it returns are differentiable, to the inputs' history as to the leaves (N2). Detached,
+        # the second-order terms through the region were lost (a penalty's gradients off by 0.9%).
+        double = torch.is_grad_enabled()
+        if double and call.on_double is not None:
+            call.on_double()
         inputs = [
-            t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else t
+            t
+            if double
+            else t.detach().requires_grad_(t.requires_grad)
+            if t.is_floating_point() or t.is_complex()
+            else t
             for t in ctx.saved_tensors
         ]
         with call.replaying(), _native_saves(), torch.enable_grad():
@@ -202,15 +217,16 @@ class _Region(torch.autograd.Function):
         wrt = [*wanted, *call.leaves]
         got: list[torch.Tensor | None] = [None for _ in wrt]
         if roots and wrt:
-            got = list(torch.autograd.grad(roots, wrt, root_grads, allow_unused=True))
+            got = list(torch.autograd.grad(roots, wrt, root_grads, allow_unused=True, create_graph=double))
         it = iter(got)
         input_grads = [next(it) if t.requires_grad else None for t in inputs]
         return (None, *input_grads, *it)
 
 
 def run(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], leaves: Sequence[torch.Tensor],
-        rng: bool, device_type: str) -> Any:  # fmt: skip
-    """The call ``forward(*args, **kwargs)`` as one node (N1, N2)."""
+        rng: bool, device_type: str, on_double: Callable[[], None] | None = None) -> Any:  # fmt: skip
+    """The call ``forward(*args, **kwargs)`` as one node (N1, N2); ``on_double`` is called when a backward that
+    builds a graph (create_graph=True) reaches it."""
     flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
     # A tensor passed several times is one input of the node, so that the recompute gets one object several
@@ -224,7 +240,7 @@ def run(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
             tensors.append(flat[i])
         slots.append(slot)
         flat[i] = None
-    call = _Call(forward, flat, spec, positions, slots, leaves, rng, device_type)
+    call = _Call(forward, flat, spec, positions, slots, leaves, rng, device_type, on_double=on_double)
     outs = _Region.apply(call, *tensors, *leaves)
     assert call.out_flat is not None and call.out_spec is not None
     it = iter(outs)
