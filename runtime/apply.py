@@ -365,11 +365,15 @@ class PolicyRuntime:
                 yield self.stats
                 return
             self._check_own_checkpointing()
-            if self.regions:  # parameters replaced (load_state_dict(assign=True)), frozen or unfrozen: learn again
-                trainable = frozenset(id(p) for p in self.model.parameters() if p.requires_grad)
-                if trainable != self._parameters:
-                    self._leaves.clear()
-                    self._parameters = trainable
+            # Parameters replaced (load_state_dict(assign=True)), frozen or unfrozen: learn again, the regions'
+            # leaves (N5) and the tables (R11: a frozen layer saves other tensors, and a replayed chain reads
+            # what it no longer keeps; the tables of before failed in backward, "no recorded producer").
+            trainable = frozenset(id(p) for p in self.model.parameters() if p.requires_grad)
+            if trainable != self._parameters:
+                if self._parameters:
+                    self._learned.clear()
+                self._leaves.clear()
+                self._parameters = trainable
             with self._regions_installed():
                 if not hooks:
                     yield self.stats
@@ -885,6 +889,12 @@ class PolicyRuntime:
         assert e.key is not None and e.action is not None
         handle = self._by_key.get(e.key)
         if handle is None:
+            rec = self._recorder
+            if e.action == Action.RECOMPUTE and rec is not None and not rec.writers.get(rec.sid(t.untyped_storage())):
+                # R11: a tensor this step's recorder did not see made matches a replayed entry by shape alone
+                # (layers frozen since the step the tables were learnt from, a branch taken): it is kept, and
+                # the next step with these inputs learns again, rather than failing in backward.
+                return self._mismatched(t, self._tables[-1].pos - 1)
             handle = self._by_key[e.key] = self._new_handle(e.key, e.action, t)
         elif handle.ref() is not t.untyped_storage():
             return self._mismatched(t, -1)

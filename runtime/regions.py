@@ -14,22 +14,20 @@ NOTE [ Regions without a graph ]
         takes the leaves the call reads (its parameters: N4) as inputs of its own, so that their gradients
         leave it as edges into their ``AccumulateGrad`` nodes, in the graph task that runs backward
         (DistributedDataParallel's hooks fire there, as without a policy).
-    N2. Backward. When the engine reaches the node (every gradient of the call's outputs is in: the point
-        where the call's own backward would begin), the call runs again with autograd on, under the RNG
-        state of its forward where it draws random numbers and the autocast state of its forward, with no
-        saved-tensor hooks (the runtime's own may be on through backward, R11); the
-        recomputed outputs are dropped once their gradient edges are taken (what backward does not save
-        goes at once), and ``torch.autograd.grad`` runs the call's backward from those edges to the inputs
-        and the leaves: the same kernels on the same values in the same order as plain training, so the
-        gradients are the same bits. A backward that builds a graph (``create_graph=True``: a gradient
-        penalty) runs it on the inputs as saved, with their history, and builds the graph too: the second
-        order terms are kept, summed otherwise (plain training's to rounding), and the runtime runs the
-        regions under checkpoint from the next step on (runtime R10). Every saved tensor of the recompute is held natively, nothing in Python
-        per tensor. It re-runs the whole call, not up to its last pack as checkpoint does. What it holds
-        that checkpoint would not: the outputs it re-makes that nothing inside saves, until the recompute
-        ends; the outputs' gradients until the call's backward is done (the node's caller holds its
-        arguments); the gradients it returns (parameters' gradients that are added into existing ones:
-        gradient accumulation) until then too. Rule 11 counts all three.
+    N2. Backward. When the engine reaches the node (every gradient of the call's outputs is in: the point where the
+        call's own backward would begin), the call runs again with autograd on, under the RNG state of its forward where
+        it draws random numbers and the autocast state of its forward, with no saved-tensor hooks (the runtime's own may
+        be on through backward, R11); the recomputed outputs are dropped once their gradient edges are taken (what
+        backward does not save goes at once), and ``torch.autograd.grad`` runs the call's backward from those edges to
+        the inputs and the leaves: the same kernels on the same values in the same order as plain training, so the
+        gradients are the same bits. A backward that builds a graph (``create_graph=True``: a gradient penalty) runs it
+        on the inputs as saved, with their history, and builds the graph too: the second order terms are kept, summed
+        otherwise (plain training's to rounding), and the runtime runs the regions under checkpoint from the next step
+        on (runtime R10). Every saved tensor of the recompute is held natively, nothing in Python per tensor. It re-runs
+        the whole call, not up to its last pack as checkpoint does. What it holds that checkpoint would not: the outputs
+        it re-makes that nothing inside saves, until the recompute ends; the outputs' gradients until the call's
+        backward is done (the node's caller holds its arguments); the gradients it returns (parameters' gradients that
+        are added into existing ones: gradient accumulation) until then too. Rule 11 counts all three.
     N3. Autocast's cache of parameters' casts is off during the forward: a cast made there has no graph and
         must not serve a later use of the parameter in the step (torch 2.14 does not cache casts made without
         grad mode anyway; this guards the versions the project supports). The values are the same. Under

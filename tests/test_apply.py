@@ -625,3 +625,70 @@ def test_the_cpu_gru_cell_trains_as_plain_under_any_policy() -> None:
         for acts in mixes:
             fast, ref = sim.run(acts), simulate_reference(w, hw, acts)
             assert fast.peak_bytes == ref.peak_bytes and fast.iter_s == pytest.approx(ref.iter_s, rel=1e-9)
+
+
+class _Blk(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.fc = torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.ln(x))
+
+
+class _Branchy(torch.nn.Module):
+    """A block used every other step (``step`` set by the loop), and a stem that may be frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.b1, self.extra, self.b2 = torch.nn.Linear(8, 16), _Blk(), _Blk(), _Blk()
+        self.out = torch.nn.Linear(16, 4)
+        self.step = 0
+        self.branch = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.b1(torch.tanh(self.inp(x)))
+        if self.branch and self.step % 2 == 1:
+            x = self.extra(x)
+        return self.out(self.b2(x))
+
+
+@pytest.mark.parametrize("change", ["freeze", "branch"])
+def test_a_step_whose_saved_tensors_change_under_equal_shapes_trains_as_plain(change: str) -> None:
+    """R11 with the tables of a step that saved other tensors for the same shapes: layers frozen after the
+    first step (a fine-tuning schedule), or a block used every other step. Replaying b2's input failed in
+    backward ("cannot recompute a saved tensor: storage 0 has no recorded producer", QA runs): a frozen stem
+    no longer keeps what the replay reads, and a pack matched the replayed entry by shape alone. Now the step
+    learns again (frozen) or keeps what it cannot replay (branch, with a warning), and trains as plain."""
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = _Branchy()
+        model.branch = change == "branch"
+        x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+        return model, (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    def train(policy: Policy | None) -> list[list[torch.Tensor | None]]:
+        model, batch, loss_fn = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = []
+        for step in range(4):
+            model.step = step
+            if change == "freeze":
+                for p in [*model.inp.parameters(), *model.b1.parameters()]:
+                    p.requires_grad_(step == 0)
+            opt.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the branch's tensors: keys not in the policy, kept
+                with policy.applied(model) if policy is not None else contextlib.nullcontext():
+                    loss_fn(model, batch).backward()
+            out.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+            opt.step()
+        return out
+
+    w = capture(build, name="branchy", batch_size=4, fake=False)
+    acts = np.array([RECOMPUTE if c.key == "b2.ln#0.0:Add" else KEEP for c in w.candidates], dtype=np.int8)
+    assert (acts == RECOMPUTE).sum() == 1
+    plain, got = train(None), train(Policy.from_vector(w, acts, hardware="cpu"))
+    for a, b in zip(plain, got, strict=True):
+        assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b, strict=True))
