@@ -424,6 +424,15 @@ class PolicyRuntime:
         def first_call(_m: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             nonlocal seen
             if seen:
+                if self._unpacked and torch.is_grad_enabled():
+                    # One step is one forward and its backward: a forward after the step's backward (several
+                    # micro-batches inside one ``applied``) packs against what the first has used up, and its
+                    # backward failed ("cannot recompute a saved tensor").
+                    raise AutotuneError(
+                        "policy.applied(model) covers one forward and its backward: the model was called again "
+                        "after this step's backward; enter it once per step (for gradient accumulation, once per "
+                        "micro-batch)"
+                    )
                 return
             seen = True
             inputs = (self.model.training, *signature(args, kwargs))  # eval-mode steps with backward (PGD) save others
@@ -1084,7 +1093,11 @@ class PolicyRuntime:
             return
         h.issued = True
         if h.host is None:
-            raise RuntimeError(f"autotune: swapped tensor {h.key!r} was needed after its release")
+            raise RuntimeError(
+                f"autotune: swapped tensor {h.key!r} was needed after its release: on the CPU its only copy goes at "
+                "its last unpack, so a second backward through the same graph (retain_graph=True) cannot read it; "
+                "keep it in the policy (or recompute it), or run one backward per forward"
+            )
         if not self._cuda:
             self._hold(h, h.host.untyped_storage())  # R3 on the CPU: no copy back
             return

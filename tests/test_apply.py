@@ -692,3 +692,30 @@ def test_a_step_whose_saved_tensors_change_under_equal_shapes_trains_as_plain(ch
     plain, got = train(None), train(Policy.from_vector(w, acts, hardware="cpu"))
     for a, b in zip(plain, got, strict=True):
         assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_second_forward_after_the_backward_inside_one_step_is_refused() -> None:
+    """Gradient accumulation written with every micro-batch inside one ``applied``: the second micro-batch's
+    backward failed with "cannot recompute a saved tensor: storage 18 has no recorded producer" (a QA run).
+    Refused in one line at the second call; a forward under no_grad in the same step is fine."""
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 5))  # fmt: skip
+        return (
+            m,
+            (torch.randn(6, 12), torch.randint(0, 5, (6,))),
+            lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+        )
+
+    w = capture(build, name="acc", batch_size=6, fake=False)
+    policy = Policy.from_vector(w, uniform_actions(w, Action.RECOMPUTE), hardware="cpu")
+    model, batch, loss_fn = build()
+    with policy.applied(model):
+        loss_fn(model, batch).backward()
+        with torch.no_grad():
+            model(batch[0])
+    with pytest.raises(AutotuneError, match="covers one forward and its backward"), policy.applied(model):
+        loss_fn(model, batch).backward()
+        loss_fn(model, batch).backward()
