@@ -154,13 +154,7 @@ def walk(
                         moved[n_moved] = c
                         moved[n_moved + 1] = x
                         n_moved += 2
-                        begin = d2h_end[c]
-                        if ed > begin:
-                            begin = ed
-                        if h2d_free > begin:
-                            begin = h2d_free
-                        h2d_free = begin + h2d_dur[c]
-                        h2d_end[c] = h2d_free
+                        h2d_free = _copy_back(c, ed, h2d_free, d2h_end, h2d_dur, h2d_end)
                         host_dyn += swap_host
                         ih += swap_host
                     until = h2d_end[c]
@@ -197,13 +191,7 @@ def walk(
             if not fetched[ci]:  # Rule 5: the copy back, issued as a block of no device work
                 own_dyn += swap_host
                 fetched[ci] = True
-                begin = d2h_end[ci]
-                if ed > begin:
-                    begin = ed
-                if h2d_free > begin:
-                    begin = h2d_free
-                h2d_free = begin + h2d_dur[ci]
-                h2d_end[ci] = h2d_free
+                h2d_free = _copy_back(ci, ed, h2d_free, d2h_end, h2d_dur, h2d_end)
                 host_dyn += swap_host  # (not on the CPU: no copies there)
                 ih += swap_host
         elif ev == RELEASE:
@@ -221,6 +209,22 @@ def walk(
         floors[n_floors, 2] = ed
         n_floors += 1
     return ih, ed, stall_s, host_dyn, own_dyn, compress_s, recompute_s, n_moved, n_floors
+
+
+@register_jitable
+def _copy_back(
+    ci: int, ed: float, h2d_free: float, d2h_end: np.ndarray, h2d_dur: np.ndarray, h2d_end: np.ndarray
+) -> float:
+    """Rule 5: candidate ``ci``'s copy back, issued with the compute stream at ``ed``: it starts once its copy
+    out has ended, the compute stream is there and the H2D stream is free; its end is written to ``h2d_end``
+    and returned (the H2D stream is free from then)."""
+    begin = d2h_end[ci]
+    if ed > begin:
+        begin = ed
+    if h2d_free > begin:
+        begin = h2d_free
+    h2d_end[ci] = begin + h2d_dur[ci]
+    return float(h2d_end[ci])
 
 
 @register_jitable  # plain Python called from Python, compiled into walk where walk is compiled
