@@ -26,6 +26,9 @@ NOTE [ Recompute mechanisms ]
     P6. no candidate made outside R is replayed whose producer chain reads (Rule 7 of the simulator: its
         closure's candidate inputs) one that R serves (one that another region serves is regenerated from
         that region's own inputs, which its checkpoint holds);
+    P7. R's forward writes none of R's tensor arguments in place (an activation module with ``inplace=True``
+        called on its own: the checkpoint holds the argument as the call got it, and refuses it in backward,
+        written since; a node saves it too, N4);
 
     and no enclosing call is a region (the outermost qualifying calls are chosen). By P2-P6 a region needs
     nothing from outside but its kept arguments, and no replay needs what a region recomputes, so regions
@@ -87,6 +90,11 @@ class RegionPlanner:
         for f in frames:
             calls[f.path] = calls.get(f.path, 0) + 1
         writes_state = self._state_writers()
+        # P7: per forward op, the tensors it writes in place (made before it).
+        written = [
+            {t for t in op.outputs if w.tensors[t].alloc_op != op.index} if op.phase == Phase.FORWARD else set()
+            for op in w.ops
+        ]
         if closures is None:
             closures = closures_of(w)
         frame_of_producer = np.array([w.ops[c.producer].frame for c in w.candidates], dtype=np.int64)
@@ -123,6 +131,9 @@ class RegionPlanner:
             outputs: list[tuple[int, int]] = []
             ok = f.index > 0 and f.path != "<root>" and calls[f.path] == 1 and f.last_op >= f.first_op  # P1
             ok = ok and not writes_state[f.first_op : f.last_op + 1].any()  # P5
+            if ok and f.args:  # P7: it writes none of its arguments in place
+                arguments = set(f.args)
+                ok = not any(written[op] & arguments for op in range(f.first_op, f.last_op + 1))
             if ok:
                 lo, hi = np.searchsorted(producers[order], [f.first_op, f.last_op + 1])
                 made = set(order[lo:hi].tolist())

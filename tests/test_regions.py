@@ -374,3 +374,33 @@ def test_a_gradient_penalty_through_region_nodes_keeps_its_second_order_terms() 
         worst = max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
         assert worst < 1e-6, (step, worst)
     assert sum("create_graph=True" in line for line in said) == 1
+
+
+def test_a_call_that_writes_its_argument_in_place_is_no_region() -> None:
+    """P7: ``nn.ReLU6(inplace=True)`` called on its own (each of MobileNet-v2's blocks has one) was made a region
+    when a policy recomputed its output: the checkpoint held its argument as the call got it, the call wrote
+    it, and backward refused ("modified by an inplace operation"): every random mix of MobileNet-v2 failed so.
+    Its output is now replayed, and training is plain training's."""
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU6(inplace=True),
+            torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 8, 4),
+        )  # fmt: skip
+        x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 4, (2,))
+        return model, (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    w = capture(build, name="relu6", batch_size=2, fake=False)
+    acts = np.array([RECOMPUTE if c.key.startswith("2#") else KEEP for c in w.candidates], dtype=np.int8)
+    assert (acts == RECOMPUTE).any()
+    policy = Policy.from_vector(w, acts, hardware="cpu")
+    assert policy.schedule is not None and not [r for r in policy.schedule.regions if r.module == "2"]
+    model, batch, loss_fn = build()
+    plain_model, _, _ = build()
+    for step in range(2):
+        with policy.applied(model):
+            loss_fn(model, batch).backward()
+        loss_fn(plain_model, batch).backward()
+        for p, q in zip(model.parameters(), plain_model.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), step
