@@ -364,8 +364,6 @@ class Simulator:
         self._compress_cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         needed = np.flatnonzero(self.first_use < n)
         self._need_order = needed[np.lexsort((needed, self.first_use[needed]))]
-        self._first_use_list = self.first_use.tolist()
-        self._op_start_list = self.op_start_s.tolist()
         self._triggers: dict[int, np.ndarray] = {}
         self._views: dict[tuple[tuple[int, ...], bool], _RegionView] = {}
         self._optimizer_alone = self._optimizer_alone_s()
@@ -526,7 +524,6 @@ class Simulator:
         self._pack_after = self._pack_op + 1
         self._pack_unpack_op = np.minimum(self.first_use[self._pack_cand], n)
         other = np.flatnonzero(self._noncand_packs > 0)  # frames with packs of tensors that are not candidates
-        self._other_frames = other
         self._other_first_op, self._other_bwd_op = self._frame_first_op[other], self._frame_bwd_op[other]
         self._other_pack_s = self._noncand_packs[other] * hc.pack_s
         self._other_unpack_s = self._noncand_packs[other] * hc.unpack_s

@@ -1,4 +1,5 @@
-"""The simulator's event walk (NOTE [ Simulator semantics ], Rules 1, 4-8 and 12), compiled.
+"""The simulator's event walk (NOTE [ Simulator semantics ], Rules 1, 4-8 and 12) and its live bytes (Rule 2),
+compiled.
 
 :meth:`envs.simulator.Simulator.run` computes everything that does not depend on the order of events with
 array operations, then walks the events of backward (and of forward, where a release point waits for a copy)
@@ -6,9 +7,10 @@ one by one: the host and compute clocks, the copy streams, and what each first u
 is the one part that cannot be vectorised, and in Python it took most of an evaluation's time (about 70% on
 ResNet-101 for a random policy). :func:`walk` is written in the subset of Python that numba compiles
 (numbers, NumPy arrays, loops) and is compiled once on first use, its machine code cached next to this file
-(``cache=True``), so later processes load it in milliseconds.
+(``cache=True``), so later processes load it in milliseconds; so is :func:`live_bytes`, the memory count
+that follows the walk.
 
-The function is the only implementation: with ``NUMBA_DISABLE_JIT=1`` it runs as plain Python, much more
+Each function is the only implementation of its part: with ``NUMBA_DISABLE_JIT=1`` it runs as plain Python, much more
 slowly, which is how to step through it in a debugger. The op-by-op reference
 (envs/simulator_reference.py) stays the independent check of both.
 """
@@ -271,11 +273,16 @@ def _expand(
 
 
 @functools.cache
-def compiled() -> Callable[..., Any]:
-    """:func:`walk` compiled by numba (once per process; its machine code is cached on disk)."""
+def _jit(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` compiled by numba (once per process; its machine code is cached on disk)."""
     import numba
 
-    return numba.njit(cache=True, nogil=True)(walk)  # type: ignore[no-any-return]
+    return numba.njit(cache=True, nogil=True)(fn)  # type: ignore[no-any-return]
+
+
+def compiled() -> Callable[..., Any]:
+    """:func:`walk`, compiled."""
+    return _jit(walk)
 
 
 def live_bytes(
@@ -370,9 +377,6 @@ def live_bytes(
     return live
 
 
-@functools.cache
 def compiled_live() -> Callable[..., Any]:
-    """:func:`live_bytes` compiled by numba (once per process; cached on disk)."""
-    import numba
-
-    return numba.njit(cache=True, nogil=True)(live_bytes)  # type: ignore[no-any-return]
+    """:func:`live_bytes`, compiled."""
+    return _jit(live_bytes)

@@ -190,14 +190,10 @@ class _Region(torch.autograd.Function):
         double = torch.is_grad_enabled()
         if double and call.on_double is not None:
             call.on_double()
-        inputs = [
-            t
-            if double
-            else t.detach().requires_grad_(t.requires_grad)
-            if t.is_floating_point() or t.is_complex()
-            else t
-            for t in ctx.saved_tensors
-        ]
+        saved = list(ctx.saved_tensors)
+        inputs = saved if double else [
+            t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else t for t in saved
+        ]  # fmt: skip
         with call.replaying(), _native_saves(), torch.enable_grad():
             args, kwargs = call.arguments(inputs)
             out = call.forward(*args, **kwargs)
