@@ -59,7 +59,9 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
     R8. Compress and swap apply to what the simulator says they do: compress only to floating-point
         tensors wider than the target dtype (others are kept, as envs.simulator treats them).
     R9. A handle drops its device copy after the last unpack of its storage (the pack count of the
-        forward), so the memory lives until the last backward node that needs it is done, as when kept.
+        forward), so the memory lives until the last backward node that needs it is done, as when kept. On the
+        CPU a swapped storage's copy is the only one: where a replay still to run reads it (found from the
+        storage forward through the recording, ``Recorder.made_from``), it stays until no replay is left.
     R10. Regions (Rule 11; NOTE [ Recompute mechanisms ] in runtime/plan.py): a module call that the policy's
         schedule lists as a region runs as one autograd node (runtime/regions.py, NOTE [ Regions without a graph ]):
         its forward records no graph, its backward re-runs the call (the RNG state preserved only where it draws
@@ -1049,7 +1051,7 @@ class PolicyRuntime:
                     for held in self._replay_held:
                         held.host = None
                     self._replay_held = []
-            if not self._cuda:
+            if not self._cuda and h.host is not None:  # a swap's copy (the others hold none)
                 if self._replays_open > 0 and self._read_by_open_replay(h):
                     # R9 on the CPU: a replay still to run reads it (a GRU's gate, read again by the replay of
                     # an earlier time step's tensor); its copy, the only one, goes when no replay is left.
@@ -1065,20 +1067,21 @@ class PolicyRuntime:
         rec = self._recorder
         if rec is None or h.sid is None:
             return False
-        todo = [o.sid for o in self._handles if o.action == Action.RECOMPUTE and o.packs and o.device is None]
-        seen: set[int | None] = set()
+        # From the storage forward, through what ops reading it made: a replayed storage not yet regenerated
+        # reads it, or a storage gone and not handled, which a replay would regenerate reading it, leads there.
+        made_from = rec.made_from()
+        todo, seen = [h.sid], {h.sid}
         while todo:
-            sid = todo.pop()
-            if sid in seen or sid is None:
-                continue
-            seen.add(sid)
-            for index in rec.writers.get(sid, []):
-                for leaf in rec.ops[index].leaves:
-                    other = getattr(leaf, "sid", None)
-                    if other == h.sid:
+            for sid in made_from.get(todo.pop(), ()):
+                if sid in seen:
+                    continue
+                seen.add(sid)
+                other = self._by_sid.get(sid)
+                if other is not None:
+                    if other.action == Action.RECOMPUTE and other.packs and other.device is None:
                         return True
-                    if other is not None and other not in self._by_sid and rec.storage[other]() is None:
-                        todo.append(other)  # gone: the replay would regenerate it, reading what it read
+                elif rec.storage[sid]() is None:
+                    todo.append(sid)  # gone: the replay would regenerate it, reading what it read
         return False
 
     def _prefetch_upto(self, rank: int) -> None:

@@ -115,6 +115,8 @@ class Recorder(TorchDispatchMode):
         self.paused = False  # inside the runtime's own hooks: their ops are not the model's
         self.replayed: set[int] = set()  # indices of the ops some replay re-ran
         self.depth = 0  # module calls entered that record (R11)
+        self._made_from: dict[int, set[int]] = {}
+        self._made_from_at = -1  # len(self.ops) when _made_from was built
 
     def release_rng(self) -> None:
         """Let go of the random-number states (R6): every replay that needed them is done."""
@@ -124,6 +126,19 @@ class Recorder(TorchDispatchMode):
 
     def sid(self, storage: torch.UntypedStorage) -> int:
         return self._sid(storage)[0]
+
+    def made_from(self) -> dict[int, set[int]]:
+        """Storage id -> the storages that recorded ops reading it wrote (made or wrote in place): the
+        writers graph turned around, built once the forward's ops are all recorded (kept until more are)."""
+        if self._made_from_at != len(self.ops):
+            made: dict[int, set[int]] = {}
+            for sid, indices in self.writers.items():
+                for index in indices:
+                    for leaf in self.ops[index].leaves:
+                        if isinstance(leaf, _Ref):
+                            made.setdefault(leaf.sid, set()).add(sid)
+            self._made_from, self._made_from_at = made, len(self.ops)
+        return self._made_from
 
     def _sid(self, storage: torch.UntypedStorage) -> tuple[int, bool]:
         """(the storage's id, whether it is new). A freed storage's address can be reused: an entry counts only

@@ -627,6 +627,39 @@ def test_the_cpu_gru_cell_trains_as_plain_under_any_policy() -> None:
             assert fast.peak_bytes == ref.peak_bytes and fast.iter_s == pytest.approx(ref.iter_s, rel=1e-9)
 
 
+def test_a_swapped_tensor_that_a_later_replay_reads_is_held_on_the_cpu() -> None:
+    """R9 on the CPU: ``x`` is swapped and read last (in backward) by ``x * w``'s backward; the sigmoid made
+    from it is replayed later, in ``l2``'s backward. The swap's only copy must stay until then (without the
+    hold: "swapped tensor ... was needed after its release")."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+            self.w = torch.nn.Parameter(torch.randn(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.l1(x)
+            return (self.l2(torch.sigmoid(x)) + x * self.w).sum()
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        return Net(), (torch.randn(4, 8),), lambda m, b: m(b[0])
+
+    def grads(policy: Policy | None) -> list[torch.Tensor]:
+        model, batch, loss_fn = build()
+        with policy.applied(model) if policy is not None else contextlib.nullcontext():
+            loss_fn(model, batch).backward()
+        return [p.grad for p in model.parameters() if p.grad is not None]
+
+    w = capture(build, name="held", batch_size=4, fake=False)
+    acts = {"<root>#0.0:Sigmoid": RECOMPUTE, "<root>#0.1:Addmm": SWAP}
+    policy = Policy.from_vector(w, np.array([acts[c.key] for c in w.candidates], dtype=np.int8), hardware="cpu")
+    plain = grads(None)
+    got = grads(policy)
+    assert len(got) == len(plain) and all(torch.equal(a, b) for a, b in zip(plain, got, strict=True))
+
+
 class _Blk(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
