@@ -49,8 +49,10 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         afterwards. Arguments an op would mutate that are not being regenerated (BatchNorm's running
         statistics) are passed as copies, so replay changes no module state. An input that a later forward
         op wrote in place (the recording's writers of its storage) is re-made as it was when read, from its
-        producer and the writers before the read, where the recording holds its producer (Rule 7). The recorder
-        records the forward and the loss, never backward. The
+        producer and the writers before the read, where the recording holds its producer (Rule 7). Each op is
+        replayed in the grad mode it ran in (backward runs with it off; the CPU's oneDNN LSTM returns its
+        workspace and rounds as in training only with it on). The recorder records the forward and the loss,
+        never backward. The
         random-number states (the CPU generator's is 5,056 bytes, held in memory on a CPU) are let go
         once every replayed storage has had its last unpack (R9): no replay can need them after that,
         and one that did would fail loudly. The simulator counts none of them (at most a few per block).

@@ -49,6 +49,9 @@ class OpRecord:
     writes: frozenset[int]  # leaf positions the op mutates
     rng: tuple[torch.Tensor, torch.Tensor | None] | None  # (cpu, cuda) state before a random op
     frame: Frame | None  # the innermost module call it ran in (first steps only: to learn where to record)
+    # Grad mode when it ran: some kernels read it (the CPU's oneDNN LSTM makes its workspace output and rounds
+    # as in training only with grad mode on), and backward, where replays run, turns it off.
+    grad: bool = True
 
 
 def _flatten_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], _Spec]:
@@ -184,7 +187,9 @@ class Recorder(TorchDispatchMode):
             assert isinstance(ref, _Ref)
             self.writers.setdefault(ref.sid, []).append(index)
         frame = self.frame_of() if self.frame_of is not None else None
-        self.ops.append(OpRecord(index, func, spec, refs, outputs, frozenset(writes), rng, frame))
+        self.ops.append(
+            OpRecord(index, func, spec, refs, outputs, frozenset(writes), rng, frame, torch.is_grad_enabled())
+        )
         return out
 
 
@@ -300,7 +305,9 @@ class Replayer:
                 t = t.clone()  # e.g. BatchNorm's running statistics: replay must not update them twice
             leaves.append(t)
         args, kwargs = _unflatten_args(leaves, op.spec)
-        with _rng_state(op.rng, self.rt.device):
+        # As it ran in forward (R6): grad mode included, which backward turns off. Nothing the replay reads
+        # requires grad (storages viewed anew), so no graph is recorded either way.
+        with _rng_state(op.rng, self.rt.device), torch.set_grad_enabled(op.grad):
             out = op.func(*args, **kwargs)
         self.rt.stats.recomputed_ops += 1
         self.rec.replayed.add(op.index)
