@@ -121,7 +121,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import operator
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -189,56 +188,6 @@ def _as_vector(w: Workload, policy: Policy | Sequence[int] | np.ndarray) -> np.n
     if vec.shape != (len(w.candidates),):
         raise ValueError(f"action vector of shape {vec.shape}, expected ({len(w.candidates)},)")
     return vec
-
-
-def _bit_mask(bits: int, size: int) -> np.ndarray:
-    """The bit set ``bits`` (bit i: slot i) as a boolean mask over ``size`` slots."""
-    raw = np.frombuffer(bits.to_bytes((size + 7) // 8 or 1, "little"), dtype=np.uint8)
-    return np.unpackbits(raw, count=size, bitorder="little").view(bool)
-
-
-class _PerOp:
-    """Seconds added before ops, gathered and summed in one go (one bincount instead of one per source).
-
-    bincount adds the seconds of an op in the order they were added: each op's sum does not depend on how
-    the sources are grouped into calls, only on their order, which :meth:`Simulator.run` keeps."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.at: list[np.ndarray] = []
-        self.values: list[np.ndarray] = []
-        self.one: dict[int, float] = {}
-
-    def add_one(self, at: int, value: float) -> None:
-        self.one[at] = self.one.get(at, 0.0) + value
-
-    def add(self, at: np.ndarray, values: np.ndarray | float) -> None:
-        """``values`` (one per op of the int64 array ``at``, or one for all) before the ops ``at``."""
-        if len(at):
-            self.at.append(at)
-            self.values.append(values if isinstance(values, np.ndarray) else np.full(len(at), values))
-
-    def array(self) -> np.ndarray:
-        out: np.ndarray = np.zeros(self.n)
-        if self.at:
-            out = np.bincount(np.concatenate(self.at), weights=np.concatenate(self.values), minlength=self.n)[: self.n]
-        for at_op, value in self.one.items():
-            out[at_op] += value
-        return out
-
-    def arrays_with(self, other: _PerOp) -> tuple[np.ndarray, np.ndarray]:
-        """``(self.array(), other.array())`` in one bincount (``other``'s ops shifted past ``self``'s)."""
-        if not other.at:
-            return self.array(), other.array()
-        m = self.n
-        at = np.concatenate(self.at + [a + m for a in other.at])
-        both = np.bincount(at, weights=np.concatenate(self.values + other.values), minlength=m + other.n)
-        out, out_other = both[:m], both[m : m + other.n]
-        for at_op, value in self.one.items():
-            out[at_op] += value
-        for at_op, value in other.one.items():
-            out_other[at_op] += value
-        return out, out_other
 
 
 def accumulated_s(w: Workload, t: float, optimizer_s: float) -> float:
@@ -371,7 +320,6 @@ class Simulator:
         # 4: save_op, then candidate index), copy durations as lists for the walk.
         self._save_order = np.lexsort((np.arange(self.k), self.save_op))
         self._cand_index = np.arange(self.k)
-        self._op_index = np.arange(n)
         self._packed_w: dict[str, np.ndarray] = {}
         self._used = self.first_use < n
         self._save_after = self.save_op + 1
@@ -457,6 +405,11 @@ class Simulator:
             self._pack_ops = self.save_op.copy()  # first pack: after save_op
             self._pack_after = self.save_op + 1  # Rule 12: each pack's cost after its op ...
             self._pack_unpack_op = np.minimum(self.first_use, n)  # ... and its unpack's at its tensor's first use
+            none_i, none_f = np.zeros(0, dtype=np.int64), np.zeros(0)
+            self._frame_arrays = (none_i, none_i, none_i, none_i, none_i, none_i, none_f, none_i,
+                                  np.zeros(1, dtype=np.int64), none_i, np.zeros(0, dtype=bool), none_i, none_i, -1,
+                                  none_i, 0, none_i)  # fmt: skip
+            self._no_outside = np.zeros(0, dtype=bool)
             return
         nf = len(frames)
         pc, pf, po = [], [], []
@@ -502,18 +455,10 @@ class Simulator:
         self._loss_before_root = np.array(
             [any(w.ops[op].frame == 0 and op < self._root_first for op in ops) for ops in self.closure_ops], dtype=bool
         )
-        # Rule 12's recorder per candidate as bit sets (Python ints), so that the union over the replayed ones
-        # is a few ors: the frames of its closure's ops, and the forward ops the recorder runs under in them
-        # (frame 0, outside the model, from the model's end: from op 0 when a closure needs it before).
+        # Rule 12's recorder: each frame's span of forward ops (frame 0, outside the model, from the model's end).
         spans = [(int(lo), int(hi)) for lo, hi in zip(self._frame_lo.tolist(), self._frame_hi.tolist(), strict=True)]
         if spans:
             spans[0] = (self._root_last + 1, spans[0][1])
-        span_bits = [(1 << (hi + 1)) - (1 << lo) if hi >= lo >= 0 else 0 for lo, hi in spans]  # no ops: none
-        self._closure_frame_bits = [sum(1 << f for f in fr.tolist()) for fr in self._closure_frames]
-        self._closure_op_bits = [
-            functools.reduce(operator.or_, (span_bits[f] for f in fr.tolist()), 0) for fr in self._closure_frames
-        ]
-        self._loss_op_bits = (1 << (spans[0][1] + 1)) - 1 if spans and spans[0][1] >= 0 else 0
         # Per policy, as masks: each pack's costs (Rule 12); the frames with packs of tensors that are not
         # candidates, and theirs.
         self._frame_index = np.arange(nf)
@@ -538,7 +483,32 @@ class Simulator:
             [np.full(n_packs, hc.pack_s), np.full(n_packs, hc.unpack_s), self._other_pack_s, self._other_unpack_s]
         )
         self._first_pack_frame = self._pack_frame[self._first_pack]
-        self._frame_s_full = np.full(nf, hc.frame_s)
+        # Rule 12's recorder per candidate: the frames of its closure's ops (flattened, ``clo_ptr`` where each
+        # candidate's start), and each frame's span of forward ops the recorder runs under (frame 0, outside
+        # the model, from the model's end; a frame with no ops: none), which envs/walk.py unites per policy.
+        clo_ptr = np.zeros(self.k + 1, dtype=np.int64)
+        clo_ptr[1:] = np.cumsum([len(fr) for fr in self._closure_frames])
+        clo = np.concatenate(self._closure_frames) if self._closure_frames else np.zeros(0, dtype=np.int64)
+        self._frame_arrays = (
+            self._pack_cand,
+            self._pack_frame,
+            self._frame_reach,
+            self._first_pack_frame,
+            self._pack_cost_frame,
+            self._pack_cost_at,
+            self._pack_cost_s,
+            self._frame_packs,
+            clo_ptr,
+            clo.astype(np.int64),
+            self._loss_before_root,
+            np.array([lo for lo, _ in spans], dtype=np.int64),
+            np.array([hi for _, hi in spans], dtype=np.int64),
+            spans[0][1] if spans and spans[0][1] >= 0 else -1,  # the loss's ops: from op 0 to there
+            self._frame_path,
+            self._n_paths,
+            self._frame_first_op,
+        )
+        self._no_outside = np.zeros(nf, dtype=bool)
 
     def region_cost(self, f: int, nodes: bool = True) -> _RegionCost:
         """Rule 11 for frame ``f`` as a region, one node (``nodes``) or checkpointed (cached)."""
@@ -697,7 +667,7 @@ class Simulator:
         packed, pack_s = self.compression(options.compress_dtype)
         sync = self.sync_copies
         cands = self._cand_index
-        keep_mask, swp_mask, rec_mask, comp_mask = act == KEEP, act == SWAP, act == RECOMPUTE, act == COMPRESS
+        keep_mask, swp_mask, comp_mask = act == KEEP, act == SWAP, act == COMPRESS
         swapping = np.count_nonzero(swp_mask) > 0
         copies = swapping and not sync
 
@@ -714,88 +684,77 @@ class Simulator:
             handled = ~keep_mask
             trigger_all = self.trigger_ops(lookahead)
         uses_arr = self._need_order[handled[self._need_order]]  # handled candidates in order of need
-        watched = handled
-        if lookahead > 0 and copies:
-            # Rule 13's carriers: the candidates first used where a copy back is due (a swapped candidate is
-            # served by no region, so its copy is due at its own trigger op).
-            due = np.zeros(n + 1, dtype=bool)
-            due[trigger_all[swp_mask & self._used]] = True
-            carriers = due[self.first_use]
-            watched = handled | (carriers & ~served if regions else carriers)
-
-        # Rule 13: observed packs; pack points in candidate order.
-        hxa = _PerOp(n + 1)  # host seconds before op i (Rule 12)
-        dxa = _PerOp(n + 1)  # compute seconds before op i, fixed by the policy
-        replayed = cands[handled & rec_mask]
-        point: np.ndarray | None = None  # None: every candidate's first pack is a pack point
-        if self.has_frames:
-            hooked = np.zeros(len(w.frames), dtype=bool)
-            hooked[self._pack_frame[watched[self._pack_cand]]] = True
-            # A frame is observed when it or one enclosing it is hooked: a hooked frame before it in preorder
-            # reaches it (frames are in preorder; ``_frame_reach``: one past the last frame inside).
-            obs_frame = np.maximum.accumulate(self._frame_reach * hooked) > self._frame_index
-            if regions:
-                obs_frame &= view.outside
-            point = obs_frame[self._first_pack_frame]
-            # Each observed pack's cost after its op, its unpack's at its tensor's first use, and those of the
-            # packs of tensors that are not candidates.
-            obs_cost = obs_frame[self._pack_cost_frame]
-            hxa.add(self._pack_cost_at[obs_cost], self._pack_cost_s[obs_cost])
-            n_observed = int(self._frame_packs @ obs_frame)
-            if len(replayed):  # the frames the recorder runs in: those of the replayed candidates' closure ops
-                replayed_l = replayed.tolist()
-                frame_bits = functools.reduce(operator.or_, map(self._closure_frame_bits.__getitem__, replayed_l))
-                op_bits = functools.reduce(operator.or_, map(self._closure_op_bits.__getitem__, replayed_l))
-                if np.count_nonzero(self._loss_before_root[replayed]):
-                    op_bits |= self._loss_op_bits
-                hooked |= _bit_mask(frame_bits, len(hooked))
-                recorded = self._op_index[_bit_mask(op_bits, n)]
-            called = np.zeros(self._n_paths, dtype=bool)
-            called[self._frame_path[hooked]] = True
-            call_ops = self._frame_first_op[called[self._frame_path]]
-            hxa.add(call_ops, self._frame_s_full[: len(call_ops)])
-            frame_calls = len(call_ops)
-        else:  # one pack per candidate, after save_op, every one observed
-            hxa.add(self._pack_after, hc.pack_s)
-            hxa.add(self._pack_unpack_op, hc.unpack_s)
-            recorded = self._forward_ops
-            n_observed = k
-            frame_calls = 0
+        # Rules 8, 12, 13: what the policy adds before ops on the host and compute clocks (envs/walk.py), then
+        # the regions' (Rule 11), summed per op before they are added.
+        swp = self._save_order[swp_mask[self._save_order]]
+        hx, dx = np.zeros(n + 1), np.zeros(n + 1)
+        point = np.empty(k, dtype=bool)
+        n_observed, frame_calls, record_weight, dx_touched = walk.compiled_host()(
+            n,
+            act,
+            handled,
+            served if regions else self._no_served,
+            bool(regions),
+            view.outside if regions else self._no_outside,
+            self.has_frames,
+            lookahead > 0 and copies,
+            trigger_all,
+            self._used,
+            self.first_use,
+            *self._frame_arrays,
+            hc.frame_s,
+            self._pack_after,
+            self._pack_unpack_op,
+            hc.pack_s,
+            hc.unpack_s,
+            int(self._forward_ops[0]) if len(self._forward_ops) else 0,
+            int(self._forward_ops[-1]) + 1 if len(self._forward_ops) else 0,
+            self._save_after,
+            pack_s,
+            hc.op_s if hw.is_gpu else 0.0,
+            hc.record_op_s > 0,
+            self._record_s,
+            self._record_weight,
+            swp,
+            sync,
+            self.d2h_s,
+            hc.swap_s,
+            KEEP,
+            SWAP,
+            RECOMPUTE,
+            COMPRESS,
+            hx,
+            dx,
+            point,
+        )
         overhead_s = n_observed * (hc.pack_s + hc.unpack_s) + frame_calls * hc.frame_s
-
-        # Rule 8: pack kernels after save_op.
-        comp = cands[comp_mask]
-        if len(comp):
-            dxa.add(self._save_after[comp], pack_s[comp])
-            hxa.add(self._save_after[comp], hc.op_s if hw.is_gpu else 0.0)
-        compress_s = float(pack_s[comp].sum())
-
-        # Rule 11: regions in forward and their recomputes.
+        compress_s = float(pack_s[comp_mask].sum())
         recompute_s = 0.0
         region_costs = view.costs if regions else []
-        for f, rc in zip(regions, region_costs, strict=True):
-            hxa.add_one(int(self._frame_first_op[f]), rc.forward_host_s)
-            overhead_s += rc.forward_host_s
-            if rc.use < n:
-                hxa.add_one(rc.use, rc.host_s)
-                dxa.add_one(rc.use, rc.device_s)
-                recompute_s += rc.device_s
-                overhead_s += rc.forward_host_s  # the region's own part of the recompute's host time
-
-        # Rule 12: the recorder's ops.
-        if len(replayed) and hc.record_op_s > 0:  # (integer weights: their sum is exact in any order)
-            hxa.add(recorded, self._record_s[recorded])
-            overhead_s += float(self._record_weight[recorded].sum()) * hc.record_op_s
-
-        # Rule 4: swaps, in issue order, and their release points.
-        swp = self._save_order[swp_mask[self._save_order]]
+        if regions:
+            h_one: dict[int, float] = {}
+            d_one: dict[int, float] = {}
+            for f, rc in zip(regions, region_costs, strict=True):
+                at = int(self._frame_first_op[f])
+                h_one[at] = h_one.get(at, 0.0) + rc.forward_host_s
+                overhead_s += rc.forward_host_s
+                if rc.use < n:
+                    h_one[rc.use] = h_one.get(rc.use, 0.0) + rc.host_s
+                    d_one[rc.use] = d_one.get(rc.use, 0.0) + rc.device_s
+                    recompute_s += rc.device_s
+                    overhead_s += rc.forward_host_s  # the region's own part of the recompute's host time
+            for at, value in h_one.items():
+                hx[at] += value
+            for at, value in d_one.items():
+                dx[at] += value
+            dx_touched = dx_touched or bool(d_one)
+        overhead_s += record_weight * hc.record_op_s
         if swapping:
-            if sync:  # Rule 1: the copy on the one clock, done when it resumes
-                dxa.add(self._save_after[swp], self.d2h_s[swp])
-            hxa.add(self._save_after[swp], hc.swap_s)  # Rule 12: the copy out's own host work, everywhere
             overhead_s += len(swp) * hc.swap_s
+
+        # Rule 4: the swaps' release points.
         if copies:
-            point_idx = cands[point] if point is not None else cands
+            point_idx = cands[point] if self.has_frames else cands  # without frames every first pack is one
             rank = np.full(k, -1, dtype=np.int64)
             rank[point_idx] = cands[: len(point_idx)]
             rank = rank[swp]
@@ -809,10 +768,9 @@ class Simulator:
 
         # The walk (Rules 1, 4-7, 12). Events come before op x; at one x, in this order: copies out, releases,
         # copies back (in order of need), uses (in order of need); then op x with its fixed insertions.
-        hx, dx = hxa.arrays_with(dxa)
         hcum = np.zeros(n + 1)
         np.add.accumulate(self.host_op_s + hx[:n], out=hcum[1:])  # Hc
-        if dxa.at or dxa.one:
+        if dx_touched:
             dcum = np.zeros(n + 1)
             np.add.accumulate(self.op_s + dx[:n], out=dcum[1:])  # Dc
         else:

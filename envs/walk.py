@@ -1,5 +1,5 @@
-"""The simulator's event walk (NOTE [ Simulator semantics ], Rules 1, 4-8 and 12) and its live bytes (Rule 2),
-compiled.
+"""The simulator's event walk (NOTE [ Simulator semantics ], Rules 1, 4-8 and 12), its live bytes (Rule 2) and
+the host and compute seconds a policy adds before ops (Rules 8, 12, 13), compiled.
 
 :meth:`envs.simulator.Simulator.run` computes everything that does not depend on the order of events with
 array operations, then walks the events of backward (and of forward, where a release point waits for a copy)
@@ -7,12 +7,14 @@ one by one: the host and compute clocks, the copy streams, and what each first u
 is the one part that cannot be vectorised, and in Python it took most of an evaluation's time (about 70% on
 ResNet-101 for a random policy). :func:`walk` is written in the subset of Python that numba compiles
 (numbers, NumPy arrays, loops) and is compiled once on first use, its machine code cached next to this file
-(``cache=True``), so later processes load it in milliseconds; so is :func:`live_bytes`, the memory count
-that follows the walk.
+(``cache=True``), so later processes load it in milliseconds; so are :func:`live_bytes`, the memory count
+that follows the walk, and :func:`host_adds`, which precedes it: about a hundred small array operations in
+NumPy (which packs are observed, which module calls hooked, which ops recorded), a quarter of an
+evaluation's time.
 
 Each function is the only implementation of its part: with ``NUMBA_DISABLE_JIT=1`` it runs as plain Python, much more
 slowly, which is how to step through it in a debugger. The op-by-op reference
-(envs/simulator_reference.py) stays the independent check of both.
+(envs/simulator_reference.py) stays the independent check of all three.
 """
 
 from __future__ import annotations
@@ -380,3 +382,175 @@ def live_bytes(
 def compiled_live() -> Callable[..., Any]:
     """:func:`live_bytes`, compiled."""
     return _jit(live_bytes)
+
+
+def host_adds(
+    n: int,
+    act: np.ndarray,
+    handled: np.ndarray,
+    served: np.ndarray,
+    regions: bool,
+    outside: np.ndarray,
+    has_frames: bool,
+    carry: bool,
+    trigger_all: np.ndarray,
+    used: np.ndarray,
+    first_use: np.ndarray,
+    pack_cand: np.ndarray,
+    pack_frame: np.ndarray,
+    frame_reach: np.ndarray,
+    first_pack_frame: np.ndarray,
+    pack_cost_frame: np.ndarray,
+    pack_cost_at: np.ndarray,
+    pack_cost_s: np.ndarray,
+    frame_packs: np.ndarray,
+    clo_ptr: np.ndarray,
+    clo_frames: np.ndarray,
+    loss_before_root: np.ndarray,
+    span_lo: np.ndarray,
+    span_hi: np.ndarray,
+    loss_hi: int,
+    frame_path: np.ndarray,
+    n_paths: int,
+    frame_first_op: np.ndarray,
+    frame_s: float,
+    pack_after: np.ndarray,
+    pack_unpack_op: np.ndarray,
+    pack_s: float,
+    unpack_s: float,
+    forward_lo: int,
+    forward_hi: int,
+    save_after: np.ndarray,
+    compress_kernel_s: np.ndarray,
+    compress_host_s: float,
+    record_on: bool,
+    record_s: np.ndarray,
+    record_weight: np.ndarray,
+    swp: np.ndarray,
+    sync: bool,
+    d2h_dur: np.ndarray,
+    swap_host: float,
+    keep: int,
+    swap: int,
+    recompute: int,
+    compress: int,
+    hx: np.ndarray,
+    dx: np.ndarray,
+    point: np.ndarray,
+) -> tuple[int, int, float, bool]:
+    """The host and compute seconds a policy adds before ops, fixed before the walk (Rules 8, 12, 13), into
+    ``hx`` and ``dx`` (zeros, n + 1 each), in this order: the observed packs' and unpacks' costs, the hooked
+    module calls', the compress kernels' (and their issue), the recorder's ops', the copies out's. Fills
+    ``point`` (per candidate: its first pack is a pack point, Rule 13) where the workload has frames. Returns
+    (packs observed, hooked calls, the recorder's weight (ops it runs, views and queries counted), whether
+    anything went into ``dx``)."""
+    k = act.shape[0]
+    # Rule 13's carriers: the candidates first used where a copy back is due (a swapped candidate is served by
+    # no region, so its copy is due at its own trigger op).
+    watched = handled.copy()
+    if carry:
+        due = np.zeros(n + 1, dtype=np.bool_)
+        for ci in range(k):
+            if act[ci] == swap and used[ci]:
+                due[trigger_all[ci]] = True
+        for ci in range(k):
+            if due[first_use[ci]] and not (regions and served[ci]):
+                watched[ci] = True
+    n_observed = 0
+    frame_calls = 0
+    weight = 0.0
+    n_replayed = 0
+    if has_frames:
+        nf = frame_reach.shape[0]
+        hooked = np.zeros(nf, dtype=np.bool_)
+        for j in range(pack_cand.shape[0]):
+            if watched[pack_cand[j]]:
+                hooked[pack_frame[j]] = True
+        # A frame is observed when it or one enclosing it is hooked: a hooked frame before it in preorder reaches
+        # it (frames are in preorder; ``frame_reach``: one past the last frame inside).
+        obs = np.zeros(nf, dtype=np.bool_)
+        top = 0
+        for f in range(nf):
+            if hooked[f] and frame_reach[f] > top:
+                top = frame_reach[f]
+            obs[f] = top > f and (outside[f] if regions else True)
+        for ci in range(k):
+            point[ci] = obs[first_pack_frame[ci]]
+        # Each observed pack's cost after its op, its unpack's at its tensor's first use, and those of the packs
+        # of tensors that are not candidates.
+        for j in range(pack_cost_frame.shape[0]):
+            if obs[pack_cost_frame[j]]:
+                hx[pack_cost_at[j]] += pack_cost_s[j]
+        for f in range(nf):
+            if obs[f]:
+                n_observed += frame_packs[f]
+        # The frames the recorder runs in: those of the replayed candidates' closure ops, and the ops it records
+        # under them (their spans; the loss's from op 0 when a closure needs it before the model).
+        span = np.zeros(n + 1, dtype=np.int64)  # +1 where a span starts, -1 one past its end
+        in_closure = np.zeros(nf, dtype=np.bool_)
+        loss = False
+        for ci in range(k):
+            if handled[ci] and act[ci] == recompute:
+                n_replayed += 1
+                loss = loss or loss_before_root[ci]
+                for j in range(clo_ptr[ci], clo_ptr[ci + 1]):
+                    f = clo_frames[j]
+                    if not in_closure[f]:
+                        in_closure[f] = True
+                        hooked[f] = True
+                        if span_hi[f] >= span_lo[f] >= 0:
+                            span[span_lo[f]] += 1
+                            span[span_hi[f] + 1] -= 1
+        called = np.zeros(n_paths, dtype=np.bool_)
+        for f in range(nf):
+            if hooked[f]:
+                called[frame_path[f]] = True
+        for f in range(nf):
+            if called[frame_path[f]]:
+                hx[frame_first_op[f]] += frame_s
+                frame_calls += 1
+    else:  # one pack per candidate, after save_op, every one observed
+        for ci in range(k):
+            hx[pack_after[ci]] += pack_s
+        for ci in range(k):
+            hx[pack_unpack_op[ci]] += unpack_s
+        n_observed = k
+        for ci in range(k):
+            if handled[ci] and act[ci] == recompute:
+                n_replayed += 1
+    # Rule 8: pack kernels after save_op.
+    touched = False
+    for ci in range(k):
+        if act[ci] == compress:
+            dx[save_after[ci]] += compress_kernel_s[ci]
+            hx[save_after[ci]] += compress_host_s
+            touched = True
+    # Rule 12: the recorder's ops.
+    if n_replayed and record_on:
+        if has_frames:
+            depth = 0
+            if loss:
+                span[0] += 1
+                span[loss_hi + 1] -= 1
+            for i in range(n):
+                depth += span[i]
+                if depth > 0:
+                    hx[i] += record_s[i]
+                    weight += record_weight[i]
+        else:
+            for i in range(forward_lo, forward_hi):
+                hx[i] += record_s[i]
+                weight += record_weight[i]
+    # Rule 4: the copies out, in issue order.
+    for j in range(swp.shape[0]):
+        ci = swp[j]
+        if sync:  # Rule 1: the copy on the one clock, done when it resumes
+            dx[save_after[ci]] += d2h_dur[ci]
+            touched = True
+        hx[save_after[ci]] += swap_host  # Rule 12: the copy out's own host work, everywhere
+    return n_observed, frame_calls, weight, touched
+
+
+def compiled_host() -> Callable[..., Any]:
+    """:func:`host_adds`, compiled."""
+    return _jit(host_adds)

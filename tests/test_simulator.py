@@ -280,12 +280,17 @@ def test_fast_equals_reference_on_random_policies(profile: str) -> None:
 
 
 def test_the_compiled_walk_equals_the_same_walk_run_as_python(monkeypatch: pytest.MonkeyPatch) -> None:
-    """envs/walk.py compiled by numba (the event walk, the live bytes) computes what its source computes as
-    plain Python, to the bit: the timelines, clocks and every figure of random policies on both a GPU profile
-    and the CPU's."""
+    """envs/walk.py compiled by numba (the host adds, the event walk, the live bytes) computes what its
+    source computes as plain Python, to the bit: the timelines, clocks and every figure of random policies on
+    both a GPU profile and the CPU's."""
     from envs import walk
 
-    for compiled, source in ((walk.compiled(), walk.walk), (walk.compiled_live(), walk.live_bytes)):
+    pairs = (
+        (walk.compiled(), walk.walk),
+        (walk.compiled_live(), walk.live_bytes),
+        (walk.compiled_host(), walk.host_adds),
+    )
+    for compiled, source in pairs:
         assert compiled is not source and hasattr(compiled, "signatures")  # a numba dispatcher, not the source
     w = capture(tiny_cnn_build(), name="w", batch_size=2)
     for profile in ("a100-40gb", "cpu"):
@@ -295,6 +300,7 @@ def test_the_compiled_walk_equals_the_same_walk_run_as_python(monkeypatch: pytes
         with monkeypatch.context() as m:
             m.setattr(walk, "compiled", lambda: walk.walk)
             m.setattr(walk, "compiled_live", lambda: walk.live_bytes)
+            m.setattr(walk, "compiled_host", lambda: walk.host_adds)
             plain = [sim.run(acts, options=opts, timeline=True).to_dict() for acts, opts in policies]
         assert fast == plain
 
