@@ -29,6 +29,10 @@ NOTE [ Recompute mechanisms ]
     P7. R's forward writes none of R's tensor arguments in place (an activation module with ``inplace=True``
         called on its own: the checkpoint holds the argument as the call got it, and refuses it in backward,
         written since; a node saves it too, N4);
+    P8. R's forward runs no op whose kernel reads grad mode (``GRAD_MODE_KERNELS``: the CPU's oneDNN LSTM
+        layer returns its workspace and rounds as in training only with grad mode on): a node runs the call's
+        forward without grad, so its outputs would differ from plain training's in the last bits (9.3e-9 in a
+        2-layer LSTM's gradients); a replay runs each op in the grad mode it had (R6) and is exact;
 
     and no enclosing call is a region (the outermost qualifying calls are chosen). By P2-P6 a region needs
     nothing from outside but its kept arguments, and no replay needs what a region recomputes, so regions
@@ -44,6 +48,9 @@ import numpy as np
 from runtime.keys import canonical_key
 from runtime.vocab import KEEP, RECOMPUTE
 from runtime.workload import Phase, TensorKind, Workload
+
+# P8: ops whose kernels read grad mode (found by running each with it on and off on the same inputs).
+GRAD_MODE_KERNELS = frozenset({"aten.mkldnn_rnn_layer.default"})
 
 
 @dataclass
@@ -131,6 +138,7 @@ class RegionPlanner:
             outputs: list[tuple[int, int]] = []
             ok = f.index > 0 and f.path != "<root>" and calls[f.path] == 1 and f.last_op >= f.first_op  # P1
             ok = ok and not writes_state[f.first_op : f.last_op + 1].any()  # P5
+            ok = ok and not any(w.ops[op].name in GRAD_MODE_KERNELS for op in range(f.first_op, f.last_op + 1))  # P8
             if ok and f.args:  # P7: it writes none of its arguments in place
                 arguments = set(f.args)
                 ok = not any(written[op] & arguments for op in range(f.first_op, f.last_op + 1))
