@@ -73,8 +73,9 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         keys of the call's outputs where later modules save them name the op that made them, which a node would
         stand in for. The runtime's own hooks are suspended during the call, so the node's saved inputs are kept
         (they are, by P4). During the recompute BatchNorm runs with momentum 0, which rewrites its running
-        statistics with their own values, exactly, and its step count is taken back in place: they are updated once,
-        as in plain training, and nothing is allocated. In a first step the keyer names the call's inputs and
+        statistics with their own values, exactly, and its step count is taken back in place where the recompute ran it
+        in training mode (a frozen BatchNorm counts nothing; its mode may change between steps or inside the
+        forward): they are updated once, as in plain training, and nothing is allocated. In a first step the keyer names the call's inputs and
         outputs that the trace first saw packed inside it.
     R11. Scope. The first step runs as R1 says, with hooks on every pack, the keyer's module hooks and, when
         anything is replayed, the recorder over the whole forward; it learns each pack's module call (frame) and
@@ -536,10 +537,12 @@ class PolicyRuntime:
                     mod.__dict__["forward"] = own
 
     def _region_forward(self, mod: torch.nn.Module, path: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        # Every BatchNorm that tracks statistics, in training mode or not: the mode can change between steps, or
+        # inside a forward (a frozen BatchNorm), and only the recompute's own run says whether it counted a step.
         norm = [
             m.__dict__
             for m in mod.modules()
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.training
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats
         ]
         calls = self._region_calls
 
@@ -547,8 +550,9 @@ class PolicyRuntime:
             if not norm or torch._C._current_graph_task_id() == -1:
                 return forward(*args, **kwargs)  # the forward itself
             # The recompute, in backward: with momentum 0 BatchNorm rewrites its running statistics with
-            # their own values (x (1 - 0) + 0 m = x, exactly), and its step count is taken back in place.
-            # Nothing is allocated, so the recompute holds no more memory than checkpoint's own.
+            # their own values (x (1 - 0) + 0 m = x, exactly), and its step count is taken back in place where
+            # the recompute ran it in training mode (it counted one; in eval mode it updates nothing). Nothing
+            # is allocated, so the recompute holds no more memory than checkpoint's own.
             momenta = [m["momentum"] for m in norm]
             for m in norm:
                 m["momentum"] = 0.0
@@ -558,7 +562,7 @@ class PolicyRuntime:
                 for m, momentum in zip(norm, momenta, strict=True):
                     m["momentum"] = momentum
                     count = m["_buffers"].get("num_batches_tracked")
-                    if count is not None:
+                    if count is not None and m["training"]:
                         count.sub_(1)  # a buffer: no autograd
 
         def region_forward(*args: Any, **kwargs: Any) -> Any:

@@ -798,3 +798,65 @@ def test_a_second_forward_after_the_backward_inside_one_step_is_refused() -> Non
     with pytest.raises(AutotuneError, match="covers one forward and its backward"), policy.applied(model):
         loss_fn(model, batch).backward()
         loss_fn(model, batch).backward()
+
+
+@pytest.mark.parametrize("mode", ["freeze_later", "unfreeze_later", "eval_inside"])
+def test_batchnorm_whose_mode_changes_keeps_plain_statistics_in_regions(mode: str) -> None:
+    """R10: a region's recompute takes back the step count of the BatchNorm calls that counted one in it, and
+    only those: it took one back from a frozen (eval-mode) BatchNorm at every step (the count went 1, 0, -1, -2
+    where plain training holds 1), and one unfrozen after the first step had its running statistics updated
+    twice (its momentum was not zeroed in the recompute). Both region mechanisms."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            block = lambda: torch.nn.Sequential(  # noqa: E731
+                torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.Tanh(),
+            )  # fmt: skip
+            self.stem, self.blocks, self.fc = (
+                torch.nn.Conv2d(3, 8, 3, padding=1),
+                torch.nn.Sequential(block(), block()),
+                torch.nn.Linear(8, 10),
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if mode == "eval_inside":
+                self.blocks[1][1].eval()
+            return self.fc(self.blocks(self.stem(x)).mean((2, 3)))
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        return (
+            Net(),
+            (torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))),
+            lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+        )
+
+    def run(policy: Policy | None) -> list[list[torch.Tensor]]:
+        model, batch, loss_fn = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        bn = model.blocks[1][1]
+        out = []
+        for step in range(4):
+            if mode == "freeze_later":
+                bn.train(step == 0)
+            if mode == "unfreeze_later":
+                bn.train(step >= 2)
+            opt.zero_grad()
+            with policy.applied(model) if policy is not None else contextlib.nullcontext():
+                loss_fn(model, batch).backward()
+            opt.step()
+            out.append([p.grad.clone() for p in model.parameters()] + [b.clone() for b in model.buffers()])
+        return out
+
+    w = capture(build, name="bn-mode", batch_size=2, fake=False)
+    plain = run(None)
+    for nodes in (True, False):
+        policy = Policy.from_vector(
+            w, uniform_actions(w, Action.RECOMPUTE), hardware="cpu", options=PolicyOptions(region_nodes=nodes)
+        )
+        assert policy.schedule is not None and len(policy.schedule.regions) == 2
+        got = run(policy)
+        for a, b in zip(plain, got, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), (mode, nodes)
