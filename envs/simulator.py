@@ -89,7 +89,8 @@ Rule 12 (host costs). h_i is 0 on a profile without copy engines (op times are w
     back ``swap_s``; each
     region ``region_s`` (checkpointed: plus ``region_pack_s`` per pack inside it), at its first op and again
     with its recompute, whose ops also cost their h_i; each op the recorder runs under ``record_op_s`` (the forward
-    ops of the module calls whose ops a replay re-runs, the calls they ran in included; outside the model:
+    ops of the module calls whose ops a replay re-runs, the calls they ran in included, and of the calls that
+    write in place, after such an op read it, what it read (runtime R11); outside the model:
     from the model's end to the end of forward, where runtime R11 stops a little earlier, at the pack after
     the last op re-run), and as much again for each quiet op dispatched after it (``OpInfo.quiet_ops``:
     views and queries, which the workload leaves out and the recorder records); each replayed op
@@ -448,12 +449,24 @@ class Simulator:
         root = next((f for f in frames if f.path == "<root>"), None)
         self._root_last = root.last_op if root is not None else -1
         self._root_first = root.first_op if root is not None else 0
-        lists = [sorted({w.ops[op].frame for op in ops if w.ops[op].frame >= 0}) for ops in self.closure_ops]
+        # The recorder runs in the calls of a closure's ops and of the forward ops that write in place, after a
+        # closure op read it, what it read (runtime R11: the replay must see that write, R6).
+        writers: dict[int, list[int]] = {}
+        for info in w.ops:
+            if info.phase == Phase.FORWARD:
+                for t in info.outputs:
+                    if w.tensors[t].alloc_op != info.index:
+                        writers.setdefault(t, []).append(info.index)
+        recorded = [
+            ops | {j for op in ops for t in w.ops[op].inputs for j in writers.get(t, ()) if j > op}
+            for ops in self.closure_ops
+        ]
+        lists = [sorted({w.ops[op].frame for op in ops if w.ops[op].frame >= 0}) for ops in recorded]
         self._closure_frames = [np.array(lst, dtype=np.int64) for lst in lists]
         self._frame_lo = np.array([f.first_op for f in frames], dtype=np.int64)
         self._frame_hi = np.array([f.last_op for f in frames], dtype=np.int64)
         self._loss_before_root = np.array(
-            [any(w.ops[op].frame == 0 and op < self._root_first for op in ops) for ops in self.closure_ops], dtype=bool
+            [any(w.ops[op].frame == 0 and op < self._root_first for op in ops) for ops in recorded], dtype=bool
         )
         # Rule 12's recorder: each frame's span of forward ops (frame 0, outside the model, from the model's end).
         spans = [(int(lo), int(hi)) for lo, hi in zip(self._frame_lo.tolist(), self._frame_hi.tolist(), strict=True)]

@@ -120,7 +120,7 @@ def simulate_reference(
         first_bwd = next((op.index for op in w.ops if op.phase == Phase.BACKWARD), n)
         # Module calls with a hook: every call of a module one of whose calls is hooked or records.
         replaying = [ci for ci in range(len(cands)) if act[ci] == RECOMPUTE and ci not in served]
-        record = {w.ops[op].frame for ci in replaying for op in _closure(w, ci, cand_of, first_use, writers)[0]}
+        record = {w.ops[op].frame for ci in replaying for op in _recorded(w, ci, cand_of, first_use, writers)}
         paths = {frames[fi].path for fi in hooked | record if fi >= 0}
         for frame in frames:
             if frame.path in paths:
@@ -146,7 +146,7 @@ def simulate_reference(
         recorded = [False] * n
         root = next((f for f in frames if f.path == "<root>"), None)
         for ci in replayed:
-            for op in _closure(w, ci, cand_of, first_use, writers)[0]:
+            for op in _recorded(w, ci, cand_of, first_use, writers):
                 f = w.ops[op].frame
                 if not framed:
                     for i in w.phase_range(Phase.FORWARD):
@@ -471,6 +471,14 @@ def _closure(w, ci, cand_of, first_use, writers):  # type: ignore[no-untyped-def
         ran.update(chain)
         pending.extend((j, x) for j in fresh for x in w.ops[j].inputs)
     return ran, needed
+
+
+def _recorded(w, ci, cand_of, first_use, writers):  # type: ignore[no-untyped-def]
+    """Rule 12: the ops whose module calls the recorder runs in for candidate ``ci``'s replay: its closure's, and
+    the forward ops that write in place, after a closure op read it, what it read (runtime R11)."""
+    ran = _closure(w, ci, cand_of, first_use, writers)[0]
+    later = {j for op in ran for tid in w.ops[op].inputs for j in writers.get(tid, []) if j > op}
+    return sorted(ran | later)
 
 
 def _parts(sizes: list[int], total: int) -> list[int]:

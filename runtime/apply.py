@@ -49,7 +49,9 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         afterwards. Arguments an op would mutate that are not being regenerated (BatchNorm's running
         statistics) are passed as copies, so replay changes no module state. An input that a later forward
         op wrote in place (the recording's writers of its storage) is re-made as it was when read, from its
-        producer and the writers before the read, where the recording holds its producer (Rule 7). Each op is
+        producer and the writers before the read, where the recording holds its producer (Rule 7); one made
+        before the recording (a buffer updated after its use, an EMA) is read from the copy the recorder took
+        before that write, kept until no replay is left (its bytes are not in the simulator's count). Each op is
         replayed in the grad mode it ran in (backward runs with it off; the CPU's oneDNN LSTM returns its
         workspace and rounds as in training only with it on). The recorder records the forward and the loss,
         never backward. The
@@ -75,8 +77,8 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         (they are, by P4). During the recompute BatchNorm runs with momentum 0, which rewrites its running
         statistics with their own values, exactly, and its step count is taken back in place where the recompute ran it
         in training mode (a frozen BatchNorm counts nothing; its mode may change between steps or inside the
-        forward): they are updated once, as in plain training, and nothing is allocated. In a first step the keyer names the call's inputs and
-        outputs that the trace first saw packed inside it.
+        forward): they are updated once, as in plain training, and nothing is allocated. In a first step the keyer
+        names the call's inputs and outputs that the trace first saw packed inside it.
     R11. Scope. The first step runs as R1 says, with hooks on every pack, the keyer's module hooks and, when
         anything is replayed, the recorder over the whole forward; it learns each pack's module call (frame) and
         key. From the second step on, saved-tensor hooks are entered only in the module calls that hold a pack of a
@@ -96,7 +98,9 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         to the next step. The recorder is entered only in the calls whose ops a replay re-ran. Entered for
         ``<loss>``, it leaves at the first pack there after the last op a replay re-ran (the first step tells
         which), still in forward, so that backward's ops do not pass through it (a Python call each); without such a
-        pack, at the step's end. Never inside backward: backward runs each node under the thread-local state
+        pack, at the step's end. It is also entered in the calls that write in place, after a replayed op read it,
+        a storage that op read (a buffer updated after its use, an EMA), so that the replay reads it as it was
+        (R6). Never inside backward: backward runs each node under the thread-local state
         captured when it began, so a mode popped inside it is back on the stack when it returns. An all-keep policy,
         or one that only recomputes through regions, installs no saved-tensor hooks at all.
     R12. The model. A policy records its model's parameters by name and shape
@@ -146,7 +150,7 @@ from runtime.policy import Action, Policy, some_keys
 from runtime.precision import check_active
 from runtime.regions import Learning
 from runtime.regions import run as run_region
-from runtime.replay import Frame, Recorder, Replayer, view_of
+from runtime.replay import Frame, Recorder, Replayer, _Ref, view_of
 from runtime.shared_grads import SharedGradients
 from runtime.target import allocate_library_workspaces
 from runtime.vocab import compressible
@@ -713,6 +717,11 @@ class PolicyRuntime:
                     loss_done = len(table)
                 table.append(_Entry(e.key, e.action, e.point, e.trigger, e.shape, e.dtype))
         record = {rec.ops[i].frame for i in rec.replayed} if rec is not None else set()
+        if rec is not None:  # and the calls that write in place, after a replayed op read it, what it read (R6)
+            for i in rec.replayed:
+                for leaf in rec.ops[i].leaves:
+                    if isinstance(leaf, _Ref):
+                        record.update(rec.ops[j].frame for j in rec.writers.get(leaf.sid, ()) if j > i)
         modules = sorted({f[0] for f in [*tables, *record] if f is not None and f not in (_LOSS, _BEFORE)})
         return _Learned(tables, {f for f in record if f is not None}, modules, force, loss_done)
 

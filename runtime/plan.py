@@ -33,6 +33,11 @@ NOTE [ Recompute mechanisms ]
         layer returns its workspace and rounds as in training only with grad mode on): a node runs the call's
         forward without grad, so its outputs would differ from plain training's in the last bits (9.3e-9 in a
         2-layer LSTM's gradients); a replay runs each op in the grad mode it had (R6) and is exact;
+    P9. no tensor made before R and read inside it is written in place by a forward op after R (a buffer
+        updated after its use, an EMA; an argument a later op writes into): the recompute would read it as
+        written since, or (an argument, which the checkpoint holds) autograd refuses it in backward. BatchNorm's
+        own updates of its running statistics do not count (the recompute does not read them in training
+        mode, and rewrites them with their own values, R10);
 
     and no enclosing call is a region (the outermost qualifying calls are chosen). By P2-P6 a region needs
     nothing from outside but its kept arguments, and no replay needs what a region recomputes, so regions
@@ -102,6 +107,19 @@ class RegionPlanner:
             {t for t in op.outputs if w.tensors[t].alloc_op != op.index} if op.phase == Phase.FORWARD else set()
             for op in w.ops
         ]
+        # P9: each tensor written in place by a forward op outside a BatchNorm call, and the last op that does.
+        norm_frames = {f.index for f in frames if f.norm}
+        last_write: dict[int, int] = {}
+        for op in w.ops:
+            if op.phase == Phase.FORWARD and op.frame not in norm_frames:
+                for t in written[op.index]:
+                    last_write[t] = op.index
+        late_readers: dict[int, list[int]] = {t: [] for t in last_write}  # the forward ops that read each
+        for op in w.ops:
+            if op.phase == Phase.FORWARD:
+                for t in op.inputs:
+                    if t in late_readers:
+                        late_readers[t].append(op.index)
         if closures is None:
             closures = closures_of(w)
         frame_of_producer = np.array([w.ops[c.producer].frame for c in w.candidates], dtype=np.int64)
@@ -142,6 +160,13 @@ class RegionPlanner:
             if ok and f.args:  # P7: it writes none of its arguments in place
                 arguments = set(f.args)
                 ok = not any(written[op] & arguments for op in range(f.first_op, f.last_op + 1))
+            if ok:  # P9: nothing it reads from before it is written in place after it
+                ok = not any(
+                    last > f.last_op
+                    and w.tensors[t].alloc_op < f.first_op
+                    and any(f.first_op <= r <= f.last_op for r in late_readers[t])
+                    for t, last in last_write.items()
+                )
             if ok:
                 lo, hi = np.searchsorted(producers[order], [f.first_op, f.last_op + 1])
                 made = set(order[lo:hi].tolist())

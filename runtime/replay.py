@@ -120,12 +120,19 @@ class Recorder(TorchDispatchMode):
         self.depth = 0  # module calls entered that record (R11)
         self._made_from: dict[int, set[int]] = {}
         self._made_from_at = -1  # len(self.ops) when _made_from was built
+        # R6: storages made before the recording (buffers, arguments of the model) that a recorded op read
+        # since their last in-place write; before the next such write, a copy of each is kept, so that a replay
+        # reads what was read: (storage, the writing op) -> the storage as it was before that op.
+        self._external: set[int] = set()
+        self._external_read: set[int] = set()
+        self.before_write: dict[tuple[int, int], torch.UntypedStorage] = {}
 
     def release_rng(self) -> None:
         """Let go of the random-number states (R6): every replay that needed them is done."""
         for op in self.ops:
             if op.rng is not None:
                 op.rng = _RELEASED
+        self.before_write.clear()  # ... and the copies of storages as read (R6)
 
     def sid(self, storage: torch.UntypedStorage) -> int:
         return self._sid(storage)[0]
@@ -156,7 +163,10 @@ class Recorder(TorchDispatchMode):
         return sid, True
 
     def ref(self, t: torch.Tensor) -> _Ref:
-        return _Ref(self.sid(t.untyped_storage()), t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+        sid, new = self._sid(t.untyped_storage())
+        if new:
+            self._external.add(sid)  # first seen as an argument: made before the recording
+        return _Ref(sid, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -170,9 +180,17 @@ class Recorder(TorchDispatchMode):
         leaves, spec = _flatten_args(args, kwargs)
         writes = _written_positions(written, args, kwargs, leaves) if written else []
         refs = [self.ref(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        index = len(self.ops)
+        for pos in writes:  # R6: a storage from before the recording, read since its last write, about to change
+            sid = refs[pos].sid  # type: ignore[union-attr]
+            if sid in self._external_read:
+                self._external_read.discard(sid)
+                self.before_write[(sid, index)] = leaves[pos].untyped_storage().clone()
+        for pos, ref in enumerate(refs):
+            if isinstance(ref, _Ref) and ref.sid in self._external and pos not in writes:
+                self._external_read.add(ref.sid)
         out = func(*args, **kwargs)
         out_leaves = _flatten_out(out)
-        index = len(self.ops)
         outputs: list[int | None] = []
         for x in out_leaves:
             if not isinstance(x, torch.Tensor):
@@ -252,9 +270,13 @@ class Replayer:
         if writers and writers[-1] > before:
             # Written in place after op ``before`` read it (the CPU's GRU cell clones one chunk of its gates,
             # then multiplies that chunk in place): what is there now is not what was read, so it is re-made
-            # as it was then, from its producer and the writers before (Rule 7 counts those ops), when the
-            # recording holds its producer; else (made before the recording: a buffer) it is used as it is.
+            # as it was then: made before the recording (a buffer updated after its use, an EMA), the copy the
+            # recorder kept before that write; else from its producer and the writers before (Rule 7 counts
+            # those ops), when the recording holds its producer; else it is used as it is.
             chain = [i for i in writers if i < before]
+            kept = self.rec.before_write.get((sid, next(i for i in writers if i >= before)))
+            if kept is not None:  # made before the recording: the recorder's copy as it was read
+                return kept
             if chain and not _reads(self.rec.ops[chain[0]], sid):
                 key = (sid, len(chain))
                 if key not in self.as_of:

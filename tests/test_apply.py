@@ -860,3 +860,90 @@ def test_batchnorm_whose_mode_changes_keeps_plain_statistics_in_regions(mode: st
         got = run(policy)
         for a, b in zip(plain, got, strict=True):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), (mode, nodes)
+
+
+class _UseThenUpdate(torch.nn.Module):
+    """Reads its buffer, then updates it in place (an EMA), in one call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("shift", torch.linspace(-1, 1, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x) + self.shift)
+        with torch.no_grad():
+            self.shift.mul_(0.5).add_(h.mean(0), alpha=0.5)
+        return h
+
+
+class _Shifted(torch.nn.Module):
+    """Reads a buffer that its caller updates after the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.linspace(-1, 1, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x + self.shift) * 3.0
+
+
+class _LaterWrites(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ema, self.lin, self.shifted, self.head = (
+            _UseThenUpdate(),
+            torch.nn.Linear(16, 16),
+            _Shifted(),
+            torch.nn.Linear(16, 4),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(self.ema(x))
+        y = self.shifted(h)
+        with torch.no_grad():
+            self.shifted.shift.add_(y.mean(0))  # the buffer it read, updated after the call
+        h.add_(1.0)  # and its argument, written in place after the call (nothing inside saves it)
+        return self.head(y + h)
+
+
+def test_what_a_recompute_reads_is_what_the_forward_read_when_written_in_place_later() -> None:
+    """R6, P9 of runtime/plan.py: a buffer updated in place after a recomputed tensor's producer read it (an EMA)
+    was read by the replay as updated: gradients off by up to 0.30 under a recompute of everything, silently (a QA
+    pass); the recorder now keeps the buffer as it was read until the step's replays are done. A call that reads a
+    buffer its caller updates afterwards, or whose argument a later op writes into, is no region: the region's
+    recompute read the buffer as updated (wrong gradients), and autograd refused the argument it held ('modified
+    by an inplace operation'). Plain training's gradients and buffers at every step, both region mechanisms."""
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        return (
+            _LaterWrites(),
+            (torch.randn(2, 16), torch.randint(0, 4, (2,))),
+            lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+        )
+
+    def run(policy: Policy | None) -> list[list[torch.Tensor]]:
+        model, batch, loss_fn = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = []
+        for _ in range(3):
+            opt.zero_grad()
+            with policy.applied(model) if policy is not None else contextlib.nullcontext():
+                loss_fn(model, batch).backward()
+            out.append([p.grad.clone() for p in model.parameters()] + [b.clone() for b in model.buffers()])
+            opt.step()
+        return out
+
+    w = capture(build, name="later-writes", batch_size=2, fake=False)
+    plain = run(None)
+    keys = [c.key for c in w.candidates]
+    only = [np.array([RECOMPUTE if k.startswith(p) else KEEP for k in keys], dtype=np.int8) for p in ("ema", "shift")]
+    vectors = [uniform_actions(w, Action.RECOMPUTE), *only]
+    for vec in vectors:
+        for nodes in (True, False):
+            policy = Policy.from_vector(w, vec, hardware="cpu", options=PolicyOptions(region_nodes=nodes))
+            assert policy.schedule is None or not any(r.module == "shifted" for r in policy.schedule.regions)
+            got = run(policy)
+            for a, b in zip(plain, got, strict=True):
+                assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), (vec.tolist(), nodes)
