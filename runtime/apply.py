@@ -51,7 +51,9 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         op wrote in place (the recording's writers of its storage) is re-made as it was when read, from its
         producer and the writers before the read, where the recording holds its producer (Rule 7); one made
         before the recording (a buffer updated after its use, an EMA) is read from the copy the recorder took
-        before that write, kept until no replay is left (its bytes are not in the simulator's count). Each op is
+        before that write, kept until no replay is left (its bytes are not in the simulator's count); so are the
+        constants the forward lifts from Python data (``torch.tensor(0.1)``, ``t[..., 0] = 0``: ``aten.lift_fresh``),
+        which no op makes again. Each op is
         replayed in the grad mode it ran in (backward runs with it off; the CPU's oneDNN LSTM returns its
         workspace and rounds as in training only with it on). The recorder records the forward and the loss,
         never backward. The

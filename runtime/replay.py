@@ -126,13 +126,17 @@ class Recorder(TorchDispatchMode):
         self._external: set[int] = set()
         self._external_read: set[int] = set()
         self.before_write: dict[tuple[int, int], torch.UntypedStorage] = {}
+        # Constants made from Python data in forward (``torch.tensor(0.1)``, ``t[..., 0] = 0``: lifted by
+        # ``aten.lift_fresh``), which no op makes again: held for the step, tiny (R6).
+        self._constants: list[torch.Tensor] = []
 
     def release_rng(self) -> None:
         """Let go of the random-number states (R6): every replay that needed them is done."""
         for op in self.ops:
             if op.rng is not None:
                 op.rng = _RELEASED
-        self.before_write.clear()  # ... and the copies of storages as read (R6)
+        self.before_write.clear()  # ... and the copies of storages as read, and the constants (R6)
+        self._constants.clear()
 
     def sid(self, storage: torch.UntypedStorage) -> int:
         return self._sid(storage)[0]
@@ -190,6 +194,8 @@ class Recorder(TorchDispatchMode):
             if isinstance(ref, _Ref) and ref.sid in self._external and pos not in writes:
                 self._external_read.add(ref.sid)
         out = func(*args, **kwargs)
+        if func is _LIFT_FRESH:
+            self._constants.append(out)
         out_leaves = _flatten_out(out)
         outputs: list[int | None] = []
         for x in out_leaves:
@@ -210,6 +216,8 @@ class Recorder(TorchDispatchMode):
         )
         return out
 
+
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
 # Ops that update arguments their schema does not mark as written: BatchNorm's running statistics
 # (native_functions.yaml declares native_batch_norm's running_mean/running_var as plain ``Tensor?``).

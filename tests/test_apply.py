@@ -947,3 +947,59 @@ def test_what_a_recompute_reads_is_what_the_forward_read_when_written_in_place_l
             got = run(policy)
             for a, b in zip(plain, got, strict=True):
                 assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), (vec.tolist(), nodes)
+
+
+class _Constants(torch.nn.Module):
+    """Tensor constants made from Python data in forward, read by recomputed chains: ``torch.tensor(0.1)``
+    in a ``where``, and T5's ``_shift_right`` (a slice set to 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.emb, self.l2 = torch.nn.Linear(8, 16), torch.nn.Embedding(32, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        h = torch.where(h > 0, h, torch.tensor(0.1)) * 2.0
+        ids = (x.abs() * 10).long() % 32
+        shifted = ids.new_zeros(ids.shape)
+        shifted[..., 1:] = ids[..., :-1].clone()
+        shifted[..., 0] = 0
+        return self.l2(torch.tanh(h) + torch.tanh(self.emb(shifted)).mean(1, keepdim=True).squeeze(1))
+
+
+def test_constants_made_in_forward_are_there_for_the_replay() -> None:
+    """R6: a constant lifted from Python data in forward (``aten.lift_fresh``) has no producer a replay could
+    run and was gone by backward: recomputing what reads it failed ('storage N has no recorded producer'), as in
+    torchvision's swin_t (its shifted-window mask), T5 and BART (their shifted decoder inputs), found by a QA
+    pass. The recorder holds such constants for the step; gradients are plain training's."""
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        return (
+            _Constants(),
+            (torch.randn(2, 8), torch.randint(0, 4, (2,))),
+            lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+        )
+
+    def run(policy: Policy | None) -> list[list[torch.Tensor]]:
+        model, batch, loss_fn = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = []
+        for _ in range(2):
+            opt.zero_grad()
+            with policy.applied(model) if policy is not None else contextlib.nullcontext():
+                loss_fn(model, batch).backward()
+            out.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+        return out
+
+    w = capture(build, name="constants", batch_size=2, fake=False)
+    plain = run(None)
+    for nodes in (True, False):
+        got = run(
+            Policy.from_vector(
+                w, uniform_actions(w, Action.RECOMPUTE), hardware="cpu", options=PolicyOptions(region_nodes=nodes)
+            )
+        )
+        for a, b in zip(plain, got, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), nodes
