@@ -17,7 +17,10 @@ NOTE [ Key format ]
       name differently for the same tensor take one name (:data:`SAME_PRODUCER`): torch 2.14's
       ``F.multi_head_attention_forward`` reshapes its attention output (``_unsafe_view``: UnsafeView) where
       the H200's torch 2.11 made a ``view`` of it (View, tests/fixtures/gpu/h200_traces.json.gz), so a ViT-B/16
-      plan made with one would have met the other's twelve attention outputs as unknown keys, kept. Keys
+      plan made with one would have met the other's twelve attention outputs as unknown keys, kept; and a CPU
+      ``reshape`` makes ``_reshape_alias`` (ReshapeAlias) where no dispatch mode is on, a ``view`` under one,
+      so a real trace (under its mode) and a swap-only step (none) named ``nn.MultiheadAttention``'s reshaped
+      tensors otherwise, and the swap kept them. Keys
       read from a policy file are made canonical too (:func:`canonical_key`), so older files still match.
 
     Every storage but the model's parameters and buffers is named, the batch included (the runtime cannot
@@ -189,7 +192,8 @@ class SavedTensorKeyer:
         return KeyedTensor(key, True)
 
 
-SAME_PRODUCER = {"UnsafeView": "View"}  # NOTE [ Key format ]: one name across PyTorch versions
+# NOTE [ Key format ]: one name across PyTorch versions and dispatch modes.
+SAME_PRODUCER = {"UnsafeView": "View", "ReshapeAlias": "View"}
 
 
 def producer_name(t: torch.Tensor) -> str:

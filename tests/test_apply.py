@@ -1003,3 +1003,27 @@ def test_constants_made_in_forward_are_there_for_the_replay() -> None:
         )
         for a, b in zip(plain, got, strict=True):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), nodes
+
+
+def test_a_swap_only_step_names_reshaped_tensors_as_the_trace_does() -> None:
+    """NOTE [ Key format ]: a CPU reshape dispatches ``_reshape_alias`` where no dispatch mode is on and a
+    ``view`` under one (the trace's): a policy that swaps and replays nothing ran without a mode and met three of
+    ``nn.TransformerEncoderLayer``'s saved tensors as unknown keys, kept (a QA pass). Now none is unknown."""
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(32, 2, 64, dropout=0.1, batch_first=True)
+        model = torch.nn.Sequential(layer, torch.nn.Flatten(), torch.nn.Linear(32 * 6, 4))
+        return (
+            model,
+            (torch.randn(2, 6, 32), torch.randint(0, 4, (2,))),
+            lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+        )
+
+    w = capture(build, name="mha", batch_size=2, fake=False)
+    policy = Policy.from_vector(w, uniform_actions(w, Action.SWAP), hardware="cpu")
+    model, batch, loss_fn = build()
+    for _ in range(2):
+        with policy.applied(model) as stats:
+            loss_fn(model, batch).backward()
+        assert stats.unknown_keys == [] and stats.swaps == len(w.candidates)
