@@ -686,7 +686,7 @@ class Simulator:
 
         # Rule 11: regions, and what they serve.
         planner = self.planner
-        regions = planner.select(act) if planner is not None else []
+        regions = planner.select(act, bool(options.region_nodes)) if planner is not None else []
         # Rule 5: each copy back's trigger op, among the unpack points of the candidates no region serves.
         if regions:
             view = self._region_view(tuple(regions), bool(options.region_nodes))

@@ -62,7 +62,7 @@ def simulate_reference(
 
     # Rule 11: regions, the candidates they serve, and what each one re-runs and holds.
     planner = RegionPlanner(w) if framed else None
-    regions = planner.select(np.array(act, dtype=np.int8)) if planner is not None else []
+    regions = planner.select(np.array(act, dtype=np.int8), options.region_nodes) if planner is not None else []
     frames = w.frames
 
     def within(f: int, region: int) -> bool:

@@ -39,6 +39,14 @@ NOTE [ Recompute mechanisms ]
         own updates of its running statistics do not count (the recompute does not read them in training
         mode, and rewrites them with their own values, R10);
 
+    P10. As one node (``PolicyOptions.region_nodes``) only: no tensor with a gradient (floating point, not a
+        buffer, not the batch) made before R is read by two or more ops inside R and by one outside it too
+        (cross-attention's encoder states, read by the key and value projections of every decoder block; a
+        parameter used twice inside and again elsewhere). The node returns its gradient already summed over
+        R's uses, which autograd then adds to the others: another association than plain training's one by one
+        (T5's encoder gradients off by 3.4e-8). Under checkpoint the recompute's graph joins backward and sums
+        as plain training does.
+
     and no enclosing call is a region (the outermost qualifying calls are chosen). By P2-P6 a region needs
     nothing from outside but its kept arguments, and no replay needs what a region recomputes, so regions
     and replays never depend on each other.
@@ -146,6 +154,7 @@ class RegionPlanner:
 
         must: dict[str, list[list[int]]] = {"recompute": [], "keep": [], "not_recompute": []}
         self.static_ok = np.zeros(self.n_frames, dtype=bool)
+        self.node_ok = self._node_ok()  # P10
         self.rng = np.zeros(self.n_frames, dtype=bool)
         self.internal: list[np.ndarray] = []  # candidates a region of this call would serve, if recomputed
         self._inputs: list[list[tuple[int, int]]] = []
@@ -216,6 +225,28 @@ class RegionPlanner:
             np.array([p[i] for p in flat], dtype=np.int64) for i in range(3)
         )
 
+    def _node_ok(self) -> np.ndarray:
+        """P10, per frame: no tensor with a gradient from before it is read twice inside it and again outside."""
+        w = self.w
+        graded = {t.id for t in w.tensors if "float" in t.dtype and t.kind not in (TensorKind.BUFFER, TensorKind.INPUT)}
+        readers: dict[int, list[int]] = {}  # the forward ops that read each, in-place writers of it aside
+        for op in w.ops:
+            if op.phase == Phase.FORWARD:
+                for t in op.inputs:
+                    if t in graded and t not in op.outputs:
+                        readers.setdefault(t, []).append(op.index)
+        ok = np.ones(self.n_frames, dtype=bool)
+        for f in w.frames:
+            if f.last_op < f.first_op:
+                continue
+            inside: dict[int, int] = {}
+            for info in w.ops[f.first_op : f.last_op + 1]:
+                for t in info.inputs:
+                    if t in readers and w.tensors[t].alloc_op < f.first_op and t not in info.outputs:
+                        inside[t] = inside.get(t, 0) + 1
+            ok[f.index] = not any(k >= 2 and len(readers[t]) > k for t, k in inside.items())
+        return ok
+
     def _ancestry(self, f: int) -> list[int]:
         """``f`` and the calls enclosing it."""
         out = []
@@ -236,14 +267,15 @@ class RegionPlanner:
                 out[op.index] = True
         return out
 
-    def select(self, act: np.ndarray) -> list[int]:
-        """Frame indices of the regions for action codes ``act`` (outermost first, in call order)."""
+    def select(self, act: np.ndarray, nodes: bool = True) -> list[int]:
+        """Frame indices of the regions for action codes ``act`` (outermost first, in call order), run as one
+        node each or under checkpoint (``nodes``, P10)."""
         if not self._any_static:
             return []
         rec = act == RECOMPUTE
         if not rec.any():  # P2: nothing to serve
             return []
-        ok = self.static_ok.copy()
+        ok = self.static_ok & self.node_ok if nodes else self.static_ok.copy()
         ok[self._check_frame[np.concatenate([~rec, act != KEEP, rec])[self._check_index]]] = False
         if not ok.any():
             return []
@@ -355,7 +387,8 @@ def closures_of(w: Workload) -> list[Closure]:
     return out
 
 
-def regions_for(w: Workload, act: np.ndarray) -> list[Region]:
-    """The regions of a policy with action codes ``act`` on ``w`` (one-off; the simulator keeps a planner)."""
+def regions_for(w: Workload, act: np.ndarray, nodes: bool = True) -> list[Region]:
+    """The regions of a policy with action codes ``act`` on ``w``, run as nodes or under checkpoint (one-off;
+    the simulator keeps a planner)."""
     planner = RegionPlanner(w)
-    return [planner.region(f) for f in planner.select(np.asarray(act))]
+    return [planner.region(f) for f in planner.select(np.asarray(act), nodes)]

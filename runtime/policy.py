@@ -161,8 +161,8 @@ class Schedule:
     regions: list[Region] = field(default_factory=list)
 
     @classmethod
-    def of(cls, workload: Workload, codes: Sequence[int] | np.ndarray | None = None) -> Schedule:
-        """The schedule of ``workload``; with action ``codes``, its regions too."""
+    def of(cls, workload: Workload, codes: Sequence[int] | np.ndarray | None = None, nodes: bool = True) -> Schedule:
+        """The schedule of ``workload``; with action ``codes``, its regions too (run as nodes or not: P10)."""
         n = len(workload.ops)
         firsts = [c.bwd_uses[0] if c.bwd_uses else n for c in workload.candidates]
         points = sorted(set(firsts))
@@ -170,7 +170,7 @@ class Schedule:
         return cls(
             {c.key: rank[u] for c, u in zip(workload.candidates, firsts, strict=True)},
             list(workload.meta.get("ignored_keys", [])),
-            regions_for(workload, np.asarray(codes)) if codes is not None and len(codes) else [],
+            regions_for(workload, np.asarray(codes), nodes) if codes is not None and len(codes) else [],
         )
 
 
@@ -261,9 +261,10 @@ class Policy:
             )
         if len(codes) and not (np.issubdtype(codes.dtype, np.integer) and 0 <= codes.min() <= codes.max() < 4):
             raise ValueError(f"action codes {np.unique(codes).tolist()} are not all integers in 0..3 (keep..compress)")
+        options = options if options is not None else PolicyOptions()
         return cls(
             actions={c.key: ACTIONS[int(a)] for c, a in zip(workload.candidates, codes, strict=True)},
-            options=options if options is not None else PolicyOptions(),
+            options=options,
             model=workload.model,
             batch_size=workload.batch_size,
             seq_len=workload.seq_len,
@@ -277,7 +278,7 @@ class Policy:
             optimizer=workload.optimizer,
             predicted=predicted,
             provenance=Provenance.now(searcher, trials, wall_s),
-            schedule=Schedule.of(workload, codes),
+            schedule=Schedule.of(workload, codes, options.region_nodes),
             partitions=parse_partitions(workload.meta.get("partitions")),
         )
 
