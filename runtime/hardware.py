@@ -33,6 +33,7 @@ import os
 import re
 import time
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -621,6 +622,7 @@ def _calibrate_cpu(seconds: float) -> HardwareProfile:
                 torch.add(x, y)
 
         launch_s = _best_time_s(tiny_ops, share) / calls
+    host = _cpu_host_costs(seconds)
     elapsed = time.perf_counter() - started
     return HardwareProfile(
         name="cpu",
@@ -637,15 +639,50 @@ def _calibrate_cpu(seconds: float) -> HardwareProfile:
         launch_overhead_s=launch_s,
         is_gpu=False,
         alloc_granularity_bytes=1,  # the CPU tracker (runtime.measure) counts storage bytes exactly
-        host=_cpu_host_costs(seconds),
+        host=host,
     )
 
 
+# A busy machine: more runnable processes (the 1-minute load average) than this many per core plus one (this one).
+BUSY_LOAD_PER_CORE = 1.0
+
+
 def _cpu_host_costs(seconds: float) -> HostCosts:
-    """The runtime's host costs on this CPU (runtime/host_costs.py), in about four times ``seconds``."""
+    """The runtime's host costs on this CPU (runtime/host_costs.py), in about four times ``seconds``, on one
+    thread: they are Python's work between kernels, and one thread leaves them less exposed to other processes
+    (measured on a 2-core machine with three busy processes beside it: the recorder's cost per op 87-98 us on
+    one thread, 156-333 on two, 32 on either when idle). A busy machine is said once: what is measured then
+    is inflated, and so are the cpu profile's predicted times."""
+    import torch
+
     from runtime.host_costs import calibrate  # the runtime itself: imported here, not at the top
 
-    return calibrate("cpu", 4 * seconds)
+    busy = _busy()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        costs = calibrate("cpu", 4 * seconds)
+    finally:
+        torch.set_num_threads(threads)
+    busy = busy or _busy()
+    if busy:
+        warnings.warn(
+            f"autotune: this machine was busy while its host costs were measured ({busy}): the cpu profile's "
+            "predicted times may be too long; plan again when it is quieter",
+            stacklevel=2,
+        )
+        return dataclasses.replace(costs, source=f"{costs.source}; measured while busy ({busy})")
+    return costs
+
+
+def _busy() -> str:
+    """'load average L on C cores' when the machine runs more than it has cores for (else '')."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return ""
+    cores = os.cpu_count() or 1
+    return f"load average {load:.1f} on {cores} cores" if load > cores * BUSY_LOAD_PER_CORE + 1 else ""
 
 
 # --- op times for a workload ---------------------------------------------------------------------------

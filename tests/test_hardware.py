@@ -19,6 +19,7 @@ from runtime.hardware import (
     COMPUTE_CLASSES,
     DEFAULT_PROFILE,
     HardwareProfile,
+    HostCosts,
     calibrate_cpu,
     compute_class_for,
     detect,
@@ -437,3 +438,29 @@ def test_host_memory_bound_is_a_positive_size_or_none() -> None:
     for bad in (0, -1, 1.5, True, "64GB"):
         with pytest.raises(hardware.AutotuneError, match=r"host_memory_bytes=.*positive whole number of bytes or null"):
             dataclasses.replace(a100, host_memory_bytes=bad)
+
+
+def test_host_costs_measured_on_a_busy_machine_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cpu profile's host costs, measured while other processes take the cores (a QA pass: the same
+    `simulate` predicted +11% and +210% over plain training in two runs), come with a warning and a source that
+    says so; on one thread, the thread count restored after."""
+    import torch
+
+    import runtime.host_costs
+
+    threads_seen: list[int] = []
+
+    def fake_calibrate(device: str, seconds: float) -> HostCosts:
+        threads_seen.append(torch.get_num_threads())
+        return HostCosts(pack_s=1e-6, source="measured")
+
+    monkeypatch.setattr(runtime.host_costs, "calibrate", fake_calibrate)
+    monkeypatch.setattr(hardware.os, "cpu_count", lambda: 2)
+    before = torch.get_num_threads()
+    monkeypatch.setattr(hardware.os, "getloadavg", lambda: (1.2, 1.0, 1.0))
+    assert hardware._cpu_host_costs(0.1).source == "measured"
+    monkeypatch.setattr(hardware.os, "getloadavg", lambda: (5.5, 4.0, 3.0))
+    with pytest.warns(UserWarning, match="busy"):
+        busy = hardware._cpu_host_costs(0.1)
+    assert busy.source == "measured; measured while busy (load average 5.5 on 2 cores)" and busy.pack_s == 1e-6
+    assert threads_seen == [1, 1] and torch.get_num_threads() == before
