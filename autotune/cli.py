@@ -858,12 +858,20 @@ def train(
             "(keep and recompute only: search with --compile).",
         ),
     ] = False,
-    backend: Annotated[str, typer.Option(help="torch.compile's backend with --compile.")] = "inductor",
+    backend: Annotated[
+        str | None, typer.Option(help="torch.compile's backend with --compile (default: inductor).")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Train N real iterations under a policy; measured peak and time beside the simulator's prediction."""
     from autotune.train import render as render_train
     from autotune.train import train as run_train
+
+    if backend is not None and not compile_:
+        raise AutotuneError(
+            f"--backend {backend} without --compile: the backend is torch.compile's; add --compile to train under "
+            "it, or leave --backend out to train eagerly"
+        )
 
     with err.status("Tracing on the device, then training…", spinner="dots"):
         report = run_train(
@@ -876,7 +884,7 @@ def train(
             grad_accum=grad_accum,
             optimizer=optimizer,
             expandable_segments=expandable_segments,
-            compile_backend=backend if compile_ else None,
+            compile_backend=(backend or "inductor") if compile_ else None,
         )
     d = report.to_dict()
     if as_json:

@@ -49,13 +49,13 @@ class TrainReport:
         if not self.steps:
             return {}
         out = {
-            "peak_bytes": statistics.median(s.peak_bytes for s in self.steps),
+            "peak_bytes": statistics.median_low(s.peak_bytes for s in self.steps),  # a measured one, in bytes
             "iter_s": statistics.median(s.iter_s for s in self.steps),
             "samples_per_s": statistics.median(s.samples_per_s for s in self.steps),
         }
         reserved = [s.reserved_bytes for s in self.steps if s.reserved_bytes is not None]
         if reserved:  # CUDA: the caching allocator's reserved peak
-            out["reserved_bytes"] = statistics.median(reserved)
+            out["reserved_bytes"] = statistics.median_low(reserved)
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -268,6 +268,9 @@ def test_train_expandable_segments_is_set_before_cuda_initialises(
     assert "use --device cuda" in user_error(capsys, *args, "--device", "cpu")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert "CUDA is already initialised" in user_error(capsys, *args, "--device", "cuda")
+    # --backend is torch.compile's: alone it was ignored (trained eagerly, exit 0); now refused before any work.
+    line = user_error(capsys, "train", "--policy", "missing.policy.json", "--backend", "aot_eager")
+    assert line.startswith("error: --backend aot_eager without --compile")
 
 
 def test_host_memory_option(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -382,9 +385,10 @@ def test_a_policy_searched_with_adamw_trains_with_adamw(capsys: pytest.CaptureFi
     assert json.loads(path.read_text())["optimizer"] == "adamw"
     code, out, err = run(capsys, "simulate", "--policy", str(path), "--json")
     assert code == 0, err
-    code, out, err = run(capsys, "train", "--policy", str(path), "--steps", "1", "--json")
+    code, out, err = run(capsys, "train", "--policy", str(path), "--steps", "2", "--json")
     assert code == 0, err
-    assert json.loads(out)["iterations"]
+    trained = json.loads(out)
+    assert trained["iterations"] and isinstance(trained["measured"]["peak_bytes"], int)  # one step's, in bytes
     line = user_error(capsys, "simulate", "--policy", str(path), "--optimizer", "sgd")
     assert "made for training with adamw" in line and "drop --optimizer" in line
 
