@@ -544,16 +544,9 @@ def search(
     from autotune.reserved import check_kind, new_pool
 
     check_kind(budget_kind)
-    _early_checks(
-        model, budget, reserve, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, precision=precision,
-        grad_accum=grad_accum, device=device, measure=measure, partition=partition,
-    )  # fmt: skip
-    hw, note = resolve_profile(gpu)
-    here = sr.plan_device(hw, device)
-    hw, host_note = sr.with_host_memory(hw, host_memory, here)
     parts = parse_partition_option(partition)
     sliced = bool(parts) or allow_partition
-    if compile_ and (sliced or allow_compress):
+    if compile_ and (sliced or allow_compress):  # before the profile: calibrating the CPU's takes seconds
         what = "--allow-compress" if allow_compress else "--partition/--allow-partition"
         raise AutotuneError(
             f"--compile with {what}: under torch.compile a policy can only keep and recompute (NOTE [ Compiled "
@@ -564,6 +557,13 @@ def search(
             f"--compile with --measure {measure}: measured searches train eagerly; drop --measure (the plan is "
             "simulated; autotune train --compile measures it)"
         )
+    _early_checks(
+        model, budget, reserve, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, precision=precision,
+        grad_accum=grad_accum, device=device, measure=measure, partition=partition,
+    )  # fmt: skip
+    hw, note = resolve_profile(gpu)
+    here = sr.plan_device(hw, device)
+    hw, host_note = sr.with_host_memory(hw, host_memory, here)
     k = 0 if compile_ else sr.measure_count(measure, here, hw)
     plan = plan_budget(budget, reserve, hw)
     req = TraceRequest(

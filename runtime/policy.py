@@ -524,7 +524,12 @@ def load_policy(
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-        raise AutotuneError(f"cannot read policy file '{path}': {why}") from None
+        fix = (
+            "; check the path (`autotune search` writes <model>.policy.json in the folder it runs in, or --out)"
+            if isinstance(e, FileNotFoundError)
+            else ""
+        )
+        raise AutotuneError(f"cannot read policy file '{path}': {why}{fix}") from None
     try:
         d = json.loads(text, object_pairs_hook=_unique_keys)
     except _DuplicateKey as e:

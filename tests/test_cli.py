@@ -464,6 +464,9 @@ def test_inputs_are_checked_before_the_cpu_is_calibrated(
         (["--heartbeat", "nan"], "invalid --heartbeat nan"),
         (["--heartbeat", "inf"], "invalid --heartbeat inf"),
         (["--timeout", "nan"], "invalid --timeout nan"),
+        # Options that torch.compile cannot serve: said after 54 s of calibration and tracing on a busy machine.
+        (["--compile", "--allow-partition"], "--compile with --partition/--allow-partition"),
+        (["--compile", "--allow-compress"], "--compile with --allow-compress"),
     ]
     for extra, said in cases:
         assert said in user_error(capsys, "search", *base, *extra), extra

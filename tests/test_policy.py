@@ -133,7 +133,9 @@ def test_compress_needs_lossy(tmp_path: Path, mlp: Workload) -> None:
 
 
 def test_unreadable_and_not_json(tmp_path: Path) -> None:
-    with pytest.raises(AutotuneError, match=r"cannot read policy file '.*missing\.json': No such file"):
+    with pytest.raises(
+        AutotuneError, match=r"cannot read policy file '.*missing\.json': No such file.*; check the path"
+    ):
         load_policy(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text('{"format": "autotune.policy/v1", "actions": {')
     with pytest.raises(AutotuneError, match=r"'.*bad\.json' is not a policy file \(not valid JSON"):
