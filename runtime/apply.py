@@ -97,7 +97,9 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         later one of the step, warns once, and the next step with these inputs learns again. A step is learnt
         from only when it saved something for backward and its backward unpacked it inside the step: a forward under
         ``torch.no_grad`` (a validation pass) or one whose backward is skipped (a loss not used) leaves the learning
-        to the next step. The recorder is entered only in the calls whose ops a replay re-ran. Entered for
+        to the next step; a replayed tensor that it never unpacked (a branch whose output the loss does not use)
+        is learnt as kept, since no replay re-ran its producers for later steps to record. The recorder is
+        entered only in the calls whose ops a replay re-ran. Entered for
         ``<loss>``, it leaves at the first pack there after the last op a replay re-ran (the first step tells
         which), still in forward, so that backward's ops do not pass through it (a Python call each); without such a
         pack, at the step's end. It is also entered in the calls that write in place, after a replayed op read it,
@@ -131,6 +133,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import warnings
 import weakref
@@ -668,6 +671,9 @@ class PolicyRuntime:
         finally:
             self._keying = False
             unpacked = self._unpacked
+            # Replayed tensors whose backward never came (a branch whose output the loss does not use): no replay
+            # re-ran their producers, so later steps would not record them; they are learnt as kept.
+            unneeded = {h.key for h in self._handles if h.action == Action.RECOMPUTE and h.packs and not h.unpacks}
             self._end_step()
             self._say_unknown()
         if not any(e.key is not None for e in log):
@@ -681,6 +687,8 @@ class PolicyRuntime:
                     stacklevel=3,
                 )
             return
+        if unneeded:
+            log = [dataclasses.replace(e, action=None) if e.key in unneeded else e for e in log]
         self._learned[self._inputs] = self._learn(log, rec, force)
         self._learned.move_to_end(self._inputs)
         while len(self._learned) > _LEARNT_INPUTS:

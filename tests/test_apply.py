@@ -1027,3 +1027,50 @@ def test_a_swap_only_step_names_reshaped_tensors_as_the_trace_does() -> None:
         with policy.applied(model) as stats:
             loss_fn(model, batch).backward()
         assert stats.unknown_keys == [] and stats.swaps == len(w.candidates)
+
+
+class _TupleOut(torch.nn.Module):
+    """Returns a tuple whose second element the loss does not use: its branch's backward never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU())
+        self.aux, self.fc, self.fc2 = torch.nn.Conv2d(8, 8, 3), torch.nn.Linear(8, 10), torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        return self.fc(h.mean((2, 3))), self.fc2(torch.relu(self.aux(h)).mean((2, 3)))
+
+
+def test_a_recomputed_tensor_whose_backward_never_comes_lets_the_steps_settle() -> None:
+    """R11: a tensor the policy recomputes in a branch the loss does not use is never unpacked, so no replay
+    re-ran its producers and later steps did not record them; every such step met it as unknown, kept everything
+    after it with a warning and learnt again, every other step (a QA pass). It is learnt as kept: no warning after
+    the first step, and plain training's gradients."""
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        batch = (torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,)))
+        return _TupleOut(), batch, lambda m, b: torch.nn.functional.cross_entropy(m(b[0])[0], b[1])
+
+    w = capture(build, name="tuple", batch_size=2, fake=False)
+    # fc2's input, and a tensor of the body that is replayed (so that later steps run the recorder).
+    acts = np.array([RECOMPUTE if c.key.startswith(("fc2#", "body.1#")) else KEEP for c in w.candidates], dtype=np.int8)
+    assert (acts == RECOMPUTE).sum() == 2
+    policy = Policy.from_vector(w, acts, hardware="cpu")
+    grads = []
+    for p in (None, policy):
+        model, batch, loss_fn = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(4):
+                opt.zero_grad()
+                with p.applied(model) if p is not None else contextlib.nullcontext():
+                    loss_fn(model, batch).backward()
+                out.append([q.grad.clone() for q in model.parameters() if q.grad is not None])
+                opt.step()
+        grads.append(out)
+    for a, b in zip(*grads, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
