@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from runtime.precision import TrainStep
 from runtime.trace import capture, make_optimizer
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP
 from runtime.workload import Workload
+from tests.steps import classifier, same_bits, train_steps
 
 RESNET = ("resnet18", {"batch_size": 2, "image_size": 64})
 GPT2 = ("gpt2", {"batch_size": 2, "seq_len": 32, "config_overrides": {"n_layer": 2}})  # dropout 0.1 on
@@ -577,6 +579,28 @@ def test_a_model_that_checkpoints_its_own_layers_is_refused_in_one_line() -> Non
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
+class _Recurrent(torch.nn.Module):
+    """A recurrent layer (``rnn``), then a linear head (``h``) on its last time step."""
+
+    def __init__(self, rnn: torch.nn.Module) -> None:
+        super().__init__()
+        self.rnn, self.h = rnn, torch.nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.h(self.rnn(x)[0][:, -1])
+
+
+def _recurrent(make_rnn: Callable[[], torch.nn.Module]):  # type: ignore[no-untyped-def]
+    """``build`` for a :class:`_Recurrent` around ``make_rnn()`` (16 features in, 32 hidden) at batch 4 x 5 steps."""
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        x, y = torch.randn(4, 5, 16), torch.randint(0, 10, (4,))
+        return _Recurrent(make_rnn()), (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    return build
+
+
 def test_the_cpu_gru_cell_trains_as_plain_under_any_policy() -> None:
     """R3: the CPU's GRU cell runs ``sigmoid_`` on one ``unsafe_chunk`` of its gates, packs it, then writes
     the other chunks (siblings that count their writes apart, no view) and packs them. The swap's copy was
@@ -584,19 +608,7 @@ def test_the_cpu_gru_cell_trains_as_plain_under_any_policy() -> None:
     gradients off by up to 0.0175, every tensor swapped by 0.13 (a QA run's GRU). Now they are plain
     training's bits."""
 
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.rnn = torch.nn.GRU(16, 32, batch_first=True)
-            self.h = torch.nn.Linear(32, 10)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.h(self.rnn(x)[0][:, -1])
-
-    def build():  # type: ignore[no-untyped-def]
-        torch.manual_seed(0)
-        x, y = torch.randn(4, 5, 16), torch.randint(0, 10, (4,))
-        return Net(), (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+    build = _recurrent(lambda: torch.nn.GRU(16, 32, batch_first=True))
 
     def grads(policy: Policy | None) -> list[torch.Tensor]:
         model, batch, loss_fn = build()
@@ -636,41 +648,17 @@ def test_the_cpu_lstm_trains_as_plain_under_random_mixes() -> None:
     call is no region either (P8 of runtime/plan.py): a node ran its forward without grad, and recomputing
     everything differed by 9.3e-9."""
 
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.rnn = torch.nn.LSTM(16, 32, num_layers=2, batch_first=True)
-            self.h = torch.nn.Linear(32, 10)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.h(self.rnn(x)[0][:, -1])
-
-    def build():  # type: ignore[no-untyped-def]
-        torch.manual_seed(0)
-        x, y = torch.randn(4, 5, 16), torch.randint(0, 10, (4,))
-        return Net(), (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
-
-    def grads(policy: Policy | None) -> list[torch.Tensor]:
-        model, batch, loss_fn = build()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        out = []
-        for _ in range(2):  # the learning step, then the steady state
-            opt.zero_grad()
-            with policy.applied(model) if policy is not None else contextlib.nullcontext():
-                loss_fn(model, batch).backward()
-            out += [p.grad.clone() for p in model.parameters() if p.grad is not None]
-            opt.step()
-        return out
+    build = _recurrent(lambda: torch.nn.LSTM(16, 32, num_layers=2, batch_first=True))
 
     w = capture(build, name="lstm", batch_size=4, fake=False)
-    plain = grads(None)
+    plain = train_steps(build, None, 2)  # the learning step, then the steady state
     mixes = [
         (np.random.default_rng(seed).integers(0, 3, len(w.candidates)).astype(np.int8), nodes)
         for seed, nodes in ((0, False), (1, False), (8, False), (37, True), (37, False))
     ]  # off or failed before
     for acts, nodes in [*mixes, (uniform_actions(w, Action.RECOMPUTE), True)]:
-        got = grads(Policy.from_vector(w, acts, hardware="cpu", options=PolicyOptions(region_nodes=nodes)))
-        assert len(got) == len(plain) and all(torch.equal(a, b) for a, b in zip(plain, got, strict=True)), nodes
+        policy = Policy.from_vector(w, acts, hardware="cpu", options=PolicyOptions(region_nodes=nodes))
+        assert same_bits(plain, train_steps(build, policy, 2)), nodes
 
 
 def test_a_swapped_tensor_that_a_later_replay_reads_is_held_on_the_cpu() -> None:
@@ -915,28 +903,10 @@ def test_what_a_recompute_reads_is_what_the_forward_read_when_written_in_place_l
     recompute read the buffer as updated (wrong gradients), and autograd refused the argument it held ('modified
     by an inplace operation'). Plain training's gradients and buffers at every step, both region mechanisms."""
 
-    def build():  # type: ignore[no-untyped-def]
-        torch.manual_seed(0)
-        return (
-            _LaterWrites(),
-            (torch.randn(2, 16), torch.randint(0, 4, (2,))),
-            lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
-        )
-
-    def run(policy: Policy | None) -> list[list[torch.Tensor]]:
-        model, batch, loss_fn = build()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        out = []
-        for _ in range(3):
-            opt.zero_grad()
-            with policy.applied(model) if policy is not None else contextlib.nullcontext():
-                loss_fn(model, batch).backward()
-            out.append([p.grad.clone() for p in model.parameters()] + [b.clone() for b in model.buffers()])
-            opt.step()
-        return out
+    build = classifier(_LaterWrites, (2, 16), 4)
 
     w = capture(build, name="later-writes", batch_size=2, fake=False)
-    plain = run(None)
+    plain = train_steps(build, None, 3, buffers=True)
     keys = [c.key for c in w.candidates]
     only = [np.array([RECOMPUTE if k.startswith(p) else KEEP for k in keys], dtype=np.int8) for p in ("ema", "shift")]
     vectors = [uniform_actions(w, Action.RECOMPUTE), *only]
@@ -944,9 +914,7 @@ def test_what_a_recompute_reads_is_what_the_forward_read_when_written_in_place_l
         for nodes in (True, False):
             policy = Policy.from_vector(w, vec, hardware="cpu", options=PolicyOptions(region_nodes=nodes))
             assert policy.schedule is None or not any(r.module == "shifted" for r in policy.schedule.regions)
-            got = run(policy)
-            for a, b in zip(plain, got, strict=True):
-                assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), (vec.tolist(), nodes)
+            assert same_bits(plain, train_steps(build, policy, 3, buffers=True)), (vec.tolist(), nodes)
 
 
 class _Constants(torch.nn.Module):
@@ -973,36 +941,14 @@ def test_constants_made_in_forward_are_there_for_the_replay() -> None:
     torchvision's swin_t (its shifted-window mask), T5 and BART (their shifted decoder inputs), found by a QA
     pass. The recorder holds such constants for the step; gradients are plain training's."""
 
-    def build():  # type: ignore[no-untyped-def]
-        torch.manual_seed(0)
-        return (
-            _Constants(),
-            (torch.randn(2, 8), torch.randint(0, 4, (2,))),
-            lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
-        )
-
-    def run(policy: Policy | None) -> list[list[torch.Tensor]]:
-        model, batch, loss_fn = build()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        out = []
-        for _ in range(2):
-            opt.zero_grad()
-            with policy.applied(model) if policy is not None else contextlib.nullcontext():
-                loss_fn(model, batch).backward()
-            out.append([p.grad.clone() for p in model.parameters()])
-            opt.step()
-        return out
+    build = classifier(_Constants, (2, 8), 4)
 
     w = capture(build, name="constants", batch_size=2, fake=False)
-    plain = run(None)
+    plain = train_steps(build, None, 2)
     for nodes in (True, False):
-        got = run(
-            Policy.from_vector(
-                w, uniform_actions(w, Action.RECOMPUTE), hardware="cpu", options=PolicyOptions(region_nodes=nodes)
-            )
-        )
-        for a, b in zip(plain, got, strict=True):
-            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), nodes
+        options = PolicyOptions(region_nodes=nodes)
+        policy = Policy.from_vector(w, uniform_actions(w, Action.RECOMPUTE), hardware="cpu", options=options)
+        assert same_bits(plain, train_steps(build, policy, 2)), nodes
 
 
 def test_a_swap_only_step_names_reshaped_tensors_as_the_trace_does() -> None:

@@ -18,6 +18,7 @@ from runtime.policy import Action, Policy, PolicyOptions
 from runtime.regions import Learning, run
 from runtime.trace import capture
 from runtime.vocab import KEEP, RECOMPUTE
+from tests.steps import same_bits, train_steps
 from tests.synthetic import framed_chain_workload
 
 
@@ -422,23 +423,10 @@ def test_a_node_is_no_region_where_it_would_sum_a_gradient_otherwise() -> None:
         loss = lambda m, b: torch.nn.functional.cross_entropy(m(input_ids=b[0]).logits, b[1])  # noqa: E731
         return BertForSequenceClassification(cfg), batch, loss
 
-    def run(policy: Policy | None) -> list[list[torch.Tensor]]:
-        model, batch, loss_fn = build()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        out = []
-        for _ in range(3):
-            opt.zero_grad()
-            with policy.applied(model) if policy is not None else contextlib.nullcontext():
-                loss_fn(model, batch).backward()
-            out.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-            opt.step()
-        return out
-
     w = capture(build, name="bert", batch_size=2, fake=False)
     acts = np.array([RECOMPUTE if ".attention.self#" in c.key else KEEP for c in w.candidates], dtype=np.int8)
-    plain = run(None)
+    plain = train_steps(build, None, 3)
     for nodes in (True, False):
         policy = Policy.from_vector(w, acts, hardware="cpu", options=PolicyOptions(region_nodes=nodes))
         assert policy.schedule is not None and len(policy.schedule.regions) == (0 if nodes else 2)
-        for a, b in zip(plain, run(policy), strict=True):
-            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), nodes
+        assert same_bits(plain, train_steps(build, policy, 3)), nodes
