@@ -69,7 +69,7 @@ GpuOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 AccumOpt = Annotated[
     int,
-    typer.Option("--grad-accum", help="Micro-batches of --batch-size per optimizer step (gradient accumulation)."),
+    typer.Option("--grad-accum", help="Micro-batches per optimizer step (gradient accumulation), each a batch."),
 ]
 PrecisionOpt = Annotated[
     str,
