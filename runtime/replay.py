@@ -190,9 +190,10 @@ class Recorder(TorchDispatchMode):
             if sid in self._external_read:
                 self._external_read.discard(sid)
                 self.before_write[(sid, index)] = leaves[pos].untyped_storage().clone()
-        for pos, ref in enumerate(refs):
-            if isinstance(ref, _Ref) and ref.sid in self._external and pos not in writes:
-                self._external_read.add(ref.sid)
+        if not func.is_view:  # a view reads nothing (the runtime's own detach of a kept pack among them)
+            for pos, ref in enumerate(refs):
+                if isinstance(ref, _Ref) and ref.sid in self._external and pos not in writes:
+                    self._external_read.add(ref.sid)
         out = func(*args, **kwargs)
         if func is _LIFT_FRESH:
             self._constants.append(out)
