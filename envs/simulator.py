@@ -131,7 +131,7 @@ import numpy as np
 from envs import walk
 from envs.walk import USE
 from runtime.hardware import HardwareProfile, host_times_s, op_times_s
-from runtime.plan import RegionPlanner, closures_of
+from runtime.plan import RegionPlanner, closures_of, forward_writers
 from runtime.policy import Policy, PolicyOptions
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, Action, itemsize
 from runtime.workload import Phase, TensorKind, Workload, in_place_bytes, memory_timeline, rounded, workspace_bytes
@@ -254,7 +254,7 @@ class Simulator:
         self._record_weight = 1.0 + np.array([op.quiet_ops for op in w.ops], dtype=np.float64)
         self._record_s = self._record_weight * hw.host.record_op_s
         fwd = w.phase_range(Phase.FORWARD)
-        self._forward_ops = np.arange(fwd.start, fwd.stop)  # without frames the recorder runs in all of forward
+        self._forward_span = (fwd.start, fwd.stop)  # without frames the recorder runs in all of forward
         self.op_start_s = np.concatenate([[0.0], np.cumsum(self.op_s)[:-1]])  # compute alone, no host clock
         self.compute_s = float(self.op_s.sum())
         self.optimizer_s = optimizer_s(w, self.op_s)
@@ -451,30 +451,22 @@ class Simulator:
         self._root_first = root.first_op if root is not None else 0
         # The recorder runs in the calls of a closure's ops and of the forward ops that write in place, after a
         # closure op read it, what it read (runtime R11: the replay must see that write, R6).
-        writers: dict[int, list[int]] = {}
-        for info in w.ops:
-            if info.phase == Phase.FORWARD:
-                for t in info.outputs:
-                    if w.tensors[t].alloc_op != info.index:
-                        writers.setdefault(t, []).append(info.index)
+        writers = forward_writers(w)
         recorded = [
             ops | {j for op in ops for t in w.ops[op].inputs for j in writers.get(t, ()) if j > op}
             for ops in self.closure_ops
         ]
         lists = [sorted({w.ops[op].frame for op in ops if w.ops[op].frame >= 0}) for ops in recorded]
         self._closure_frames = [np.array(lst, dtype=np.int64) for lst in lists]
-        self._frame_lo = np.array([f.first_op for f in frames], dtype=np.int64)
-        self._frame_hi = np.array([f.last_op for f in frames], dtype=np.int64)
         self._loss_before_root = np.array(
             [any(w.ops[op].frame == 0 and op < self._root_first for op in ops) for ops in recorded], dtype=bool
         )
         # Rule 12's recorder: each frame's span of forward ops (frame 0, outside the model, from the model's end).
-        spans = [(int(lo), int(hi)) for lo, hi in zip(self._frame_lo.tolist(), self._frame_hi.tolist(), strict=True)]
+        spans = [(f.first_op, f.last_op) for f in frames]
         if spans:
             spans[0] = (self._root_last + 1, spans[0][1])
         # Per policy, as masks: each pack's costs (Rule 12); the frames with packs of tensors that are not
         # candidates, and theirs.
-        self._frame_index = np.arange(nf)
         self._n_paths = len(path_ids)
         self._frame_packs = cand_packs + self._noncand_packs  # packs observed in each frame when it is
         self._frame_reach = self.planner.end + 1  # one past the last frame inside each
@@ -720,8 +712,7 @@ class Simulator:
             self._pack_unpack_op,
             hc.pack_s,
             hc.unpack_s,
-            int(self._forward_ops[0]) if len(self._forward_ops) else 0,
-            int(self._forward_ops[-1]) + 1 if len(self._forward_ops) else 0,
+            *self._forward_span,
             self._save_after,
             pack_s,
             hc.op_s if hw.is_gpu else 0.0,
@@ -732,7 +723,6 @@ class Simulator:
             sync,
             self.d2h_s,
             hc.swap_s,
-            KEEP,
             SWAP,
             RECOMPUTE,
             COMPRESS,

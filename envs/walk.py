@@ -430,7 +430,6 @@ def host_adds(
     sync: bool,
     d2h_dur: np.ndarray,
     swap_host: float,
-    keep: int,
     swap: int,
     recompute: int,
     compress: int,

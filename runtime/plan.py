@@ -110,6 +110,7 @@ class RegionPlanner:
         for f in frames:
             calls[f.path] = calls.get(f.path, 0) + 1
         writes_state = self._state_writers()
+        grad_mode = np.array([op.name in GRAD_MODE_KERNELS for op in w.ops], dtype=bool)  # P8
         # P7: per forward op, the tensors it writes in place (made before it).
         written = [
             {t for t in op.outputs if w.tensors[t].alloc_op != op.index} if op.phase == Phase.FORWARD else set()
@@ -165,7 +166,7 @@ class RegionPlanner:
             outputs: list[tuple[int, int]] = []
             ok = f.index > 0 and f.path != "<root>" and calls[f.path] == 1 and f.last_op >= f.first_op  # P1
             ok = ok and not writes_state[f.first_op : f.last_op + 1].any()  # P5
-            ok = ok and not any(w.ops[op].name in GRAD_MODE_KERNELS for op in range(f.first_op, f.last_op + 1))  # P8
+            ok = ok and not grad_mode[f.first_op : f.last_op + 1].any()  # P8
             if ok and f.args:  # P7: it writes none of its arguments in place
                 arguments = set(f.args)
                 ok = not any(written[op] & arguments for op in range(f.first_op, f.last_op + 1))
@@ -340,10 +341,8 @@ class Closure:
     deps: tuple[int, ...]
 
 
-def closures_of(w: Workload) -> list[Closure]:
-    """Rule 7's closure of every candidate, in candidate order."""
-    n = len(w.ops)
-    cand_of = {c.tensor: i for i, c in enumerate(w.candidates)}
+def forward_writers(w: Workload) -> dict[int, list[int]]:
+    """Tensor -> the forward ops that write it in place (it was made before them), in order."""
     writers: dict[int, list[int]] = {}
     for op in w.ops:
         if op.phase != Phase.FORWARD:
@@ -351,6 +350,14 @@ def closures_of(w: Workload) -> list[Closure]:
         for tid in op.outputs:
             if w.tensors[tid].alloc_op != op.index:
                 writers.setdefault(tid, []).append(op.index)
+    return writers
+
+
+def closures_of(w: Workload) -> list[Closure]:
+    """Rule 7's closure of every candidate, in candidate order."""
+    n = len(w.ops)
+    cand_of = {c.tensor: i for i, c in enumerate(w.candidates)}
+    writers = forward_writers(w)
     out: list[Closure] = []
     for c in w.candidates:
         u = c.bwd_uses[0] if c.bwd_uses else n
