@@ -52,11 +52,10 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         producer and the writers before the read, where the recording holds its producer (Rule 7); one made
         before the recording (a buffer updated after its use, an EMA) is read from the copy the recorder took
         before that write, kept until no replay is left (its bytes are not in the simulator's count); so are the
-        constants the forward lifts from Python data (``torch.tensor(0.1)``, ``t[..., 0] = 0``: ``aten.lift_fresh``),
-        which no op makes again. Each op is
-        replayed in the grad mode it ran in (backward runs with it off; the CPU's oneDNN LSTM returns its
-        workspace and rounds as in training only with it on). The recorder records the forward and the loss,
-        never backward. The
+        constants the forward lifts from Python data (``torch.tensor(0.1)``, ``t[..., 0] = 0``:
+        ``aten.lift_fresh``), which no op makes again. Each op is replayed in the grad mode it ran in (backward
+        runs with it off; the CPU's oneDNN LSTM returns its workspace and rounds as in training only with it on).
+        The recorder records the forward and the loss, never backward. The
         random-number states (the CPU generator's is 5,056 bytes, held in memory on a CPU) are let go
         once every replayed storage has had its last unpack (R9): no replay can need them after that,
         and one that did would fail loudly. The simulator counts none of them (at most a few per block).
@@ -99,13 +98,13 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         ``torch.no_grad`` (a validation pass) or one whose backward is skipped (a loss not used) leaves the learning
         to the next step; a replayed tensor that it never unpacked (a branch whose output the loss does not use)
         is learnt as kept, since no replay re-ran its producers for later steps to record. The recorder is
-        entered only in the calls whose ops a replay re-ran. Entered for
-        ``<loss>``, it leaves at the first pack there after the last op a replay re-ran (the first step tells
-        which), still in forward, so that backward's ops do not pass through it (a Python call each); without such a
-        pack, at the step's end. It is also entered in the calls that write in place, after a replayed op read it,
-        a storage that op read (a buffer updated after its use, an EMA), so that the replay reads it as it was
-        (R6). Never inside backward: backward runs each node under the thread-local state
-        captured when it began, so a mode popped inside it is back on the stack when it returns. An all-keep policy,
+        entered only in the calls whose ops a replay re-ran. Entered for ``<loss>``, it leaves at the first pack
+        there after the last op a replay re-ran (the first step tells which), still in forward, so that
+        backward's ops do not pass through it (a Python call each); without such a pack, at the step's end. It is
+        also entered in the calls that write in place, after a replayed op read it, a storage that op read (a
+        buffer updated after its use, an EMA), so that the replay reads it as it was (R6). Never inside backward:
+        backward runs each node under the thread-local state captured when it began, so a mode popped inside it
+        is back on the stack when it returns. An all-keep policy,
         or one that only recomputes through regions, installs no saved-tensor hooks at all.
     R12. The model. A policy records its model's parameters by name and shape
         (runtime.keys.parameter_fingerprint); a model with other ones is refused when the runtime is made,
@@ -155,7 +154,7 @@ from runtime.policy import Action, Policy, some_keys
 from runtime.precision import check_active
 from runtime.regions import Learning
 from runtime.regions import run as run_region
-from runtime.replay import Frame, Recorder, Replayer, _Ref, view_of
+from runtime.replay import Frame, Recorder, Replayer, view_of
 from runtime.shared_grads import SharedGradients
 from runtime.target import allocate_library_workspaces
 from runtime.vocab import compressible
@@ -728,10 +727,7 @@ class PolicyRuntime:
                 table.append(_Entry(e.key, e.action, e.point, e.trigger, e.shape, e.dtype))
         record = {rec.ops[i].frame for i in rec.replayed} if rec is not None else set()
         if rec is not None:  # and the calls that write in place, after a replayed op read it, what it read (R6)
-            for i in rec.replayed:
-                for leaf in rec.ops[i].leaves:
-                    if isinstance(leaf, _Ref):
-                        record.update(rec.ops[j].frame for j in rec.writers.get(leaf.sid, ()) if j > i)
+            record.update(rec.ops[j].frame for i in rec.replayed for j in rec.written_after(i))
         modules = sorted({f[0] for f in [*tables, *record] if f is not None and f not in (_LOSS, _BEFORE)})
         return _Learned(tables, {f for f in record if f is not None}, modules, force, loss_done)
 

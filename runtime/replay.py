@@ -141,6 +141,12 @@ class Recorder(TorchDispatchMode):
     def sid(self, storage: torch.UntypedStorage) -> int:
         return self._sid(storage)[0]
 
+    def written_after(self, index: int) -> Iterator[int]:
+        """The recorded ops after op ``index`` that write in place a storage it read (or wrote)."""
+        for leaf in self.ops[index].leaves:
+            if isinstance(leaf, _Ref):
+                yield from (j for j in self.writers.get(leaf.sid, ()) if j > index)
+
     def made_from(self) -> dict[int, set[int]]:
         """Storage id -> the storages that recorded ops reading it wrote (made or wrote in place): the
         writers graph turned around, built once the forward's ops are all recorded (kept until more are)."""
