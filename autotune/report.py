@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from autotune.budget import DEFAULT_GPU_RESERVE
+from autotune.budget import budget_of
 from autotune.units import format_bytes
 from envs.allocator import no_policy_stats, plan_offsets, workload_intervals
 from envs.simulator import Simulator, peak_floor
@@ -101,9 +101,9 @@ def profile_report(
         # What `autotune search` plans for at this budget (NOTE [ Budget and reserve ]): on a GPU profile the
         # budget less the default reserve, so that this verdict and the search's agree (a budget could fit
         # here with room to spare and be refused by search as below what any policy needs).
-        reserve = DEFAULT_GPU_RESERVE if hw.is_gpu else 0
-        planned = max(0, budget_bytes - reserve)
-        report["reserve_bytes"] = reserve
+        plan = budget_of(budget_bytes, None, hw)
+        planned = plan.planned_bytes
+        report["reserve_bytes"] = plan.reserve_bytes
         report["planned_budget_bytes"] = planned
         report["fits_planned"] = peak.peak_bytes <= planned
         report["planned_below_floor"] = planned < floor.bytes
