@@ -810,6 +810,15 @@ def maxbatch(
         print(json.dumps(result))
     else:
         mb.render(out, model, hw, budget_bytes, outcome, result)
+    if not outcome.measured_sizes and outcome.max_batch == 0:
+        slower = f" at most {max_slowdown:.0%} slower than no policy" if max_slowdown is not None else ""
+        err.print(
+            f"[bold red]error:[/] no batch size trains within {sr.format_bytes(plan.planned_bytes)} (planned)"
+            f"{slower}, not even 1; nothing written; raise --budget"
+            + (" or --max-slowdown" if max_slowdown is not None else ""),
+            highlight=False,
+        )
+        raise SystemExit(1)
     if outcome.measured_sizes and outcome.measured is None:  # --measure tried sizes, none fit
         tried = ", ".join(str(b) for b in outcome.measured_sizes)
         err.print(

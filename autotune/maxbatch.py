@@ -97,7 +97,7 @@ class MeasuredSize:
 
 @dataclass
 class MaxBatchOutcome:
-    max_batch: int  # 0: not even the start size fits
+    max_batch: int  # 0: not even batch 1 fits
     max_batch_no_policy: int
     best: SizeResult | None
     max_batch_baseline: int = 0  # the best published heuristic's largest batch, same criteria
@@ -201,6 +201,17 @@ class MaxBatch:
         """How each size is searched: ``per_size_s`` seconds under the seed, stopping early once converged."""
         return SearchContext(time_limit_s=self.per_size_s, seed=self.seed, trials=0)
 
+    def _search(self, name: str, problem: Problem, seeds: tuple[SearchResult, ...] = ()) -> SearchResult:
+        """``name``'s search of ``problem`` in a context of its own (one size's convergence is not another's).
+        A Ctrl-C that the search took (it returns its best so far) stops the whole run: an answer from a size
+        searched only in part is no answer, so the KeyboardInterrupt goes on to the caller."""
+        ctx = self.ctx.derive(seeds=seeds)
+        with ctx.noting_sigint():
+            found = get_searcher(name).search(problem, ctx)
+        if ctx.interrupted:
+            raise KeyboardInterrupt
+        return found
+
     def baselines(self, b: int) -> tuple[SimResult, list[SearchResult]]:
         """The no-policy result at ``b`` and every published heuristic's (none run when no policy can meet
         the budget: ``autotune.search.budget_floor``)."""
@@ -210,7 +221,7 @@ class MaxBatch:
             seeds: list[SearchResult] = []
             if budget_floor(problem) <= self.planned:
                 self.progress(f"baselines at batch {b}")
-                seeds = [get_searcher(n).search(problem, self.ctx) for n in baseline_names()]
+                seeds = [self._search(n, problem) for n in baseline_names()]
             self._baselines[b] = (no_policy, seeds)
         return self._baselines[b]
 
@@ -244,7 +255,7 @@ class MaxBatch:
                 vec = prev.policy.to_vector(self.workload(last.batch_size))
                 policy = Policy.from_vector(w, vec, hardware=self.hw.name, options=prev.policy.options)
                 seeds.append(_as_seed(problem, policy, f"batch-{last.batch_size}"))
-            found = get_searcher("portfolio").search(problem, self.ctx.derive(seeds=tuple(seeds)))
+            found = self._search("portfolio", problem, tuple(seeds))
             slowdown = no_policy.samples_per_s / found.result.samples_per_s - 1 if found.feasible else None
             fits = self._fits(no_policy, found)
             r = SizeResult(b, fits, no_policy.peak_bytes <= self.planned, no_policy, found, slowdown)
@@ -287,6 +298,7 @@ class MaxBatch:
         unpartitioned model's, traced so too."""
         from autotune.measured import measure
 
+        started = time.perf_counter()
         sizes = sorted((r.batch_size for r in self.results.values() if r.fits and r.found), reverse=True)
         outcome.max_batch, outcome.best = 0, None
         for b in sizes[:MEASURED_SIZES]:
@@ -303,9 +315,9 @@ class MaxBatch:
             )
             no_policy = plain_no_policy(problem, plain_w)
             self.progress(f"searching batch {b} on its real-mode trace")
-            baselines = [get_searcher(n).search(problem, self.ctx) for n in baseline_names()]
+            baselines = [self._search(n, problem) for n in baseline_names()]
             seeds = (*baselines, _as_seed(problem, simulated.policy, f"batch-{b}-fake-trace"))
-            found = get_searcher("portfolio").search(problem, self.ctx.derive(seeds=seeds))
+            found = self._search("portfolio", problem, seeds)
             if not self._fits(no_policy, found):
                 continue
             self.progress(f"measuring batch {b}")
@@ -321,6 +333,7 @@ class MaxBatch:
             outcome.best = SizeResult(b, True, no_policy.feasible, no_policy, answer, slowdown)
             outcome.measured = MeasuredSize(b, answer, m)
             break
+        outcome.wall_s += time.perf_counter() - started
         return outcome
 
 
@@ -339,16 +352,22 @@ def _as_seed(problem: Problem, policy: Policy, name: str) -> SearchResult:
 
 
 def _largest(start: int, fits: Callable[[int], bool], rel_tol: float = 0.0) -> int:
-    """The largest b >= start with fits(b) (0 if not even start), assuming fits is monotone: doubling, then
-    bisection between the last size that fits and the first that does not, until they are 1 apart or, with
-    ``rel_tol``, within that fraction of the one that fits (the answer is then at most that far below)."""
-    if not fits(start):
-        return 0
-    lo, hi = start, start * 2
-    while hi <= MAX_BATCH and fits(hi):
-        lo, hi = hi, hi * 2
-    if hi > MAX_BATCH:
-        return lo
+    """The largest b with fits(b) (0 if not even 1), assuming fits is monotone: doubling from ``start``, or
+    halving from it where it does not fit, then bisection between the last size that fits and the first that
+    does not, until they are 1 apart or, with ``rel_tol``, within that fraction of the one that fits (the
+    answer is then at most that far below)."""
+    if fits(start):
+        lo, hi = start, start * 2
+        while hi <= MAX_BATCH and fits(hi):
+            lo, hi = hi, hi * 2
+        if hi > MAX_BATCH:
+            return lo
+    else:
+        lo, hi = start // 2, start
+        while lo >= 1 and not fits(lo):
+            lo, hi = lo // 2, lo
+        if lo < 1:
+            return 0
     while hi - lo > max(1, int(lo * rel_tol)):
         mid = (lo + hi) // 2
         if fits(mid):

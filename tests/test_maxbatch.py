@@ -11,8 +11,13 @@ from autotune.maxbatch import MAX_BATCH, _largest
 from tests.test_cli import run
 
 
-@pytest.mark.parametrize(("limit", "start", "expected", "calls"), [(37, 4, 37, 10), (3, 4, 0, 1), (64, 64, 64, 8)])
+@pytest.mark.parametrize(
+    ("limit", "start", "expected", "calls"),
+    [(37, 4, 37, 10), (3, 4, 3, 3), (64, 64, 64, 8), (5, 64, 5, 7), (0, 4, 0, 3)],
+)
 def test_largest_doubles_then_bisects(limit: int, start: int, expected: int, calls: int) -> None:
+    """Doubling from the start, or halving from it where it does not fit (64 32 16 8 4, then 6 5), then
+    bisection; 0 where not even batch 1 fits (4 2 1)."""
     seen: list[int] = []
 
     def fits(b: int) -> bool:
@@ -53,3 +58,46 @@ def test_maxbatch_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
     policy = json.loads(out.read_text())
     assert policy["batch_size"] == b and policy["budget_bytes"] == 300_000_000
     assert got["samples_per_s"] == sizes[b]["samples_per_s"] and got["policy_path"] == str(out)
+
+
+def test_a_start_batch_that_does_not_fit_halves_and_nothing_fitting_exits_1(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A --start-batch above the answer halves down to it (it answered 0 and exited 0, trying the start only);
+    a budget that not even batch 1 meets is an error that writes nothing."""
+    out = tmp_path / "p.json"
+    args = ["maxbatch", "--model", "resnet18", "--gpu", "a100-40gb", "--per-size", "0.5", "--reserve", "0"]
+    code, stdout, err = run(capsys, *args, "--budget", "300MB", "--start-batch", "256", "--out", str(out), "--json")
+    assert code == 0, err
+    got = json.loads(stdout)
+    sizes = {s["batch_size"]: s for s in got["sizes"]}
+    b = got["max_batch"]
+    assert 0 < b < 256 and not sizes[256]["fits"] and sizes[b]["fits"] and sizes[b + 1]["fits"] is False
+    assert json.loads(out.read_text())["batch_size"] == b
+    out.unlink()
+    code, _, err = run(capsys, *args, "--budget", "40MB", "--start-batch", "2", "--out", str(out), "--json")
+    assert code == 1 and "no batch size trains within" in err and "not even 1" in err, err
+    assert not out.exists()
+
+
+def test_ctrl_c_in_a_sizes_search_stops_maxbatch(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The portfolio takes a Ctrl-C and returns its best so far; maxbatch went on to the next size and answered
+    (exit 0). A size searched in part gives no answer: exit 130, nothing written."""
+    import optuna.study._optimize as optimize
+
+    real, calls = optimize._tell_with_warning, [0]
+
+    def interrupted(*a, **k):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(optimize, "_tell_with_warning", interrupted)
+    out = tmp_path / "p.json"
+    code, _, err = run(capsys, "maxbatch", "--model", "resnet18", "--gpu", "a100-40gb", "--budget", "300MB",
+                       "--start-batch", "4", "--per-size", "2", "--reserve", "0", "--out", str(out))  # fmt: skip
+    assert code == 130 and "interrupted" in err and "internal error" not in err, err
+    assert calls[0] == 3 and not out.exists()
