@@ -961,19 +961,35 @@ def sweep(
     names = list(dict.fromkeys(m.strip() for m in models.split(",") if m.strip()))
     if not names or not budget_list:
         raise AutotuneError("give at least one model and one budget, e.g. --models resnet50 --budgets 4GB,6GB")
-    if trials <= 0 or not _positive(timeout):
-        raise AutotuneError(f"invalid --trials {trials} / --timeout {timeout}: expected positive numbers")
+    if trials <= 0:
+        raise AutotuneError(f"invalid --trials {trials}: expected a positive number, e.g. --trials 60")
+    if not _positive(timeout):
+        raise AutotuneError(f"invalid --timeout {timeout}: expected a positive number of seconds, e.g. --timeout 60")
+    if seq_len is not None and seq_len <= 0:  # checked here too: a sweep of vision models never reads it
+        raise AutotuneError(f"invalid --seq-len {seq_len}: expected a positive integer, e.g. --seq-len 1024")
     if gpu:
         profiles = [get_profile(p) for p in dict.fromkeys(p.strip() for p in gpu.split(",") if p.strip())]
     else:
         hw, note = resolve_profile(None)
         err.print(note)
         profiles = [hw]
-    from autotune.budget import reserve_bytes
+    from autotune.budget import budget_of
 
-    kept = max(reserve_bytes(reserve, sr.format_bytes(b), b, hw) for hw in profiles for b in budget_list)  # checked
-    if kept:
-        err.print(f"planning for each budget less a {sr.format_bytes(kept)} reserve for workspaces (--reserve)")
+    plans = {(hw.name, b): budget_of(b, reserve, hw) for hw in profiles for b in budget_list}  # --reserve checked
+    empty = [p for p in plans.values() if p.planned_bytes == 0]
+    if empty:  # each would plan for 0 B, and all such cells of a model and profile would be one study
+        raise AutotuneError(
+            f"budget {sr.format_bytes(empty[0].given_bytes)} leaves nothing after the "
+            f"{sr.format_bytes(empty[0].reserve_bytes)} kept back on GPU profiles for workspaces (--reserve): raise "
+            "it well above that"
+        )
+    kept = {hw.name: max(plans[(hw.name, b)].reserve_bytes for b in budget_list) for hw in profiles}
+    if any(kept.values()):
+        on = "" if all(kept.values()) else f" on {', '.join(n for n, k in kept.items() if k)}"
+        err.print(
+            f"planning for each budget less a {sr.format_bytes(max(kept.values()))} reserve for workspaces"
+            f"{on} (--reserve)"
+        )
     from autotune.models import takes_seq_len
 
     reqs = [
@@ -1036,7 +1052,7 @@ def sweep(
             policy = sw.best_policy(cell, outcome.workload_of(cell)[1], outcome.profiles[cell.profile])
             if policy is not None:
                 stem = cell.model.replace(":", "_").replace("/", "_")
-                path = out_dir / f"{stem}.{cell.profile}.{cell.budget_bytes}.policy.json"
+                path = out_dir / f"{stem}.{cell.profile}.{cell.budget_bytes + cell.reserve_bytes}.policy.json"
                 policy.save(path)
                 written.append(str(path))
     if report is not None:

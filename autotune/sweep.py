@@ -30,7 +30,7 @@ from rich.table import Table
 
 from agents.base import Problem, RunState, SearchContext, SearchResult, baseline_names, best_of, get_searcher
 from agents.optuna_search import storage_for
-from autotune.budget import budget_of, record_budget
+from autotune.budget import Budget, budget_of, record_budget
 from autotune.search import budget_floor, format_bytes, plain_no_policy
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError
@@ -93,7 +93,8 @@ class CellResult:
             "model": self.model,
             "batch_size": self.batch_size,
             "gpu": self.profile,
-            "budget_bytes": self.budget_bytes,
+            "budget_bytes": self.budget_bytes + self.reserve_bytes,  # as typed, as search and maxbatch say it
+            "planned_budget_bytes": self.budget_bytes,
             "reserve_bytes": self.reserve_bytes,
             "study": self.study_name,
             "below_floor": self.below_floor,
@@ -221,7 +222,13 @@ def run_cell(
     if "ppo" in methods and "ppo" not in done and not ctx.interrupted:
         say("ppo")
         found = get_searcher("ppo").search(problem, SearchContext(time_limit_s=timeout_s, seed=seed, state=ctx.state))
-        study.set_user_attr("ppo", _sim_json(found.result))
+        before = study.user_attrs.get("ppo")  # a resumed agent's episode does not replace a better one
+        if (
+            before is None
+            or not before["feasible"]
+            or (found.result.feasible and found.result.samples_per_s > before["samples_per_s"])
+        ):
+            study.set_user_attr("ppo", _sim_json(found.result))
         _offer(study, "ppo", found, w)
         if not ctx.interrupted:  # an interrupted agent trains again when the sweep resumes
             done.append("ppo")
@@ -274,7 +281,8 @@ def best_policy(cell: CellResult, w: Workload, hw: HardwareProfile) -> Policy | 
     policy = Policy.from_vector(w, b["actions"], hardware=hw.name, options=options, searcher=f"sweep:{b['method']}",
                                 trials=int(b.get("evaluations", 0)), predicted=predicted,
                                 wall_s=b.get("search_s"))  # fmt: skip
-    return record_budget(policy, cell.budget_bytes + cell.reserve_bytes)
+    given = cell.budget_bytes + cell.reserve_bytes
+    return record_budget(policy, Budget(format_bytes(given), given, cell.reserve_bytes))
 
 
 def describe(cell: CellResult) -> str:
