@@ -12,7 +12,7 @@ from rich.table import Table
 
 from agents.base import Problem, SearchContext, SearchResult, Status, baseline_names, get_searcher
 from autotune.budget import Budget, record_budget
-from autotune.units import format_bytes
+from autotune.units import file_stem, format_bytes
 
 
 def select_methods(only: str | None) -> list[str]:
@@ -104,7 +104,7 @@ def save(directory: Path, problem: Problem, results: list[SearchResult], budget:
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for r in results:
-        path = directory / f"{problem.workload.model}.{r.searcher}.policy.json"
+        path = directory / f"{file_stem(problem.workload.model)}.{r.searcher}.policy.json"
         record_budget(r.policy, budget if budget is not None else problem.budget_bytes).save(path)
         paths.append(path)
     return paths

@@ -88,9 +88,11 @@ def budget_of(given_bytes: int, reserve: str | None, hw: HardwareProfile, text: 
 
 
 def record_budget(policy: Policy, budget: Budget | int | None) -> Policy:
-    """The one place a policy's recorded budget is set: the budget as typed, not the planned one (None: no
-    budget, as ``autotune simulate`` without one records)."""
+    """The one place a policy's recorded budget is set: the budget as typed, not the planned one, and the reserve
+    kept back of it (None: no budget, as ``autotune simulate`` without one records; an int: a budget with no
+    reserve recorded)."""
     policy.budget_bytes = budget.given_bytes if isinstance(budget, Budget) else None if budget is None else int(budget)
+    policy.reserve_bytes = budget.reserve_bytes if isinstance(budget, Budget) else None
     return policy
 
 

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from autotune import __version__
+from autotune.units import file_stem
 from runtime.errors import AutotuneError, from_interrupt, note_sigint, sigint_arrived
 from runtime.fileio import check_folder, check_writable
 
@@ -613,7 +614,7 @@ def search(
         for key in [key for key in backends if key not in searched]:
             del backends[key]  # the models of the partitions not taken, on the device no longer
     reserved = budget_kind == "reserved" and hw.is_gpu and not k  # NOTE [ Reserved budget ]
-    path = out_path or Path(f"{w.model.replace(':', '_').replace('/', '_')}.policy.json")
+    path = out_path or Path(f"{file_stem(w.model)}.policy.json")
     outcome: Any = None
     for wi in rivals:
         finalists = Finalists(plan.planned_bytes, capacity=4 * k) if k else None
@@ -801,8 +802,7 @@ def maxbatch(
 
             outcome = search.measure(outcome, backend_at, k, budget_bytes)
     if outcome.best is not None and outcome.best.found is not None:
-        name = model.replace(":", "_").replace("/", "_")
-        path = out_path or Path(f"{name}.b{outcome.max_batch}.policy.json")
+        path = out_path or Path(f"{file_stem(model)}.b{outcome.max_batch}.policy.json")
         record_budget(outcome.best.found.policy, plan).save(path)
         outcome.policy_path = path
     result = outcome.to_json(hw, budget_bytes, plan.planned_bytes)
@@ -1051,8 +1051,8 @@ def sweep(
         for cell in outcome.cells:
             policy = sw.best_policy(cell, outcome.workload_of(cell)[1], outcome.profiles[cell.profile])
             if policy is not None:
-                stem = cell.model.replace(":", "_").replace("/", "_")
-                path = out_dir / f"{stem}.{cell.profile}.{cell.budget_bytes + cell.reserve_bytes}.policy.json"
+                given = cell.budget_bytes + cell.reserve_bytes
+                path = out_dir / f"{file_stem(cell.model)}.{cell.profile}.{given}.policy.json"
                 policy.save(path)
                 written.append(str(path))
     if report is not None:

@@ -333,8 +333,9 @@ def run_search(
             found = top
         if ctx.state.sigint_pending:  # a Ctrl-C after the last report, that a finalizer swallowed
             ctx.interrupt()
-    if user_budget_bytes is not None:
-        record_budget(found.policy, user_budget_bytes)
+    if user_budget_bytes is not None:  # the budget as typed, and the reserve kept back of it
+        reserve = user_budget_bytes - problem.budget_bytes
+        record_budget(found.policy, Budget(format_bytes(user_budget_bytes), user_budget_bytes, reserve))
     return SearchOutcome(
         problem,
         ctx,

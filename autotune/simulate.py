@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from autotune.budget import record_budget
+from autotune.budget import Budget, budget_of, record_budget
 from autotune.models import check_model_name
 from autotune.units import format_bytes, format_size_echo, parse_size
 from autotune.workloads import TraceRequest
@@ -72,9 +72,9 @@ def run_simulate(
             optimizer=optimizer or "sgd",
             source=str(policy_file),
         )
-    budget_bytes = parse_size(budget) if budget is not None else (loaded.budget_bytes if loaded else None)
+    given = parse_size(budget) if budget is not None else (loaded.budget_bytes if loaded else None)
     if budget is not None and not as_json:
-        err.print(f"budget: {format_size_echo(budget, budget_bytes or 0)}")
+        err.print(f"budget: {format_size_echo(budget, given or 0)}")
     try:
         hw, hw_note = resolve_profile(gpu)
     except AutotuneError as e:
@@ -83,6 +83,20 @@ def run_simulate(
         raise AutotuneError(f"{policy_file}: hardware: {e}; or pass --gpu NAME") from None
     if not as_json and hw_note:
         err.print(hw_note)
+    # Planned as the search plans (NOTE [ Budget and reserve ]): the budget less the reserve the file records,
+    # else the profile's default one, so that simulate's verdict is the search's (and baselines').
+    plan: Budget | None = None
+    if given is not None:
+        recorded = loaded.reserve_bytes if loaded is not None and budget is None else None
+        plan = budget_of(given, None, hw) if recorded is None else Budget(format_bytes(given), given, recorded)
+        if plan.reserve_bytes and not as_json:
+            kept = "the file's" if recorded is not None else "the default"
+            err.print(
+                f"planning for {format_bytes(plan.planned_bytes)}: the budget {format_bytes(given)} less {kept} "
+                f"{format_bytes(plan.reserve_bytes)} reserve for workspaces, as search plans",
+                highlight=False,
+            )
+    budget_bytes = plan.planned_bytes if plan is not None else None
 
     req = TraceRequest(
         model=model,
@@ -110,7 +124,7 @@ def run_simulate(
             w,
             uniform_actions(w, act),
             hardware=hw.name,
-            budget_bytes=budget_bytes,
+            budget_bytes=given,
             options=options,
             searcher=f"uniform-{act.value}",
         )
@@ -124,7 +138,7 @@ def run_simulate(
 
     if save_policy is not None:
         policy.predicted = Prediction(result.peak_bytes, result.iter_s, result.samples_per_s)
-        record_budget(policy, budget_bytes)
+        record_budget(policy, plan)
         policy.provenance = Provenance.now(policy.provenance.searcher, trials=1, wall_s=elapsed)
         policy.save(save_policy)
     if timeline is not None:
@@ -145,13 +159,15 @@ def run_simulate(
                 "iter_s": baseline.iter_s,
                 "samples_per_s": baseline.samples_per_s,
             },
+            budget_bytes=given,  # as typed, as search's is; the verdict is against the planned budget
+            planned_budget_bytes=budget_bytes,
             policy_path=str(save_policy) if save_policy else None,
             timeline_path=str(timeline) if timeline else None,
             **(cache or {}),
         )
         print(json.dumps(d))
         return
-    _render(out, w, hw.name, policy, result, baseline)
+    _render(out, w, hw.name, policy, result, baseline, planned=plan is not None and plan.reserve_bytes > 0)
     if cache is not None:
 
         def verdict(within: bool | None) -> str:
@@ -204,7 +220,10 @@ def _parse_action(text: str) -> Action:
         raise AutotuneError(f"unknown action '{text}': expected one of {names}") from None
 
 
-def _render(out: Console, w: Workload, gpu: str, policy: Policy, r: SimResult, base: SimResult) -> None:
+def _render(
+    out: Console, w: Workload, gpu: str, policy: Policy, r: SimResult, base: SimResult, planned: bool = False
+) -> None:
+    """The table of ``r`` against no policy; ``planned``: the budget in ``r`` is the given one less a reserve."""
     counts = ", ".join(f"{n} {a.value}" for a, n in policy.counts().items() if n)
     out.print(f"[bold]{w.model}[/] batch {w.batch_size} on {gpu}: {counts}")
     table = Table(title="Simulated iteration")
@@ -234,7 +253,7 @@ def _render(out: Console, w: Workload, gpu: str, policy: Policy, r: SimResult, b
         verdict = (
             "[green]fits[/]" if r.feasible else f"[red]exceeds it by {format_bytes(r.peak_bytes - r.budget_bytes)}[/]"
         )
-        out.print(f"budget {format_bytes(r.budget_bytes)}: {verdict}")
+        out.print(f"budget {format_bytes(r.budget_bytes)}{' (planned)' if planned else ''}: {verdict}")
 
 
 def _write_timeline(

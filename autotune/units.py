@@ -92,3 +92,9 @@ def format_bytes(n: int | float) -> str:
 def format_size_echo(text: str, n: int) -> str:
     """Echo a parsed size so the user sees how it was read: ``6GB = 6,000,000,000 bytes (5.59 GiB)``."""
     return f"{text.strip()} = {n:,} bytes ({format_bytes(n)})"
+
+
+def file_stem(model: str) -> str:
+    """A model name as the start of a file name: a factory's ``pkg.mod:fn`` or ``path/to/f.py:fn`` holds
+    characters that are path separators, or not allowed, on some systems."""
+    return model.replace(":", "_").replace("/", "_")

@@ -189,6 +189,9 @@ class Policy:
     # is applied, before anything runs (runtime R12); None in files from before it was recorded.
     parameter_fingerprint: str | None = None
     budget_bytes: int | None = None
+    # What the search kept back of budget_bytes for the libraries' workspaces (autotune/budget.py): it planned
+    # for the difference. None in files from before it was recorded, and where there was no budget.
+    reserve_bytes: int | None = None
     hardware: str  # hardware profile name, e.g. "a100-40gb"
     precision: str = "fp32"
     grad_accum: int = 1  # micro-batches per optimizer step it was planned for
@@ -466,6 +469,8 @@ class Policy:
             del d["partitions"]  # files without partitions stay as they were
         if self.optimizer is None:
             del d["optimizer"]
+        if self.reserve_bytes is None:
+            del d["reserve_bytes"]  # files without a budget stay as they were
         d["format"] = FORMAT
         return d
 
@@ -496,6 +501,7 @@ class Policy:
                 shape_fingerprint=d["shape_fingerprint"],
                 parameter_fingerprint=d.get("parameter_fingerprint"),
                 budget_bytes=d.get("budget_bytes"),
+                reserve_bytes=d.get("reserve_bytes"),
                 hardware=d["hardware"],
                 precision=d.get("precision", "fp32"),
                 grad_accum=d.get("grad_accum", 1),
