@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Any
@@ -10,18 +11,28 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from agents.base import Problem, SearchContext, SearchResult, Status, baseline_names, get_searcher
+from agents.base import Problem, SearchContext, SearchResult, Status, baseline_names, get_searcher, list_searchers
 from autotune.budget import Budget, record_budget
 from autotune.units import file_stem, format_bytes
+from runtime.errors import AutotuneError
 
 
 def select_methods(only: str | None) -> list[str]:
-    """The registered searchers, or the comma-separated subset ``only`` (each name checked)."""
-    if not only:
-        return baseline_names() + baseline_names(exact=True)
-    names = [n.strip() for n in only.split(",") if n.strip()]
+    """The published methods (heuristics and exact solvers), or the comma-separated subset ``only``: each name
+    one of them, each once, at least one."""
+    published = baseline_names() + baseline_names(exact=True)
+    if only is None:
+        return published
+    names = list(dict.fromkeys(n.strip() for n in only.split(",") if n.strip()))  # a name twice: one row, one file
+    if not names:
+        raise AutotuneError(f"--only {only!r} names no method: expected some of {', '.join(published)}")
     for n in names:
-        get_searcher(n)  # unknown names fail here with "did you mean"
+        if n not in published:
+            close = difflib.get_close_matches(n, published, n=3, cutoff=0.5)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            what = "a search, not a published method (run it with autotune search --searcher)"
+            why = what if n in list_searchers() else "unknown"
+            raise AutotuneError(f"--only: '{n}' is {why}: {hint}expected some of {', '.join(published)}")
     return names
 
 

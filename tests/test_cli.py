@@ -154,6 +154,10 @@ def test_simulate_actions_and_policy_roundtrip(capsys: pytest.CaptureFixture[str
 
 BAD_INPUTS = [
     (["profile", "--model", "resnet100"], "did you mean"),
+    # --only "," traced the model and printed an empty table; a search ran as a baseline
+    (["baselines", "--model", "resnet18", "--budget", "1GB", "--only", ","], "names no method"),
+    (["baselines", "--model", "resnet18", "--budget", "1GB", "--only", "portfolio"], "a search, not a published"),
+    (["baselines", "--model", "resnet18", "--budget", "1GB", "--only", "capuchn"], "did you mean capuchin"),
     (["profile", "--model", "no_such_pkg.mod:make"], "no_such_pkg"),
     (["profile", "--model", "tests.fixtures_models"], "package.module:factory"),
     (["profile", "--model", "tests.fixtures_models:make_raises"], "raised"),
