@@ -72,7 +72,9 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         its forward records no graph, its backward re-runs the call (the RNG state preserved only where it draws
         random numbers) and differentiates it, with no Python per op or per saved tensor. The call's first step runs
         under ``torch.utils.checkpoint`` (non-reentrant, no determinism check), which learns the leaves the call
-        reads (N4); a call the node cannot carry stays there. So does the call in any step that learns (R11): the
+        reads (N4); a call the node cannot carry stays there. There a tensor passed at several places of the call
+        is one object in the recompute, as in the forward (:func:`_aliased`; the node does the same, N1). So does
+        the call in any step that learns (R11): the
         keys of the call's outputs where later modules save them name the op that made them, which a node would
         stand in for. The runtime's own hooks are suspended during the call, so the node's saved inputs are kept
         (they are, by P4). During the recompute BatchNorm runs with momentum 0, which rewrites its running
@@ -597,7 +599,7 @@ class PolicyRuntime:
                     learning = Learning(args, kwargs) if nodes and not known else None
                     self.stats.checkpointed += 1
                     out = checkpoint(
-                        recomputable,
+                        _aliased(recomputable, args, kwargs),
                         *args,
                         use_reentrant=False,
                         preserve_rng_state=region.rng,
@@ -883,10 +885,8 @@ class PolicyRuntime:
 
     def _region_save(self, t: torch.Tensor) -> torch.Tensor:
         """What a checkpointed region saves, kept as it is (R10): one detached tensor per tensor, so that an
-        argument passed several times comes back as one object several times. ``nn.MultiheadAttention`` tests
-        ``query is key is value`` and takes another path (one packed projection or three) on the answer: a
-        recompute given three copies computed otherwise than its forward, and checkpoint matched the wrong
-        saved tensors to its backward."""
+        argument passed several times is held once. (Autograd gives each saved argument back as an object of its
+        own all the same where it has a gradient function: :func:`_aliased` makes them one again.)"""
         d = self._region_saves.get(t)
         if d is None:
             d = self._region_saves[t] = t.detach()
@@ -1214,3 +1214,26 @@ def applied(policy: Policy, model: torch.nn.Module, *, strict: bool = True) -> I
         rt = per_model[id(policy)] = PolicyRuntime(policy, model, strict=strict)
     with rt.step() as stats:
         yield stats
+
+
+def _aliased(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """``fn`` for ``torch.utils.checkpoint`` (R10): in the recompute, a tensor passed to the call at several
+    places is one object again, as in its forward. ``nn.MultiheadAttention`` tests ``query is key is value``
+    and projects with one packed matrix product when so, three otherwise; checkpoint saves each argument apart,
+    and autograd gives a saved tensor that has a gradient function back as a new object at each unpack, so the
+    recompute took the other path and checkpoint matched the wrong saved tensors to its backward ("t() expects
+    a tensor with <= 2 dimensions"). Keyword arguments are not saved (checkpoint passes them as they are), and
+    count among the places too."""
+    flat = [*args, *kwargs.values()]
+    first: dict[int, int] = {}
+    places = [first.setdefault(id(x), i) if isinstance(x, torch.Tensor) else i for i, x in enumerate(flat)]
+    if places == list(range(len(flat))):
+        return fn
+    names = list(kwargs)
+
+    def call(*a: Any, **kw: Any) -> Any:
+        given = [*a, *(kw[n] for n in names)]
+        given = [given[p] for p in places]
+        return fn(*given[: len(a)], **dict(zip(names, given[len(a) :], strict=True)))
+
+    return call

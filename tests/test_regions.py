@@ -227,30 +227,36 @@ def test_a_parameter_first_read_in_a_later_step_gets_its_gradient() -> None:
 
 class _SelfAttention(torch.nn.Module):
     """``nn.MultiheadAttention`` called as self-attention, ``attn(x, x, x)``: it tests ``query is key is
-    value`` and projects with one packed matrix product when so, three otherwise."""
+    value`` and projects with one packed matrix product when so, three otherwise. With ``embed``, ``x`` is a
+    layer's output (it has a gradient function), not the batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, embed: bool = False) -> None:
         super().__init__()
+        self.embed = torch.nn.Linear(32, 32) if embed else torch.nn.Identity()
         self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
         self.norm = torch.nn.LayerNorm(32)
         self.head = torch.nn.Linear(32, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
         return self.head(self.norm(x + self.attn(x, x, x, need_weights=False)[0])).mean(1)
 
 
+@pytest.mark.parametrize("embed", [False, True], ids=["batch", "layer-output"])
 @pytest.mark.parametrize("nodes", [True, False], ids=["node", "checkpointed"])
-def test_an_argument_passed_several_times_is_one_object_in_the_recompute(nodes: bool) -> None:
+def test_an_argument_passed_several_times_is_one_object_in_the_recompute(nodes: bool, embed: bool) -> None:
     """R10 with ``attn(x, x, x)`` as a region and the loss's log-softmax replayed (so the runtime's saved-tensor
     hooks are on around the region): the recompute got three copies of ``x``, took the three-projection path
     where the forward took the packed one, and either failed in backward (checkpointed: checkpoint matched
     the wrong saved tensors, "t() expects a tensor with <= 2 dimensions") or gave other gradients (a node:
-    the same sums rounded otherwise). Now every step's gradients are plain training's."""
+    the same sums rounded otherwise). Where ``x`` is a layer's output, autograd gives each saved argument back
+    as a new object whatever the saved-tensor hook returns (a QA run's embedding -> attention model, and a
+    pre-norm ViT's blocks). Now every step's gradients are plain training's."""
 
     def build():  # type: ignore[no-untyped-def]
         torch.manual_seed(0)
         data = (torch.randn(4, 16, 32), torch.randint(0, 10, (4,)))
-        return _SelfAttention(), data, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+        return _SelfAttention(embed), data, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
 
     w = capture(build, name="attention", batch_size=4)
     acts = np.array(
