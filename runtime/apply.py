@@ -72,11 +72,11 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         its forward records no graph, its backward re-runs the call (the RNG state preserved only where it draws
         random numbers) and differentiates it, with no Python per op or per saved tensor. The call's first step runs
         under ``torch.utils.checkpoint`` (non-reentrant, no determinism check), which learns the leaves the call
-        reads (N4); a call the node cannot carry stays there. There a tensor passed at several places of the call
-        is one object in the recompute, as in the forward (:func:`_aliased`; the node does the same, N1). So does
-        the call in any step that learns (R11): the
+        reads (N4); a call the node cannot carry stays there. So does the call in any step that learns (R11): the
         keys of the call's outputs where later modules save them name the op that made them, which a node would
-        stand in for. The runtime's own hooks are suspended during the call, so the node's saved inputs are kept
+        stand in for. Under checkpoint a tensor passed at several places of the call is one object in the
+        recompute, as in the forward (:func:`_aliased`; the node does the same, N1). The runtime's own hooks are
+        suspended during the call, so the node's saved inputs are kept
         (they are, by P4). During the recompute BatchNorm runs with momentum 0, which rewrites its running
         statistics with their own values, exactly, and its step count is taken back in place where the recompute ran it
         in training mode (a frozen BatchNorm counts nothing; its mode may change between steps or inside the
