@@ -22,7 +22,11 @@ NOTE [ What is recorded ]
 NOTE [ Steady state ]
     The recorded iteration is a steady-state one: optimizer state exists before it starts (a warm-up step
     creates it: a full iteration in real mode, a step on zero gradients in fake mode), gradients are
-    ``None`` at its start (``zero_grad(set_to_none=True)``) and are released at its end.
+    ``None`` at its start (``zero_grad(set_to_none=True)``) and are released at its end. In fake mode the
+    zero gradients are those of the parameters the loss's graph reaches (a forward, walked back, nothing
+    computed): a trainable parameter the loss never reads (an unused head) has no gradient in real training,
+    so its optimizer makes no state for it; with zeros for every parameter the fake trace held that state
+    too, and its shape fingerprint was not the real trace's, which ``autotune train`` refused.
 
 NOTE [ Gradient accumulation ]
     With ``grad_accum`` k > 1 an optimizer step follows k micro-batches, each a forward and backward of
@@ -574,13 +578,31 @@ def _warm_up(
     if full or step.scaler is not None:  # the scaler makes its state at its first scale()
         step.backward(step.loss(model, batch, loss_fn))
     else:
+        trained = _reached(step.loss(model, batch, loss_fn))  # NOTE [ Steady state ]
         for p in model.parameters():
-            if p.requires_grad:
+            if p.requires_grad and id(p) in trained:
                 p.grad = torch.zeros_like(p)
     if opt is None:
         return
     step.step(opt)
     opt.zero_grad(set_to_none=True)
+
+
+def _reached(loss: torch.Tensor) -> set[int]:
+    """The ids of the leaves the graph of ``loss`` reaches (its ``AccumulateGrad`` nodes' tensors)."""
+    reached: set[int] = set()
+    seen: set[Any] = set()
+    todo = [loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)
+        if leaf is not None:
+            reached.add(id(leaf))
+        todo.extend(n for n, _ in fn.next_functions)
+    return reached
 
 
 def _register_state(

@@ -225,3 +225,34 @@ def test_bad_workload_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
         Workload.load(tmp_path / "broken.json.gz")
     with pytest.raises(AutotuneError, match="cannot read workload file"):
         Workload.load(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_parameter_the_loss_never_reads_has_no_optimizer_state_in_a_fake_trace(optimizer: str) -> None:
+    """NOTE [ Steady state ]: the fake warm-up gave every trainable parameter a zero gradient, so the optimizer
+    made state for an unused head too, which real training never makes: the fake trace held its bytes and
+    its shape fingerprint was not the real trace's (a QA run: ``simulate --save-policy`` wrote a policy that
+    ``autotune train`` refused). Both traces now hold state for the used layer only."""
+
+    class Unused(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = torch.nn.Linear(16, 16)
+            self.head = torch.nn.Linear(16, 300)  # never called
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        return Unused(), (torch.randn(4, 16),), lambda m, b: m(b[0]).square().mean()
+
+    def state(w: Workload) -> int:
+        return sum(t.nbytes for t in w.tensors if t.kind == TensorKind.OPTIMIZER_STATE)
+
+    fake = capture(build, name="unused", batch_size=4, optimizer=optimizer)
+    real = capture(build, name="unused", batch_size=4, optimizer=optimizer, fake=False)
+    per_copy = (16 * 16 + 16) * 4  # the used layer's weight and bias: one momentum (SGD), or two moments (Adam)
+    expected = per_copy if optimizer == "sgd" else 2 * per_copy + 2 * 4  # ... and Adam's step count per parameter
+    assert state(fake) == state(real) == expected
+    assert fake.shape_fingerprint == real.shape_fingerprint
