@@ -176,6 +176,39 @@ def retried_trial_number(trial: Any) -> int | None:
     return number
 
 
+def made_for(problem: Problem) -> str:
+    """What a study is for, recorded in its ``problem`` user attribute when it is made: a study resumed for
+    another problem (``--study`` given again with another model, batch, profile or budget) would count that
+    problem's trials and teach the sampler values scored on it."""
+    w = problem.workload
+    accum = f" x {w.grad_accum} micro-batches" if w.grad_accum > 1 else ""
+    swap = "" if problem.allow_swap else ", keep and recompute only"
+    return (
+        f"{w.model} batch {w.batch_size} {w.precision}{accum} (shape {w.shape_fingerprint or 'unknown'}) on "
+        f"{problem.hardware.name} within {problem.budget_bytes} bytes{swap}"
+    )
+
+
+def check_study(url: str | None, name: str, problem: Problem) -> None:
+    """Refuse to resume study ``name`` at ``url`` where it was made for another problem (:func:`made_for`);
+    a study that does not exist yet, or made before the attribute was recorded, passes."""
+    if url is None:
+        return
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        study = optuna.load_study(study_name=name, storage=url)
+    except Exception:  # no such study (KeyError), or a storage check_storage has vouched for: nothing to say
+        return
+    was = study.user_attrs.get("problem")
+    if was is not None and was != made_for(problem):
+        raise AutotuneError(
+            f"study '{name}' in {url} was made for {was}, not for {made_for(problem)}: pass another --study, or "
+            "leave --study out for a name of this problem's own"
+        )
+
+
 def study_name(problem: Problem, searcher: str) -> str:
     w = problem.workload
     fp = w.shape_fingerprint or "nofp"
@@ -258,6 +291,11 @@ class OptunaSearcher(Searcher):
         )
         if isinstance(drawn, optuna.distributions.CategoricalDistribution):
             starts = [str(s) for s in drawn.choices]
+        was = study.user_attrs.get("problem")  # check_study, for a caller that did not check before
+        if was is None:
+            study.set_user_attr("problem", made_for(problem))
+        elif was != made_for(problem):
+            raise AutotuneError(f"study '{study.study_name}' was made for {was}, not for {made_for(problem)}")
         use_set_constraint = hasattr(optuna.trial.Trial, "set_constraint")
         seen: set[int] = set()
 

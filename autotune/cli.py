@@ -527,7 +527,7 @@ def search(
     """Find the fastest policy within the budget and write it as a policy file (the main job)."""
     from agents.base import SearchContext, better
     from agents.finalists import Finalists
-    from agents.optuna_search import check_storage, existing_trials, study_name
+    from agents.optuna_search import check_storage, check_study, existing_trials, study_name
     from autotune import search as sr
     from autotune.budget import plan_budget
     from autotune.workloads import TraceRequest
@@ -636,6 +636,8 @@ def search(
             heartbeat_s=heartbeat,
         )
         # The portfolio (and ppo-pretrained) run their Optuna phases in studies of their own (agents/portfolio.py).
+        for n in get_searcher(searcher).study_names(name):
+            check_study(storage, n, problem)  # before the baselines: another problem's study is refused
         found = {n: existing_trials(storage, n) for n in get_searcher(searcher).study_names(name)}
         resumed = sum(found.values())
         if resumed and list(found) == [name]:

@@ -639,3 +639,19 @@ def test_baselines_save_names_files_without_the_factorys_colon(
     code, _, err = run(capsys, "baselines", *args, "--budget", "1GB", "--only", "delta", "--save", str(tmp_path))
     assert code == 0, err
     assert [p.name for p in tmp_path.iterdir()] == ["experiments.user_models_groupnorm_cnn.delta.policy.json"]
+
+
+def test_a_study_made_for_another_problem_is_not_resumed(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``--study NAME`` given again for another budget resumed the first search's study: its 3 trials counted
+    toward --trials (nothing new ran) and TPE would learn from values scored on the other problem (a QA run).
+    It is refused before the baselines, naming both problems; the same problem resumes as before."""
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    base = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--reserve", "0",
+            "--searcher", "optuna-tpe", "--trials", "3", "--study", "mine", "--storage", storage]  # fmt: skip
+    code, _, err = run(capsys, *base, "--budget", "300MB", "--out", str(tmp_path / "a.json"))
+    assert code == 0, err
+    said = user_error(capsys, *base, "--budget", "290MB", "--out", str(tmp_path / "b.json"))
+    assert "study 'mine'" in said and "within 300000000 bytes, not for" in said and "within 290000000" in said
+    assert not (tmp_path / "b.json").exists()
+    code, _, err = run(capsys, *base, "--budget", "300MB", "--out", str(tmp_path / "a.json"))
+    assert code == 0 and "resuming study mine" in err, err
