@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import csv
 import functools
+import os
 import statistics
 import sys
 import time
@@ -164,7 +165,13 @@ def _trace(
     w, _ = trace_model(req)
     took = time.perf_counter() - started
     sliced = f" with {', '.join(str(p) for p in partitions)}" if partitions else ""
-    print(f"# {model} batch {w.batch_size} {w.precision} for {hw.name}{sliced}: traced in {took:.1f} s", flush=True)
+    # The cuBLAS workspaces of a GPU trace follow this variable (runtime/target.py G6), so say when it is set.
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    workspaces = f" (cuBLAS workspaces from CUBLAS_WORKSPACE_CONFIG={config})" if config and hw.is_gpu else ""
+    print(
+        f"# {model} batch {w.batch_size} {w.precision} for {hw.name}{sliced}: traced in {took:.1f} s{workspaces}",
+        flush=True,
+    )
     return w
 
 

@@ -484,6 +484,12 @@ def main() -> None:
     net_arch = [int(x) for x in args.net_arch.split(",") if x]
     torch.set_num_threads(1)
     started = time.perf_counter()
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
+        print(
+            f"CUBLAS_WORKSPACE_CONFIG={os.environ['CUBLAS_WORKSPACE_CONFIG']}: the GPU traces hold cuBLAS workspaces "
+            "of that size, not the default `autotune search` plans with (unset it to train the shipped agent)",
+            flush=True,
+        )
     labels = label_all(specs, args.expert_s, args.cache, args.jobs)
     print(f"labelled {len(labels)} cells in {time.perf_counter() - started:.0f} s", flush=True)
     if args.score_only:
@@ -510,6 +516,9 @@ def main() -> None:
         "command": " ".join(["python", "experiments/train_agent.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
+        # GPU traces hold cuBLAS's workspaces as this variable sizes them (runtime/target.py G6): unset is the
+        # default `autotune search` plans with
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", "unset"),
     }
 
     def on_epoch(epoch: int) -> dict[str, float]:

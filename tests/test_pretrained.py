@@ -222,6 +222,27 @@ def test_the_exchange_step_trades_a_drop_for_another_that_the_sweeps_cannot_reac
     assert after.result.feasible and after.result.samples_per_s == best
 
 
+def test_the_consolidation_step_trades_several_drops_for_one() -> None:
+    """NOTE [ One pass ] step 6 on a network of random weights (seed 7) at 95%: steps 1-5 end with three
+    candidates recomputed (the first, sixth and seventh; 5,005 samples/s), none of which can go back alone.
+    Recomputing the fifth, which the network ranks among its drops, lets all three go back (6,688): one
+    drop for three, which step 5 (one drop for several) cannot trade."""
+    rng = np.random.default_rng(7)
+    agent = Agent(
+        [(rng.normal(0, 1, (8, OBS_SIZE)).astype(np.float32), rng.normal(0, 1, 8).astype(np.float32))],
+        (rng.normal(0, 1, (4, 8)).astype(np.float32), rng.normal(0, 1, 4).astype(np.float32)),
+        OBS_FIELDS,
+    )
+    p = problem(0.95)
+    n = p.n
+    before = one_pass(agent, p, stages=("fit", "lookahead", "give_back", "second_choice", "exchange"))
+    after = one_pass(agent, p)
+    assert before.actions.tolist() == [RECOMPUTE] + [KEEP] * 4 + [RECOMPUTE] * 2 + [KEEP] * (n - 7)
+    assert after.actions.tolist() == [KEEP] * 4 + [RECOMPUTE] + [KEEP] * (n - 5) and after.consolidated == 1
+    assert round(before.result.samples_per_s) == 5005 and round(after.result.samples_per_s) == 6688
+    assert after.result.feasible and after.result.samples_per_s > before.result.samples_per_s
+
+
 def test_where_the_fits_fail_the_frugal_ends_fit_and_the_sweep_gives_back() -> None:
     """At 85% the network that keeps everything (swap its preferred drop) cannot be fitted by dropping one
     candidate at a time: no single swap lowers the peak (67,072 bytes against 63,974). The frugal end
