@@ -420,7 +420,7 @@ def baselines(
     if allow_partition and not parts:
         # The methods compare on one model: the unpartitioned one where the budget is above its floor.
         w = _choose_partition(w, hw, plan.planned_bytes, req)[-1]
-    problem = sr.planned_problem(w, hw, plan, allow_compress=allow_compress)
+    problem = sr.planned_problem(w, hw, plan, allow_compress=allow_compress, partitioning=allow_partition)
     results = bl.run_baselines(problem, SearchContext(time_limit_s=time_limit), methods, err)
     table = bl.rows(problem, results)
     if save is not None:
@@ -620,8 +620,9 @@ def search(
         finalists = Finalists(plan.planned_bytes, capacity=4 * k) if k else None
         finalists = new_pool(plan.planned_bytes) if reserved else finalists
         problem = sr.planned_problem(
-            wi, hw, plan, allow_compress=allow_compress, finalists=finalists, allow_swap=not compile_
-        )
+            wi, hw, plan, allow_compress=allow_compress, finalists=finalists, allow_swap=not compile_,
+            partitioning=allow_partition,
+        )  # fmt: skip
         # The portfolio keeps the name its studies always had; another searcher gets its own, so that two
         # searchers on one problem never share a study (their trials' parameters can differ).
         name = study or study_name(problem, "optuna-tpe" if searcher == "portfolio" else searcher)

@@ -184,10 +184,11 @@ def smallest_known_budget(problem: Problem) -> tuple[int, str]:
     return best
 
 
-def check_budget(problem: Problem, budget: Budget | None = None) -> None:
+def check_budget(problem: Problem, budget: Budget | None = None, *, partitioning: bool = False) -> None:
     """Fail at once, with the smallest budget that works, when no policy can meet the budget.
     ``problem.budget_bytes`` is what is planned for: ``budget`` as typed less its reserve (NOTE [ Budget and
-    reserve ] in autotune.budget), which the message adds back."""
+    reserve ] in autotune.budget), which the message adds back. ``partitioning``: --allow-partition was given
+    (and chose no slices), so the message does not suggest it."""
     f = peak_floor(problem.workload, problem.hardware)
     floor = f.bytes
     reserve = budget.reserve_bytes if budget is not None else 0
@@ -199,7 +200,7 @@ def check_budget(problem: Problem, budget: Budget | None = None) -> None:
             f"budget {format_bytes(given)} is below the {format_bytes(floor + reserve)} that any policy "
             f"needs ({floor_detail(problem, f)}{kept}): no policy can meet it; autotune can meet "
             f"{format_bytes(smallest + reserve)} ({how}): raise --budget to at least that, or lower "
-            f"--batch-size{_partition_hint(problem.workload, f.op)}"
+            f"--batch-size{'' if partitioning else _partition_hint(problem.workload, f.op)}"
         )
 
 
@@ -227,10 +228,11 @@ def planned_problem(
     allow_compress: bool,
     finalists: Finalists | None = None,
     allow_swap: bool = True,
+    partitioning: bool = False,
 ) -> Problem:
     """The problem a planning command solves: ``w`` on ``hw`` within ``budget`` as planned for (its reserve
     kept back, NOTE [ Budget and reserve ]), compression (lossy) only where allowed; checked at once
-    (:func:`check_budget`), before any search."""
+    (:func:`check_budget`; ``partitioning``: --allow-partition given), before any search."""
     problem = Problem(
         w,
         hw,
@@ -240,7 +242,7 @@ def planned_problem(
         allow_swap=allow_swap,
         finalists=finalists,
     )
-    check_budget(problem, budget)
+    check_budget(problem, budget, partitioning=partitioning)
     return problem
 
 

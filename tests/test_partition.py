@@ -363,3 +363,21 @@ def test_baselines_compare_on_the_chosen_partition(capsys: pytest.CaptureFixture
     assert code == 0, err
     assert "partition: blocks/" in err
     assert {row["method"] for row in json.loads(out)} == {"megtaichi", "dtr"}
+
+
+def test_the_floor_error_suggests_partition_only_where_it_was_not_asked_for() -> None:
+    """Below the floor, the error suggests --allow-partition where a partitionable submodule runs the floor's
+    op; with --allow-partition given (and no slices that lower the floor: the unpartitioned model planned)
+    it said the same, suggesting what the user had just passed (a QA run)."""
+    from autotune.budget import budget_of
+    from autotune.search import planned_problem
+    from autotune.workloads import TraceRequest, trace_model
+
+    hw = get_profile("a100-40gb")
+    w, _ = trace_model(TraceRequest(model=CNN, batch_size=8, target=hw))
+    plan = budget_of(2_000_000, "0", hw)
+    with pytest.raises(AutotuneError, match=r"\(--allow-partition\)"):
+        planned_problem(w, hw, plan, allow_compress=False)
+    with pytest.raises(AutotuneError) as e:
+        planned_problem(w, hw, plan, allow_compress=False, partitioning=True)
+    assert "no policy can meet it" in str(e.value) and "--allow-partition" not in str(e.value)
