@@ -183,12 +183,14 @@ def _early_checks(
     device: str | None = None,
     measure: int | None = None,
     partition: str | None = None,
+    host_memory: str | None = None,
 ) -> None:
     """What the user typed, checked before the profile is resolved (``--gpu cpu`` calibrates this CPU: seconds)
     and before any trace, each with the message the later check would give."""
     from autotune.budget import plan_budget
-    from autotune.models import check_model_name
+    from autotune.models import check_model_name, takes_seq_len
     from autotune.search import check_device, check_measure
+    from autotune.units import parse_size
     from autotune.workloads import TraceRequest
     from runtime.hardware import get_profile
 
@@ -205,8 +207,18 @@ def _early_checks(
         precision=precision,
         grad_accum=grad_accum,
     ).validate()
+    if host_memory is not None:
+        try:
+            parse_size(host_memory)
+        except AutotuneError as e:
+            raise AutotuneError(f"--host-memory: {e}") from None
     if model is not None:
         check_model_name(model)
+        if seq_len is not None and not takes_seq_len(model):
+            raise AutotuneError(
+                f"--seq-len {seq_len} given for image model {model!r}: it only applies to language models "
+                "(gpt2*, bert-base) and factories; leave it unset"
+            )
 
 
 def parse_partition_option(text: str | None) -> tuple[Any, ...]:
@@ -560,8 +572,14 @@ def search(
         )
     _early_checks(
         model, budget, reserve, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, precision=precision,
-        grad_accum=grad_accum, device=device, measure=measure, partition=partition,
+        grad_accum=grad_accum, device=device, measure=measure, partition=partition, host_memory=host_memory,
     )  # fmt: skip
+    if gpu == "cpu" and (budget_kind == "reserved" or expandable_segments):  # the GPU's caching allocator
+        what = "--budget-kind reserved" if budget_kind == "reserved" else "--expandable-segments"
+        raise AutotuneError(
+            f"{what} with --gpu cpu: the CPU has no CUDA caching allocator to reserve memory; drop {what}, or plan "
+            "for a GPU (--gpu a100-40gb)"
+        )
     hw, note = resolve_profile(gpu)
     here = sr.plan_device(hw, device)
     hw, host_note = sr.with_host_memory(hw, host_memory, here)
@@ -753,7 +771,7 @@ def maxbatch(
     if not _positive(per_size):
         raise AutotuneError(f"invalid --per-size {per_size}: expected a positive number of seconds, e.g. 10")
     _early_checks(model, budget, reserve, seq_len=seq_len, optimizer=optimizer, precision=precision,
-                  grad_accum=grad_accum, device=device, measure=measure)  # fmt: skip
+                  grad_accum=grad_accum, device=device, measure=measure, host_memory=host_memory)  # fmt: skip
     hw, note = resolve_profile(gpu)
     here = sr.plan_device(hw, device)
     hw, host_note = sr.with_host_memory(hw, host_memory, here)

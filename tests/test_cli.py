@@ -478,6 +478,11 @@ def test_inputs_are_checked_before_the_cpu_is_calibrated(
         # Options that torch.compile cannot serve: said after 54 s of calibration and tracing on a busy machine.
         (["--compile", "--allow-partition"], "--compile with --partition/--allow-partition"),
         (["--compile", "--allow-compress"], "--compile with --allow-compress"),
+        # Said after about 10 s of calibration (a QA run), or not at all: the CPU has no caching allocator.
+        (["--host-memory", "lots"], "--host-memory: invalid size 'lots'"),
+        (["--seq-len", "16"], "--seq-len 16 given for image model 'resnet18'"),
+        (["--budget-kind", "reserved"], "--budget-kind reserved with --gpu cpu"),
+        (["--expandable-segments"], "--expandable-segments with --gpu cpu"),
     ]
     for extra, said in cases:
         assert said in user_error(capsys, "search", *base, *extra), extra
