@@ -456,7 +456,9 @@ def search(
         str,
         typer.Option(
             help="portfolio (default), optuna-tpe, optuna-nsga2, refine, ppo-pretrained (the shipped agent's "
-            "one pass, then Optuna), ppo-onepass, ppo, or a baseline's name."
+            "one pass, then Optuna), ppo-onepass, ppo, or a baseline's name. The baselines run first and seed it; "
+            "the answer is the fastest of its policy and theirs (the table says whose; `autotune baselines --only "
+            "NAME --save DIR` writes one baseline's own)."
         ),
     ] = "portfolio",
     trials: Annotated[
