@@ -394,7 +394,8 @@ def render(
     for r in result["sizes"]:
         t.add_row(
             str(r["batch_size"]),
-            {True: "yes", False: "no", None: "not searched"}[r["fits"]],
+            # A policy within the budget that is more than --max-slowdown slower does not count: say why.
+            "too slow" if r["fits"] is False and r["samples_per_s"] is not None else _FITS[r["fits"]],
             "yes" if r["fits_without_policy"] else "no",
             sr.format_bytes(r["peak_bytes"]) if r["peak_bytes"] is not None else "—",
             f"{r['samples_per_s']:,.1f}" if r["samples_per_s"] is not None else "—",
@@ -415,6 +416,9 @@ def render(
             f"measured at batch {outcome.measured.batch_size} (sizes trained: "
             f"{', '.join(str(b) for b in outcome.measured_sizes)}), on its real-mode trace"
         )
+
+
+_FITS = {True: "yes", False: "no", None: "not searched"}
 
 
 def _heuristic_cell(size: dict[str, Any]) -> str:

@@ -101,3 +101,17 @@ def test_ctrl_c_in_a_sizes_search_stops_maxbatch(
                        "--start-batch", "4", "--per-size", "2", "--reserve", "0", "--out", str(out))  # fmt: skip
     assert code == 130 and "interrupted" in err and "internal error" not in err, err
     assert calls[0] == 3 and not out.exists()
+
+
+def test_a_size_that_fits_but_runs_too_slow_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """With --max-slowdown, a size whose policy is within the budget but slower than allowed read "no" in the
+    fits column, as a size whose policy is over the budget does (a QA run): it reads "too slow"."""
+    code, out, err = run(capsys, "maxbatch", "--model", "resnet18", "--gpu", "a100-40gb", "--budget", "1GB",
+                         "--per-size", "0.5", "--max-slowdown", "0.05", "--start-batch", "32",
+                         "--out", str(tmp_path / "p.json"))  # fmt: skip
+    assert code == 0, err
+    rows = [cells for cells in (line.split("│") for line in out.splitlines()) if len(cells) > 6]
+    rows = [cells for cells in rows if cells[2].strip() == "too slow"]  # (the heuristic's column says it too)
+    assert rows, out
+    for cells in rows:  # each such row has a policy (its samples/s) and a slowdown above the 5% allowed
+        assert cells[5].strip() != "—" and float(cells[6].strip().rstrip("%")) > 5.0, cells
