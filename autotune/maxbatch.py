@@ -208,7 +208,7 @@ class MaxBatch:
         ctx = self.ctx.derive(seeds=seeds)
         with ctx.noting_sigint():
             found = get_searcher(name).search(problem, ctx)
-        if ctx.interrupted:
+        if ctx.interrupted or ctx.state.sigint_pending:  # (pending: a Ctrl-C that a finalizer swallowed)
             raise KeyboardInterrupt
         return found
 
