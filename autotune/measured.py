@@ -34,7 +34,9 @@ import numpy as np
 
 from agents.base import Problem, SearchResult
 from agents.finalists import MARGINS, Finalist
+from autotune.budget import Budget, record_budget
 from autotune.real_backend import RealBackend
+from autotune.units import format_bytes
 from runtime.policy import Policy, PolicyOptions, Prediction
 
 
@@ -221,19 +223,23 @@ def finalist_policy(
     problem: Problem, f: Finalist, found: SearchResult, budget_bytes: int | None, searcher: str
 ) -> Policy:
     """A finalist as a policy file in place of the search's answer: its planned figures, the search's
-    provenance under ``searcher``."""
+    provenance under ``searcher``; ``budget_bytes`` the budget as typed, of which the problem planned for all
+    but the reserve (recorded with it, NOTE [ Budget and reserve ])."""
     r = f.result
-    return Policy.from_vector(
+    policy = Policy.from_vector(
         problem.workload,
         f.actions,
         hardware=problem.hardware.name,
-        budget_bytes=budget_bytes,
         options=f.options,
         searcher=searcher,
         trials=problem.evaluations,
         predicted=Prediction(r.peak_bytes, r.iter_s, r.samples_per_s),
         wall_s=found.wall_s,
     )
+    if budget_bytes is None:
+        return policy
+    reserve = max(0, budget_bytes - problem.budget_bytes)
+    return record_budget(policy, Budget(format_bytes(budget_bytes), budget_bytes, reserve))
 
 
 def answer_policy(problem: Problem, chosen: Measured, found: SearchResult, budget_bytes: int) -> Policy:

@@ -83,11 +83,11 @@ def run_simulate(
         raise AutotuneError(f"{policy_file}: hardware: {e}; or pass --gpu NAME") from None
     if not as_json and hw_note:
         err.print(hw_note)
-    # Planned as the search plans (NOTE [ Budget and reserve ]): the budget less the reserve the file records,
-    # else the profile's default one, so that simulate's verdict is the search's (and baselines').
+    # Planned as the search plans (NOTE [ Budget and reserve ]): the budget (the file's, or --budget) less the
+    # reserve the file records, else the profile's default one, so that simulate's verdict is the search's.
     plan: Budget | None = None
     if given is not None:
-        recorded = loaded.reserve_bytes if loaded is not None and budget is None else None
+        recorded = loaded.reserve_bytes if loaded is not None else None
         plan = budget_of(given, None, hw) if recorded is None else Budget(format_bytes(given), given, recorded)
         if plan.reserve_bytes and not as_json:
             kept = "the file's" if recorded is not None else "the default"

@@ -189,8 +189,9 @@ class Policy:
     # is applied, before anything runs (runtime R12); None in files from before it was recorded.
     parameter_fingerprint: str | None = None
     budget_bytes: int | None = None
-    # What the search kept back of budget_bytes for the libraries' workspaces (autotune/budget.py): it planned
-    # for the difference. None in files from before it was recorded, and where there was no budget.
+    # What the search kept back of budget_bytes (autotune/budget.py: the libraries' workspaces, and a reserved-
+    # budget search's margin for the caching allocator): it planned for the difference. None in files from
+    # before it was recorded, and where there was no budget.
     reserve_bytes: int | None = None
     hardware: str  # hardware profile name, e.g. "a100-40gb"
     precision: str = "fp32"
