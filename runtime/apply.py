@@ -154,7 +154,7 @@ from runtime.partition import partitioned
 from runtime.plan import Region
 from runtime.policy import Action, Policy, some_keys
 from runtime.precision import check_active
-from runtime.regions import Learning
+from runtime.regions import Learning, parameter_places
 from runtime.regions import run as run_region
 from runtime.replay import Frame, Recorder, Replayer, view_of
 from runtime.shared_grads import SharedGradients
@@ -348,6 +348,7 @@ class PolicyRuntime:
         self._wrappers: list[tuple[torch.nn.Module, Callable[..., Any]]] | None = None  # R10, made at first use
         self._region_calls: dict[str, int] = {}
         self._leaves: dict[Frame, list[torch.Tensor] | None] = {}  # R10: learnt in a region's first step
+        self._places: dict[Frame, list[list[tuple[dict[str, Any], str]]]] = {}  # R10: where the leaves are held
         self._double = False  # a backward with create_graph=True reached a node (R10: checkpoint from then on)
         self._parameters: frozenset[int] = frozenset()  # the trainable parameters the leaves were learnt with
         self.stats = RuntimeStats()
@@ -388,6 +389,7 @@ class PolicyRuntime:
                 if self._parameters:
                     self._learned.clear()
                 self._leaves.clear()
+                self._places.clear()
                 self._parameters = trainable
             with self._regions_installed():
                 if not hooks:
@@ -594,7 +596,7 @@ class PolicyRuntime:
                 leaves = self._leaves[frame] if nodes and known and not self._keying else None
                 if leaves is not None:
                     out = run_region(recomputable, args, kwargs, leaves, region.rng, self.device.type,
-                                     on_double=self._double_backward)  # fmt: skip
+                                     on_double=self._double_backward, places=self._places[frame])  # fmt: skip
                 else:
                     learning = Learning(args, kwargs) if nodes and not known else None
                     self.stats.checkpointed += 1
@@ -608,7 +610,8 @@ class PolicyRuntime:
                     )
                     if learning is not None:
                         own = {id(p) for p in mod.parameters() if p.requires_grad}
-                        self._leaves[frame] = learning.leaves(out, self._parameters, own)
+                        self._leaves[frame] = leaves = learning.leaves(out, self._parameters, own)
+                        self._places[frame] = parameter_places(self.model, leaves or [])
             finally:
                 self._suspended -= 1
             if self._keying:  # the first step's keyer names what the trace saw packed inside

@@ -19,8 +19,14 @@ NOTE [ Regions without a graph ]
         it draws random numbers and the autocast state of its forward, with no saved-tensor hooks (the runtime's own may
         be on through backward, R11); the recomputed outputs are dropped once their gradient edges are taken (what
         backward does not save goes at once), and ``torch.autograd.grad`` runs the call's backward from those edges to
-        the inputs and the leaves: the same kernels on the same values in the same order as plain training, so the
-        gradients are the same bits. A backward that builds a graph (``create_graph=True``: a gradient penalty) runs it
+        the inputs and the leaves. The recompute reads the leaves through aliases (detached views of the same
+        storage, put in the modules' parameter tables that hold each leaf, tied ones included, and put back after),
+        so that a hook the user registered on a parameter runs once, where the node's gradient reaches it, as in
+        plain training (differentiated as themselves, the hooks ran there too: twice, the gradients doubled by a
+        ``g * 2`` hook); a leaf read otherwise (a closure's reference, an RNN's flattened weights) is differentiated
+        as itself, and where a leaf is read both ways its two parts are summed (plain training's to rounding).
+        Otherwise the same kernels run on the same values in the same order as plain training, so the gradients are
+        the same bits. A backward that builds a graph (``create_graph=True``: a gradient penalty) runs it
         on the inputs as saved, with their history, and builds the graph too: the second order terms are kept, summed
         otherwise (plain training's to rounding), and the runtime runs the regions under checkpoint from the next step
         on (runtime R10). Every saved tensor of the recompute is held natively, nothing in Python per tensor. It re-runs
@@ -116,6 +122,7 @@ class _Call:
     out_flat: list[Any] | None = None  # the outputs' non-tensor leaves, tensors as _TENSOR
     out_spec: TreeSpec | None = None
     on_double: Callable[[], None] | None = None  # told when a backward with create_graph=True reaches the node
+    places: Sequence[Sequence[tuple[dict[str, Any], str]]] = ()  # per leaf: the modules' parameter tables holding it
 
     @property
     def n_inputs(self) -> int:
@@ -194,7 +201,9 @@ class _Region(torch.autograd.Function):
         inputs = saved if double else [
             t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else t for t in saved
         ]  # fmt: skip
-        with call.replaying(), _native_saves(), torch.enable_grad():
+        # The leaves through aliases (N2): a hook on a parameter runs once, where the node's gradient reaches it.
+        aliases = [] if double or not call.places else [p.detach().requires_grad_() for p in call.leaves]
+        with call.replaying(), _native_saves(), torch.enable_grad(), _substituted(call.places, aliases):
             args, kwargs = call.arguments(inputs)
             out = call.forward(*args, **kwargs)
         # Edges, not the outputs: no name may hold a recomputed output past this point (a loop variable did,
@@ -208,19 +217,25 @@ class _Region(torch.autograd.Function):
         roots = [edge for edge, _ in pairs]
         root_grads = [g for _, g in pairs]
         wanted = [t for t in inputs if t.requires_grad]
-        wrt = [*wanted, *call.leaves]
+        wrt = [*wanted, *aliases, *call.leaves]
         got: list[torch.Tensor | None] = [None for _ in wrt]
         if roots and wrt:
             got = list(torch.autograd.grad(roots, wrt, root_grads, allow_unused=True, create_graph=double))
         it = iter(got)
         input_grads = [next(it) if t.requires_grad else None for t in inputs]
-        return (None, *input_grads, *it)
+        through = [next(it) for _ in aliases]
+        leaf_grads = list(it)  # a leaf the call read as itself, not through a module's table (N2)
+        if aliases:
+            leaf_grads = [_added(a, b) for a, b in zip(through, leaf_grads, strict=True)]
+        return (None, *input_grads, *leaf_grads)
 
 
 def run(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], leaves: Sequence[torch.Tensor],
-        rng: bool, device_type: str, on_double: Callable[[], None] | None = None) -> Any:  # fmt: skip
+        rng: bool, device_type: str, on_double: Callable[[], None] | None = None,
+        places: Sequence[Sequence[tuple[dict[str, Any], str]]] = ()) -> Any:  # fmt: skip
     """The call ``forward(*args, **kwargs)`` as one node (N1, N2); ``on_double`` is called when a backward that
-    builds a graph (create_graph=True) reaches it."""
+    builds a graph (create_graph=True) reaches it; ``places``: for each leaf, the modules' parameter tables
+    (``module._parameters`` and the name) that hold it (:func:`parameter_places`)."""
     flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
     # A tensor passed several times is one input of the node, so that the recompute gets one object several
@@ -234,11 +249,46 @@ def run(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
             tensors.append(flat[i])
         slots.append(slot)
         flat[i] = None
-    call = _Call(forward, flat, spec, positions, slots, leaves, rng, device_type, on_double=on_double)
+    call = _Call(forward, flat, spec, positions, slots, leaves, rng, device_type, on_double=on_double, places=places)
     outs = _Region.apply(call, *tensors, *leaves)
     assert call.out_flat is not None and call.out_spec is not None
     it = iter(outs)
     return tree_unflatten([next(it) if x is _TENSOR else x for x in call.out_flat], call.out_spec)
+
+
+def parameter_places(model: torch.nn.Module, leaves: Sequence[torch.Tensor]) -> list[list[tuple[dict[str, Any], str]]]:
+    """For each of ``leaves``, where ``model``'s modules hold it: (their ``_parameters``, the name), one per
+    module that registers it (a tied weight: several)."""
+    where: dict[int, list[tuple[dict[str, Any], str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                where.setdefault(id(p), []).append((module._parameters, name))
+    return [where.get(id(p), []) for p in leaves]
+
+
+@contextlib.contextmanager
+def _substituted(
+    places: Sequence[Sequence[tuple[dict[str, Any], str]]], aliases: Sequence[torch.Tensor]
+) -> Iterator[None]:
+    """Each leaf's alias in the parameter tables that hold the leaf, for the recompute (N2); put back after."""
+    if not aliases:
+        yield
+        return
+    held: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for where, alias in zip(places, aliases, strict=True):
+            for table, name in where:
+                held.append((table, name, table[name]))
+                table[name] = alias
+        yield
+    finally:
+        for table, name, value in reversed(held):
+            table[name] = value
+
+
+def _added(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return b if a is None else a if b is None else a + b
 
 
 class Learning:

@@ -436,3 +436,72 @@ def test_a_node_is_no_region_where_it_would_sum_a_gradient_otherwise() -> None:
         policy = Policy.from_vector(w, acts, hardware="cpu", options=PolicyOptions(region_nodes=nodes))
         assert policy.schedule is not None and len(policy.schedule.regions) == (0 if nodes else 2)
         assert same_bits(plain, train_steps(build, policy, 3)), nodes
+
+
+class _HookedBlock(torch.nn.Module):
+    def __init__(self, tied: torch.nn.Linear | None = None) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.c2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.tied = tied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c2(torch.relu(self.c1(x)))
+        if self.tied is not None:
+            y = self.tied(y.transpose(1, 3)).transpose(1, 3)
+        return x + y
+
+
+class _HookedResidual(torch.nn.Module):
+    """Two residual blocks of two convolutions; the head is registered in the second block too (``tied``), so
+    its parameters are held by two modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.head = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.Sequential(_HookedBlock(), _HookedBlock(self.head))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+def test_a_hook_on_a_parameter_runs_once_where_a_region_runs_as_a_node() -> None:
+    """R10 / N2 with ``p.register_hook`` on every parameter (doubling its gradient) and uniform recompute: from
+    the second step on (the blocks as nodes) each block's hooks ran twice, once inside the node's backward
+    and once where its gradients reached the parameters: gradients 2x plain training's, no warning (a QA
+    run). The node differentiates aliases of the parameters; a tied one (held by two modules) too. Every
+    step's gradients are plain training's, and each hook runs as often."""
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        data = (torch.randn(4, 3, 8, 8), torch.randint(0, 8, (4,)))
+        return _HookedResidual(), data, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    w = capture(build, name="hooked", batch_size=4)
+    policy = Policy.from_vector(w, uniform_actions(w, Action.RECOMPUTE), hardware="cpu")
+    assert policy.schedule is not None and {r.module for r in policy.schedule.regions} >= {"blocks.0", "blocks.1"}
+    model, batch, loss_fn = build()
+    calls = [0]
+
+    def doubled(g: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return g * 2
+
+    for p in model.parameters():
+        p.register_hook(doubled)
+    rt = PolicyRuntime(policy, model)
+    nodes = []
+    for step in range(3):
+        calls[0] = 0
+        model.zero_grad(set_to_none=True)
+        with rt.step() as stats:
+            loss_fn(model, batch).backward()
+        got, under = [p.grad for p in model.parameters()], calls[0]
+        calls[0] = 0
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, batch).backward()
+        assert all(torch.equal(a, b) for a, b in zip(got, [p.grad for p in model.parameters()], strict=True)), step
+        assert under == calls[0], step
+        nodes.append(stats.regions - stats.checkpointed)
+    assert nodes[0] == 0 and nodes[1] > 0  # the blocks ran as nodes from the second step on
