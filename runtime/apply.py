@@ -88,7 +88,9 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         tensor swapped, compressed or replayed, or of a prefetch trigger (R4), and stay on inside them; ``<loss>``
         is what runs after the model's forward. What a step learns is kept per signature of the model's first call
         (the shapes, dtypes and devices of its tensor arguments, its flags, the model's training mode; the last 16
-        signatures): a step starts with the last step's tables and, at that call, if its inputs differ and nothing
+        signatures; a call without grad, a forward for pseudo-labels inside the step, saves nothing and is not the
+        step's: not its first call, and not counted among its module calls or its regions'): a step starts with
+        the last step's tables and, at that call, if its inputs differ and nothing
         was packed yet, goes on with the tables learnt for them or learns from there (the keyer's hooks and the
         recorder entered inside the call, the hooks of the model's own call entered by hand; the hooks of the mode
         it leaves, which PyTorch gathered for that call already, do nothing). A DataLoader's smaller last batch, or
@@ -440,6 +442,8 @@ class PolicyRuntime:
 
         def first_call(_m: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             nonlocal seen
+            if self._without_grad():  # a forward without grad (pseudo-labels, a teacher) saves nothing
+                return
             if seen:
                 if self._unpacked and torch.is_grad_enabled():
                     # One step is one forward and its backward: a forward after the step's backward (several
@@ -578,10 +582,12 @@ class PolicyRuntime:
                         count.sub_(1)  # a buffer: no autograd
 
         def region_forward(*args: Any, **kwargs: Any) -> Any:
+            if self._without_grad():  # a forward without grad (pseudo-labels) is not the step's: not counted
+                return forward(*args, **kwargs)
             call = calls.get(path, 0)
             calls[path] = call + 1
             region = self.regions.get((path, call))
-            if region is None or not torch.is_grad_enabled():
+            if region is None or not torch.is_grad_enabled():  # (no grad: inside a region run as a node)
                 return forward(*args, **kwargs)
             self.stats.regions += 1
             self._suspended += 1
@@ -620,6 +626,11 @@ class PolicyRuntime:
             return out
 
         return region_forward
+
+    def _without_grad(self) -> bool:
+        """A module call the user made without grad (R11: not the step's). Inside a region run as one node the
+        forward has no grad too (N1), the runtime's own doing: those calls are the step's."""
+        return not torch.is_grad_enabled() and not self._suspended
 
     def _double_backward(self) -> None:
         """R10: a backward with create_graph=True reached a region run as one node. Its gradients are plain
@@ -794,7 +805,7 @@ class PolicyRuntime:
         self._recorder = rec
         tables: list[_Table] = []
         self._tables = tables
-        tokens: list[int] = []  # per hooked module call: 1 pushed the hooks, 2 entered the recorder
+        tokens: list[int | None] = []  # per hooked call: 1 pushed the hooks, 2 entered the recorder (None: no grad)
         calls: dict[str, int] = {}
         outside: list[int] = []  # tokens of <before> (left at the model's forward) and <loss> (at the step's end)
 
@@ -838,24 +849,31 @@ class PolicyRuntime:
         live = True
 
         def make_hooks(path: str) -> tuple[Callable[..., None], Callable[..., None]]:
+            # A call without grad (a forward for pseudo-labels inside the step) saves nothing and is not counted:
+            # counted, it moved the step's calls along and none matched its tables (every other step learnt).
             def pre(_m: torch.nn.Module, _args: Any) -> None:
                 if live:
+                    if self._without_grad():
+                        tokens.append(None)
+                        return
                     call = calls.get(path, 0)
                     calls[path] = call + 1
                     tokens.append(enter((path, call)))
 
             def post(_m: torch.nn.Module, _args: Any, _out: Any) -> None:
                 if live:
-                    leave(tokens.pop())
+                    token = tokens.pop()
+                    if token is not None:
+                        leave(token)
 
             return pre, post
 
         def root_starts(*_: Any) -> None:
-            while live and outside:
+            while live and outside and not self._without_grad():
                 leave(outside.pop())
 
         def root_done(*_: Any) -> None:
-            if live and not outside:
+            if live and not outside and not self._without_grad():
                 outside.append(enter(_LOSS))
 
         handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -878,7 +896,9 @@ class PolicyRuntime:
             for handle in handles:
                 handle.remove()
             while tokens:
-                leave(tokens.pop())
+                token = tokens.pop()
+                if token is not None:
+                    leave(token)
             while outside:
                 leave(outside.pop())
             self._end_step()

@@ -1057,3 +1057,42 @@ def _resnet_like_build():  # type: ignore[no-untyped-def]
     model = torch.nn.Sequential(*layers[0], *layers[1], torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 4))
     batch = (torch.randn(2, 3, 8, 8), torch.randint(0, 4, (2,)))
     return model, batch, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+
+@pytest.mark.parametrize("action", [Action.RECOMPUTE, Action.SWAP])
+def test_a_forward_without_grad_inside_the_step_leaves_the_policy_as_it_is(action: Action) -> None:
+    """R11: a forward of the model under ``torch.no_grad`` inside ``policy.applied``, before the training
+    forward (pseudo-labels, FixMatch-style): its module calls were counted as the step's, so the regions'
+    calls (``blocks.0`` call 1, not 0) and the hooked calls of later steps matched no table: regions never ran,
+    and every other step kept every tensor after a warning (a QA run). Every step now applies the policy as a
+    step without that forward does, with plain training's gradients."""
+    from experiments.user_models import groupnorm_cnn
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        return groupnorm_cnn(batch_size=4)
+
+    w = capture(build, name="groupnorm_cnn", batch_size=4)
+    policy = Policy.from_vector(w, uniform_actions(w, action), hardware="cpu")
+
+    def run(pseudo: bool) -> list[tuple[int, int, int, list[torch.Tensor]]]:
+        model, batch, loss_fn = build()
+        out = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "saved tensors of this step differ"
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                with policy.applied(model) as stats:
+                    if pseudo:
+                        with torch.no_grad():
+                            loss_fn(model, batch)
+                    loss_fn(model, batch).backward()
+                out.append((stats.regions, stats.swaps, stats.recomputed_ops, [p.grad for p in model.parameters()]))
+        return out
+
+    with_pseudo, without = run(True), run(False)
+    assert [s[:3] for s in with_pseudo] == [s[:3] for s in without]
+    assert with_pseudo[-1][0] + with_pseudo[-1][1] > 0  # the policy acted
+    assert all(
+        torch.equal(a, b) for x, y in zip(with_pseudo, without, strict=True) for a, b in zip(x[3], y[3], strict=True)
+    )
