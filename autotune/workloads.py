@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -78,24 +80,52 @@ def trace_model(req: TraceRequest) -> tuple[Workload, float]:
         return entry.module, entry.batch, entry.loss_fn
 
     start = time.perf_counter()
-    w = capture(
-        build,
-        name=req.model,
-        batch_size=req.batch_size or 0,  # set from the built model below
-        seq_len=req.seq_len,
-        optimizer=req.optimizer.lower(),
-        fake=req.mode == "fake",
-        device=req.device,
-        precision=req.precision,
-        grad_accum=req.grad_accum,
-        target=req.target if req.mode == "fake" else None,
-        partitions=req.partitions,
-    )
+    with _fake_failures(req):
+        w = capture(
+            build,
+            name=req.model,
+            batch_size=req.batch_size or 0,  # set from the built model below
+            seq_len=req.seq_len,
+            optimizer=req.optimizer.lower(),
+            fake=req.mode == "fake",
+            device=req.device,
+            precision=req.precision,
+            grad_accum=req.grad_accum,
+            target=req.target if req.mode == "fake" else None,
+            partitions=req.partitions,
+        )
     w.seq_len = built.get("seq_len")
     w.batch_size = built["batch_size"] or 0
     w.compute_fingerprints()  # the shape fingerprint hashes the batch size and sequence length set just now
     w.meta["device_profile"] = device_profile(req.device) if req.mode == "real" else None
     return w, time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _fake_failures(req: TraceRequest) -> Iterator[None]:
+    """A model that reads tensor values while it is built or run (``.item()``, ``nonzero``, shapes that
+    depend on data) cannot be traced without running it: fake tensors have no values. Said in one line with
+    the way out (a real trace on this machine), where it failed with an internal error or blamed the factory."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedOperatorException,
+    )
+
+    fake_errors = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+    try:
+        yield
+    except Exception as e:
+        cause = e.__cause__ if isinstance(e, AutotuneError) else e
+        if req.mode != "fake" or not isinstance(cause, fake_errors):
+            raise
+        what = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        raise AutotuneError(
+            f"{req.model} cannot be traced without running it ({type(cause).__name__}: {what}): it reads tensor "
+            "values while it is built or run (.item(), nonzero, shapes that depend on the data), which the fake "
+            "trace that plans for a GPU profile cannot; trace it for real on this machine: --gpu cpu (search, "
+            "simulate, baselines), or profile --mode real"
+        ) from None
 
 
 def device_profile(device: str) -> str | None:

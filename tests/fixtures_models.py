@@ -104,3 +104,11 @@ class _ArgMax(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x).argmax(dim=-1)
+
+
+def make_item_in_init(batch_size: int) -> tuple[nn.Module, torch.Tensor]:
+    """A model whose constructor turns a tensor into a Python number (timm's drop-path rates so): it builds
+    in real mode, not under FakeTensorMode, whose tensors have no values."""
+    rates = [x.item() for x in torch.linspace(0, 0.1, 2)]
+    model = nn.Sequential(nn.Linear(IN_FEATURES, 16), nn.Dropout(rates[1]), nn.Linear(16, OUT_FEATURES))
+    return model, torch.randn(batch_size, IN_FEATURES)
