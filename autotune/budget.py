@@ -50,6 +50,14 @@ class Budget:
             planned, kept = format_bytes(self.planned_bytes), format_bytes(self.reserve_bytes)
             err.print(f"planning for {planned}: the budget less a {kept} reserve for workspaces (--reserve)")
 
+    def check_left(self) -> None:
+        """Refuse a budget that the reserve leaves nothing of (it would be planned for 0 B)."""
+        if self.planned_bytes == 0:
+            raise AutotuneError(
+                f"budget {self.text} leaves nothing after the {format_bytes(self.reserve_bytes)} kept back on GPU "
+                "profiles for workspaces (--reserve): raise the budget well above it"
+            )
+
 
 def reserve_bytes(reserve: str | None, budget: str, budget_bytes: int, hw: HardwareProfile) -> int:
     """The ``--reserve`` in bytes: as given ("0" allowed), or DEFAULT_GPU_RESERVE on GPU profiles and 0 on
@@ -87,12 +95,15 @@ def budget_of(given_bytes: int, reserve: str | None, hw: HardwareProfile, text: 
     return Budget(text, given_bytes, reserve_bytes(reserve, text, given_bytes, hw))
 
 
-def record_budget(policy: Policy, budget: Budget | int | None) -> Policy:
+def record_budget(policy: Policy, budget: Budget | int | None, reserve_bytes: int | None = None) -> Policy:
     """The one place a policy's recorded budget is set: the budget as typed, not the planned one, and the reserve
-    kept back of it (None: no budget, as ``autotune simulate`` without one records; an int: a budget with no
-    reserve recorded)."""
-    policy.budget_bytes = budget.given_bytes if isinstance(budget, Budget) else None if budget is None else int(budget)
-    policy.reserve_bytes = budget.reserve_bytes if isinstance(budget, Budget) else None
+    kept back of it (None: no budget, as ``autotune simulate`` without one records; an int: a budget in bytes,
+    with ``reserve_bytes`` where one was kept back)."""
+    if isinstance(budget, Budget):
+        policy.budget_bytes, policy.reserve_bytes = budget.given_bytes, budget.reserve_bytes
+    else:
+        policy.budget_bytes = None if budget is None else int(budget)
+        policy.reserve_bytes = None if budget is None else reserve_bytes
     return policy
 
 

@@ -34,9 +34,8 @@ import numpy as np
 
 from agents.base import Problem, SearchResult
 from agents.finalists import MARGINS, Finalist
-from autotune.budget import Budget, record_budget
+from autotune.budget import record_budget
 from autotune.real_backend import RealBackend
-from autotune.units import format_bytes
 from runtime.policy import Policy, PolicyOptions, Prediction
 
 
@@ -236,10 +235,8 @@ def finalist_policy(
         predicted=Prediction(r.peak_bytes, r.iter_s, r.samples_per_s),
         wall_s=found.wall_s,
     )
-    if budget_bytes is None:
-        return policy
-    reserve = max(0, budget_bytes - problem.budget_bytes)
-    return record_budget(policy, Budget(format_bytes(budget_bytes), budget_bytes, reserve))
+    reserve = None if budget_bytes is None else max(0, budget_bytes - problem.budget_bytes)
+    return record_budget(policy, budget_bytes, reserve)
 
 
 def answer_policy(problem: Problem, chosen: Measured, found: SearchResult, budget_bytes: int) -> Policy:

@@ -336,8 +336,7 @@ def run_search(
         if ctx.state.sigint_pending:  # a Ctrl-C after the last report, that a finalizer swallowed
             ctx.interrupt()
     if user_budget_bytes is not None:  # the budget as typed, and the reserve kept back of it
-        reserve = user_budget_bytes - problem.budget_bytes
-        record_budget(found.policy, Budget(format_bytes(user_budget_bytes), user_budget_bytes, reserve))
+        record_budget(found.policy, user_budget_bytes, user_budget_bytes - problem.budget_bytes)
     return SearchOutcome(
         problem,
         ctx,

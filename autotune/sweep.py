@@ -30,7 +30,7 @@ from rich.table import Table
 
 from agents.base import Problem, RunState, SearchContext, SearchResult, baseline_names, best_of, get_searcher
 from agents.optuna_search import storage_for
-from autotune.budget import Budget, budget_of, record_budget
+from autotune.budget import budget_of, record_budget
 from autotune.search import budget_floor, format_bytes, plain_no_policy
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError
@@ -281,8 +281,7 @@ def best_policy(cell: CellResult, w: Workload, hw: HardwareProfile) -> Policy | 
     policy = Policy.from_vector(w, b["actions"], hardware=hw.name, options=options, searcher=f"sweep:{b['method']}",
                                 trials=int(b.get("evaluations", 0)), predicted=predicted,
                                 wall_s=b.get("search_s"))  # fmt: skip
-    given = cell.budget_bytes + cell.reserve_bytes
-    return record_budget(policy, Budget(format_bytes(given), given, cell.reserve_bytes))
+    return record_budget(policy, cell.budget_bytes + cell.reserve_bytes, cell.reserve_bytes)
 
 
 def describe(cell: CellResult) -> str:
