@@ -201,12 +201,19 @@ def check_study(url: str | None, name: str, problem: Problem) -> None:
         study = optuna.load_study(study_name=name, storage=url)
     except Exception:  # no such study (KeyError), or a storage check_storage has vouched for: nothing to say
         return
+    _refuse_another(study, problem, f" in {url}")
+
+
+def _refuse_another(study: Any, problem: Problem, where: str = "") -> bool:
+    """:func:`check_study` on a study at hand (``where``: its storage, for the message); whether the study
+    records what it was made for."""
     was = study.user_attrs.get("problem")
     if was is not None and was != made_for(problem):
         raise AutotuneError(
-            f"study '{name}' in {url} was made for {was}, not for {made_for(problem)}: pass another --study, or "
-            "leave --study out for a name of this problem's own"
+            f"study '{study.study_name}'{where} was made for {was}, not for {made_for(problem)}: pass another "
+            "--study, or leave --study out for a name of this problem's own"
         )
+    return was is not None
 
 
 def study_name(problem: Problem, searcher: str) -> str:
@@ -291,11 +298,8 @@ class OptunaSearcher(Searcher):
         )
         if isinstance(drawn, optuna.distributions.CategoricalDistribution):
             starts = [str(s) for s in drawn.choices]
-        was = study.user_attrs.get("problem")  # check_study, for a caller that did not check before
-        if was is None:
+        if not _refuse_another(study, problem):  # check_study, for a caller that did not check before
             study.set_user_attr("problem", made_for(problem))
-        elif was != made_for(problem):
-            raise AutotuneError(f"study '{study.study_name}' was made for {was}, not for {made_for(problem)}")
         use_set_constraint = hasattr(optuna.trial.Trial, "set_constraint")
         seen: set[int] = set()
 

@@ -780,11 +780,7 @@ def maxbatch(
     k = sr.measure_count(measure, here, hw)
     plan = plan_budget(budget, reserve, hw)
     budget_bytes = plan.given_bytes
-    if plan.planned_bytes == 0:
-        raise AutotuneError(
-            f"budget {budget} leaves nothing after the {sr.format_bytes(plan.reserve_bytes)} kept back on GPU "
-            "profiles for workspaces (--reserve): raise --budget well above it"
-        )
+    plan.check_left()
     plan.echo(err, hw)
     err.print(note)
     if host_note:
@@ -988,8 +984,7 @@ def sweep(
         raise AutotuneError(f"invalid --trials {trials}: expected a positive number, e.g. --trials 60")
     if not _positive(timeout):
         raise AutotuneError(f"invalid --timeout {timeout}: expected a positive number of seconds, e.g. --timeout 60")
-    if seq_len is not None and seq_len <= 0:  # checked here too: a sweep of vision models never reads it
-        raise AutotuneError(f"invalid --seq-len {seq_len}: expected a positive integer, e.g. --seq-len 1024")
+    TraceRequest(model="", seq_len=seq_len).validate()  # the --seq-len typed: a sweep of vision models passes none on
     if gpu:
         profiles = [get_profile(p) for p in dict.fromkeys(p.strip() for p in gpu.split(",") if p.strip())]
     else:
@@ -999,13 +994,8 @@ def sweep(
     from autotune.budget import budget_of
 
     plans = {(hw.name, b): budget_of(b, reserve, hw) for hw in profiles for b in budget_list}  # --reserve checked
-    empty = [p for p in plans.values() if p.planned_bytes == 0]
-    if empty:  # each would plan for 0 B, and all such cells of a model and profile would be one study
-        raise AutotuneError(
-            f"budget {sr.format_bytes(empty[0].given_bytes)} leaves nothing after the "
-            f"{sr.format_bytes(empty[0].reserve_bytes)} kept back on GPU profiles for workspaces (--reserve): raise "
-            "it well above that"
-        )
+    for plan in plans.values():  # (such cells of a model and profile would all be one study)
+        plan.check_left()
     kept = {hw.name: max(plans[(hw.name, b)].reserve_bytes for b in budget_list) for hw in profiles}
     if any(kept.values()):
         on = "" if all(kept.values()) else f" on {', '.join(n for n, k in kept.items() if k)}"
