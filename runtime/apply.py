@@ -58,7 +58,9 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         The recorder records the forward and the loss, never backward. The
         random-number states (the CPU generator's is 5,056 bytes, held in memory on a CPU) are let go
         once every replayed storage has had its last unpack (R9): no replay can need them after that,
-        and one that did would fail loudly. The simulator counts none of them (at most a few per block).
+        and one that did would fail loudly. A random op whose arguments make its draws irrelevant (dropout
+        at p=0, the CPU's attention at ``dropout_p`` 0) keeps no state and is replayed with the random state
+        forked, so a second backward (``retain_graph=True``) replays it too. The simulator counts none of them (at most a few per block).
     R7. Compress (Rule 8): at the first pack, a cast to the policy's dtype; at the first unpack, a cast
         back. Lossy, allowed only by the policy's ``lossy`` option.
     R8. Compress and swap apply to what the simulator says they do: compress only to floating-point

@@ -133,7 +133,7 @@ class Recorder(TorchDispatchMode):
     def release_rng(self) -> None:
         """Let go of the random-number states (R6): every replay that needed them is done."""
         for op in self.ops:
-            if op.rng is not None:
+            if op.rng is not None and op.rng is not _UNUSED:
                 op.rng = _RELEASED
         self.before_write.clear()  # ... and the copies of storages as read, and the constants (R6)
         self._constants.clear()
@@ -184,7 +184,9 @@ class Recorder(TorchDispatchMode):
             return func(*args, **kwargs)  # backward (a checkpointed region's recompute included)
         random, written = _schema_of(func)
         rng = None
-        if random:
+        if random and _draws_nothing(random, args, kwargs):
+            rng = _UNUSED
+        elif random:
             cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
             rng = (torch.get_rng_state(), cuda)
         leaves, spec = _flatten_args(args, kwargs)
@@ -231,17 +233,38 @@ _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 _UNDECLARED_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4), "miopen_batch_norm": (3, 4)}
 
 
-_SCHEMAS: dict[Any, tuple[bool, tuple[tuple[int, str], ...]]] = {}
+# Arguments of a random op whose value here makes its result independent of the random state (R6): a
+# probability of 0 (dropout's ``p``, attention's ``dropout_p``, an RNN's ``dropout``) or ``train`` off.
+_NO_DRAW = {"p": 0.0, "dropout_p": 0.0, "dropout": 0.0, "train": False}
+
+# Per op: None where it draws no random numbers, else the (position, name, value) of each argument that can
+# make its draws irrelevant (possibly none); then the (position, name) of each argument it mutates.
+_Random = tuple[tuple[int, str, Any], ...] | None
+_SCHEMAS: dict[Any, tuple[_Random, tuple[tuple[int, str], ...]]] = {}
 
 
-def _schema_of(func: Any) -> tuple[bool, tuple[tuple[int, str], ...]]:
-    """(whether the op draws random numbers, the (position, name) of each argument it mutates, those of
-    ``_UNDECLARED_WRITES`` included): read once per op."""
+def _schema_of(func: Any) -> tuple[_Random, tuple[tuple[int, str], ...]]:
+    """(whether and how the op draws random numbers, the (position, name) of each argument it mutates, those
+    of ``_UNDECLARED_WRITES`` included): read once per op."""
     known = _SCHEMAS.get(func)
     if known is None:
         written = written_arguments(func, _UNDECLARED_WRITES.get(func.overloadpacket.__name__, ()))
-        known = _SCHEMAS[func] = (torch.Tag.nondeterministic_seeded in func.tags, written)
+        random = None
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            args = func._schema.arguments
+            random = tuple((i, a.name, _NO_DRAW[a.name]) for i, a in enumerate(args) if a.name in _NO_DRAW)
+        known = _SCHEMAS[func] = (random, written)
     return known
+
+
+def _draws_nothing(random: tuple[tuple[int, str, Any], ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a random op's arguments make its result independent of the random state (dropout at p=0, SDPA
+    at ``dropout_p`` 0 as every transformer without dropout calls it on the CPU): then a replay needs no state."""
+    for i, name, value in random:
+        given = args[i] if i < len(args) else kwargs.get(name)
+        if given is not None and not isinstance(given, torch.Tensor) and given == value:
+            return True
+    return False
 
 
 def _written_positions(
@@ -361,6 +384,9 @@ class Replayer:
 
 
 _RELEASED: tuple[torch.Tensor, torch.Tensor | None] = (torch.empty(0, dtype=torch.uint8), None)  # Recorder.release_rng
+# A random op whose arguments make its draws irrelevant (``_draws_nothing``): replayed with the random state
+# forked (what it draws does not leak into the step's), from whatever state there is, also after the release.
+_UNUSED: tuple[torch.Tensor, torch.Tensor | None] = (torch.empty(0, dtype=torch.uint8), None)
 
 
 @contextlib.contextmanager
@@ -368,13 +394,17 @@ def _rng_state(rng: tuple[torch.Tensor, torch.Tensor | None] | None, device: tor
     if rng is None:
         yield
         return
+    devices = [device] if device.type == "cuda" else []
+    if rng is _UNUSED:
+        with torch.random.fork_rng(devices=devices):
+            yield
+        return
     if rng is _RELEASED:
         raise RuntimeError(
             "autotune: a replay needed the random-number state of a forward op after the step's last replay let "
             "it go (runtime R6): a second backward through the same graph (retain_graph=True) cannot replay "
             "random ops; keep those tensors in the policy, or run one backward per forward"
         )
-    devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.set_rng_state(rng[0])
         if rng[1] is not None:

@@ -240,6 +240,39 @@ def test_replays_let_go_of_their_random_states() -> None:
     assert rt.stats.recomputed_ops > 0
 
 
+def test_a_second_backward_replays_attention_without_dropout() -> None:
+    """R6: SDPA on the CPU is a random op by its schema (it takes ``dropout_p``), but at 0 it draws nothing
+    that matters, so a second backward through the same graph (``retain_graph=True``) replays it after the
+    random states are let go, where it was refused. Gradients are plain training's, bit for bit, and the
+    replays fork the random state (the step leaves it as plain training does)."""
+    name, kwargs = GPT2_SMALL_VOCAB
+    overrides = {**kwargs["config_overrides"], "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+    build = _build(name, {**kwargs, "config_overrides": overrides})
+    w = capture(build, name=name, batch_size=kwargs["batch_size"], fake=False)
+    sdpa = [i for i, op in enumerate(w.ops) if op.seeded]
+    assert sdpa and all("attention" in w.ops[i].name for i in sdpa)  # the only random ops
+    policy = Policy.from_vector(w, np.full(len(w.candidates), RECOMPUTE, dtype=np.int8), hardware="cpu")
+
+    def run(with_policy: bool) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+        model, batch, loss_fn = build()
+        rt = PolicyRuntime(policy, model) if with_policy else None
+        grads = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with rt.step() if rt is not None else contextlib.nullcontext():
+                loss = loss_fn(model, batch)
+                loss.backward(retain_graph=True)
+                loss.backward()
+            grads += [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return grads, torch.get_rng_state(), rt.stats.recomputed_ops if rt is not None else 0
+
+    plain, plain_rng, _ = run(False)
+    ours, rng, replayed = run(True)
+    assert replayed > 0
+    assert len(plain) == len(ours) and all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
+    assert torch.equal(plain_rng, rng)
+
+
 def test_action_codes_match_the_policy_enum() -> None:
     assert [a.code for a in Action] == [KEEP, SWAP, RECOMPUTE, COMPRESS]
 
