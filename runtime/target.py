@@ -32,7 +32,10 @@ NOTE [ GPU-faithful fake traces ]
         torch-function dispatch, so the module-level name is the router's for the trace.
     G2. Dropout. On CUDA, ``F.dropout`` in training runs the fused ``native_dropout``, which saves a one-byte
         mask; on the CPU it draws a mask in the input's dtype (four bytes an element in fp32) and multiplies.
-        For a GPU target a (not in-place) dropout runs as ``native_dropout``.
+        For a GPU target a (not in-place) dropout runs as ``native_dropout``. Torch-function modes are off
+        in backward, where ``torch.utils.checkpoint`` called in a model's own code re-runs its forward: there
+        too the module-level ``F.dropout`` and ``F.scaled_dot_product_attention`` are the router's for the
+        trace, so the recompute takes the kernels the forward took (checkpoint checks that it saves the same).
     G3. Optimizers. On CUDA tensors PyTorch's optimizers default to their ``foreach`` implementation (one
         kernel over all parameters, whose step temporaries are those of every parameter at once); on the
         CPU to the for-loop one. A GPU target's trace uses ``foreach``.
@@ -357,17 +360,23 @@ def _routed_inside_functional(router: _FusedKernels) -> Iterator[None]:
     """G1 inside ``torch.nn.functional``'s own composites: ``multi_head_attention_forward``
     (``nn.MultiheadAttention``, torchvision's ViT) calls ``scaled_dot_product_attention`` by its module-level
     name from inside its own torch-function dispatch, where the mode is off and sees nothing; for the trace
-    that name is the router's."""
+    that name is the router's. G1 and G2 in backward: a checkpoint's recompute runs with the mode off, and
+    reaches attention and dropout by these names too."""
 
     def routed(*args: Any, **kwargs: Any) -> Any:
         return router._attention(*args, **kwargs)
 
+    def dropout(*args: Any, **kwargs: Any) -> Any:
+        return router._dropout(*args, **kwargs)
+
     F = torch.nn.functional
     F.scaled_dot_product_attention = routed  # type: ignore[assignment]
+    F.dropout = dropout
     try:
         yield
     finally:
         F.scaled_dot_product_attention = _SDPA
+        F.dropout = _DROPOUT
 
 
 CUBLAS_HANDLES = 2  # G6: the Python thread's (forward) and autograd's device thread's (backward)

@@ -71,6 +71,36 @@ def test_attention_saves_what_the_fused_kernel_saves() -> None:
     assert not any(dtype == "bool" for _, dtype, _ in cpu.values())
 
 
+class _OwnCheckpoint(torch.nn.Module):
+    """A model that checkpoints its own block (non-reentrant), attention and dropout inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Attention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def test_a_models_own_checkpoint_recomputes_the_gpus_kernels() -> None:
+    """G1, G2 in backward: a checkpoint's recompute runs with torch-function modes off. It took the CPU's
+    dropout (a float mask) where the forward had taken the GPU's (a bool one), and checkpoint refused the
+    trace for a GPU profile (an internal error). The fused kernels' tensors are saved, none of the CPU's, and
+    the functional names are PyTorch's again after the trace."""
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        return _OwnCheckpoint(), (torch.randn(B, L, H * D),), lambda m, b: m(b[0]).square().mean()
+
+    w = capture(build, name="own-checkpoint", batch_size=B, target=get_profile("a100-40gb"))
+    ops = [op.name for op in w.ops]
+    assert ops.count("aten.native_dropout.default") == 2  # forward, and the recompute in backward
+    assert ops.count("aten._scaled_dot_product_efficient_attention.default") == 2
+    assert not any("ForCpu" in name or "bernoulli" in name for name in ops)
+    assert F.dropout.__module__ == "torch.nn.functional"
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+
+
 def test_the_kernel_each_gpu_runs() -> None:
     """PyTorch's selection rules (runtime/target.py G1): cuDNN for fp16/bf16 on Hopper and Blackwell (9.x,
     10.x; head dimension at most 128, a mask or not), flash for fp16/bf16 from compute capability 8.0 without
