@@ -20,7 +20,10 @@ NOTE [ Key format ]
       plan made with one would have met the other's twelve attention outputs as unknown keys, kept; and a CPU
       ``reshape`` makes ``_reshape_alias`` (ReshapeAlias) where no dispatch mode is on, a ``view`` under one,
       so a real trace (under its mode) and a swap-only step (none) named ``nn.MultiheadAttention``'s reshaped
-      tensors otherwise, and the swap kept them. Keys
+      tensors otherwise, and the swap kept them; and a view that an in-place op changed afterwards has its
+      node made again by autograd, AsStrided on real tensors but the view op itself on fake ones (they
+      record how to replay a view): EfficientNet's classifier flattens, drops out in place, and its linear
+      layer saves that view (AsStrided, a view too, is named View). Keys
       read from a policy file are made canonical too (:func:`canonical_key`), so older files still match.
 
     Every storage but the model's parameters and buffers is named, the batch included (the runtime cannot
@@ -193,7 +196,7 @@ class SavedTensorKeyer:
 
 
 # NOTE [ Key format ]: one name across PyTorch versions and dispatch modes.
-SAME_PRODUCER = {"UnsafeView": "View", "ReshapeAlias": "View"}
+SAME_PRODUCER = {"UnsafeView": "View", "ReshapeAlias": "View", "AsStrided": "View"}
 
 
 def producer_name(t: torch.Tensor) -> str:

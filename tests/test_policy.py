@@ -299,6 +299,46 @@ def test_a_producer_named_otherwise_by_another_pytorch_is_the_same_key(tmp_path:
     assert (policy.to_vector(w) == Action.SWAP.code).all()
 
 
+def test_a_view_an_in_place_op_changed_has_one_key_in_fake_and_real_steps() -> None:
+    """NOTE [ Key format ]: EfficientNet's classifier flattens, then drops out in place, then its linear layer
+    saves the flattened view. Autograd makes that view's node again after the in-place op: AsStrided on real
+    tensors, the view op itself on fake ones (they record how to replay a view). A fake trace named it View,
+    the runtime AsStrided, and every step kept it as a tensor the policy does not know."""
+    import warnings
+
+    import torch
+
+    from runtime.apply import PolicyRuntime
+    from runtime.hardware import get_profile
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+            self.pool = torch.nn.AdaptiveAvgPool2d(1)
+            self.head = torch.nn.Sequential(torch.nn.Dropout(0.2, inplace=True), torch.nn.Linear(8, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.flatten(self.pool(torch.relu(self.conv(x))), 1))
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        batch = (torch.randn(2, 3, 8, 8), torch.tensor([0, 3]))
+        return Net(), batch, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    w = capture(build, name="net", batch_size=2, target=get_profile("a100-40gb"))
+    assert "head.1#0.0:View" in {c.key for c in w.candidates}
+    policy = make(w, [Action.SWAP.code] * len(w.candidates))
+    model, batch, loss_fn = build()
+    rt = PolicyRuntime(policy, model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a tensor not in the policy warns
+        for _ in range(2):
+            with rt.step():
+                loss_fn(model, batch).backward()
+    assert rt.stats.swaps > 0 and not rt.stats.unknown_keys
+
+
 def test_keys_from_another_device_are_tolerated_when_most_agree(tmp_path: Path, cnn: Workload) -> None:
     """NOTE [ Keys across devices ]: a CUDA trace saves a few other tensors than a CPU one."""
     d = make(cnn, [1] * len(cnn.candidates)).to_dict()
