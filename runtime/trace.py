@@ -441,8 +441,9 @@ def capture(
     mode: contextlib.AbstractContextManager[Any] = FakeTensorMode() if fake else contextlib.nullcontext()
     gpu = fake and trace_key(target)[0]
     with mode, fake_trace_choices(target) if fake else contextlib.nullcontext(), contextlib.ExitStack() as stack:
-        with _fake_conversions() if fake else contextlib.nullcontext():
-            model, batch, loss_fn = build()
+        if fake:
+            stack.enter_context(_fake_conversions())
+        model, batch, loss_fn = build()
         if isinstance(mode, FakeTensorMode):
             _own_fakes(model, mode)
         model.train()
@@ -523,7 +524,8 @@ def _fake_conversions() -> Iterator[None]:
     under FakeTensorMode: ``Module._apply`` swaps each fake parameter with its converted one
     (``torch.utils.swap_tensors``), which fails on a fake tensor the mode holds a weak reference to
     ("Couldn't swap Conv2d.weight"); there the parameter takes the converted one's data instead, which is what
-    ``_apply`` does for real tensors. Only while the factory runs."""
+    ``_apply`` does for real tensors. Through the whole fake trace: a model may convert a submodule in its
+    forward too (Switch Transformers' router calls ``self.classifier.to(self.dtype)``, a no-op in eager)."""
     swap = torch.utils.swap_tensors
 
     def swap_or_set(t1: torch.Tensor, t2: torch.Tensor) -> None:

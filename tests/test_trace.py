@@ -170,6 +170,32 @@ def test_a_factory_that_converts_its_model_to_channels_last_traces_in_fake_mode(
     assert len(fake.candidates) >= 4
 
 
+def test_a_model_that_converts_a_submodule_in_its_forward_traces_in_fake_mode() -> None:
+    """Switch Transformers' router calls ``self.classifier.to(self.dtype)`` in its forward, a no-op in eager;
+    the fake trace failed there ("_apply(): Couldn't swap Linear.weight", an internal error: a QA run). It now
+    runs, with the real trace's keys and sizes."""
+
+    class Router(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.classifier = nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.classifier = self.classifier.to(torch.float32)
+            return self.classifier(x).relu()
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), Router(), nn.Linear(4, 10))
+        return model, (torch.randn(4, 8), torch.randint(0, 10, (4,))), lambda m, b: nn.functional.cross_entropy(
+            m(b[0]), b[1])  # fmt: skip
+
+    fake = capture(build, name="router", batch_size=4, fake=True)
+    real = capture(build, name="router", batch_size=4, fake=False)
+    assert [(c.key, c.nbytes) for c in fake.candidates] == [(c.key, c.nbytes) for c in real.candidates]
+    assert len(fake.candidates) >= 3
+
+
 def test_keys_stable_and_fingerprints() -> None:
     a = capture(tiny_cnn_build(), name="cnn", batch_size=2, fake=True)
     b = capture(tiny_cnn_build(), name="cnn", batch_size=2, fake=True)
