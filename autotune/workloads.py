@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -101,10 +102,27 @@ def trace_model(req: TraceRequest) -> tuple[Workload, float]:
     return w, time.perf_counter() - start
 
 
+class _MetaFailures(logging.Filter):
+    """The ops whose fake (meta) kernel raised, from FakeTensorMode's log of it, which it keeps from the
+    terminal (a traceback per op, before the error it re-raises)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("failed while attempting to run meta for") and record.args:
+            self.ops.append(str(record.args[0]))  # type: ignore[index]
+            return False
+        return True
+
+
 @contextlib.contextmanager
 def _fake_failures(req: TraceRequest) -> Iterator[None]:
     """A model that reads tensor values while it is built or run (``.item()``, ``nonzero``, shapes that
-    depend on data) cannot be traced without running it: fake tensors have no values. Said in one line with
+    depend on data) cannot be traced without running it: fake tensors have no values. Nor one that runs an
+    op whose fake kernel refuses what the real one takes (transformers' Mixtral experts call
+    ``torch._grouped_mm`` in fp32, which the CPU runs and the meta kernel refuses). Each said in one line with
     the way out (a real trace on this machine), where it failed with an internal error or blamed the factory."""
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
@@ -113,10 +131,21 @@ def _fake_failures(req: TraceRequest) -> Iterator[None]:
     )
 
     fake_errors = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+    meta = _MetaFailures()
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addFilter(meta)
     try:
         yield
     except Exception as e:
         cause = e.__cause__ if isinstance(e, AutotuneError) else e
+        if req.mode == "fake" and meta.ops and not isinstance(cause, fake_errors):
+            what = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+            raise AutotuneError(
+                f"{req.model} cannot be traced without running it: the fake kernel of its op {meta.ops[-1]} refuses "
+                f"what the real one takes ({type(cause).__name__}: {what}), and the trace that plans for a GPU "
+                "profile runs fake kernels; trace it for real on this machine: --gpu cpu (search, simulate, "
+                "baselines), or profile --mode real"
+            ) from None
         if req.mode != "fake" or not isinstance(cause, fake_errors):
             raise
         what = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
@@ -126,6 +155,8 @@ def _fake_failures(req: TraceRequest) -> Iterator[None]:
             "trace that plans for a GPU profile cannot; trace it for real on this machine: --gpu cpu (search, "
             "simulate, baselines), or profile --mode real"
         ) from None
+    finally:
+        logger.removeFilter(meta)
 
 
 def device_profile(device: str) -> str | None:

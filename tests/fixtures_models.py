@@ -112,3 +112,21 @@ def make_item_in_init(batch_size: int) -> tuple[nn.Module, torch.Tensor]:
     rates = [x.item() for x in torch.linspace(0, 0.1, 2)]
     model = nn.Sequential(nn.Linear(IN_FEATURES, 16), nn.Dropout(rates[1]), nn.Linear(16, OUT_FEATURES))
     return model, torch.randn(batch_size, IN_FEATURES)
+
+
+class _GroupedExperts(nn.Module):
+    """Two experts' weights applied to the rows routed to each through ``torch._grouped_mm`` in fp32, as
+    transformers' Mixtral experts do: the CPU's kernel takes fp32, the fake (meta) kernel only bf16/fp16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, IN_FEATURES, OUT_FEATURES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offsets = torch.tensor([x.shape[0] // 2, x.shape[0]], dtype=torch.int32)
+        return torch._grouped_mm(x, self.weight, offs=offsets)
+
+
+def make_grouped_mm(batch_size: int) -> tuple[nn.Module, torch.Tensor]:
+    """A model with an op whose fake kernel refuses what its real one takes."""
+    return _GroupedExperts(), torch.randn(batch_size, IN_FEATURES)
