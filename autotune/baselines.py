@@ -45,6 +45,7 @@ def run_baselines(problem: Problem, ctx: SearchContext, methods: list[str], err:
         TimeElapsedColumn(),
         console=err,
         transient=True,
+        disable=not err.is_terminal,  # a transient bar that never drew left an empty line in a log or pipe
     ) as progress:
         task = progress.add_task("baselines", total=len(methods))
         for name in methods:
