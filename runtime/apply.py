@@ -54,7 +54,9 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         before that write, kept until no replay is left (its bytes are not in the simulator's count); so are the
         constants the forward lifts from Python data (``torch.tensor(0.1)``, ``t[..., 0] = 0``:
         ``aten.lift_fresh``), which no op makes again. Each op is replayed in the grad mode it ran in (backward
-        runs with it off; the CPU's oneDNN LSTM returns its workspace and rounds as in training only with it on).
+        runs with it off; the CPU's oneDNN LSTM returns its workspace and rounds as in training only with it on)
+        and with autocast off: the recording holds what autocast dispatched, its casts included, and an
+        autocast still on in backward would cast an op it had left in fp32 (the CPU's math attention) again.
         The recorder records the forward and the loss, never backward. The
         random-number states (the CPU generator's is 5,056 bytes, held in memory on a CPU) are let go
         once every replayed storage has had its last unpack (R9): no replay can need them after that,
@@ -1187,10 +1189,22 @@ class PolicyRuntime:
         elif h.action == Action.RECOMPUTE:
             rec = self._recorder
             assert rec is not None and h.sid is not None
-            with torch.no_grad():
+            # The recorded ops are autocast's outputs (its casts recorded as ops): an autocast still on in
+            # backward (``loss.backward()`` inside it) must not cast them again (R6).
+            with torch.no_grad(), _without_autocast(self.device):
                 self._hold(h, Replayer(self, rec).storage(h.sid, len(rec.ops)))
         assert h.device is not None
         return h.device
+
+
+@contextlib.contextmanager
+def _without_autocast(device: torch.device) -> Iterator[None]:
+    """Autocast off on the CPU and on ``device``'s type (R6: a replay runs the ops as dispatched in forward)."""
+    with contextlib.ExitStack() as stack:
+        for kind in {"cpu", device.type}:
+            if torch.is_autocast_enabled(kind):
+                stack.enter_context(torch.autocast(kind, enabled=False))
+        yield
 
 
 @functools.cache

@@ -3,6 +3,7 @@ a plan for one precision refused by another, in the policy check, the runtime an
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -115,3 +116,54 @@ def test_cli_search_bf16_then_train_in_fp32_is_refused(capsys: pytest.CaptureFix
     code, _, err = run(capsys, "train", "--policy", str(out), "--precision", "fp32", "--steps", "1")
     assert code == 2
     assert "made for bf16 training but the workload trains in fp32" in err
+
+
+class _Fp32Inside(torch.nn.Module):
+    """A block computed in fp32 with autocast turned off inside the forward (a numerically sensitive part):
+    its matmul runs on fp32 tensors although autocast lists it for bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32)
+        self.w = torch.nn.Parameter(torch.randn(32, 32) / 8)
+        self.b = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.autocast("cpu", enabled=False):
+            h = torch.tanh(h.float() @ self.w)
+        return self.b(h)
+
+
+def _fp32_inside():  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    return _Fp32Inside(), (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]).float(), b[1])
+
+
+def test_a_replay_runs_its_ops_as_the_forward_did_when_backward_runs_under_autocast() -> None:
+    """R6: a replay re-runs the recorded aten ops, which autocast had already cast: run under an autocast
+    still on in backward (``with torch.autocast(...): loss.backward()`` inside it, a common form), autocast
+    cast the fp32 matmul's inputs to bf16 again, and the gradients differed (GPT-2 under a QA run: the CPU's
+    math attention upcasts to fp32, by 0.047). Replays now run with autocast off: bit for bit plain
+    training's, over steps."""
+    w = capture(_fp32_inside, name="fp32-inside", batch_size=8, precision="bf16")
+    policy = Policy.uniform(w, Action.RECOMPUTE, hardware="cpu")
+
+    def run(with_policy: bool) -> list[torch.Tensor]:
+        model, batch, loss_fn = _fp32_inside()
+        rt = PolicyRuntime(policy, model) if with_policy else None
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        grads = []
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16), rt.step() if rt else contextlib.nullcontext():
+                loss_fn(model, batch).backward()
+            grads += [p.grad.clone() for p in model.parameters()]
+            opt.step()
+        if rt is not None:
+            assert rt.stats.recomputed_ops > 0
+        return grads
+
+    plain, ours = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True))
