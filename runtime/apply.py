@@ -134,6 +134,13 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         and splits it for good, so a later step's large tensor (GPT-2's logits) needs a segment more.
     R16. A model that checkpoints its own layers (Hugging Face's ``gradient_checkpointing``) is refused at its
         first step under a policy that hooks or has regions: the model's recompute would re-run them.
+    R17. Autocast around forward and backward (``loss.backward()`` inside it). Its cache of the parameters'
+        casts would hold them through backward, where the trace's autocast (runtime.precision: around the
+        forward, as PyTorch's recipes put it) let go of it after the forward: a swapped or recomputed cast
+        freed nothing, and a recomputed one was still alive at its unpack, so the step that learnt never
+        replayed it and later steps did not record where it is made (R11: they kept and learnt again every
+        other step). At the step's first unpack the runtime clears the cache: the casts live as saved tensors
+        only, as traced, and a later use casts again (the same bits).
 """
 
 from __future__ import annotations
@@ -1068,7 +1075,10 @@ class PolicyRuntime:
 
     # -- unpack --------------------------------------------------------------------------------------------
     def _unpack(self, p: Any) -> torch.Tensor:
-        self._unpacked = True
+        if not self._unpacked:
+            self._unpacked = True
+            if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled(self.device.type):
+                torch.clear_autocast_cache()  # R17: backward inside autocast; its casts live as saved tensors
         if isinstance(p, torch.Tensor):
             return p
         rec = self._recorder
