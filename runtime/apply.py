@@ -62,7 +62,8 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         once every replayed storage has had its last unpack (R9): no replay can need them after that,
         and one that did would fail loudly. A random op whose arguments make its draws irrelevant (dropout
         at p=0, the CPU's attention at ``dropout_p`` 0) keeps no state and is replayed with the random state
-        forked, so a second backward (``retain_graph=True``) replays it too. The simulator counts none of them (at most a few per block).
+        forked, so a second backward (``retain_graph=True``) replays it too. The simulator counts none of
+        the states (at most a few per block).
     R7. Compress (Rule 8): at the first pack, a cast to the policy's dtype; at the first unpack, a cast
         back. Lossy, allowed only by the policy's ``lossy`` option.
     R8. Compress and swap apply to what the simulator says they do: compress only to floating-point
@@ -141,6 +142,13 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         replayed it and later steps did not record where it is made (R11: they kept and learnt again every
         other step). At the step's first unpack the runtime clears the cache: the casts live as saved tensors
         only, as traced, and a later use casts again (the same bits).
+    R18. What a step installs on the model's modules (forward hooks, the forwards of regions and partitions:
+        runtime/step_only.py) is the step's alone: a copy made inside the step (``copy.deepcopy``, an EMA
+        model made at the first step) gets none of it, and pickling the model there is refused with the way
+        out. A deep copy had kept them, bound to the original: it computed with the original's weights.
+    R19. Entered again inside its own step (a ``train_step`` helper that applies the policy, called inside a
+        loop that applies it too), a runtime does nothing more: the outer step is the step. Another policy's
+        runtime on the same model inside a step is refused.
 """
 
 from __future__ import annotations
@@ -171,6 +179,7 @@ from runtime.regions import Learning, parameter_places
 from runtime.regions import run as run_region
 from runtime.replay import Frame, Recorder, Replayer, view_of
 from runtime.shared_grads import SharedGradients
+from runtime.step_only import StepHook, step_forward
 from runtime.target import allocate_library_workspaces
 from runtime.vocab import compressible
 
@@ -386,6 +395,24 @@ class PolicyRuntime:
     def step(self, force_hooks: bool = False) -> Iterator[RuntimeStats]:
         """One forward and its backward under the policy. ``force_hooks`` observes every pack from the
         second step on, keep included (to measure the hooks' cost)."""
+        active = _active.get(self.model)
+        if active is self:  # R19: entered again inside its own step
+            yield self.stats
+            return
+        if active is not None:
+            raise AutotuneError(
+                f"another policy ({active.policy.provenance.searcher}, for {active.policy.model}) is already applied "
+                "to this model in this step: apply one policy per step"
+            )
+        _active[self.model] = self
+        try:
+            with self._step(force_hooks) as stats:
+                yield stats
+        finally:
+            del _active[self.model]
+
+    @contextlib.contextmanager
+    def _step(self, force_hooks: bool) -> Iterator[RuntimeStats]:
         self.stats = RuntimeStats()
         allocate_library_workspaces(self.device)  # R15
         with self._precision_checked(), partitioned(self.model, self.policy.partitions), self.shared.installed():
@@ -476,7 +503,7 @@ class PolicyRuntime:
                 other = self._learnt(inputs, force)
                 mode.enter_context(self._steady(other, started=True) if other else self._learning(force, True))
 
-        hook = self.model.register_forward_pre_hook(first_call, with_kwargs=True, prepend=True)
+        hook = self.model.register_forward_pre_hook(StepHook(first_call), with_kwargs=True, prepend=True)
         try:
             with mode:
                 mode.enter_context(self._steady(steady) if steady is not None else self._learning(force))
@@ -552,8 +579,9 @@ class PolicyRuntime:
         self._region_calls.clear()
         installed: list[tuple[torch.nn.Module, Any]] = []
         for mod, wrapper in self._wrappers:
-            installed.append((mod, mod.__dict__.get("forward")))  # an instance attribute already there stays
-            mod.__dict__["forward"] = wrapper
+            own = mod.__dict__.get("forward")  # an instance attribute already there stays
+            installed.append((mod, own))
+            mod.__dict__["forward"] = step_forward(wrapper, mod, own)  # R18
         try:
             yield
         finally:
@@ -689,7 +717,7 @@ class PolicyRuntime:
                 stack.enter_context(keyer.attached(global_hooks=True))
                 if started:
                     keyer.enter_root()
-                stack.callback(self.model.register_forward_hook(root_done, always_call=True).remove)
+                stack.callback(self.model.register_forward_hook(StepHook(root_done), always_call=True).remove)
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack_first, self._unpack))
                 if rec is not None:
                     stack.enter_context(rec)
@@ -892,15 +920,15 @@ class PolicyRuntime:
             for path in learned.modules:
                 pre, post = make_hooks(path)
                 mod = self._module(path)
-                handles.append(mod.register_forward_pre_hook(pre))
-                handles.append(mod.register_forward_hook(post, always_call=True))
+                handles.append(mod.register_forward_pre_hook(StepHook(pre)))
+                handles.append(mod.register_forward_hook(StepHook(post), always_call=True))
                 if started and path == ROOT:  # its pre-hooks ran before this one was registered; its post will run
                     pre(self.model, ())
             if (_BEFORE in learned.tables or _BEFORE in learned.record) and not started:
                 outside.append(enter(_BEFORE))
-                handles.append(self.model.register_forward_pre_hook(root_starts))
+                handles.append(self.model.register_forward_pre_hook(StepHook(root_starts)))
             if _LOSS in learned.tables or _LOSS in learned.record:
-                handles.append(self.model.register_forward_hook(root_done, always_call=True))
+                handles.append(self.model.register_forward_hook(StepHook(root_done), always_call=True))
             yield
         finally:
             live = False
@@ -1215,6 +1243,10 @@ def _without_autocast(device: torch.device) -> Iterator[None]:
             if torch.is_autocast_enabled(kind):
                 stack.enter_context(torch.autocast(kind, enabled=False))
         yield
+
+
+# R19: the runtime in a step, per model (weakly: a step's model is alive while its step is).
+_active: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 @functools.cache

@@ -47,6 +47,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from runtime.errors import AutotuneError
+from runtime.step_only import step_forward
 
 
 @dataclass(frozen=True)
@@ -187,8 +188,9 @@ def partitioned(model: torch.nn.Module, partitions: Sequence[Partition]) -> Iter
     try:
         for p in partitions:
             mod = model.get_submodule(p.module)
-            installed.append((mod, mod.__dict__.get("forward")))
-            mod.__dict__["forward"] = _sliced_forward(mod.forward, p.module, p.chunks)
+            own = mod.__dict__.get("forward")
+            installed.append((mod, own))
+            mod.__dict__["forward"] = step_forward(_sliced_forward(mod.forward, p.module, p.chunks), mod, own)
         yield
     finally:
         for mod, own in reversed(installed):

@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from runtime.step_only import StepHook
+
 _WALK = 64  # nodes at most per module call (S1)
 
 # In-place sums the trace records: (the tensor written, the sum PyTorch made instead); S4.
@@ -190,8 +192,8 @@ class SharedGradients:
                 if first is not None and torch.is_grad_enabled() and torch._C._current_autograd_node() is None:
                     self._find(out, first, params)
 
-            handles.append(mod.register_forward_pre_hook(pre))
-            handles.append(mod.register_forward_hook(post))
+            handles.append(mod.register_forward_pre_hook(StepHook(pre)))
+            handles.append(mod.register_forward_hook(StepHook(post)))
         self._sums = {}
         try:
             yield

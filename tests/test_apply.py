@@ -19,6 +19,7 @@ from runtime.hardware import get_profile
 from runtime.measure import run_iterations
 from runtime.policy import Action, Policy, PolicyOptions, load_policy
 from runtime.precision import TrainStep
+from runtime.step_only import _left_behind
 from runtime.trace import capture, make_optimizer
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP
 from runtime.workload import Workload
@@ -529,6 +530,76 @@ def test_a_model_that_ran_under_a_policy_saves_and_copies_without_its_runtime() 
             loss_fn(m, batch).backward()
         loss_fn(model, batch).backward()  # plain, outside the policy
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), model.parameters(), strict=True))
+
+
+def test_a_copy_made_inside_a_step_is_the_models_own_and_pickling_there_is_refused() -> None:
+    """R18: an EMA model made inside the step (``copy.deepcopy``) kept the step's forward hooks and regions'
+    forwards, bound to the original model: it computed with the original's weights, and its own steps were
+    refused (a QA run). Now the copy is as a copy made outside: its output is its own weights', and it trains
+    under the policy with gradients as plain. ``torch.save(model)`` inside the step is one clear error."""
+    import copy
+    import io
+
+    name, kwargs = RESNET
+    w = capture(_build(name, kwargs), name=name, batch_size=2)
+    policy = Policy.from_vector(w, _policies(w)["mixed-1"], hardware="cpu")
+    model, batch, loss_fn = _build(name, kwargs)()
+    for _ in range(2):  # the first step learns (module hooks of its own), the second applies (R11)
+        model.zero_grad(set_to_none=True)
+        with policy.applied(model):
+            loss = loss_fn(model, batch)
+            assert any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # the step's
+            twin = copy.deepcopy(model)
+            with pytest.raises(AutotuneError, match="save it after the step"):
+                torch.save(model, io.BytesIO())
+            loss.backward()
+        for m in twin.modules():  # what the step installed is left as its own forward and hooks that do nothing
+            own = m.__dict__.get("forward")
+            assert own is None or (own.__self__ is m and own.__func__ is type(m).forward)
+            assert all(h is _left_behind for h in [*m._forward_hooks.values(), *m._forward_pre_hooks.values()])
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.mul_(0.5)  # the copy's weights alone change: its output follows them, the model's does not
+        reference = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in reference.parameters():
+                p.mul_(0.5)
+        twin.eval(), reference.eval()
+        assert torch.equal(twin(batch[0]), reference(batch[0]))
+        twin.train(), reference.train()
+        for m in (twin, reference):
+            m.zero_grad(set_to_none=True)
+        with policy.applied(twin):
+            loss_fn(twin, batch).backward()
+        loss_fn(reference, batch).backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(twin.parameters(), reference.parameters(), strict=True))
+
+
+def test_a_policy_applied_again_inside_its_step_is_the_same_step() -> None:
+    """R19: a ``train_step`` helper that applies the policy, called inside a loop that applies it too: the
+    inner ``applied`` was a second step inside the first, and backward failed ("no recorded producer", an
+    internal error). Now the outer step is the step: gradients as plain, over steps. Another policy inside
+    a step is refused."""
+    name, kwargs = RESNET
+    w = capture(_build(name, kwargs), name=name, batch_size=2)
+    policy = Policy.from_vector(w, uniform_actions(w, Action.RECOMPUTE), hardware="cpu")
+    other = Policy.from_vector(w, uniform_actions(w, Action.SWAP), hardware="cpu")
+    plain = train_steps(_build(name, kwargs), None, steps=3)
+    model, batch, loss_fn = _build(name, kwargs)()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    got = []
+    for _ in range(3):
+        opt.zero_grad()
+        with policy.applied(model) as outer, policy.applied(model) as inner:
+            loss_fn(model, batch).backward()
+        assert inner is outer and outer.recomputed_ops + outer.regions > 0
+        got.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        opt.step()
+    assert same_bits(plain, got)
+    with policy.applied(model), pytest.raises(AutotuneError, match="another policy"), other.applied(model):
+        pass
+    with other.applied(model):  # the refusal left nothing behind
+        loss_fn(model, batch).backward()
 
 
 def test_a_validation_pass_of_another_shape_does_not_make_the_next_step_learn() -> None:
