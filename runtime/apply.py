@@ -1278,6 +1278,13 @@ def check_model(policy: Policy, model: torch.nn.Module) -> None:
     if want is None:
         return
     got = parameter_fingerprint(model)
+    inner = getattr(model, "module", None)  # DistributedDataParallel, DataParallel
+    if got != want and isinstance(inner, torch.nn.Module) and parameter_fingerprint(inner) == want:
+        raise AutotuneError(
+            f"policy for {policy.model} applied to a wrapper of that model ({type(model).__name__}), whose parameter "
+            "names have its prefix: apply it to the model the wrapper holds, policy.applied(wrapper.module), inside "
+            "the wrapper's forward and backward"
+        )
     if got != want:
         raise AutotuneError(
             f"policy for {policy.model} (parameters {want}) applied to a model with other parameters ({got}): its "

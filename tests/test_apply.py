@@ -575,6 +575,21 @@ def test_a_copy_made_inside_a_step_is_the_models_own_and_pickling_there_is_refus
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(twin.parameters(), reference.parameters(), strict=True))
 
 
+def test_a_policy_applied_to_a_wrapper_of_its_model_names_the_wrapped_model() -> None:
+    """R12: a policy applied to ``DistributedDataParallel(model)`` (or ``DataParallel``) met parameter names with
+    the wrapper's ``module.`` prefix, and the refusal said to search a policy for this model; it now says to
+    apply it to ``wrapper.module``, where it runs."""
+    name, kwargs = RESNET
+    w = capture(_build(name, kwargs), name=name, batch_size=2)
+    policy = Policy.from_vector(w, uniform_actions(w, Action.RECOMPUTE), hardware="cpu")
+    model, batch, loss_fn = _build(name, kwargs)()
+    wrapper = torch.nn.DataParallel(model)
+    with pytest.raises(AutotuneError, match=r"policy.applied\(wrapper.module\)"), policy.applied(wrapper):
+        pass
+    with policy.applied(wrapper.module):
+        loss_fn(wrapper, batch).backward()
+
+
 def test_a_policy_applied_again_inside_its_step_is_the_same_step() -> None:
     """R19: a ``train_step`` helper that applies the policy, called inside a loop that applies it too: the
     inner ``applied`` was a second step inside the first, and backward failed ("no recorded producer", an
