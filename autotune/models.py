@@ -374,8 +374,11 @@ def _build_custom(
         elif params["batch_size"].default is inspect.Parameter.empty:
             kwargs["batch_size"] = batch_size = _CUSTOM_BATCH_SIZE
 
+    # A factory that builds a torchvision RegNet (its module imported torchvision's) gets the built-in names' fix.
+    regnet = "torchvision.models.regnet" in sys.modules
     try:
-        result = factory(**kwargs)
+        with _regnet_widths_on_cpu() if regnet else contextlib.nullcontext():
+            result = factory(**kwargs)
     except Exception as exc:
         raise AutotuneError(
             f"the factory {path} raised {type(exc).__name__}: {_one_line(exc)} "
@@ -555,7 +558,8 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
 #    FakeTensor cannot answer. A FakeTensor has no values to sample, so it is returned as is, exactly as
 #    torch already does for meta tensors. (ViT, Swin, ConvNeXt, MaxViT, GoogLeNet, Inception v3.)
 # 3. RegNet computes its stage widths with tensors and `.tolist()`: that arithmetic on constants runs with
-#    the fake mode suspended, on the CPU.
+#    the fake mode suspended, on the CPU (also in a factory that builds one, once torchvision's RegNet module
+#    is loaded when the factory is called).
 # Both patches are in place only while a fake mode is active and only for the duration of the build (they
 # are process-wide meanwhile: do not build models from several threads at once).
 # 4. A module is never converted (`Module.to`) under the mode: torch 2.14 cannot swap FakeTensor parameters
@@ -577,16 +581,28 @@ def _fake_mode_fixes(family: str) -> Iterator[None]:
         torch.nn.init.trunc_normal_ = trunc_normal_  # type: ignore[assignment]
         restore.callback(setattr, torch.nn.init, "trunc_normal_", original_trunc_normal)
         if family == "torchvision":
-            block_params = _import("torchvision.models.regnet").BlockParams
-            original = block_params.__dict__["from_init_params"]  # the classmethod object itself
-
-            def from_init_params(cls: type, *args: Any, **kwargs: Any) -> Any:
-                with unset_fake_temporarily(), torch.device("cpu"):
-                    return original.__func__(cls, *args, **kwargs)
-
-            block_params.from_init_params = classmethod(from_init_params)
-            restore.callback(setattr, block_params, "from_init_params", original)
+            restore.enter_context(_regnet_widths_on_cpu())
         yield
+
+
+@contextlib.contextmanager
+def _regnet_widths_on_cpu() -> Iterator[None]:
+    """Rule 3 of the NOTE above: RegNet's stage widths computed with the fake mode suspended."""
+    if detect_fake_mode() is None:
+        yield
+        return
+    block_params = _import("torchvision.models.regnet").BlockParams
+    original = block_params.__dict__["from_init_params"]  # the classmethod object itself
+
+    def from_init_params(cls: type, *args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily(), torch.device("cpu"):
+            return original.__func__(cls, *args, **kwargs)
+
+    block_params.from_init_params = classmethod(from_init_params)
+    try:
+        yield
+    finally:
+        block_params.from_init_params = original
 
 
 def _import(name: str) -> ModuleType:

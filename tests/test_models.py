@@ -315,6 +315,18 @@ def test_factory_under_fake_mode_and_in_bfloat16() -> None:
     assert entry.batch[0].dtype == torch.bfloat16 and entry.batch[1].dtype == torch.int64
 
 
+def test_a_factory_that_builds_a_regnet_gets_its_fake_mode_fix() -> None:
+    """NOTE [ Building under FakeTensorMode ] rule 3 for a factory: a RegNet built in a user's factory failed
+    the fake trace (its widths read tensor values), which the built-in name did not; the way out it named
+    (--gpu cpu) did not help simulate or profile. It builds now, and the patch is gone after the build."""
+    from torchvision.models.regnet import BlockParams
+
+    before = BlockParams.__dict__["from_init_params"]
+    entry, loss = build_fake("tests.fixtures_regnet:make", batch_size=2)
+    assert isinstance(loss, FakeTensor) and loss.dim() == 0 and entry.batch_size == 2
+    assert BlockParams.__dict__["from_init_params"] is before
+
+
 def test_factory_with_a_dict_batch_calls_the_module_with_keywords() -> None:
     entry = build_model(f"{FIXTURES}:make_dict", batch_size=4)
     assert entry.batch_size == 4 and list(entry.batch) == ["x"]
