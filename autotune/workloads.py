@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -81,25 +83,40 @@ def trace_model(req: TraceRequest) -> tuple[Workload, float]:
         return entry.module, entry.batch, entry.loss_fn
 
     start = time.perf_counter()
-    with _fake_failures(req):
-        w = capture(
-            build,
-            name=req.model,
-            batch_size=req.batch_size or 0,  # set from the built model below
-            seq_len=req.seq_len,
-            optimizer=req.optimizer.lower(),
-            fake=req.mode == "fake",
-            device=req.device,
-            precision=req.precision,
-            grad_accum=req.grad_accum,
-            target=req.target if req.mode == "fake" else None,
-            partitions=req.partitions,
-        )
+    try:
+        with _fake_failures(req):
+            w = capture(
+                build,
+                name=req.model,
+                batch_size=req.batch_size or 0,  # set from the built model below
+                seq_len=req.seq_len,
+                optimizer=req.optimizer.lower(),
+                fake=req.mode == "fake",
+                device=req.device,
+                precision=req.precision,
+                grad_accum=req.grad_accum,
+                target=req.target if req.mode == "fake" else None,
+                partitions=req.partitions,
+            )
+    except FakeTraceError as e:
+        if req.target is not None and req.target.is_gpu:
+            raise
+        # A plan for this CPU: a real trace on it is the same plan, with measured op times.
+        warnings.warn(f"autotune: {e.what}: traced for real on this CPU instead", stacklevel=2)
+        return trace_model(dataclasses.replace(req, mode="real", device="cpu"))
     w.seq_len = built.get("seq_len")
     w.batch_size = built["batch_size"] or 0
     w.compute_fingerprints()  # the shape fingerprint hashes the batch size and sequence length set just now
     w.meta["device_profile"] = device_profile(req.device) if req.mode == "real" else None
     return w, time.perf_counter() - start
+
+
+class FakeTraceError(AutotuneError):
+    """A model that a fake trace cannot run (:func:`_fake_failures`); ``what`` says why, in a clause."""
+
+    def __init__(self, message: str, what: str) -> None:
+        super().__init__(message)
+        self.what = what
 
 
 class _MetaFailures(logging.Filter):
@@ -138,22 +155,20 @@ def _fake_failures(req: TraceRequest) -> Iterator[None]:
         yield
     except Exception as e:
         cause = e.__cause__ if isinstance(e, AutotuneError) else e
-        if req.mode == "fake" and meta.ops and not isinstance(cause, fake_errors):
-            what = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
-            raise AutotuneError(
-                f"{req.model} cannot be traced without running it: the fake kernel of its op {meta.ops[-1]} refuses "
-                f"what the real one takes ({type(cause).__name__}: {what}), and the trace that plans for a GPU "
-                "profile runs fake kernels; trace it for real on this machine: --gpu cpu (search, simulate, "
-                "baselines), or profile --mode real"
-            ) from None
-        if req.mode != "fake" or not isinstance(cause, fake_errors):
+        if req.mode != "fake":
             raise
-        what = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
-        raise AutotuneError(
-            f"{req.model} cannot be traced without running it ({type(cause).__name__}: {what}): it reads tensor "
-            "values while it is built or run (.item(), nonzero, shapes that depend on the data), which the fake "
-            "trace that plans for a GPU profile cannot; trace it for real on this machine: --gpu cpu (search, "
-            "simulate, baselines), or profile --mode real"
+        detail = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}"
+        if meta.ops and not isinstance(cause, fake_errors):
+            what = f"the fake kernel of {req.model}'s op {meta.ops[-1]} refuses what the real one takes ({detail})"
+        elif isinstance(cause, fake_errors):
+            what = (f"{req.model} reads tensor values while it is built or run ({detail}: .item(), nonzero, shapes "
+                    "that depend on the data), which a fake trace cannot")  # fmt: skip
+        else:
+            raise
+        raise FakeTraceError(
+            f"{what}; a plan for a GPU profile traces with fake tensors: plan for this machine instead (--gpu cpu "
+            "traces it for real), or profile it with --mode real",
+            what,
         ) from None
     finally:
         logger.removeFilter(meta)

@@ -162,7 +162,7 @@ BAD_INPUTS = [
     (["profile", "--model", "tests.fixtures_models"], "package.module:factory"),
     (["profile", "--model", "tests.fixtures_models:make_raises"], "raised"),
     # .item() in the constructor under the fake trace blamed the factory (a QA run): the way out is a real trace
-    (["profile", "--model", "tests.fixtures_models:make_item_in_init", "--gpu", "a100-40gb"], "traced without running"),
+    (["profile", "--model", "tests.fixtures_models:make_item_in_init", "--gpu", "a100-40gb"], "reads tensor values"),
     # an op whose fake kernel refuses fp32 (Mixtral's experts) was an internal error with a logged traceback
     (["profile", "--model", "tests.fixtures_models:make_grouped_mm", "--gpu", "a100-40gb"], "_grouped_mm.default"),
     (["profile", "--model", "resnet18", "--batch-size", "0"], "batch size"),
@@ -180,6 +180,21 @@ BAD_INPUTS = [
 @pytest.mark.parametrize(("args", "expected"), BAD_INPUTS, ids=[" ".join(a[1:]) for a, _ in BAD_INPUTS])
 def test_bad_inputs(capsys: pytest.CaptureFixture[str], args: list[str], expected: str) -> None:
     assert expected in user_error(capsys, *args)
+
+
+@pytest.mark.parametrize("command", [["simulate", "--action", "recompute"], ["profile"]])
+def test_a_plan_for_this_cpu_traces_for_real_what_a_fake_trace_cannot_run(
+    capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    """A model that reads tensor values while it runs cannot be traced with fake tensors; for a GPU profile
+    that is an error naming the way out (above), but a plan for this CPU (--gpu cpu) said the same, and
+    simulate and profile trace fake there too, so the way out it named did nothing (a QA run). They trace it
+    for real on this CPU instead, with a warning that says so."""
+    code, out, err = run(capsys, *command, "--model", "tests.fixtures_models:make_item_in_init", "--gpu", "cpu",
+                         "--json")  # fmt: skip
+    assert code == 0, err
+    assert "reads tensor values" in err and "traced for real on this CPU instead" in err
+    json.loads(out)
 
 
 def test_bad_workload_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
