@@ -48,10 +48,13 @@ class TrainReport:
     def medians(self) -> dict[str, float]:
         if not self.steps:
             return {}
+        iter_s = statistics.median(s.iter_s for s in self.steps)
+        samples = self.steps[0].samples_per_s * self.steps[0].iter_s  # per iteration
         out = {
             "peak_bytes": statistics.median_low(s.peak_bytes for s in self.steps),  # a measured one, in bytes
-            "iter_s": statistics.median(s.iter_s for s in self.steps),
-            "samples_per_s": statistics.median(s.samples_per_s for s in self.steps),
+            "iter_s": iter_s,
+            # of the median time: the median of each step's samples/s is not the samples a median step makes
+            "samples_per_s": samples / iter_s,
         }
         reserved = [s.reserved_bytes for s in self.steps if s.reserved_bytes is not None]
         if reserved:  # CUDA: the caching allocator's reserved peak
