@@ -207,6 +207,16 @@ def test_trainer_refuses_another_grad_accum(tmp_path: Path) -> None:
     assert "--grad-accum 1" in msg
 
 
+def test_a_policy_for_another_model_is_said_so_before_its_accumulation(tmp_path: Path) -> None:
+    """Given a policy for another model and another accumulation, the callbacks asked to change the
+    accumulation first, which only led to the real refusal (a QA run): the model is checked first."""
+    policy = _swap_and_recompute(_net_workload())  # another model, planned for 2 micro-batches per step
+    with pytest.raises(AutotuneError, match="other parameters"):
+        _train_hf(tmp_path, policy, ga=1)
+    with pytest.raises(AutotuneError, match="other parameters"):
+        _train_accelerate(policy, ga=1)
+
+
 def test_trainer_callback_closes_what_an_exception_left_open(tmp_path: Path) -> None:
     """A callback sees no exception: a forward that raises leaves the micro-batch's saved-tensor hooks
     installed; ``close()`` takes them and every dispatch mode the runtime entered away."""
@@ -357,7 +367,7 @@ def test_lightning_refuses_another_accumulation() -> None:
 
 # -- accelerate -------------------------------------------------------------------------------------------------
 def _train_accelerate(
-    policy: Policy | None, ga: int = GA, mixed_precision: str = "no"
+    policy: Policy | str | None, ga: int = GA, mixed_precision: str = "no"
 ) -> tuple[list[torch.Tensor], list[RuntimeStats]]:
     from accelerate import Accelerator
 
@@ -398,6 +408,19 @@ def test_accelerate_keeps_parameters_bit_identical(precision: str) -> None:
         _train_accelerate(policy, ga=1)
     got, _ = _train_accelerate(_lossy(w))
     assert not _same(got, ref)
+
+
+def test_accelerate_takes_a_policy_files_path(tmp_path: Path) -> None:
+    """The callbacks and PolicySteps take a policy file's path; accelerate's ``applied`` raised AttributeError
+    on one ('str' object has no attribute 'applied': a QA run)."""
+    w = _gpt2_workload(lambda m, b: m(**b).loss)
+    policy = _swap_and_recompute(w)
+    path = tmp_path / "gpt2.policy.json"
+    policy.save(path)
+    ref, _ = _train_accelerate(None)
+    got, done = _train_accelerate(str(path))
+    assert _same(got, ref)
+    _did_it(policy, done)
 
 
 # -- install hints ----------------------------------------------------------------------------------------------

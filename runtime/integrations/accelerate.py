@@ -22,12 +22,13 @@ runtime's hooks only act on autograd's saved tensors, which an optimizer step do
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from runtime.apply import RuntimeStats
+from runtime.apply import RuntimeStats, check_model
 from runtime.integrations._steps import PolicySteps, require
 from runtime.policy import Policy
 
@@ -38,15 +39,24 @@ __all__ = ["applied"]
 
 @contextlib.contextmanager
 def applied(
-    accelerator: Any, model: torch.nn.Module, policy: Policy, *, module: str | None = None, strict: bool = True
+    accelerator: Any,
+    model: torch.nn.Module,
+    policy: Policy | str | os.PathLike[str],
+    *,
+    module: str | None = None,
+    strict: bool = True,
 ) -> Iterator[RuntimeStats]:
     """``with applied(accelerator, model, policy):`` one micro-batch's forward and backward under ``policy``.
 
-    ``model`` may be what ``accelerator.prepare`` returned; ``module`` names the submodule the policy was made
+    ``model`` may be what ``accelerator.prepare`` returned; ``policy`` a Policy or a policy file's path (loaded at
+    each call: load it once outside the loop where that matters); ``module`` names the submodule the policy was made
     for (dotted, of the unwrapped model), None for the whole model. Raises AutotuneError when
     ``accelerator.gradient_accumulation_steps`` differs from the policy's ``grad_accum``.
     """
-    steps = PolicySteps(policy, module=module, strict=strict)
+    steps = PolicySteps(policy, module=module, strict=strict)  # a path loads here
+    target = steps.target(accelerator.unwrap_model(model))
+    if strict:  # another model first: its accumulation is not the point (runtime R12)
+        check_model(steps.policy, target)
     steps.check_grad_accum(accelerator.gradient_accumulation_steps, "Accelerator(gradient_accumulation_steps)")
-    with policy.applied(steps.target(accelerator.unwrap_model(model)), strict=strict) as stats:
+    with steps.policy.applied(target, strict=strict) as stats:
         yield stats

@@ -76,8 +76,8 @@ class PolicyCallback(TrainerCallback):  # type: ignore[misc]
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self.steps.close()  # what an earlier train() that raised left open
+        self.steps.bind(kwargs["model"])  # another model first (R12): its accumulation is not the point
         self.steps.check_grad_accum(args.gradient_accumulation_steps, "TrainingArguments.gradient_accumulation_steps")
-        self.steps.bind(kwargs["model"])
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

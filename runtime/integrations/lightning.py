@@ -58,8 +58,8 @@ class PolicyCallback(pl.Callback):  # type: ignore[misc]
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps.close()
+        self.steps.bind(pl_module)  # another model first (R12): its accumulation is not the point
         self.steps.check_grad_accum(trainer.accumulate_grad_batches, "Trainer(accumulate_grad_batches)")
-        self.steps.bind(pl_module)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
