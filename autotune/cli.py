@@ -1062,10 +1062,12 @@ def sweep(
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         for cell in outcome.cells:
-            policy = sw.best_policy(cell, outcome.workload_of(cell)[1], outcome.profiles[cell.profile])
+            w = outcome.workload_of(cell)[1]
+            policy = sw.best_policy(cell, w, outcome.profiles[cell.profile])
             if policy is not None:
                 given = cell.budget_bytes + cell.reserve_bytes
-                path = out_dir / f"{file_stem(cell.model)}.{cell.profile}.{given}.policy.json"
+                # Everything that makes another problem is in the name, as in the cell's study's.
+                path = out_dir / f"{file_stem(cell.model)}.{sw.problem_tag(w)}.{cell.profile}.{given}.policy.json"
                 policy.save(path)
                 written.append(str(path))
     if report is not None:

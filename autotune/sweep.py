@@ -57,13 +57,19 @@ def cell_study_name(w: Workload, hw: HardwareProfile, budget_bytes: int) -> str:
     """One study per workload, profile and planned budget: everything that makes another problem is in the
     name (a sweep again with another --optimizer or --seq-len on the same storage resumed the first one's
     studies and answered with their policies)."""
+    return f"sweep.{w.model}.{problem_tag(w)}.{hw.name}.{budget_bytes}"
+
+
+def problem_tag(w: Workload) -> str:
+    """What tells one traced problem of a model from another: batch size, then sequence length, precision,
+    optimizer, accumulation and partitions where not the defaults (``b8.s1024.bf16.adamw``)."""
     seq = f".s{w.seq_len}" if w.seq_len is not None else ""
     precision = f".{w.precision}" if w.precision != "fp32" else ""
     optimizer = f".{w.optimizer}" if w.optimizer != "sgd" else ""
     accum = f".ga{w.grad_accum}" if w.grad_accum > 1 else ""
     # A partitioned trace's candidates are the slices' tensors: a study of its own (--allow-partition).
     sliced = "".join(f".{p['module']}x{p['chunks']}" for p in w.meta.get("partitions", ()))
-    return f"sweep.{w.model}.b{w.batch_size}{seq}{precision}{optimizer}{accum}{sliced}.{hw.name}.{budget_bytes}"
+    return f"b{w.batch_size}{seq}{precision}{optimizer}{accum}{sliced}"
 
 
 @dataclass
