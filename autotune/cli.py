@@ -1031,11 +1031,16 @@ def sweep(
                 traced[(i, trace_key(hw))] = _trace(dataclasses.replace(req, target=hw))[0]
     workloads = {hw.name: [traced[(i, trace_key(hw))] for i in range(len(reqs))] for hw in profiles}
 
-    def partition(i: int, w: Workload, hw: Any, budget_bytes: int) -> Workload:
-        """--allow-partition: NOTE [ Choosing a partition ] per cell, on fake traces for the cell's profile."""
+    def partition(i: int, w: Workload, hw: Any, budget_bytes: int) -> list[Workload]:
+        """--allow-partition: NOTE [ Choosing a partition ] per cell, on fake traces for the cell's profile: the
+        workloads to search, as search's (the chosen partition's, then the model's where the budget is above its
+        floor too)."""
         from autotune.partitions import choose, retracer
 
-        return choose(w, hw, budget_bytes, retracer(dataclasses.replace(reqs[i], target=hw))).workload
+        choice = choose(w, hw, budget_bytes, retracer(dataclasses.replace(reqs[i], target=hw)))
+        if choice.partitions and budget_bytes >= choice.floor_bytes:
+            return [choice.workload, w]
+        return [choice.workload]
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=as_json) as bar:

@@ -303,12 +303,16 @@ def test_measured_search_trains_the_chosen_partition(capsys: pytest.CaptureFixtu
 @pytest.mark.slow
 def test_sweep_partitions_the_cells_below_the_floor(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """sweep --allow-partition: the cell below the unpartitioned floor gets slices and a study of its own, its
-    no-policy row the unpartitioned model's; the cell above it is searched as before; the partitioned cell's
-    policy file partitions with consent, and the report draws both."""
+    no-policy row the unpartitioned model's; the cell above it is searched as before; one just above the floor,
+    where C1 chooses slices, is searched with and without them, each in a study of its own, and answers the
+    faster, as search does (the sweep searched the slices alone: slower than search's answer without them, a
+    QA run); the partitioned cell's policy file partitions with consent, and the report draws both."""
     code, out, err = run(capsys, "profile", "--model", CNN, "--gpu", "cpu", "--json")
     assert code == 0, err
-    peak = json.loads(out)["peak_bytes"]
+    peak, floor = json.loads(out)["peak_bytes"], json.loads(out)["floor"]["bytes"]
     low, high = int(peak * 0.5), int(peak * 0.95)
+    near = int(floor * 1.05)
+    assert low < floor < near < high
     store, folder, report = f"sqlite:///{tmp_path / 's.db'}", tmp_path / "sweep", tmp_path / "r.html"
     args = ["sweep", "--models", CNN, "--gpu", "cpu", "--budgets", f"{low},{high}", "--methods", "baselines,optuna",
             "--trials", "4", "--timeout", "5", "--storage", store, "--out-dir", str(folder), "--json"]  # fmt: skip
@@ -320,6 +324,15 @@ def test_sweep_partitions_the_cells_below_the_floor(capsys: pytest.CaptureFixtur
     assert code == 0, err
     below, above2 = json.loads(out)["cells"]
     assert below["partitions"] and below["partitions"][0]["module"].startswith("blocks")
+    code, out, err = run(capsys, *args[:6], str(near), *args[7:], "--allow-partition")
+    assert code == 0, err
+    (just_above,) = json.loads(out)["cells"]
+    import optuna
+
+    names = [n for n in optuna.get_all_study_names(store) if n.endswith(f".{near}")]
+    assert len(names) == 2 and f"sweep.{CNN}.b8.cpu.{near}" in names
+    best = [optuna.load_study(study_name=n, storage=store).user_attrs.get("best") for n in names]
+    assert just_above["samples_per_s"] == max(b["samples_per_s"] for b in best if b is not None)
     assert not below["below_floor"] and below["samples_per_s"] and below["peak_bytes"] <= low
     assert below["study"] != f"sweep.{CNN}.b8.cpu.{low}" and below["no_policy_peak_bytes"] == peak
     assert not above2["partitions"] and above2["study"] == above["study"]  # resumed, as before
