@@ -1205,6 +1205,21 @@ def _one_line_warning(message: Warning | str, category: type[Warning], *_: Any, 
     err.print(f"[yellow]{label}:[/] {escape(text)}", highlight=False, soft_wrap=True, emoji=False)
 
 
+def _usage_error(e: Any, args: list[str]) -> str:
+    """click's usage error in one line: the value given where it names an option, and where to look."""
+    message = e.format_message().rstrip(".")
+    opts = getattr(getattr(e, "param", None), "opts", None) or []
+    given = None
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name in opts:
+            given = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    if given is not None:
+        message = f"{message} (given: {given!r})"
+    ctx = getattr(e, "ctx", None)
+    return f"{message}; see {ctx.command_path if ctx is not None else 'autotune'} --help"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: ``--debug`` anywhere shows tracebacks; user errors exit with code 2."""
     global _DEBUG
@@ -1237,6 +1252,10 @@ def main(argv: list[str] | None = None) -> None:
         if (from_interrupt(e) or sigint_arrived()) and not _DEBUG:  # a Ctrl-C that a library turned into another error
             err.print("interrupted")
             raise SystemExit(130) from None
+        if _is_click(e, "UsageError"):  # a value of the wrong type, an unknown option: one line, as ours
+            if e.format_message():  # type: ignore[attr-defined]  # (none: the help was shown, no command given)
+                err.print(f"[bold red]error:[/] {escape(_usage_error(e, args))}", highlight=False, soft_wrap=True)
+            raise SystemExit(e.exit_code) from None  # type: ignore[attr-defined]
         if _is_click(e, "ClickException"):
             e.show()  # type: ignore[attr-defined]
             raise SystemExit(e.exit_code) from None  # type: ignore[attr-defined]
