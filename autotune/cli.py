@@ -1125,6 +1125,11 @@ def dashboard(
         raise AutotuneError(f"invalid --port {port}: expected 1 to 65535, e.g. --port 8080")
     from agents.optuna_search import check_storage
 
+    if storage in ("sqlite://", "sqlite:///:memory:"):  # the server's connection would be a database of its own
+        raise AutotuneError(
+            f"--storage {storage}: an in-memory database holds nothing between processes; give the storage "
+            "`autotune search` or `autotune sweep` wrote (by default sqlite:///autotune.db in the folder they ran in)"
+        )
     if storage.startswith("sqlite:///") and not Path(storage.removeprefix("sqlite:///")).is_file():
         raise AutotuneError(
             f"--storage {storage}: no such file; give the storage `autotune search` or `autotune sweep` wrote "

@@ -478,6 +478,8 @@ def test_outputs_where_nothing_can_be_made_are_refused_before_any_work(
     assert "--out-dir" in line and "is a file" in line
     assert "cannot open it" in user_error(capsys, "dashboard", "--storage", "bogus://")
     assert "no such file" in user_error(capsys, "dashboard", "--storage", f"sqlite:///{tmp_path / 'none.db'}")
+    # an in-memory database passed the checks and failed inside the server (a QA run)
+    assert "in-memory database" in user_error(capsys, "dashboard", "--storage", "sqlite://")
     assert not (tmp_path / "none.db").exists()
 
 
