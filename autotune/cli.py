@@ -96,7 +96,14 @@ ReserveOpt = Annotated[
 
 @app.command()
 def profile(
-    model: ModelOpt,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Model name (see `autotune models`) or package.module:factory \\[required unless --workload].",
+        ),
+    ] = None,
     batch_size: BatchOpt = None,
     seq_len: SeqOpt = None,
     gpu: GpuOpt = None,
@@ -126,6 +133,9 @@ def profile(
     if top < 0:
         raise AutotuneError(f"invalid --top {top}: expected 0 or more candidates to list, e.g. --top 10")
     if workload is None:
+        if model is None:
+            raise AutotuneError("--model is required: a model name (see `autotune models`) or package.module:factory, "
+                                "or --workload FILE to read a saved trace")  # fmt: skip
         _early_checks(model, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, precision=precision,
                       grad_accum=grad_accum)  # fmt: skip
     budget_bytes = parse_size(budget) if budget is not None else None
@@ -134,7 +144,10 @@ def profile(
     hw, hw_note = resolve_profile(gpu)
     if workload is not None:
         w, trace_s = Workload.load(workload), 0.0
+        _check_workload_matches(w, workload, model=model, batch_size=batch_size, seq_len=seq_len,
+                                optimizer=optimizer, precision=precision, grad_accum=grad_accum)  # fmt: skip
     else:
+        assert model is not None
         req = TraceRequest(
             model=model,
             batch_size=batch_size,
@@ -218,6 +231,22 @@ def _early_checks(
             raise AutotuneError(
                 f"--seq-len {seq_len} given for image model {model!r}: it only applies to language models "
                 "(gpt2*, bert-base) and factories; leave it unset"
+            )
+
+
+def _check_workload_matches(w: Any, path: Path, **given: Any) -> None:
+    """profile --workload: the trace settings given beside it (those not left at their defaults) are the saved
+    trace's, else refused: they were ignored, and the report was another model's or batch's than asked."""
+    defaults = {"optimizer": "sgd", "precision": "fp32", "grad_accum": 1}
+    for name, value in given.items():
+        if value is None or value == defaults.get(name):
+            continue
+        has = getattr(w, name)
+        if (value.lower() if isinstance(value, str) else value) != (has.lower() if isinstance(has, str) else has):
+            flag = "--" + name.replace("_", "-")
+            raise AutotuneError(
+                f"{flag} {value} with --workload {path}, a trace of {w.model} at batch {w.batch_size} with {name} "
+                f"{has}: drop {flag} (the trace says it), or trace again without --workload"
             )
 
 
