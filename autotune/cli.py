@@ -350,17 +350,18 @@ def simulate(
     ] = None,
     budget: Annotated[str | None, typer.Option(help="Memory budget, e.g. 6GB, 6GiB, 6000MB.")] = None,
     lookahead: Annotated[
-        int, typer.Option(help="Prefetch look-ahead for swaps (unpack points; 0 = on demand), with --action.")
-    ] = 2,
-    lossy: Annotated[bool, typer.Option(help="Allow compression (lossy), with --action compress.")] = False,
+        int | None,
+        typer.Option(help="Prefetch look-ahead for swaps (unpack points; 0 = on demand), with --action \\[2]."),
+    ] = None,
+    lossy: Annotated[bool | None, typer.Option(help="Allow compression (lossy), with --action compress.")] = None,
     region_nodes: Annotated[
-        bool,
+        bool | None,
         typer.Option(
             "--region-nodes/--checkpoint-regions",
             help="With --action: recomputed blocks run as one autograd node each (no Python per saved tensor), "
-            "or under torch.utils.checkpoint (less memory in their backward).",
+            "or under torch.utils.checkpoint (less memory in their backward) \\[region nodes].",
         ),
-    ] = True,
+    ] = None,
     optimizer: Annotated[
         str | None, typer.Option(help="sgd, adam or adamw \\[default: the policy file's, or sgd].")
     ] = None,

@@ -33,10 +33,10 @@ def run_simulate(
     policy_file: Path | None,
     action: str | None,
     budget: str | None,
-    lookahead: int,
-    lossy: bool,
+    lookahead: int | None,
+    lossy: bool | None,
     optimizer: str | None,
-    region_nodes: bool = True,
+    region_nodes: bool | None = None,
     precision: str | None,
     grad_accum: int | None,
     timeline: Path | None,
@@ -47,6 +47,21 @@ def run_simulate(
     if (policy_file is None) == (action is None):
         raise AutotuneError("give either --policy FILE or --action keep|swap|recompute|compress (exactly one)")
     act = _parse_action(action) if action is not None else None
+    # The options of a uniform action: a policy file holds its own (they were ignored beside it).
+    given_options = {"--lookahead": lookahead, "--lossy": lossy, "--region-nodes/--checkpoint-regions": region_nodes}
+    if policy_file is not None and any(v is not None for v in given_options.values()):
+        flag = next(f for f, v in given_options.items() if v is not None)
+        raise AutotuneError(
+            f'{flag} applies with --action; the policy file {policy_file} has its own options (its "options" '
+            f"field): drop {flag}, or edit the file"
+        )
+    if lookahead is not None and lookahead < 0:
+        raise AutotuneError(
+            f"invalid --lookahead {lookahead}: expected 0 (copy back on demand) or more unpack points to prefetch "
+            "ahead, e.g. --lookahead 2"
+        )
+    lookahead = 2 if lookahead is None else lookahead
+    lossy, region_nodes = bool(lossy), True if region_nodes is None else region_nodes
     if act == Action.COMPRESS and not lossy:
         raise AutotuneError("--action compress is lossy (gradients change): add --lossy to allow it")
     loaded: Policy | None = None

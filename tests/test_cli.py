@@ -176,6 +176,8 @@ BAD_INPUTS = [
     (["profile", "--model", "resnet18", "--gpu", "a100"], "a100"),
     (["simulate", "--model", "resnet18", "--action", "swapp"], "swapp"),
     (["simulate", "--model", "resnet18"], "--policy"),
+    # refused after the trace, as "prefetch_lookahead=-2 is negative" (a QA run): now before it, with the way out
+    (["simulate", "--model", "resnet18", "--action", "swap", "--lookahead", "-2"], "invalid --lookahead -2"),
     (["search", "--model", "resnet18", "--budget", "6"], "e.g. 6GB or 6GiB"),  # a unit left out: refused at once
     (["profile", "--model", "gpt2", "--seq-len", "0"], "invalid --seq-len 0"),
     (["search", "--model", "resnet18", "--budget", "1GB", "--reserve", "-1"], "--reserve: invalid size '-1'"),
@@ -671,6 +673,9 @@ def test_simulate_plans_a_saved_policy_as_its_search_did(capsys: pytest.CaptureF
     path = tmp_path / f"resnet18.{over['method']}.policy.json"
     code, out, err = run(capsys, "simulate", "--policy", str(path))
     assert "(planned): exceeds it by" in out and "less the file's 128.00 MiB reserve" in err, (out, err)
+    # A uniform action's options beside a file were ignored, the file's own scored (a QA run): refused.
+    for flag in (["--lookahead", "0"], ["--lossy"], ["--checkpoint-regions"]):
+        assert "applies with --action" in user_error(capsys, "simulate", "--policy", str(path), *flag)
     code, out, err = run(capsys, "simulate", "--policy", str(path), "--budget", "600MB", "--json")
     assert json.loads(out)["feasible"] and json.loads(out)["planned_budget_bytes"] == 600_000_000 - DEFAULT_GPU_RESERVE
 
