@@ -36,15 +36,22 @@ def build_report(
     """The report's HTML. ``trials``: study name -> [{number, samples_per_s, peak_bytes, feasible}]."""
     import plotly.offline
 
+    # Why a figure has nothing to draw: the trials' figures need Optuna's trials, which a sweep without the
+    # optuna method has none of (it said "no fitting policy" where a baseline's fitted).
+    no_fit = "no fitting policy in any cell"
+    no_trial = (
+        no_fit if any(trials.get(c.study_name) for c in cells) else "no Optuna trials: the sweep ran without optuna"
+    )
     figures = [
-        ("Samples/s against the budget", _throughput(cells)),
-        ("Slowdown against memory saved (every trial; line: Pareto front)", _pareto(cells, trials)),
+        ("Samples/s against the budget", _throughput(cells), no_fit),
+        ("Slowdown against memory saved (every trial; line: Pareto front)", _pareto(cells, trials), no_trial),
         (
             "Memory over one iteration: the chosen policy at the tightest budget against no policy",
             _timelines(cells, workload_of, profiles),
+            no_fit,
         ),
-        ("Where each action goes, per layer (tightest budget)", _action_mix(cells, workload_of, profiles)),
-        ("Search history (best fitting samples/s so far, per cell)", _history(cells, trials)),
+        ("Where each action goes, per layer (tightest budget)", _action_mix(cells, workload_of, profiles), no_fit),
+        ("Search history (best fitting samples/s so far, per cell)", _history(cells, trials), no_trial),
     ]
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
@@ -62,10 +69,10 @@ def build_report(
         "<pre id='js-errors' style='color:#b00'></pre>",
         _summary_table(cells),
     ]
-    for i, (heading, fig) in enumerate(figures):
+    for i, (heading, fig, empty) in enumerate(figures):
         parts.append(f"<h2>{html.escape(heading)}</h2>")
         if fig is None:
-            parts.append("<p>nothing to show (no fitting policy in any cell)</p>")
+            parts.append(f"<p>nothing to show ({empty})</p>")
             continue
         parts.append(fig.to_html(full_html=False, include_plotlyjs=False, div_id=f"plot-{i}"))
     parts.append("</body></html>")

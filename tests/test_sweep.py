@@ -190,6 +190,20 @@ def test_each_profile_plans_on_a_trace_taken_for_it(tmp_path: Path) -> None:
     assert report.exists()
 
 
+def test_a_report_without_optuna_says_why_its_trial_figures_are_empty(tmp_path: Path) -> None:
+    """With --methods baselines a cell fits, and the report's trial figures (every trial, search history) said
+    "no fitting policy in any cell" (a QA run): they have no Optuna trials to draw, and say that."""
+    report = tmp_path / "r.html"
+    args = ["sweep", "--models", "resnet18", "--batch-size", "8", "--budgets", "235MB", "--gpu", "a100-40gb",
+            "--methods", "baselines", "--reserve", "0", "--storage", f"sqlite:///{tmp_path / 's.db'}", "--report",
+            str(report), "--json"]  # fmt: skip
+    (cell,) = json.loads(autotune(*args).stdout)["cells"]
+    assert cell["samples_per_s"] is not None
+    text = report.read_text()
+    assert text.count("nothing to show (no Optuna trials: the sweep ran without optuna)") == 2
+    assert "no fitting policy in any cell" not in text
+
+
 def test_budgets_read_as_typed_and_one_below_the_reserve_is_refused(tmp_path: Path) -> None:
     """On a GPU profile the default reserve (128 MiB) is more than a budget of 100 MiB: such a cell planned for
     0 B, and every such budget of a model and profile shared one study (40MB and 80MB: the second cell said it
