@@ -224,4 +224,5 @@ def render_hardware(console: Console, profiles: list[HardwareProfile], found: De
             p.description,
         )
     console.print(table)
+    console.print("cpu: this machine's CPU, measured when a command first plans for it (--gpu cpu)")
     console.print(f"detected: {found.message}")

@@ -46,11 +46,10 @@ def check_methods(value: str) -> list[str]:
     names = [m.strip() for m in value.split(",") if m.strip()]
     unknown = [m for m in names if m not in METHODS]
     if unknown or not names:
-        raise AutotuneError(
-            f"unknown --methods {value!r}: expected a comma-separated list of {', '.join(METHODS)}, "
-            "e.g. --methods baselines,optuna"
-        )
-    return names
+        what = f"unknown method {unknown[0]!r} in --methods {value!r}" if unknown else f"--methods {value!r} names none"
+        raise AutotuneError(f"{what}: expected a comma-separated list of {', '.join(METHODS)}, e.g. --methods "
+                            "baselines,optuna")  # fmt: skip
+    return list(dict.fromkeys(names))  # each once
 
 
 def cell_study_name(w: Workload, hw: HardwareProfile, budget_bytes: int) -> str:

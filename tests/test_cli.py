@@ -111,6 +111,8 @@ def test_hardware_json(capsys: pytest.CaptureFixture[str]) -> None:
     names = {p["name"] for p in d["profiles"]}
     assert {"v100-16gb", "a100-40gb", "a100-80gb", "h100-80gb", "h200", "l4", "t4", "rtx3090", "rtx4090"} <= names
     assert "message" in d["detected"]
+    code, out, _ = run(capsys, "hardware")  # the table names the cpu profile too, which --gpu takes (a QA run)
+    assert code == 0 and "cpu: this machine's CPU" in out
 
 
 def test_simulate_actions_and_policy_roundtrip(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -162,7 +162,7 @@ def test_report_is_self_contained(sweep_run: SweepRun) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--methods", "baselines,magic"], "unknown --methods 'baselines,magic'"),
+        (["--methods", "baselines,magic"], "unknown method 'magic' in --methods 'baselines,magic'"),
         (["--budgets", "lots"], "lots"),
     ],
 )
