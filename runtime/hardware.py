@@ -90,6 +90,11 @@ class HostCosts:
             raise AutotuneError(f"host.source={self.source!r}: expected a string saying where the numbers come from")
 
 
+def _profile_from_fields(fields: dict[str, Any]) -> HardwareProfile:
+    """A pickled :class:`HardwareProfile` made again (``HardwareProfile.__reduce__``)."""
+    return HardwareProfile(**fields)
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     """One device as the simulator sees it. Rates are peaks in SI units (decimal GB/s, not GiB/s).
@@ -190,6 +195,14 @@ class HardwareProfile:
                 f"{where}: alloc_granularity_bytes={self.alloc_granularity_bytes!r}, expected a positive "
                 "whole number of bytes (512 for CUDA's caching allocator, 1 for none)"
             )
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        """Pickled and deep-copied as its fields, the rates a plain dict (a ``mappingproxy`` pickles not):
+        a Problem or environment sent to another process, or ``gym.make``'s copy of its keyword arguments,
+        failed, and the environment lost its spec."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["flops_per_s"] = dict(self.flops_per_s)
+        return (_profile_from_fields, (fields,))
 
     def rate_flops_per_s(self, compute_class: str) -> float:
         """Peak FLOP/s of a compute class, falling back to fp32 where the device lacks the class

@@ -72,6 +72,24 @@ def test_gymnasium_checker_on_a_problem(no_warnings: None, allow_compress: bool)
     check_env(env.unwrapped)  # made through the registry: the render check can make an "ansi" copy
 
 
+def test_an_environment_made_on_a_problem_keeps_its_spec_and_pickles(no_warnings: None) -> None:
+    """README's ``gymnasium.make(ENV_ID, problem=Problem(...))``: gymnasium deep-copies the keyword arguments into
+    the spec, and a hardware profile's rates (a ``mappingproxy``) could not be copied: the environment had no
+    spec (``gymnasium.make(env.spec)`` failed) and a warning printed the whole workload (a QA run). A problem
+    and its environment pickle too (to a worker process)."""
+    import pickle
+
+    hw = get_profile("a100-40gb")
+    problem = Problem(synthetic_workload(blocks=2), hw, budget_bytes=1 << 30)
+    env = gymnasium.make(ENV_ID, problem=problem)
+    assert env.spec is not None
+    again = gymnasium.make(env.spec)
+    assert again.unwrapped.k == env.unwrapped.k
+    assert pickle.loads(pickle.dumps(hw)) == hw
+    assert pickle.loads(pickle.dumps(problem)).hardware == hw
+    pickle.loads(pickle.dumps(env.unwrapped))
+
+
 def test_stable_baselines3_checker(no_warnings: None) -> None:
     from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
