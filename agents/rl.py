@@ -39,7 +39,7 @@ class MaskablePPOSearcher(Searcher):
 
         env = MemoryPolicyEnv(problem, allow_compress=problem.allow_compress)
         if env.baseline.feasible:  # no policy fits: nothing to learn (and nothing is faster)
-            return Proposal(problem.keep_all(), note="no policy fits the budget")
+            return Proposal(problem.keep_all(), note="keeping everything fits the budget")
         k = env.k
         episodes = ctx.trials if ctx.trials else DEFAULT_EPISODES
         deadline = None if ctx.time_limit_s is None else time.perf_counter() + ctx.time_limit_s
