@@ -184,9 +184,9 @@ class Recorder(TorchDispatchMode):
             return func(*args, **kwargs)  # backward (a checkpointed region's recompute included)
         random, written = _schema_of(func)
         rng = None
-        if random and _draws_nothing(random, args, kwargs):
+        if random is not None and _draws_nothing(random, args, kwargs):
             rng = _UNUSED
-        elif random:
+        elif random is not None:  # () for an op that always draws (rand_like, normal_): a state to replay it
             cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
             rng = (torch.get_rng_state(), cuda)
         leaves, spec = _flatten_args(args, kwargs)

@@ -274,6 +274,25 @@ def test_a_second_backward_replays_attention_without_dropout() -> None:
     assert torch.equal(plain_rng, rng)
 
 
+def test_a_replayed_op_that_always_draws_gets_its_random_state() -> None:
+    """R6: a dropout written by hand (``torch.rand_like(x) > p``): ``rand_like`` has no argument that can make
+    its draws irrelevant, so a replay re-draws it from the state it drew in forward. Gradients are plain
+    training's, bit for bit, with every saved tensor recomputed."""
+
+    class HandDropout(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * (torch.rand_like(x) > 0.3) / 0.7
+
+    def make() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), HandDropout(), torch.nn.Linear(32, 4))
+
+    build = classifier(make, (8, 16), 4)
+    w = capture(build, name="hand-dropout", batch_size=8)
+    assert any(op.seeded and "rand_like" in op.name for op in w.ops)
+    policy = Policy.from_vector(w, np.full(len(w.candidates), RECOMPUTE, dtype=np.int8), hardware="cpu")
+    assert same_bits(train_steps(build, None, steps=2), train_steps(build, policy, steps=2))
+
+
 def test_action_codes_match_the_policy_enum() -> None:
     assert [a.code for a in Action] == [KEEP, SWAP, RECOMPUTE, COMPRESS]
 
