@@ -289,10 +289,10 @@ def _choose_partition(w: Any, hw: Any, budget_bytes: int, req: Any, trace: Any =
         )
     elif choice.tried:
         err.print(f"partition: none lowers the floor (tried {tried})", highlight=False)
-    if choice.partitions and budget_bytes >= choice.floor_bytes:
+    rivals = choice.searched(w, budget_bytes)
+    if len(rivals) > 1:
         err.print("searching both, each for half the time: the budget is above the unpartitioned floor too")
-        return [choice.workload, w]
-    return [choice.workload]
+    return rivals
 
 
 def _partitioner(hw: Any, budget_bytes: int, req: Any) -> Any:
@@ -1067,10 +1067,7 @@ def sweep(
         floor too)."""
         from autotune.partitions import choose, retracer
 
-        choice = choose(w, hw, budget_bytes, retracer(dataclasses.replace(reqs[i], target=hw)))
-        if choice.partitions and budget_bytes >= choice.floor_bytes:
-            return [choice.workload, w]
-        return [choice.workload]
+        return choose(w, hw, budget_bytes, retracer(dataclasses.replace(reqs[i], target=hw))).searched(w, budget_bytes)
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=as_json) as bar:

@@ -56,6 +56,13 @@ class Choice:
     floor_bytes: int  # the unpartitioned floor
     frugal_bytes: int  # the unpartitioned frugal peak (C3)
 
+    def searched(self, unpartitioned: Workload, budget_bytes: int) -> list[Workload]:
+        """C1: the workloads to search, the faster answer taken: the chosen one, then the unpartitioned model
+        where the budget is at or above its floor too (search, sweep)."""
+        if self.partitions and budget_bytes >= self.floor_bytes:
+            return [self.workload, unpartitioned]
+        return [self.workload]
+
 
 def candidate_frames(w: Workload, op: int) -> list[Frame]:
     """C2: the partitionable submodule calls that run op ``op`` (a backward op: its forward module's call),
