@@ -63,6 +63,14 @@ BatchOpt = Annotated[
     typer.Option("--batch-size", "-b", help="Batch size \\[default: the model's, 64 for CNNs, 8 for LMs]."),
 ]
 SeqOpt = Annotated[int | None, typer.Option("--seq-len", help="Tokens per sample (language models).")]
+ImageOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--image-size",
+        help="Image height and width in pixels (torchvision models; factories with an image_size parameter) "
+        "\\[default: the model's, 224 for torchvision, 299 for inception_v3].",
+    ),
+]
 GpuOpt = Annotated[
     str | None,
     typer.Option("--gpu", help="Hardware profile to plan for (see `autotune hardware`); default: the detected GPU."),
@@ -106,6 +114,7 @@ def profile(
     ] = None,
     batch_size: BatchOpt = None,
     seq_len: SeqOpt = None,
+    image_size: ImageOpt = None,
     gpu: GpuOpt = None,
     optimizer: Annotated[str, typer.Option(help="sgd (with momentum), adam or adamw.")] = "sgd",
     mode: Annotated[
@@ -136,8 +145,8 @@ def profile(
         if model is None:
             raise AutotuneError("--model is required: a model name (see `autotune models`) or package.module:factory, "
                                 "or --workload FILE to read a saved trace")  # fmt: skip
-        _early_checks(model, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, precision=precision,
-                      grad_accum=grad_accum)  # fmt: skip
+        _early_checks(model, batch_size=batch_size, seq_len=seq_len, image_size=image_size, optimizer=optimizer,
+                      precision=precision, grad_accum=grad_accum)  # fmt: skip
     budget_bytes = parse_size(budget) if budget is not None else None
     if budget is not None and not as_json:
         err.print(f"budget: {format_size_echo(budget, budget_bytes or 0)}")
@@ -145,13 +154,15 @@ def profile(
     if workload is not None:
         w, trace_s = Workload.load(workload), 0.0
         _check_workload_matches(w, workload, model=model, batch_size=batch_size, seq_len=seq_len,
-                                optimizer=optimizer, precision=precision, grad_accum=grad_accum)  # fmt: skip
+                                image_size=image_size, optimizer=optimizer, precision=precision,
+                                grad_accum=grad_accum)  # fmt: skip
     else:
         assert model is not None
         req = TraceRequest(
             model=model,
             batch_size=batch_size,
             seq_len=seq_len,
+            image_size=image_size,
             optimizer=optimizer,
             mode=mode,
             device=device,
@@ -190,6 +201,7 @@ def _early_checks(
     *,
     batch_size: int | None = None,
     seq_len: int | None = None,
+    image_size: int | None = None,
     optimizer: str = "sgd",
     precision: str = "fp32",
     grad_accum: int = 1,
@@ -201,10 +213,10 @@ def _early_checks(
     """What the user typed, checked before the profile is resolved (``--gpu cpu`` calibrates this CPU: seconds)
     and before any trace, each with the message the later check would give."""
     from autotune.budget import plan_budget
-    from autotune.models import check_model_name, takes_seq_len
+    from autotune.models import check_model_name
     from autotune.search import check_device, check_measure
     from autotune.units import parse_size
-    from autotune.workloads import TraceRequest
+    from autotune.workloads import TraceRequest, check_sizes
     from runtime.hardware import get_profile
 
     if budget is not None:  # the size's syntax; the reserve's default waits for the profile
@@ -216,6 +228,7 @@ def _early_checks(
         model=model or "",
         batch_size=batch_size,
         seq_len=seq_len,
+        image_size=image_size,
         optimizer=optimizer,
         precision=precision,
         grad_accum=grad_accum,
@@ -227,11 +240,7 @@ def _early_checks(
             raise AutotuneError(f"--host-memory: {e}") from None
     if model is not None:
         check_model_name(model)
-        if seq_len is not None and not takes_seq_len(model):
-            raise AutotuneError(
-                f"--seq-len {seq_len} given for image model {model!r}: it only applies to language models "
-                "(gpt2*, bert-base) and factories; leave it unset"
-            )
+        check_sizes(model, seq_len, image_size)
 
 
 def _check_workload_matches(w: Any, path: Path, **given: Any) -> None:
@@ -335,6 +344,7 @@ def simulate(
     ] = None,
     batch_size: BatchOpt = None,
     seq_len: SeqOpt = None,
+    image_size: ImageOpt = None,
     gpu: GpuOpt = None,
     policy_file: Annotated[
         Path | None,
@@ -388,6 +398,7 @@ def simulate(
         model=model,
         batch_size=batch_size,
         seq_len=seq_len,
+        image_size=image_size,
         gpu=gpu,
         policy_file=policy_file,
         action=action,
@@ -411,6 +422,7 @@ def baselines(
     budget: Annotated[str, typer.Option(help="Memory budget, e.g. 6GB, 6GiB, 6000MB.")],
     batch_size: BatchOpt = None,
     seq_len: SeqOpt = None,
+    image_size: ImageOpt = None,
     gpu: GpuOpt = None,
     only: Annotated[str | None, typer.Option(help="Comma-separated methods \\[default: all].")] = None,
     save: Annotated[Path | None, typer.Option(help="Write each method's policy file into this folder.")] = None,
@@ -439,8 +451,8 @@ def baselines(
     check_folder(save, "--save")
     if not _positive(time_limit):
         raise AutotuneError(f"invalid --time-limit {time_limit}: expected a positive number of seconds, e.g. 30")
-    _early_checks(model, budget, reserve, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer,
-                  precision=precision, grad_accum=grad_accum, partition=partition)  # fmt: skip
+    _early_checks(model, budget, reserve, batch_size=batch_size, seq_len=seq_len, image_size=image_size,
+                  optimizer=optimizer, precision=precision, grad_accum=grad_accum, partition=partition)  # fmt: skip
     methods = bl.select_methods(only)
     hw, note = resolve_profile(gpu)
     plan = plan_budget(budget, reserve, hw)
@@ -452,6 +464,7 @@ def baselines(
         model=model,
         batch_size=batch_size,
         seq_len=seq_len,
+        image_size=image_size,
         optimizer=optimizer,
         precision=precision,
         grad_accum=grad_accum,
@@ -481,6 +494,7 @@ def search(
     budget: Annotated[str, typer.Option(help="Memory budget, e.g. 6GB, 6GiB, 6000MB.")],
     batch_size: BatchOpt = None,
     seq_len: SeqOpt = None,
+    image_size: ImageOpt = None,
     gpu: GpuOpt = None,
     searcher: Annotated[
         str,
@@ -603,8 +617,9 @@ def search(
             "simulated; autotune train --compile measures it)"
         )
     _early_checks(
-        model, budget, reserve, batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, precision=precision,
-        grad_accum=grad_accum, device=device, measure=measure, partition=partition, host_memory=host_memory,
+        model, budget, reserve, batch_size=batch_size, seq_len=seq_len, image_size=image_size, optimizer=optimizer,
+        precision=precision, grad_accum=grad_accum, device=device, measure=measure, partition=partition,
+        host_memory=host_memory,
     )  # fmt: skip
     if gpu == "cpu" and (budget_kind == "reserved" or expandable_segments):  # the GPU's caching allocator
         what = "--budget-kind reserved" if budget_kind == "reserved" else "--expandable-segments"
@@ -621,6 +636,7 @@ def search(
         model=model,
         batch_size=batch_size,
         seq_len=seq_len,
+        image_size=image_size,
         optimizer=optimizer,
         precision=precision,
         grad_accum=grad_accum,
@@ -646,8 +662,8 @@ def search(
         if partitions not in backends:
             with err.status(f"Tracing {model} on {here} (real mode: measured op times)…", spinner="dots"):
                 backends[partitions] = real_backend(
-                    model, batch_size, here or "cpu", steps=3, seq_len=seq_len, optimizer=req.optimizer,
-                    precision=req.precision, grad_accum=grad_accum, partitions=partitions,
+                    model, batch_size, here or "cpu", steps=3, seq_len=seq_len, image_size=image_size,
+                    optimizer=req.optimizer, precision=req.precision, grad_accum=grad_accum, partitions=partitions,
                 )  # fmt: skip
         return backends[partitions]
 
@@ -755,6 +771,7 @@ def maxbatch(
     budget: Annotated[str, typer.Option(help="Memory budget, e.g. 16GB.")],
     gpu: GpuOpt = None,
     seq_len: SeqOpt = None,
+    image_size: ImageOpt = None,
     max_slowdown: Annotated[
         float | None, typer.Option(help="Largest accepted slowdown against no policy at the same batch, e.g. 0.2.")
     ] = None,
@@ -802,8 +819,9 @@ def maxbatch(
         raise AutotuneError(f"invalid --max-slowdown {max_slowdown}: expected 0 or more, e.g. --max-slowdown 0.2")
     if not _positive(per_size):
         raise AutotuneError(f"invalid --per-size {per_size}: expected a positive number of seconds, e.g. 10")
-    _early_checks(model, budget, reserve, seq_len=seq_len, optimizer=optimizer, precision=precision,
-                  grad_accum=grad_accum, device=device, measure=measure, host_memory=host_memory)  # fmt: skip
+    _early_checks(model, budget, reserve, seq_len=seq_len, image_size=image_size, optimizer=optimizer,
+                  precision=precision, grad_accum=grad_accum, device=device, measure=measure,
+                  host_memory=host_memory)  # fmt: skip
     hw, note = resolve_profile(gpu)
     here = sr.plan_device(hw, device)
     hw, host_note = sr.with_host_memory(hw, host_memory, here)
@@ -819,6 +837,7 @@ def maxbatch(
         model=model,
         batch_size=start_batch,
         seq_len=seq_len,
+        image_size=image_size,
         optimizer=optimizer,
         precision=precision,
         grad_accum=grad_accum,
@@ -846,8 +865,9 @@ def maxbatch(
             from autotune.real_backend import real_backend
 
             def backend_at(b: int, partitions: tuple[Any, ...]) -> Any:
-                return real_backend(model, b, here or "cpu", steps=3, seq_len=seq_len, optimizer=req.optimizer,
-                                    precision=req.precision, grad_accum=grad_accum, partitions=partitions)  # fmt: skip
+                return real_backend(model, b, here or "cpu", steps=3, seq_len=seq_len, image_size=image_size,
+                                    optimizer=req.optimizer, precision=req.precision, grad_accum=grad_accum,
+                                    partitions=partitions)  # fmt: skip
 
             outcome = search.measure(outcome, backend_at, k, budget_bytes)
     if outcome.best is not None and outcome.best.found is not None:
@@ -960,6 +980,10 @@ def sweep(
     ] = None,
     methods: Annotated[str, typer.Option(help="Comma-separated: baselines, optuna, ppo.")] = "baselines,optuna",
     batch_size: BatchOpt = None,
+    image_size: Annotated[
+        int | None,
+        typer.Option("--image-size", help="Image height and width in pixels for the image models among --models."),
+    ] = None,
     seq_len: Annotated[
         int | None, typer.Option("--seq-len", help="Tokens per sample for the language models among --models.")
     ] = None,
@@ -1014,7 +1038,8 @@ def sweep(
         raise AutotuneError(f"invalid --trials {trials}: expected a positive number, e.g. --trials 60")
     if not _positive(timeout):
         raise AutotuneError(f"invalid --timeout {timeout}: expected a positive number of seconds, e.g. --timeout 60")
-    TraceRequest(model="", seq_len=seq_len).validate()  # the --seq-len typed: a sweep of vision models passes none on
+    # The --seq-len and --image-size typed: a sweep of vision models passes no --seq-len on, and so on.
+    TraceRequest(model="", seq_len=seq_len, image_size=image_size).validate()
     if gpu:
         profiles = [get_profile(p) for p in dict.fromkeys(p.strip() for p in gpu.split(",") if p.strip())]
     else:
@@ -1033,13 +1058,14 @@ def sweep(
             f"planning for each budget less a {sr.format_bytes(max(kept.values()))} reserve for workspaces"
             f"{on} (--reserve)"
         )
-    from autotune.models import takes_seq_len
+    from autotune.models import takes_image_size, takes_seq_len
 
     reqs = [
         TraceRequest(
             model=m,
             batch_size=batch_size,
             seq_len=seq_len if takes_seq_len(m) else None,  # one --seq-len for the language models
+            image_size=image_size if takes_image_size(m) else None,  # one --image-size for the image models
             optimizer=optimizer,
             precision=precision,
             grad_accum=grad_accum,

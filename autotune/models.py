@@ -222,6 +222,54 @@ def takes_seq_len(name: str) -> bool:
     return _resolve(name)[0] != "torchvision"
 
 
+def takes_image_size(name: str) -> bool:
+    """Whether ``--image-size`` applies to ``name`` (torchvision models and factories; not GPT-2 or BERT)."""
+    return _resolve(name)[0] in ("torchvision", "custom")
+
+
+def check_factory_accepts(name: str, **settings: Any) -> None:
+    """Refuse, before any long work, a setting (``seq_len``, ``image_size``) that a factory ``name`` has no
+    parameter for; built-in names pass (their own checks are :func:`build_model`'s)."""
+    family, path = _resolve(name)
+    if family == "custom":
+        _factory_settings(path, _parameters(_load_factory(path)), settings)
+
+
+def _parameters(factory: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
+    try:
+        return inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # some builtins and C extensions have no signature
+        return {}
+
+
+def _factory_settings(
+    path: str, params: Mapping[str, inspect.Parameter], settings: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The keyword arguments a factory is called with: the settings given (not None), each one it takes."""
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs: dict[str, Any] = {}
+    for key, value in settings.items():
+        if value is None:
+            continue
+        if key not in params and not takes_kwargs:
+            raise AutotuneError(
+                f"{key}={value!r} given for {path}, but the factory has no {key} parameter: add one to it "
+                "or leave that setting out"
+            )
+        kwargs[key] = value
+    return kwargs
+
+
+def given_image_size(name: str, image_size: int | None) -> int | None:
+    """The image size a trace records: ``image_size``, or None where it is the model's default (224 px, 299
+    for inception_v3), so that a plan made without ``--image-size`` and one made with the default size are
+    the same plan. A factory's size is recorded as given (its default is its own)."""
+    family, canonical = _resolve(name)
+    if family == "torchvision" and image_size == _IMAGE_SIZE_OVERRIDES.get(canonical, _IMAGE_SIZE):
+        return None
+    return image_size
+
+
 def _resolve(name: str) -> tuple[str, str]:
     """(family, canonical name) for ``name``, or AutotuneError with close matches."""
     if not isinstance(name, str):
@@ -348,26 +396,8 @@ def _build_custom(
     overrides: dict[str, Any],
 ) -> ModelEntry:
     factory = _load_factory(path)
-    params: Mapping[str, inspect.Parameter]
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):  # some builtins and C extensions have no signature
-        params = {}
-    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-    def accepts(key: str) -> bool:
-        return key in params or takes_kwargs
-
-    kwargs: dict[str, Any] = {}
-    for key, value in {"seq_len": seq_len, "image_size": image_size, **overrides}.items():
-        if value is None:
-            continue
-        if not accepts(key):
-            raise AutotuneError(
-                f"{key}={value!r} given for {path}, but the factory has no {key} parameter: add one to it "
-                "or leave that setting out"
-            )
-        kwargs[key] = value
+    params = _parameters(factory)
+    kwargs = _factory_settings(path, params, {"seq_len": seq_len, "image_size": image_size, **overrides})
     if "batch_size" in params:
         if batch_size is not None:
             kwargs["batch_size"] = batch_size

@@ -142,7 +142,7 @@ def real_backend(
         env = MemoryPolicyEnv(problem, backend="real", real=backend)
 
     torch, the model zoo and the runtime are imported here, not with this module."""
-    from autotune.models import build_model
+    from autotune.models import build_model, given_image_size
     from runtime.trace import capture, make_optimizer
 
     if steps <= 0:
@@ -164,6 +164,8 @@ def real_backend(
                 device=device, optimizer=optimizer, precision=precision, grad_accum=grad_accum,
                 partitions=partitions)  # fmt: skip
     w.seq_len = entry.seq_len
+    w.image_size = given_image_size(model_name, image_size)
+    w.compute_fingerprints()  # with the image size: the policies it makes are for it
     w.meta["device_profile"] = device_profile(device)
     opt = make_optimizer(w.optimizer, entry.module.parameters())
     return RealBackend(w, device, steps, options or PolicyOptions(), entry, opt)

@@ -33,6 +33,7 @@ def profile_report(
         "model": w.model,
         "batch_size": w.batch_size,
         "seq_len": w.seq_len,
+        "image_size": w.image_size,  # None: the model's default
         "optimizer": w.optimizer,
         "mode": w.mode,
         "device": w.device,
@@ -112,6 +113,7 @@ def profile_report(
 
 def render_profile(console: Console, r: dict[str, Any]) -> None:
     seq = f" x {r['seq_len']} tokens" if r["seq_len"] else ""
+    seq += f" at {r['image_size']} px" if r.get("image_size") else ""
     console.print(
         f"[bold]{r['model']}[/] batch {r['batch_size']}{seq}, {r['optimizer']}, {r['mode']} trace on "
         f"{r['device']} in {r['trace_s']:.2f} s: {r['ops']} ops, fingerprint {r['fingerprint']}"

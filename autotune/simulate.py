@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune.budget import Budget, budget_of, record_budget
-from autotune.models import check_model_name
+from autotune.models import check_model_name, given_image_size
 from autotune.units import format_bytes, format_size_echo, parse_size
-from autotune.workloads import TraceRequest
+from autotune.workloads import TraceRequest, check_sizes
 from envs.simulator import SimResult, Simulator, uniform_actions
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile, resolve_profile
@@ -31,6 +31,7 @@ def run_simulate(
     seq_len: int | None,
     gpu: str | None,
     policy_file: Path | None,
+    image_size: int | None = None,
     action: str | None,
     budget: str | None,
     lookahead: int | None,
@@ -70,6 +71,7 @@ def run_simulate(
         model = model or loaded.model
         batch_size = batch_size or loaded.batch_size
         seq_len = seq_len or loaded.seq_len
+        image_size = image_size or loaded.image_size
         gpu = gpu or loaded.hardware
         precision = precision or loaded.precision  # another one: check_against says why it cannot apply
         grad_accum = grad_accum or loaded.grad_accum
@@ -77,11 +79,13 @@ def run_simulate(
     if model is None:
         raise AutotuneError("no model: pass --model NAME (see `autotune models`)")
     check_model_name(model)  # before the profile (--gpu cpu calibrates this CPU: seconds)
+    check_sizes(model, seq_len, image_size)
     if loaded is not None:
         assert policy_file is not None
         loaded.check_settings(
             batch_size=batch_size or loaded.batch_size,
             seq_len=seq_len,
+            image_size=given_image_size(model, image_size),
             precision=precision or "fp32",
             grad_accum=grad_accum or 1,
             optimizer=optimizer or "sgd",
@@ -117,6 +121,7 @@ def run_simulate(
         model=model,
         batch_size=batch_size,
         seq_len=seq_len,
+        image_size=image_size,
         optimizer=optimizer or "sgd",
         precision=precision or "fp32",
         grad_accum=grad_accum or 1,

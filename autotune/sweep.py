@@ -61,8 +61,9 @@ def cell_study_name(w: Workload, hw: HardwareProfile, budget_bytes: int) -> str:
 
 def problem_tag(w: Workload) -> str:
     """What tells one traced problem of a model from another: batch size, then sequence length, precision,
-    optimizer, accumulation and partitions where not the defaults (``b8.s1024.bf16.adamw``)."""
+    optimizer, accumulation and partitions where not the defaults (``b8.s1024.bf16.adamw``, ``b64.i32``)."""
     seq = f".s{w.seq_len}" if w.seq_len is not None else ""
+    seq += f".i{w.image_size}" if w.image_size is not None else ""
     precision = f".{w.precision}" if w.precision != "fp32" else ""
     optimizer = f".{w.optimizer}" if w.optimizer != "sgd" else ""
     accum = f".ga{w.grad_accum}" if w.grad_accum > 1 else ""

@@ -190,6 +190,7 @@ def train(
         model=name,
         batch_size=batch,
         seq_len=policy.seq_len,
+        image_size=policy.image_size,
         mode="real",
         device=device,
         precision=precision or policy.precision,
@@ -198,7 +199,7 @@ def train(
         partitions=policy.partitions,
     )
     req.validate()
-    policy.check_settings(batch_size=batch, seq_len=req.seq_len, precision=req.precision,
+    policy.check_settings(batch_size=batch, seq_len=req.seq_len, image_size=req.image_size, precision=req.precision,
                           grad_accum=req.grad_accum, optimizer=req.optimizer, source=str(policy_path))  # fmt: skip
     check_structure(policy, req, source=str(policy_path))
     # A real-mode trace on this device: it checks the policy against the model before any training, and
@@ -247,7 +248,7 @@ def check_structure(policy: Policy, req: TraceRequest, *, source: str) -> None:
     if policy.parameter_fingerprint is None:
         return
     with FakeTensorMode():
-        entry = build_model(req.model, batch_size=req.batch_size, seq_len=req.seq_len)
+        entry = build_model(req.model, batch_size=req.batch_size, seq_len=req.seq_len, image_size=req.image_size)
     try:
         check_model(policy, entry.module)
     except AutotuneError as e:
@@ -270,7 +271,7 @@ def run_policy(
     if device.startswith("cuda"):
         torch.cuda.empty_cache()  # what the trace left cached: the reserved bytes measured are the training's
         allocate_library_workspaces(torch.device(device))  # runtime R15, before the model: segments of their own
-    entry = build_model(name, batch_size=batch, seq_len=policy.seq_len, device=device)
+    entry = build_model(name, batch_size=batch, seq_len=policy.seq_len, image_size=policy.image_size, device=device)
     opt = make_optimizer(w.optimizer, entry.module.parameters())
     rt = PolicyRuntime(policy, entry.module) if compile_backend is None else None
     cm = policy.compiled(entry.module, backend=compile_backend) if compile_backend is not None else None

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from autotune.models import build_model
-from runtime.errors import AutotuneError
+from autotune.models import build_model, check_factory_accepts, given_image_size, takes_image_size, takes_seq_len
+from runtime.errors import AutotuneError, ModelError
 from runtime.hardware import HardwareProfile
 from runtime.partition import Partition
 from runtime.precision import check_grad_accum, check_precision
@@ -30,6 +30,7 @@ class TraceRequest:
     model: str
     batch_size: int | None = None
     seq_len: int | None = None
+    image_size: int | None = None  # torchvision models and factories; None: the model's default
     optimizer: str = "sgd"
     mode: str = "fake"
     device: str = "cpu"
@@ -50,6 +51,10 @@ class TraceRequest:
             )
         if self.seq_len is not None and self.seq_len <= 0:
             raise AutotuneError(f"invalid --seq-len {self.seq_len}: expected a positive integer, e.g. --seq-len 1024")
+        if self.image_size is not None and self.image_size <= 0:
+            raise AutotuneError(
+                f"invalid --image-size {self.image_size}: expected a positive number of pixels, e.g. --image-size 32"
+            )
         if self.optimizer.lower() not in OPTIMIZERS:
             raise AutotuneError(f"unknown optimizer '{self.optimizer}': expected one of {', '.join(OPTIMIZERS)}")
         if self.mode not in MODES:
@@ -71,6 +76,21 @@ class TraceRequest:
             )
 
 
+def check_sizes(model: str, seq_len: int | None, image_size: int | None) -> None:
+    """``--seq-len`` and ``--image-size`` where they apply to ``model``, before any long work."""
+    if seq_len is not None and not takes_seq_len(model):
+        raise AutotuneError(
+            f"--seq-len {seq_len} given for image model {model!r}: it only applies to language models "
+            "(gpt2*, bert-base) and factories; leave it unset"
+        )
+    if image_size is not None and not takes_image_size(model):
+        raise AutotuneError(
+            f"--image-size {image_size} given for language model {model!r}: it only applies to torchvision "
+            "models and factories; leave it unset (--seq-len sizes a language model's samples)"
+        )
+    check_factory_accepts(model, seq_len=seq_len, image_size=image_size)
+
+
 def trace_model(req: TraceRequest) -> tuple[Workload, float]:
     """Build the model named in ``req`` and capture one training iteration. Returns (workload, seconds)."""
     req.validate()
@@ -78,7 +98,9 @@ def trace_model(req: TraceRequest) -> tuple[Workload, float]:
 
     def build():  # type: ignore[no-untyped-def]
         # batch_size None: the model's default (a factory may fix its own batch size).
-        entry = build_model(req.model, batch_size=req.batch_size, seq_len=req.seq_len, device=req.device)
+        entry = build_model(
+            req.model, batch_size=req.batch_size, seq_len=req.seq_len, image_size=req.image_size, device=req.device
+        )
         built["seq_len"], built["batch_size"] = entry.seq_len, entry.batch_size
         return entry.module, entry.batch, entry.loss_fn
 
@@ -98,15 +120,25 @@ def trace_model(req: TraceRequest) -> tuple[Workload, float]:
                 target=req.target if req.mode == "fake" else None,
                 partitions=req.partitions,
             )
+    except ModelError as e:
+        sizes = _sizes(req)
+        raise ModelError(
+            f"{e}; does {req.model} run at {sizes}? try another size"
+            if sizes
+            else f"{e}; fix the model (its factory, forward or loss), or report it here if it trains without autotune"
+        ) from e.__cause__
     except FakeTraceError as e:
         if req.target is not None and req.target.is_gpu:
             raise
-        # A plan for this CPU: a real trace on it is the same plan, with measured op times.
+        # A plan for this CPU: a real trace on it is the same plan, with measured op times. Said once it ran:
+        # where the real kernel refuses the arguments too, the model's error is the one to read.
+        traced = trace_model(dataclasses.replace(req, mode="real", device="cpu"))
         warnings.warn(f"autotune: {e.what}: traced for real on this CPU instead", stacklevel=2)
-        return trace_model(dataclasses.replace(req, mode="real", device="cpu"))
+        return traced
     w.seq_len = built.get("seq_len")
     w.batch_size = built["batch_size"] or 0
-    w.compute_fingerprints()  # the shape fingerprint hashes the batch size and sequence length set just now
+    w.image_size = given_image_size(req.model, req.image_size)
+    w.compute_fingerprints()  # the shape fingerprint hashes the batch size, sequence length and image size set now
     w.meta["device_profile"] = device_profile(req.device) if req.mode == "real" else None
     return w, time.perf_counter() - start
 
@@ -159,19 +191,30 @@ def _fake_failures(req: TraceRequest) -> Iterator[None]:
             raise
         detail = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}"
         if meta.ops and not isinstance(cause, fake_errors):
-            what = f"the fake kernel of {req.model}'s op {meta.ops[-1]} refuses what the real one takes ({detail})"
+            what = f"{req.model}'s op {meta.ops[-1]} refused its arguments under fake tensors ({detail})"
         elif isinstance(cause, fake_errors):
             what = (f"{req.model} reads tensor values while it is built or run ({detail}: .item(), nonzero, shapes "
                     "that depend on the data), which a fake trace cannot")  # fmt: skip
         else:
             raise
+        # Where the real kernel refuses the arguments too, the model fails as it is: the real trace says so.
+        sizes = _sizes(req)
+        at = f" at {sizes}" if sizes else ""
         raise FakeTraceError(
-            f"{what}; a plan for a GPU profile traces with fake tensors: plan for this machine instead (--gpu cpu "
-            "traces it for real), or profile it with --mode real",
+            f"{what}; if {req.model} trains{at} without autotune, it is the fake kernel: a plan for a GPU profile "
+            "traces with fake tensors, so plan for this machine instead (--gpu cpu traces it for real), or profile "
+            "it with --mode real",
             what,
         ) from None
     finally:
         logger.removeFilter(meta)
+
+
+def _sizes(req: TraceRequest) -> str:
+    """The sizes the user set, as flags (``--image-size 16``), where a model may not run at them."""
+    given = [f"--seq-len {req.seq_len}" if req.seq_len is not None else "",
+             f"--image-size {req.image_size}" if req.image_size is not None else ""]  # fmt: skip
+    return " and ".join(g for g in given if g)
 
 
 def device_profile(device: str) -> str | None:

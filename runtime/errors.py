@@ -13,6 +13,11 @@ class AutotuneError(Exception):
     """An error caused by the user's input, with a message fit to print as is."""
 
 
+class ModelError(AutotuneError):
+    """The model's own training step raised, run before any of autotune's hooks (runtime.trace.capture's
+    warm-up): the model, its loss or the settings it was built with, not autotune's tracing."""
+
+
 _SIGINT = [False]
 
 

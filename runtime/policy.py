@@ -38,7 +38,7 @@ NOTE [ Policies are tied to a shape ]
     A policy is refused for a workload whose ``fingerprint`` (structure: the modules that run and the
     parameter shapes, the same on every device) differs: its keys would name other tensors. Keys that
     differ across devices are tolerated within limits (NOTE [ Keys across devices ]). One whose
-    ``shape_fingerprint`` differs (same model, other batch size or sequence length) is refused too unless
+    ``shape_fingerprint`` differs (same model, other batch size, sequence length or image size) is refused too unless
     ``allow_other_shapes=True``: which tensors must leave the device to fit a budget depends on their sizes,
     so a plan for batch 64 is not a plan for batch 128.
 """
@@ -183,6 +183,9 @@ class Policy:
     model: str
     batch_size: int
     seq_len: int | None = None
+    # Image height and width where the trace was asked for another than the model's default (written only
+    # then: files without it are at the default, 224 px for torchvision models).
+    image_size: int | None = None
     fingerprint: str
     shape_fingerprint: str
     # The model's parameters by name and shape (runtime.keys.parameter_fingerprint): checked when the policy
@@ -272,6 +275,7 @@ class Policy:
             model=workload.model,
             batch_size=workload.batch_size,
             seq_len=workload.seq_len,
+            image_size=workload.image_size,
             fingerprint=workload.fingerprint,
             shape_fingerprint=workload.shape_fingerprint,
             parameter_fingerprint=workload.meta.get("parameter_fingerprint"),
@@ -353,12 +357,13 @@ class Policy:
         self._check_setting(workload.precision, workload.grad_accum, workload.optimizer, workload.model, source)
         self._check_keys(workload, source)
         if self.shape_fingerprint != workload.shape_fingerprint and not allow_other_shapes:
-            mine = _shape(self.batch_size, self.seq_len)
-            theirs = _shape(workload.batch_size, workload.seq_len)
-            seq = f" --seq-len {workload.seq_len}" if workload.seq_len is not None else ""
+            mine = _shape(self.batch_size, self.seq_len, self.image_size)
+            theirs = _shape(workload.batch_size, workload.seq_len, workload.image_size)
+            seq = _flags(workload.seq_len, workload.image_size)
             if mine == theirs:  # the file's batch size and its shape fingerprint disagree (an edited file)
                 raise AutotuneError(
-                    f"{source}: policy was made for {self.model} at {mine} (its batch_size and seq_len fields) "
+                    f"{source}: policy was made for {self.model} at {mine} (its batch_size, seq_len and image_size "
+                    "fields) "
                     f"but its shape fingerprint {self.shape_fingerprint} is not that of {mine} "
                     f"({workload.shape_fingerprint}): the file's fields disagree (edited by hand?); search again "
                     f"with `autotune search --model {workload.model} --batch-size {workload.batch_size}{seq} ...`"
@@ -379,17 +384,20 @@ class Policy:
         precision: str,
         grad_accum: int,
         optimizer: str,
+        image_size: int | None = None,
         source: str = "policy",
     ) -> None:
         """Before any trace: refuse the settings that :meth:`check_against` would refuse after it (another
-        shape, precision, accumulation or optimizer than the file's)."""
+        shape, precision, accumulation or optimizer than the file's). ``image_size`` as the trace records it
+        (None at the model's default: autotune.models.given_image_size)."""
         self._check_setting(precision, grad_accum, optimizer, self.model, source, cli=True)
-        if (batch_size, seq_len) != (self.batch_size, self.seq_len):
-            mine, theirs = _shape(self.batch_size, self.seq_len), _shape(batch_size, seq_len)
-            seq = f" --seq-len {seq_len}" if seq_len is not None else ""
+        if (batch_size, seq_len, image_size) != (self.batch_size, self.seq_len, self.image_size):
+            mine = _shape(self.batch_size, self.seq_len, self.image_size)
+            theirs = _shape(batch_size, seq_len, image_size)
+            seq = _flags(seq_len, image_size)
             raise AutotuneError(
                 f"{source}: policy was made for {self.model} at {mine}, not {theirs}: a plan for one shape is not "
-                f"a plan for another; drop --batch-size/--seq-len to use the file's, or search again with "
+                f"a plan for another; drop --batch-size/--seq-len/--image-size to use the file's, or search again with "
                 f"`autotune search --model {self.model} --batch-size {batch_size}{seq} ...`"
             )
 
@@ -472,6 +480,8 @@ class Policy:
             del d["optimizer"]
         if self.reserve_bytes is None:
             del d["reserve_bytes"]  # files without a budget stay as they were
+        if self.image_size is None:
+            del d["image_size"]  # files at the model's default image size stay as they were
         d["format"] = FORMAT
         return d
 
@@ -498,6 +508,7 @@ class Policy:
                 model=d["model"],
                 batch_size=d["batch_size"],
                 seq_len=d.get("seq_len"),
+                image_size=d.get("image_size"),
                 fingerprint=d["fingerprint"],
                 shape_fingerprint=d["shape_fingerprint"],
                 parameter_fingerprint=d.get("parameter_fingerprint"),
@@ -613,8 +624,19 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun if count == 1 else plural}"
 
 
-def _shape(batch_size: int, seq_len: int | None) -> str:
-    return f"batch size {batch_size}" + (f", sequence length {seq_len}" if seq_len is not None else "")
+def _shape(batch_size: int, seq_len: int | None, image_size: int | None = None) -> str:
+    return (
+        f"batch size {batch_size}"
+        + (f", sequence length {seq_len}" if seq_len is not None else "")
+        + (f", image size {image_size} px" if image_size is not None else "")
+    )
+
+
+def _flags(seq_len: int | None, image_size: int | None) -> str:
+    """The search's flags for a shape beyond its batch size."""
+    return (f" --seq-len {seq_len}" if seq_len is not None else "") + (
+        f" --image-size {image_size}" if image_size is not None else ""
+    )
 
 
 def _autotune_version() -> str:

@@ -69,7 +69,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
-from runtime.errors import AutotuneError
+from runtime.errors import AutotuneError, ModelError
 from runtime.hardware import HardwareProfile
 from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, block_paths, parameter_fingerprint
 from runtime.partition import Partition, partitioned
@@ -450,7 +450,17 @@ def capture(
         stack.enter_context(partitioned(model, partitions))
         opt = make_optimizer(optimizer, model.parameters(), foreach=True if gpu else None)
         step = TrainStep(precision, torch.device(device).type, fake=fake, grad_accum=grad_accum)
-        _warm_up(model, batch, loss_fn, opt, step, full=not fake)
+        try:
+            _warm_up(model, batch, loss_fn, opt, step, full=not fake)
+        except AutotuneError:
+            raise
+        except Exception as e:  # no hook of autotune's ran yet: the model's own failure
+            text = " ".join(str(e).split()) or type(e).__name__
+            text = text if len(text) <= 300 else text[:297] + "..."
+            raise ModelError(
+                f"{name} raised in its first training step, run before any of autotune's hooks: "
+                f"{type(e).__name__}: {text}"
+            ) from e
         if step.grad_accum > 1:  # the gradients of the micro-batches before this one
             _warm_up(model, batch, loss_fn, None, step, full=not fake)
         keyer = SavedTensorKeyer(model)

@@ -183,6 +183,9 @@ class Workload:
     precision: str = "fp32"  # fp32, or bf16/fp16 under torch.autocast (NOTE [ Precision ] in runtime.precision)
     grad_accum: int = 1  # micro-batches per optimizer step (NOTE [ Gradient accumulation ] in runtime.trace)
     frames: list[Frame] = field(default_factory=list)  # module calls of the forward (NOTE [ Frames ])
+    # Image height and width where the trace was asked for another than the model's default
+    # (autotune.models.given_image_size); None otherwise, and in files from before it was recorded.
+    image_size: int | None = None
 
     # -- structure ---------------------------------------------------------------------------------------
     def phase_range(self, phase: Phase) -> range:
@@ -239,6 +242,8 @@ class Workload:
         self.fingerprint = h.hexdigest()[:16]
         h2 = hashlib.sha256(self.fingerprint.encode())
         h2.update(f"B{self.batch_size},{self.seq_len};".encode())
+        if self.image_size is not None:  # a CNN's parameters are the same at every size: its images are not
+            h2.update(f"I{self.image_size};".encode())
         for t in self.tensors:
             if t.persistent and t.kind != TensorKind.LIBRARY:
                 h2.update(f"{t.kind.value}{t.shape}{t.dtype}{t.nbytes};".encode())
@@ -311,6 +316,7 @@ class Workload:
             ) from None
         rest["precision"] = d.get("precision", "fp32")  # files from before precisions were traced
         rest["grad_accum"] = int(d.get("grad_accum", 1))
+        rest["image_size"] = d.get("image_size")
         return cls(ops=ops, tensors=tensors, candidates=cands, frames=frames, **rest)
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -92,6 +92,11 @@ def make_raises() -> tuple[nn.Module, torch.Tensor]:
     raise ValueError("no data for this model")
 
 
+def make_mismatched(batch_size: int = 2) -> tuple[nn.Module, torch.Tensor]:
+    """A model whose forward raises: its second layer takes one feature fewer than the first gives."""
+    return nn.Sequential(nn.Linear(IN_FEATURES, 16), nn.Linear(15, 2)), torch.randn(batch_size, IN_FEATURES)
+
+
 def make_integer_output() -> tuple[nn.Module, torch.Tensor]:
     """A module whose output is not floating point: the default loss cannot use it."""
     return _ArgMax(), torch.randn(2, IN_FEATURES)

@@ -182,6 +182,17 @@ BAD_INPUTS = [
     (["simulate", "--model", "resnet18", "--action", "swap", "--lookahead", "-2"], "invalid --lookahead -2"),
     (["search", "--model", "resnet18", "--budget", "6"], "e.g. 6GB or 6GiB"),  # a unit left out: refused at once
     (["profile", "--model", "gpt2", "--seq-len", "0"], "invalid --seq-len 0"),
+    (["profile", "--model", "resnet18", "--image-size", "0"], "invalid --image-size 0"),
+    (["profile", "--model", "gpt2", "--image-size", "32"], "--image-size 32 given for language model 'gpt2'"),
+    (
+        ["search", "--model", "experiments.user_models:tiny_llama", "--budget", "1GB", "--image-size", "32"],
+        "image_size=32 given for experiments.user_models:tiny_llama, but the factory has no image_size parameter",
+    ),
+    # a model whose forward raises was an internal error, to report as autotune's bug
+    (
+        ["profile", "--model", "tests.fixtures_models:make_mismatched", "--gpu", "cpu"],
+        "raised in its first training step, run before any of autotune's hooks: RuntimeError: mat1 and mat2 shapes",
+    ),
     (["search", "--model", "resnet18", "--budget", "1GB", "--reserve", "-1"], "--reserve: invalid size '-1'"),
 ]
 
