@@ -249,6 +249,9 @@ def run_cell(
     return cell
 
 
+TIE = 1e-9  # relative: faster by less than this is a tie (_offer)
+
+
 def _offer(study: Any, method: str, found: SearchResult | None, w: Workload) -> None:
     """Keep each method's best samples/s in ``per_method`` and the cell's fastest fitting policy in ``best``."""
     if found is None or not found.feasible:
@@ -257,7 +260,9 @@ def _offer(study: Any, method: str, found: SearchResult | None, w: Workload) -> 
     per_method[method] = max(per_method.get(method, 0.0), found.result.samples_per_s)
     study.set_user_attr("per_method", per_method)
     best = study.user_attrs.get("best")
-    if best is None or found.result.samples_per_s > best["samples_per_s"]:
+    # A method that ties the stored best to rounding (the same policy, its time summed in another order) does
+    # not take the cell's "chosen" from the one found first.
+    if best is None or found.result.samples_per_s > best["samples_per_s"] * (1 + TIE):
         best = {
             "method": method,
             "searcher": found.searcher,

@@ -3,6 +3,7 @@ retried (heartbeats), and a self-contained report (NOTE [ Sweep storage ] in aut
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import signal
@@ -263,3 +264,35 @@ def test_a_resumed_agent_does_not_replace_a_better_stored_episode(
     assert not answers and not second.interrupted
     got = second.to_json()
     assert got["ppo_samples_per_s"] == fast.result.samples_per_s == got["samples_per_s"]
+
+
+def test_a_method_that_ties_to_rounding_does_not_become_the_chosen_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep's "chosen" column named ppo for an answer 1e-13 faster than the best heuristic's (the same
+    policy's time, summed in another order): a tie keeps the method found first."""
+    import autotune.sweep as sw
+    from agents.base import Problem, baseline_names, get_searcher
+    from autotune.workloads import TraceRequest, trace_model
+    from runtime.hardware import get_profile
+
+    hw = get_profile("a100-40gb")
+    w, _ = trace_model(TraceRequest(model="resnet18", batch_size=8, target=hw))
+    budget = 235_000_000
+    found = [get_searcher(n).search(Problem(w, hw, budget)) for n in baseline_names()]
+    top = max((r for r in found if r.feasible), key=lambda r: r.result.samples_per_s)
+    tied = dataclasses.replace(
+        top, result=dataclasses.replace(top.result, samples_per_s=top.result.samples_per_s * (1 + 1e-13))
+    )
+
+    class Agent:
+        def search(self, problem, ctx):  # type: ignore[no-untyped-def]
+            return tied
+
+    real = sw.get_searcher
+    monkeypatch.setattr(sw, "get_searcher", lambda name: Agent() if name == "ppo" else real(name))
+    cell = sw.run_cell(w, hw, budget, methods=["baselines", "ppo"], storage=f"sqlite:///{tmp_path / 's.db'}",
+                       trials=1, timeout_s=1)  # fmt: skip
+    got = cell.to_json()
+    assert got["ppo_samples_per_s"] > got["best_heuristic_samples_per_s"] == top.result.samples_per_s
+    assert got["best_method"] == "baselines" and got["samples_per_s"] == top.result.samples_per_s
