@@ -330,9 +330,10 @@ def run_search(
         if found is None:
             raise KeyboardInterrupt
         top = best_of(baselines)
-        # A searcher alone (not the portfolio) can lose to a seed.
+        # A searcher alone (not the portfolio) can lose to a seed: the answer is the seed's, said as the
+        # portfolio says whose policy won (the searcher is the one run; the policy file's provenance the seed).
         if top is not None and better(top.result, found.result):
-            found = top
+            found = dataclasses.replace(top, searcher=found.searcher, note=f"won by {top.searcher}")
         if ctx.state.sigint_pending:  # a Ctrl-C after the last report, that a finalizer swallowed
             ctx.interrupt()
     if user_budget_bytes is not None:  # the budget as typed, and the reserve kept back of it

@@ -285,7 +285,9 @@ def test_search_command_with_the_pretrained_agent(capsys: pytest.CaptureFixture[
     assert code == 0, err
     got = json.loads(stdout)
     assert got["feasible"] and got["samples_per_s"] >= got["best_heuristic_samples_per_s"]
-    assert got["searcher"] in ("ppo-pretrained", got["best_heuristic"]) and out.exists()
+    assert got["searcher"] == "ppo-pretrained" and out.exists()
+    # where a baseline's policy won, the note names it, as the portfolio's does
+    assert got["samples_per_s"] > got["best_heuristic_samples_per_s"] or got["note"].startswith("won by ")
 
 
 def test_the_portfolio_takes_the_one_pass_among_its_seeds() -> None:

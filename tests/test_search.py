@@ -530,3 +530,33 @@ def test_optuna_answers_no_worse_than_a_seed_whose_lookahead_it_cannot_draw(monk
     assert delta.feasible and delta.policy.options.prefetch_lookahead == 7
     found = get_searcher("optuna-tpe").search(Problem(w, hw, 349_782_272), SearchContext(trials=1, seeds=(delta,)))
     assert found.feasible and found.result.samples_per_s >= delta.result.samples_per_s
+
+
+def test_a_searcher_that_loses_to_a_baseline_answers_with_its_policy_and_says_whose(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`search --searcher optuna-tpe` whose own best is slower than a baseline's answers with the baseline's
+    policy; `searcher` (the table's and --json's) named the baseline there, where the portfolio's names itself
+    and says "won by" whom: now both do the latter."""
+    import io
+
+    from rich.console import Console
+
+    from agents import optuna_search
+    from autotune.search import best_heuristic, run_search
+
+    def slowest_seed(self: object, problem: Problem, ctx: SearchContext) -> SearchResult:
+        slowest = min((r for r in ctx.seeds if r.feasible), key=lambda r: r.result.samples_per_s)
+        return dataclasses.replace(slowest, searcher="optuna-tpe", note="")
+
+    monkeypatch.setattr(optuna_search.OptunaSearcher, "search", slowest_seed)
+    outcome = run_search(chain_problem(0.7), SearchContext(trials=2, time_limit_s=10), "optuna-tpe",
+                         out=tmp_path / "p.json", milp=False, milp_time_s=1.0, err=Console(file=io.StringIO()),
+                         quiet=True)  # fmt: skip
+    top, found = best_heuristic(outcome), outcome.found
+    assert top is not None and top.result.samples_per_s > min(
+        r.result.samples_per_s for r in outcome.baselines if r.feasible
+    )  # the seeds differ: the searcher's answer lost
+    assert found.searcher == "optuna-tpe" and found.note == f"won by {top.searcher}"
+    assert found.result.samples_per_s == top.result.samples_per_s
+    assert found.policy.provenance.searcher == top.searcher  # the file says who made the policy
