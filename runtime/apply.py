@@ -758,6 +758,14 @@ class PolicyRuntime:
             what = f"{len(keys)} saved tensors are not in the policy for {self.policy.model} ({named}); they are kept"
         else:
             return
+        # The policy's keys that no tensor of this step had: beside the tensors it does not name, most likely
+        # the same tensors under keys edited by hand (or the policy of another version of the model).
+        seen = {e.key for e in self._log}
+        unmatched = sorted(k for k in self.policy.actions if k not in seen and k not in self.ignored)
+        if unmatched:
+            n = len(unmatched)
+            what += f"; the policy's actions for {n} key{'s' if n > 1 else ''} that this step did not save are unused "
+            what += f"({some_keys(unmatched)}: edited by hand?)"
         warnings.warn(f"autotune: {what}", stacklevel=4)
 
     def _learn(self, log: list[_Logged], rec: Recorder | None, force: bool) -> _Learned:

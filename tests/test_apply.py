@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from collections.abc import Callable
 
@@ -144,6 +145,13 @@ def test_unknown_keys_are_kept_and_reported_once() -> None:
             loss_fn(model, batch).backward()
     said = [str(x.message) for x in caught if "not in the policy" in str(x.message)]
     assert len(stats.unknown_keys) == 7 and len(said) == 1 and "7 saved tensors" in said[0] and "4 more" in said[0]
+    assert "unused" not in said[0]  # every action the policy has named a tensor of the step
+    # A key edited by hand: the warning named the tensor the policy lost, not the action for a key that names none.
+    policy.actions[dropped + "x"] = Action.SWAP
+    model, batch, loss_fn = _build(name, kwargs)()
+    unused = re.escape(f"for 1 key that this step did not save are unused ('{dropped}x'")
+    with pytest.warns(UserWarning, match=unused), PolicyRuntime(policy, model).step():
+        loss_fn(model, batch).backward()
 
 
 def test_policy_for_another_model_fails_before_training(tmp_path) -> None:  # type: ignore[no-untyped-def]
