@@ -153,9 +153,11 @@ def profile(
     hw, hw_note = resolve_profile(gpu)
     if workload is not None:
         w, trace_s = Workload.load(workload), 0.0
+        from autotune.models import given_image_size
+
         _check_workload_matches(w, workload, model=model, batch_size=batch_size, seq_len=seq_len,
-                                image_size=image_size, optimizer=optimizer, precision=precision,
-                                grad_accum=grad_accum)  # fmt: skip
+                                image_size=given_image_size(w.model, image_size), optimizer=optimizer,
+                                precision=precision, grad_accum=grad_accum)  # fmt: skip
     else:
         assert model is not None
         req = TraceRequest(
@@ -255,7 +257,8 @@ def _check_workload_matches(w: Any, path: Path, **given: Any) -> None:
             flag = "--" + name.replace("_", "-")
             raise AutotuneError(
                 f"{flag} {value} with --workload {path}, a trace of {w.model} at batch {w.batch_size} with {name} "
-                f"{has}: drop {flag} (the trace says it), or trace again without --workload"
+                f"{'at the default' if has is None else has}: drop {flag} (the trace says it), or trace again "
+                "without --workload"
             )
 
 

@@ -63,13 +63,14 @@ def test_profile_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     assert d["planned_pool_bytes"] >= d["peak_bytes"]  # one arena planned from the lifetimes (seed 003)
     assert (tmp_path / "w.json").exists()
     saved = ["--workload", str(tmp_path / "w.json"), "--gpu", "a100-40gb", "--json"]
-    for same in ([], ["--model", "resnet18", "--batch-size", "2"]):  # the trace's own settings, or none
+    for same in ([], ["--model", "resnet18", "--batch-size", "2"], ["--image-size", "224"]):  # its own, or none
         code, out2, _ = run(capsys, "profile", *same, *saved)
         assert code == 0 and json.loads(out2)["peak_bytes"] == d["peak_bytes"]
     # Settings beside --workload that are not the trace's were ignored: the report was resnet18 at batch 2's
     # (a QA run asked for resnet34 at batch 8 in bf16, and --model nosuchmodel passed). Refused, naming both.
     for other, said in ((["--model", "resnet34"], "--model resnet34"), (["-b", "8"], "--batch-size 8"),
-                        (["--precision", "bf16"], "--precision bf16")):  # fmt: skip
+                        (["--precision", "bf16"], "--precision bf16"),
+                        (["--image-size", "32"], "--image-size 32")):  # fmt: skip
         assert f"{said} with --workload" in user_error(capsys, "profile", *other, *saved)
 
 
