@@ -91,29 +91,30 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         anything is replayed, the recorder over the whole forward; it learns each pack's module call (frame) and
         key. From the second step on, saved-tensor hooks are entered only in the module calls that hold a pack of a
         tensor swapped, compressed or replayed, or of a prefetch trigger (R4), and stay on inside them; ``<loss>``
-        is what runs after the model's forward. What a step learns is kept per signature of the model's first call
-        (the shapes, dtypes and devices of its tensor arguments, its flags, the model's training mode; the last 16
-        signatures; a call without grad, a forward for pseudo-labels inside the step, saves nothing and is not the
-        step's: not its first call, and not counted among its module calls or its regions'): a step starts with
-        the last step's tables and, at that call, if its inputs differ and nothing
-        was packed yet, goes on with the tables learnt for them or learns from there (the keyer's hooks and the
-        recorder entered inside the call, the hooks of the model's own call entered by hand; the hooks of the mode
-        it leaves, which PyTorch gathered for that call already, do nothing). A DataLoader's smaller last batch, or
-        a sequence length that changes with padding, so learns once and then applies the policy as a step of the
-        planned shape does. Each pack is looked up in its call's table by its ordinal there and checked by shape
-        and dtype (and, for a later pack of a handled tensor, by storage); a mismatch keeps that tensor and every
-        later one of the step, warns once, and the next step with these inputs learns again. A step is learnt
-        from only when it saved something for backward and its backward unpacked it inside the step: a forward under
-        ``torch.no_grad`` (a validation pass) or one whose backward is skipped (a loss not used) leaves the learning
-        to the next step; a replayed tensor that it never unpacked (a branch whose output the loss does not use)
-        is learnt as kept, since no replay re-ran its producers for later steps to record. The recorder is
-        entered only in the calls whose ops a replay re-ran. Entered for ``<loss>``, it leaves at the first pack
-        there after the last op a replay re-ran (the first step tells which), still in forward, so that
-        backward's ops do not pass through it (a Python call each); without such a pack, at the step's end. It is
-        also entered in the calls that write in place, after a replayed op read it, a storage that op read (a
-        buffer updated after its use, an EMA), so that the replay reads it as it was (R6). Never inside backward:
-        backward runs each node under the thread-local state captured when it began, so a mode popped inside it
-        is back on the stack when it returns. An all-keep policy,
+        is what runs after the model's forward; module calls count from the step's start (NOTE [ Key format ]), so a
+        model called again before backward (a siamese or contrastive loss) has calls of its own, and ``<loss>``'s
+        hooks are set aside while such a later call runs. What a step learns is kept per signature of the model's
+        first call (the shapes, dtypes and devices of its tensor arguments, its flags, the model's training mode;
+        the last 16 signatures; a call without grad, a forward for pseudo-labels inside the step, saves nothing and
+        is not the step's: not its first call, and not counted among its module calls or its regions'): a step
+        starts with the last step's tables and, at that call, if its inputs differ and nothing was packed yet, goes
+        on with the tables learnt for them or learns from there (the keyer's hooks and the recorder entered inside
+        the call, the hooks of the model's own call entered by hand; the hooks of the mode it leaves, which PyTorch
+        gathered for that call already, do nothing). A DataLoader's smaller last batch, or a sequence length that
+        changes with padding, so learns once and then applies the policy as a step of the planned shape does. Each
+        pack is looked up in its call's table by its ordinal there and checked by shape and dtype (and, for a later
+        pack of a handled tensor, by storage); a mismatch keeps that tensor and every later one of the step, warns
+        once, and the next step with these inputs learns again. A step is learnt from only when it saved something
+        for backward and its backward unpacked it inside the step: a forward under ``torch.no_grad`` (a validation
+        pass) or one whose backward is skipped (a loss not used) leaves the learning to the next step; a replayed
+        tensor that it never unpacked (a branch whose output the loss does not use) is learnt as kept, since no
+        replay re-ran its producers for later steps to record. The recorder is entered only in the calls whose ops a
+        replay re-ran. Entered for ``<loss>``, it leaves at the first pack there after the last op a replay re-ran
+        (the first step tells which), still in forward, so that backward's ops do not pass through it (a Python call
+        each); without such a pack, at the step's end. It is also entered in the calls that write in place, after a
+        replayed op read it, a storage that op read (a buffer updated after its use, an EMA), so that the replay
+        reads it as it was (R6). Never inside backward: backward runs each node under the thread-local state
+        captured when it began, so a mode popped inside it is back on the stack when it returns. An all-keep policy,
         or one that only recomputes through regions, installs no saved-tensor hooks at all.
     R12. The model. A policy records its model's parameters by name and shape
         (runtime.keys.parameter_fingerprint); a model with other ones is refused when the runtime is made,
@@ -915,12 +916,34 @@ class PolicyRuntime:
 
             return pre, post
 
+        # The model's calls with grad that began in this step; the ``<loss>`` table set aside while a later one
+        # runs (a siamese or contrastive loss calls the model twice before backward): its packs are those of its
+        # own module calls' tables, or of none, as in the step that learnt them.
+        roots = [1 if started else 0]
+        aside: list[_Table] = []
+
         def root_starts(*_: Any) -> None:
-            while live and outside and not self._without_grad():
-                leave(outside.pop())
+            if not live or self._without_grad():
+                return
+            roots[0] += 1
+            if roots[0] == 1:
+                while outside:  # <before>
+                    leave(outside.pop())
+            elif outside and outside[-1] & 1 and not aside:  # <loss>'s hooks are the innermost: no module runs
+                _POP_HOOKS()
+                aside.append(tables.pop())
+
+        def resume() -> None:
+            if aside:
+                tables.append(aside.pop())
+                _PUSH_HOOKS(self._pack_later, self._unpack)
 
         def root_done(*_: Any) -> None:
-            if live and not outside and not self._without_grad():
+            if not live or self._without_grad():
+                return
+            if aside:
+                resume()
+            elif not outside:
                 outside.append(enter(_LOSS))
 
         handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -934,14 +957,17 @@ class PolicyRuntime:
                     pre(self.model, ())
             if (_BEFORE in learned.tables or _BEFORE in learned.record) and not started:
                 outside.append(enter(_BEFORE))
+            loss = _LOSS in learned.tables or _LOSS in learned.record
+            if outside or loss:
                 handles.append(self.model.register_forward_pre_hook(StepHook(root_starts)))
-            if _LOSS in learned.tables or _LOSS in learned.record:
+            if loss:
                 handles.append(self.model.register_forward_hook(StepHook(root_done), always_call=True))
             yield
         finally:
             live = False
             for handle in handles:
                 handle.remove()
+            resume()  # a later call of the model that raised: <loss>'s hooks are pushed, as leave() pops them
             while tokens:
                 token = tokens.pop()
                 if token is not None:

@@ -7,8 +7,9 @@ NOTE [ Key format ]
 
     * ``module path`` is the innermost module whose forward is running when autograd packs the tensor
       (``<root>`` for the model itself, ``<loss>`` outside the model, e.g. the loss function);
-    * ``call`` counts the calls of that module since the model's forward started (torchvision's
-      Bottleneck calls its one ``relu`` three times);
+    * ``call`` counts the calls of that module since the step started (torchvision's Bottleneck calls its
+      one ``relu`` three times; a siamese or contrastive loss calls the model itself twice before its
+      backward, and the second call's tensors are the model's calls 1, not 0 again);
     * ``ordinal`` counts the distinct storages first packed during that call;
     * ``producer`` is the autograd node of the packed tensor without its ``Backward<n>`` suffix, or
       ``nograd`` for a tensor without a grad_fn (an input, a non-differentiable output). It is
@@ -63,13 +64,15 @@ class KeyedTensor:
 class SavedTensorKeyer:
     """Tracks module calls on one model and names each packed storage (NOTE [ Key format ]).
 
-    Use :meth:`attached` around the iterations, :meth:`new_forward` at the start of each forward (it is
-    called automatically when the root module's forward starts), and :meth:`key_for` inside a pack hook.
+    Use :meth:`attached` around a step (it starts counting afresh), :meth:`new_forward` at the start of each
+    later step attached in the same block, and :meth:`key_for` inside a pack hook. A step is one forward and
+        its backward: every call of the model before its backward counts on (NOTE [ Key format ]).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._stack: list[tuple[str, int]] = []  # (module path, call index) of running forwards
+        self._idle: list[str] = []  # module calls made without grad, running (not counted: they save nothing)
         self._calls: dict[str, int] = {}
         self._ordinals: dict[tuple[str, int], int] = {}
         self._keys: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> key
@@ -86,6 +89,7 @@ class SavedTensorKeyer:
         module. Global hooks run before per-module ones (the tracer's backward attribution relies on the
         per-module order, so it keeps those)."""
         self.exclude_model_state()
+        self.new_forward()
         if global_hooks:
             if self._names is None:
                 self._names = {id(mod): path or ROOT for path, mod in self.model.named_modules()}
@@ -115,11 +119,15 @@ class SavedTensorKeyer:
                 h.remove()
             self._handles.clear()
             self._stack.clear()
+            self._idle.clear()
 
     def _enter(self, name: str) -> None:
-        """A module's forward starts: count the call and push it."""
-        if name == ROOT and not self._stack:
-            self.new_forward()
+        """A module's forward starts: count the call and push it. A call without grad (a forward for pseudo-
+        labels, a teacher's inside the step) saves nothing and is not counted, as the runtime's later steps do
+        not count it (runtime R11)."""
+        if not torch.is_grad_enabled():
+            self._idle.append(name)
+            return
         call = self._calls.get(name, 0)
         self._calls[name] = call + 1
         self._stack.append((name, call))
@@ -132,7 +140,9 @@ class SavedTensorKeyer:
     def _leave(self, name: str) -> None:
         # Hooks registered with always_call=True: this also runs when forward raised, so the stack stays
         # balanced.
-        if self._stack and self._stack[-1][0] == name:
+        if self._idle and self._idle[-1] == name:
+            self._idle.pop()
+        elif self._stack and self._stack[-1][0] == name:
             self._stack.pop()
 
     def _make_pre(self, name: str):  # type: ignore[no-untyped-def]
@@ -148,7 +158,8 @@ class SavedTensorKeyer:
         return post
 
     def new_forward(self) -> None:
-        """Forget the calls and keys of the previous forward."""
+        """Forget the calls and keys of the previous step."""
+        self._idle.clear()
         self._calls.clear()
         self._ordinals.clear()
         self._keys = WeakIdKeyDictionary()

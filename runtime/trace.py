@@ -360,6 +360,7 @@ class _FrameLog:
         self.frames = [Frame(0, OUTSIDE, 0, -1, 0, -1)]
         self._stack = [0]
         self._calls: dict[str, int] = {}
+        self._idle: list[str] = []  # calls without grad, running: not frames, as not in the keys
         self.packs: dict[int, list[tuple[int, int]]] = {}  # candidate tensor id -> (frame, last op) per pack
         self.active = True  # until the forward ends
 
@@ -395,9 +396,10 @@ class _FrameLog:
     def _enter(self, name: str, norm: bool, args: Any) -> None:
         if not self.active:
             return
-        if name == ROOT and len(self._stack) == 1:  # a new forward: calls count from 0, as in the keys
-            self._calls.clear()
-        call = self._calls.get(name, 0)
+        if not torch.is_grad_enabled():  # saves nothing, and the keys do not count it (runtime/keys.py)
+            self._idle.append(name)
+            return
+        call = self._calls.get(name, 0)  # from 0 in each step, as in the keys (a second call of the model goes on)
         self._calls[name] = call + 1
         parent = self._stack[-1] if len(self._stack) > 1 else -1  # frame 0 encloses nothing
         n = len(self.rec.ops)
@@ -406,6 +408,9 @@ class _FrameLog:
         self._stack.append(frame.index)
 
     def _leave(self, name: str, out: Any) -> None:
+        if self._idle and self._idle[-1] == name:
+            self._idle.pop()
+            return
         if not self.active or len(self._stack) == 1 or self.frames[self._stack[-1]].path != name:
             return
         frame = self.frames[self._stack.pop()]
@@ -645,6 +650,7 @@ def _drop_pass(
     step: TrainStep,
 ) -> dict[str, int]:
     """Forward only, autograd keeping no saved tensor (NOTE [ Drop pass ]): key -> release op."""
+    keyer.new_forward()
     rec = _Recorder(time_ops=False)
     _register_state(rec, model, batch, opt, step)
     keys: dict[int, str] = {}  # tensor id -> key
@@ -683,6 +689,7 @@ def _record(
     time_ops: bool,
     target: HardwareProfile | None = None,
 ) -> tuple[_Recorder, dict[int, str], tuple[dict[int, int], dict[int, set[str]]], _FrameLog]:
+    keyer.new_forward()
     rec = _Recorder(time_ops=time_ops, target=target)
     _register_state(rec, model, batch, opt, step)
     cand: dict[int, str] = {}  # tensor id -> key, in first-pack order

@@ -97,6 +97,31 @@ def make_mismatched(batch_size: int = 2) -> tuple[nn.Module, torch.Tensor]:
     return nn.Sequential(nn.Linear(IN_FEATURES, 16), nn.Linear(15, 2)), torch.randn(batch_size, IN_FEATURES)
 
 
+def make_siamese(batch_size: int = 4, pseudo_labels: bool = False) -> tuple[nn.Module, tuple, object]:
+    """A contrastive loss (SimCLR's form): one encoder, called on two views before backward; with
+    ``pseudo_labels`` a third call under ``torch.no_grad`` first (FixMatch's form), whose output only weighs
+    the loss."""
+    torch.manual_seed(0)
+    encoder = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 8),
+    )  # fmt: skip
+    views = (torch.randn(batch_size, 3, 8, 8), torch.randn(batch_size, 3, 8, 8))
+
+    def loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
+        a, b = batch
+        weight = 1.0
+        if pseudo_labels:
+            with torch.no_grad():
+                weight = model(a).softmax(dim=1).amax(dim=1).mean()
+        za = nn.functional.normalize(model(a), dim=1)
+        zb = nn.functional.normalize(model(b), dim=1)
+        logits = za @ zb.t() / 0.1
+        return weight * nn.functional.cross_entropy(logits, torch.arange(a.shape[0]))
+
+    return encoder, views, loss_fn
+
+
 def make_integer_output() -> tuple[nn.Module, torch.Tensor]:
     """A module whose output is not floating point: the default loss cannot use it."""
     return _ArgMax(), torch.randn(2, IN_FEATURES)

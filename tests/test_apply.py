@@ -1242,3 +1242,33 @@ def test_a_forward_without_grad_inside_the_step_leaves_the_policy_as_it_is(actio
     assert all(
         torch.equal(a, b) for x, y in zip(with_pseudo, without, strict=True) for a, b in zip(x[3], y[3], strict=True)
     )
+
+
+@pytest.mark.parametrize("pseudo_labels", [False, True])
+def test_a_model_called_twice_before_backward_has_keys_of_its_own_for_each_call(pseudo_labels: bool) -> None:
+    """A contrastive loss calls the encoder on two views before backward. Each call counted its module calls
+    from 0 again, so both views' tensors had one key (23 saved, 14 keys: one action for two tensors), and the
+    steps after the first looked the second call's packs up in the first call's tables: every other step
+    warned, kept everything and learnt again. A call without grad (pseudo-labels) first is not counted."""
+    import functools
+
+    from tests.fixtures_models import make_siamese
+
+    build = functools.partial(make_siamese, 4, pseudo_labels)
+    w = capture(build, name="siamese", batch_size=4)
+    keys = [c.key for c in w.candidates]
+    assert len(keys) == len(set(keys)) == 23 + pseudo_labels  # (the pseudo-labels' weight, saved by the product)
+    assert {"1#0.0:Convolution", "1#1.0:Convolution"} <= set(keys)  # the first conv's output, in each call
+    policy = Policy.uniform(w, Action.RECOMPUTE, hardware="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no step keeps what the policy drops
+        got = train_steps(build, policy, 4, buffers=True)
+        model, batch, loss_fn = build()
+        rt = PolicyRuntime(policy, model)
+        replayed = []
+        for _ in range(4):
+            with rt.step() as stats:
+                loss_fn(model, batch).backward()
+            replayed.append(stats.recomputed_ops)
+    assert same_bits(got, train_steps(build, None, 4, buffers=True))
+    assert replayed[0] > 0 and len(set(replayed)) == 1  # every step replays what the first did
