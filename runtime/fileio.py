@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -11,17 +12,27 @@ from runtime.errors import AutotuneError
 
 def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder and a rename, so readers see
-    the old file or the new one, never a part. The file gets the usual permissions (0666 less the umask),
-    not mkstemp's private 0600."""
-    path = Path(path)
+    the old file or the new one, never a part. A new file gets the usual permissions (0666 less the umask),
+    not mkstemp's private 0600; a file that exists keeps its own. A symbolic link is written through (the file
+    it names is replaced, the link stays), and a file that is not a regular one (``/dev/null``, a named pipe)
+    is written into, not replaced."""
+    path = Path(os.path.realpath(path))
     raw = data.encode("utf-8") if isinstance(data, str) else data
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # a new file
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = stat.S_IFREG | (0o666 & ~umask)
+    if not stat.S_ISREG(mode):
+        with open(path, "wb") as f:
+            f.write(raw)
+        return
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, stat.S_IMODE(mode))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -33,9 +44,13 @@ def check_writable(path: str | os.PathLike[str] | None, option: str) -> None:
     that does not exist or under a file, a folder this process may not write in."""
     if path is None:
         return
-    p = Path(path)
-    parent = p.parent if str(p.parent) else Path(".")
+    p = Path(os.path.realpath(path))  # a symbolic link is written through (atomic_write)
+    parent = p.parent
     how = f"choose another {option}"
+    if p.exists() and not p.is_dir() and not p.is_file():  # /dev/null, a named pipe: written into
+        if not os.access(p, os.W_OK):
+            raise AutotuneError(f"{option} {str(path)!r}: cannot write to it; {how}")
+        return
     if p.is_dir():
         raise AutotuneError(f"{option} {str(path)!r} is a folder: expected a file name in it, e.g. {p / 'out.json'}")
     if not parent.exists():
