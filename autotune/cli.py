@@ -6,12 +6,16 @@ traceback unless ``--debug`` is given (anywhere on the command line).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -761,8 +765,8 @@ def search(
         sr.render(out, outcome)
     if outcome.interrupted:
         where = f"the best policy so far is in {path}" if outcome.written else "no policy fits yet"
-        err.print(f"interrupted: {where}; resume with --storage {storage} --study {name}")
-        raise SystemExit(130)
+        err.print(f"{_stopped()}: {where}; resume with --storage {storage} --study {name}")
+        raise SystemExit(_stop_code())
     if not outcome.written:
         err.print(f"[bold red]error:[/] {sr.no_answer(outcome)}", highlight=False)
         raise SystemExit(1)
@@ -1156,11 +1160,11 @@ def sweep(
         at, total = len(outcome.cells), outcome.total
         where = f"in cell {at} of {total}" if at and outcome.cells[-1].interrupted else f"after {at} of {total} cells"
         err.print(
-            f"interrupted {where}; the same command resumes from {storage}",
+            f"{_stopped()} {where}; the same command resumes from {storage}",
             highlight=False,
             soft_wrap=True,
         )
-        raise SystemExit(130)
+        raise SystemExit(_stop_code())
 
 
 @app.command()
@@ -1281,6 +1285,46 @@ def _usage_error(e: Any, args: list[str]) -> str:
     return f"{message}; see {ctx.command_path if ctx is not None else 'autotune'} --help"
 
 
+_TERMINATED = [False]
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    """SIGTERM (``kill``, ``docker stop``, a scheduler's preemption) stops a command as Ctrl-C does: a search
+    writes its best policy so far, a sweep keeps its cells; then exit 143 (128 + SIGTERM), where it ended at
+    once with nothing said and nothing written."""
+    _TERMINATED[0] = True
+    handler = signal.getsignal(signal.SIGINT)  # the search's own (agents.base noting_sigint), or Python's
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _TERMINATED[0] = False
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stopped() -> str:
+    return "terminated" if _TERMINATED[0] else "interrupted"
+
+
+def _stop_code() -> int:
+    return 143 if _TERMINATED[0] else 130  # 128 + the signal's number
+
+
+def _interrupted() -> SystemExit:
+    err.print(_stopped())
+    return SystemExit(_stop_code())
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: ``--debug`` anywhere shows tracebacks; user errors exit with code 2."""
     global _DEBUG
@@ -1288,6 +1332,11 @@ def main(argv: list[str] | None = None) -> None:
     _DEBUG = "--debug" in args
     args = [a for a in args if a != "--debug"]
     note_sigint(False)  # this command's own Ctrl-C only (tests run several commands in one process)
+    with _sigterm_as_interrupt():
+        _main(args)
+
+
+def _main(args: list[str]) -> None:
     try:
         with warnings.catch_warnings():
             if not _DEBUG:  # a warning is one line on stderr, as errors are (--debug: Python's, with its source)
@@ -1300,8 +1349,7 @@ def main(argv: list[str] | None = None) -> None:
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True, emoji=False)
         raise SystemExit(2) from None
     except KeyboardInterrupt:
-        err.print("interrupted")
-        raise SystemExit(130) from None
+        raise _interrupted() from None
     except SystemExit as e:
         # The reader went away (`autotune models | head`): not an error. click answers a broken pipe with exit 1.
         if e.code == 1 and isinstance(e.__context__, BrokenPipeError):
@@ -1311,8 +1359,7 @@ def main(argv: list[str] | None = None) -> None:
         _reader_gone()
     except Exception as e:  # click's own usage errors carry their exit code (2)
         if (from_interrupt(e) or sigint_arrived()) and not _DEBUG:  # a Ctrl-C that a library turned into another error
-            err.print("interrupted")
-            raise SystemExit(130) from None
+            raise _interrupted() from None
         if _is_click(e, "UsageError"):  # a value of the wrong type, an unknown option: one line, as ours
             if e.format_message():  # type: ignore[attr-defined]  # (none: the help was shown, no command given)
                 err.print(f"[bold red]error:[/] {escape(_usage_error(e, args))}", highlight=False, soft_wrap=True)
@@ -1338,7 +1385,7 @@ def main(argv: list[str] | None = None) -> None:
     # own handling (tracing, a command's setup) into ``Exit(130)``: returned, it would end the process with 0.
     if isinstance(code, int) and not isinstance(code, bool) and code != 0:
         if code == 130:
-            err.print("interrupted")
+            raise _interrupted()
         raise SystemExit(code)
 
 

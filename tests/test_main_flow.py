@@ -671,10 +671,12 @@ def test_from_interrupt_follows_causes_and_contexts() -> None:
     assert not from_interrupt(ValueError("no interrupt here"))
 
 
-def _interrupt_after_trials(proc: subprocess.Popen[str], db: Path, count: int, what: str) -> tuple[str, str]:
-    """Once the Optuna storage ``db`` holds ``count`` trials (at most 100 s), Ctrl-C to ``proc``, still
-    running then (``what`` says what should have stored them); its exit 130 without a traceback, and its
-    stdout and stderr."""
+def _interrupt_after_trials(
+    proc: subprocess.Popen[str], db: Path, count: int, what: str, sig: int = signal.SIGINT
+) -> tuple[str, str]:
+    """Once the Optuna storage ``db`` holds ``count`` trials (at most 100 s), Ctrl-C (or ``sig``) to ``proc``,
+    still running then (``what`` says what should have stored them); its exit 130 (128 + the signal) without a
+    traceback, and its stdout and stderr."""
     deadline = time.monotonic() + 100
     while time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.25)
@@ -685,14 +687,17 @@ def _interrupt_after_trials(proc: subprocess.Popen[str], db: Path, count: int, w
         except sqlite3.Error:  # not created yet, or no table yet
             pass
     assert proc.poll() is None, f"{what} ended before it had stored {count} trials"
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == 128 + sig, stderr
     assert "Traceback" not in stderr, stderr
     return stdout, stderr
 
 
-def test_sigint_during_a_search_exits_130_without_a_traceback(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_a_search_exits_without_a_traceback_and_keeps_its_best(tmp_path: Path, sig: int) -> None:
+    """SIGTERM (`kill`, `docker stop`, a scheduler's preemption) ended the search at once, exit 143, nothing said
+    and no policy written: it stops as Ctrl-C does now."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "autotune.cli", "search", "--model", "resnet18", "--batch-size", "4", "--gpu",
          "a100-40gb", "--budget", "200MB", "--reserve", "8MiB", "--timeout", "120", "--out", str(tmp_path / "p.json"),
@@ -702,7 +707,10 @@ def test_sigint_during_a_search_exits_130_without_a_traceback(tmp_path: Path) ->
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
     # Tracing, the baselines, the refinement, then Optuna: interrupted once Optuna has stored two trials.
-    _interrupt_after_trials(proc, tmp_path / "s.db", 2, "the search's Optuna phase")
+    _, stderr = _interrupt_after_trials(proc, tmp_path / "s.db", 2, "the search's Optuna phase", sig)
+    said = "terminated" if sig == signal.SIGTERM else "interrupted"
+    assert f"{said}: the best policy so far is in {tmp_path / 'p.json'}" in stderr, stderr
+    assert load_policy(tmp_path / "p.json").predicted is not None
 
 
 def test_ctrl_c_stops_the_whole_sweep_and_keeps_what_its_cell_found(tmp_path: Path) -> None:
