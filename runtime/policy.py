@@ -499,6 +499,14 @@ class Policy:
         if fmt != FORMAT:
             raise AutotuneError(f"{source}: format {fmt!r} is not supported: expected {FORMAT!r}; {_fix()}")
         _validate(d, source)
+        for name in ("batch_size", "seq_len", "image_size", "grad_accum", "budget_bytes", "reserve_bytes"):
+            if isinstance(d.get(name), float):  # JSON Schema's integers include 2.0; Python's do not
+                raise AutotuneError(f"{source}: {name}: {d[name]!r} is not an integer: write it {int(d[name])}")
+        if not d["actions"]:  # every training step saves tensors for backward: an empty list names none of them
+            raise AutotuneError(
+                f'{source}: "actions" is empty: a policy has one action per tensor its model saves for backward '
+                f"(edited by hand?); {_fix(d['model'])}"
+            )
         pred, meas = d.get("predicted"), d.get("measured")
         try:
             return cls(

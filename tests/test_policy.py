@@ -180,6 +180,10 @@ def test_wrong_format(tmp_path: Path, mlp: Workload) -> None:
             r"options\.prefetch_lookahead: -1 is less than",
         ),
         (lambda d: d.update(batch_size="64"), r"batch_size: '64' is not of type 'integer'"),
+        # accepted by the schema, and trained at batch 2.0 (the CLI refused it with a message about a flag)
+        (lambda d: d.update(batch_size=2.0), r"batch_size: 2\.0 is not an integer: write it 2"),
+        # policy.applied trained with it as if it kept everything, without a word
+        (lambda d: d.update(actions={}), r'p\.json: "actions" is empty: a policy has one action per tensor'),
         (lambda d: d["predicted"].pop("iter_s"), r"predicted: .*'iter_s' is a required property"),
         (
             lambda d: d["provenance"].update(created="yesterday"),
