@@ -334,6 +334,9 @@ def run_search(
         # portfolio says whose policy won (the searcher is the one run; the policy file's provenance the seed).
         if top is not None and better(top.result, found.result):
             found = dataclasses.replace(top, searcher=found.searcher, note=f"won by {top.searcher}")
+        if found.feasible and not found.policy.to_vector(problem.workload).any():
+            # The budget holds the model as it is: "won by capuchin" named a heuristic for keeping everything.
+            found = dataclasses.replace(found, note="keeping everything fits the budget: no policy needed")
         if ctx.state.sigint_pending:  # a Ctrl-C after the last report, that a finalizer swallowed
             ctx.interrupt()
     if user_budget_bytes is not None:  # the budget as typed, and the reserve kept back of it
@@ -588,7 +591,7 @@ def render(out: Console, outcome: SearchOutcome) -> None:
         out.print(
             f"reserved: {how} runs within {format_bytes(rf.planned[0])} on a model of PyTorch's CUDA caching "
             f"allocator{es}, {format_bytes(rf.reserved_peak_bytes)} reserved at most{given} (the model is not yet "
-            f"checked on a GPU; {rf.checked} policies checked{again}; --budget-kind allocated plans for tensors "
+            f"checked on a GPU; {rf.checked} {'policy' if rf.checked == 1 else 'policies'} checked{again}; --budget-kind allocated plans for tensors "
             "alone)" + ("; train it with autotune train --expandable-segments" if es else ""),
             highlight=False,
         )
@@ -659,7 +662,7 @@ def no_answer(outcome: SearchOutcome) -> str:
         return (
             f"no policy runs within {format_bytes(rf.planned[0])} on the caching allocator's model"
             f"{' with expandable_segments:True' if rf.expandable_segments else ''} ({len(rf.planned)} searches, "
-            f"{rf.checked} policies checked, the lowest tensor peak {format_bytes(rf.lowest_peak_bytes)}): "
+            f"{rf.checked} {'policy' if rf.checked == 1 else 'policies'} checked, the lowest tensor peak {format_bytes(rf.lowest_peak_bytes)}): "
             f"nothing written to {outcome.policy_path}; raise --budget, lower --batch-size, "
             + ("" if rf.expandable_segments else "try --expandable-segments, ")
             + "or plan for tensors alone with --budget-kind allocated"
