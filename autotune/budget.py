@@ -11,6 +11,7 @@ the same bytes, and :func:`record_budget` is where a policy's recorded budget is
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -66,9 +67,14 @@ def reserve_bytes(reserve: str | None, budget: str, budget_bytes: int, hw: Hardw
     if reserve is None:
         n = DEFAULT_GPU_RESERVE if hw.is_gpu else 0
     else:
+        zero = re.fullmatch(r"\s*0+(?:\.0*)?\s*([A-Za-z]*)\s*", reserve)  # 0, 0B, 0MiB, 0.0 GB: none
         try:
-            n = 0 if reserve.strip().upper() in ("0", "0B") else parse_size(reserve)
+            n = parse_size(reserve if zero is None else f"1{zero.group(1)}") * (zero is None)  # a zero's unit checked
         except AutotuneError as e:
+            if zero is not None:
+                raise AutotuneError(
+                    f"--reserve: invalid size {reserve!r}: unknown unit {zero.group(1)!r}; e.g. 0 or 128MiB"
+                ) from None
             raise AutotuneError(f"--reserve: {e} (or 0 for none)") from None
     if n >= budget_bytes and reserve is not None:
         raise AutotuneError(

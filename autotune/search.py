@@ -467,6 +467,10 @@ def best_heuristic(outcome: SearchOutcome) -> SearchResult | None:
 _DONE = {Action.KEEP: "kept", Action.SWAP: "swapped", Action.RECOMPUTE: "recomputed", Action.COMPRESS: "compressed"}
 
 
+def _policies(n: int) -> str:
+    return f"{n} {'policy' if n == 1 else 'policies'}"
+
+
 def memory_by_action(problem: Problem, policy: Policy) -> dict[str, int]:
     """Candidate bytes per action, named for the report ("kept", "swapped", ...)."""
     return {_DONE[a]: n for a, n in policy.bytes_by_action(problem.workload).items()}
@@ -591,7 +595,7 @@ def render(out: Console, outcome: SearchOutcome) -> None:
         out.print(
             f"reserved: {how} runs within {format_bytes(rf.planned[0])} on a model of PyTorch's CUDA caching "
             f"allocator{es}, {format_bytes(rf.reserved_peak_bytes)} reserved at most{given} (the model is not yet "
-            f"checked on a GPU; {rf.checked} {'policy' if rf.checked == 1 else 'policies'} checked{again}; --budget-kind allocated plans for tensors "
+            f"checked on a GPU; {_policies(rf.checked)} checked{again}; --budget-kind allocated plans for tensors "
             "alone)" + ("; train it with autotune train --expandable-segments" if es else ""),
             highlight=False,
         )
@@ -662,7 +666,7 @@ def no_answer(outcome: SearchOutcome) -> str:
         return (
             f"no policy runs within {format_bytes(rf.planned[0])} on the caching allocator's model"
             f"{' with expandable_segments:True' if rf.expandable_segments else ''} ({len(rf.planned)} searches, "
-            f"{rf.checked} {'policy' if rf.checked == 1 else 'policies'} checked, the lowest tensor peak {format_bytes(rf.lowest_peak_bytes)}): "
+            f"{_policies(rf.checked)} checked, the lowest tensor peak {format_bytes(rf.lowest_peak_bytes)}): "
             f"nothing written to {outcome.policy_path}; raise --budget, lower --batch-size, "
             + ("" if rf.expandable_segments else "try --expandable-segments, ")
             + "or plan for tensors alone with --budget-kind allocated"

@@ -130,3 +130,20 @@ def test_format_bytes_rejects_non_finite(n: float) -> None:
 )
 def test_format_size_echo(text: str, expected: str) -> None:
     assert format_size_echo(text, parse_size(text)) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "0B", "0MiB", "0 GB", "0.0GiB"])
+def test_a_reserve_of_zero_takes_any_unit(text: str) -> None:
+    """`--reserve 0MiB` was refused with "a size must be greater than zero ... (or 0 for none)"."""
+    from autotune.budget import reserve_bytes
+    from runtime.hardware import get_profile
+
+    assert reserve_bytes(text, "1GB", 10**9, get_profile("a100-40gb")) == 0
+
+
+def test_a_reserve_of_zero_with_an_unknown_unit_is_refused_as_typed() -> None:
+    from autotune.budget import reserve_bytes
+    from runtime.hardware import get_profile
+
+    with pytest.raises(AutotuneError, match=r"--reserve: invalid size '0XB': unknown unit 'XB'"):
+        reserve_bytes("0XB", "1GB", 10**9, get_profile("a100-40gb"))
