@@ -26,6 +26,17 @@ from runtime.policy import Policy
 DEFAULT_GPU_RESERVE = 128 * 2**20
 
 
+def warn_over_device(err: Console, budget_bytes: int, hw: HardwareProfile) -> None:
+    """A budget above the profile's memory: a policy that fits it does not fit the GPU (profile and simulate
+    said "fits" there without a word)."""
+    if budget_bytes > hw.memory_bytes:
+        err.print(
+            f"[yellow]warning:[/] the budget is more than the {format_bytes(hw.memory_bytes)} of memory the "
+            f"{hw.name} has: a policy planned for it will not fit there",
+            highlight=False,
+        )
+
+
 @dataclass(frozen=True)
 class Budget:
     """One budget as typed (``text``, ``given_bytes``: what a policy records) and what is planned for."""
@@ -41,12 +52,7 @@ class Budget:
     def echo(self, err: Console, hw: HardwareProfile) -> None:
         """The budget as read, a warning where the GPU has less memory, and what is planned for."""
         err.print(f"budget: {format_size_echo(self.text, self.given_bytes)}")
-        if self.given_bytes > hw.memory_bytes:
-            err.print(
-                f"[yellow]warning:[/] the budget is more than the {format_bytes(hw.memory_bytes)} of memory the "
-                f"{hw.name} has: a policy planned for it will not fit there",
-                highlight=False,
-            )
+        warn_over_device(err, self.given_bytes, hw)
         if self.reserve_bytes and self.reserve_bytes < self.given_bytes:
             planned, kept = format_bytes(self.planned_bytes), format_bytes(self.reserve_bytes)
             err.print(f"planning for {planned}: the budget less a {kept} reserve for workspaces (--reserve)")

@@ -155,6 +155,10 @@ def profile(
     if budget is not None and not as_json:
         err.print(f"budget: {format_size_echo(budget, budget_bytes or 0)}")
     hw, hw_note = resolve_profile(gpu)
+    if budget_bytes is not None:
+        from autotune.budget import warn_over_device
+
+        warn_over_device(err, budget_bytes, hw)
     if workload is not None:
         w, trace_s = Workload.load(workload), 0.0
         from autotune.models import given_image_size

@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from autotune.budget import Budget, budget_of, record_budget
+from autotune.budget import Budget, budget_of, record_budget, warn_over_device
 from autotune.models import check_model_name, given_image_size
 from autotune.units import format_bytes, format_size_echo, parse_size
 from autotune.workloads import TraceRequest, check_sizes
@@ -102,6 +102,8 @@ def run_simulate(
         raise AutotuneError(f"{policy_file}: hardware: {e}; or pass --gpu NAME") from None
     if not as_json and hw_note:
         err.print(hw_note)
+    if given is not None:
+        warn_over_device(err, given, hw)
     # Planned as the search plans (NOTE [ Budget and reserve ]): the budget (the file's, or --budget) less the
     # reserve the file records, else the profile's default one, so that simulate's verdict is the search's.
     plan: Budget | None = None

@@ -719,3 +719,13 @@ def test_a_study_made_for_another_problem_is_not_resumed(capsys: pytest.CaptureF
     assert not (tmp_path / "b.json").exists()
     code, _, err = run(capsys, *base, "--budget", "300MB", "--out", str(tmp_path / "a.json"))
     assert code == 0 and "resuming study mine" in err, err
+
+
+@pytest.mark.parametrize("command", [["profile"], ["simulate", "--action", "keep"]])
+def test_a_budget_above_the_gpus_memory_is_flagged_where_it_is_checked(
+    capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    """search, baselines and maxbatch warned of a budget above the card's memory; profile and simulate said
+    "fits" without a word."""
+    code, _, err = run(capsys, *command, "--model", "resnet18", "-b", "2", "--gpu", "a100-40gb", "--budget", "50GB")
+    assert code == 0 and "warning: the budget is more than the 40.00 GiB of memory the a100-40gb has" in err, err
