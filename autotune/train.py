@@ -44,6 +44,7 @@ class TrainReport:
     expandable_in_effect: bool | None = None  # what the allocator reports it runs with (None: not known)
     compiled: str | None = None  # --compile: the backend the policy ran under (runtime/compiled.py)
     compile_report: dict[str, int] | None = None  # applied / changed / dropped decisions under compile
+    budget_bytes: int | None = None  # the policy's budget (CUDA: the device is capped at it; the CPU: checked)
 
     def medians(self) -> dict[str, float]:
         if not self.steps:
@@ -83,6 +84,10 @@ class TrainReport:
             "expandable_in_effect": self.expandable_in_effect,
             "compiled": self.compiled,
             "compile_report": self.compile_report,
+            "budget_bytes": self.budget_bytes,
+            "within_budget": (
+                measured["peak_bytes"] <= self.budget_bytes if measured and self.budget_bytes is not None else None
+            ),
         }
 
 
@@ -288,6 +293,7 @@ def run_policy(
         },
         [],
         expandable_segments=expandable_segments,
+        budget_bytes=policy.budget_bytes,
     )
     if device.startswith("cuda") and hw.is_gpu:  # the caching allocator's model (NOTE [ Reserved budget ])
         from envs.allocator import policy_stats
@@ -377,6 +383,15 @@ def render(out: Console, report: TrainReport) -> None:
     if e:
         table.add_row("error", f"{e['peak_bytes']:+.1%}", f"{e['iter_s']:+.1%}", f"{e['samples_per_s']:+.1%}")
     out.print(table)
+    if d["within_budget"] is not None:
+        budget, peak = report.budget_bytes or 0, m["peak_bytes"]
+        if d["within_budget"]:
+            out.print(f"budget {format_bytes(budget)}: the measured peak fits ({format_bytes(budget - peak)} free)")
+        else:
+            out.print(
+                f"[red]budget {format_bytes(budget)}: the measured peak is {format_bytes(peak - budget)} over it[/]"
+                + ("" if report.device.startswith("cuda") else " (nothing caps the memory on the CPU)")
+            )
     if "reserved_bytes" in m and "reserved_bytes" in p:
         how = " with expandable_segments:True" if report.expandable_segments else ""
         out.print(

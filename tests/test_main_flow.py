@@ -158,9 +158,27 @@ def test_an_image_size_goes_from_search_to_simulate_and_train(
     assert code == 0, err
     assert json.loads(stdout)["feasible"] and json.loads(out.read_text())["image_size"] == 32
     trained = _train_one_step(capsys, out)  # at 64 px its peak would be far from the plan's
-    assert trained["measured"]["peak_bytes"] <= int(budget)  # type: ignore[index]
+    assert trained["within_budget"] is True and trained["budget_bytes"] == int(budget)
     message = user_error(capsys, "simulate", "--policy", str(out), "--image-size", "64")
     assert "image size 32 px, not batch size 8, image size 64 px" in message and "--image-size 64" in message
+
+
+def test_train_checks_the_measured_peak_against_the_policys_budget(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """On the CPU nothing caps the memory: `train` said nothing of a policy whose budget its peak is far over
+    (a budget edited to 1000 bytes)."""
+    path = tmp_path / "keep.json"
+    code, _, err = run(capsys, "simulate", "--model", CNN, "--gpu", "cpu", "--action", "keep", "--save-policy",
+                       str(path))  # fmt: skip
+    assert code == 0, err
+    d = json.loads(path.read_text())
+    d["budget_bytes"] = 1000
+    path.write_text(json.dumps(d))
+    code, out, err = run(capsys, "train", "--policy", str(path), "--steps", "1")
+    assert code == 0 and "budget 1000 B: the measured peak is" in out and "over it (nothing caps the memory" in out
+    code, out, err = run(capsys, "train", "--policy", str(path), "--steps", "1", "--json")
+    assert code == 0 and json.loads(out)["within_budget"] is False
 
 
 def test_a_size_a_model_does_not_run_at_is_the_models_error(capsys: pytest.CaptureFixture[str]) -> None:
