@@ -79,7 +79,8 @@ def run_simulate(
     if model is None:
         raise AutotuneError("no model: pass --model NAME (see `autotune models`)")
     check_model_name(model)  # before the profile (--gpu cpu calibrates this CPU: seconds)
-    check_sizes(model, seq_len, image_size)
+    given_by_file = loaded is not None and (seq_len, image_size) == (loaded.seq_len, loaded.image_size)
+    check_sizes(model, seq_len, image_size, source=str(policy_file) if given_by_file else None)
     if loaded is not None:
         assert policy_file is not None
         loaded.check_settings(

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from autotune.models import build_model
 from autotune.units import format_bytes
-from autotune.workloads import TraceRequest, trace_model
+from autotune.workloads import TraceRequest, check_sizes, trace_model
 from envs.simulator import Simulator
 from runtime.apply import PolicyRuntime
 from runtime.errors import AutotuneError
@@ -191,6 +191,7 @@ def train(
         refuse_uncompilable(policy, source=str(policy_path))
     name = model or policy.model
     batch = batch_size or policy.batch_size
+    check_sizes(name, policy.seq_len, policy.image_size, source=str(policy_path))
     req = TraceRequest(
         model=name,
         batch_size=batch,

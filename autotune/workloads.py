@@ -76,8 +76,18 @@ class TraceRequest:
             )
 
 
-def check_sizes(model: str, seq_len: int | None, image_size: int | None) -> None:
-    """``--seq-len`` and ``--image-size`` where they apply to ``model``, before any long work."""
+def check_sizes(model: str, seq_len: int | None, image_size: int | None, source: str | None = None) -> None:
+    """``--seq-len`` and ``--image-size`` where they apply to ``model``, before any long work; ``source``: the
+    policy file they were read from (its ``seq_len`` and ``image_size`` fields, not flags)."""
+    if source is not None and (
+        (seq_len is not None and not takes_seq_len(model)) or (image_size is not None and not takes_image_size(model))
+    ):
+        field = "seq_len" if seq_len is not None and not takes_seq_len(model) else "image_size"
+        raise AutotuneError(
+            f"{source}: {field} {seq_len if field == 'seq_len' else image_size} does not apply to {model!r}: the "
+            f"policy was made for another model, or edited; search one for {model} with `autotune search --model "
+            f"{model} ...`"
+        )
     if seq_len is not None and not takes_seq_len(model):
         raise AutotuneError(
             f"--seq-len {seq_len} given for image model {model!r}: it only applies to language models "

@@ -729,3 +729,20 @@ def test_a_budget_above_the_gpus_memory_is_flagged_where_it_is_checked(
     "fits" without a word."""
     code, _, err = run(capsys, *command, "--model", "resnet18", "-b", "2", "--gpu", "a100-40gb", "--budget", "50GB")
     assert code == 0 and "warning: the budget is more than the 40.00 GiB of memory the a100-40gb has" in err, err
+
+
+def test_a_files_sequence_length_for_an_image_model_names_the_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A resnet18 policy with a seq_len (edited, or another model's): train and simulate blamed a --seq-len flag
+    the user never gave ("leave it unset")."""
+    path = tmp_path / "p.json"
+    code, _, err = run(capsys, "simulate", "--model", "resnet18", "-b", "2", "--gpu", "a100-40gb", "--action", "keep",
+                       "--save-policy", str(path))  # fmt: skip
+    assert code == 0, err
+    d = json.loads(path.read_text())
+    d["seq_len"] = 64
+    path.write_text(json.dumps(d))
+    for command in (["train", "--policy", str(path)], ["simulate", "--policy", str(path)]):
+        message = user_error(capsys, *command)
+        assert f"{path}: seq_len 64 does not apply to 'resnet18': the policy was made for another model" in message
