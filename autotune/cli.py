@@ -39,7 +39,9 @@ app = typer.Typer(
     help="Make deep-learning training fit in GPU memory: capture, simulate and search memory policies.",
     pretty_exceptions_enable=False,
 )
-out = Console()
+# Piped or redirected, tables get room for every value (rich's 80 columns cut profile names, method names and
+# figures to "…"); a terminal's width, or COLUMNS where set, otherwise.
+out = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 200)
 err = Console(stderr=True, soft_wrap=True)  # a message stays on one line, however long
 _DEBUG = False
 
