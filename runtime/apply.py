@@ -86,7 +86,10 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         statistics with their own values, exactly, and its step count is taken back in place where the recompute ran it
         in training mode (a frozen BatchNorm counts nothing; its mode may change between steps or inside the
         forward): they are updated once, as in plain training, and nothing is allocated. In a first step the keyer
-        names the call's inputs and outputs that the trace first saw packed inside it.
+        names the call's inputs and outputs that the trace first saw packed inside it. A call whose modules hold
+        other tensors in their parameters' places than the leaves it learnt (``torch.func.functional_call``) runs
+        under checkpoint, and the recompute, in backward, after functional_call has put the module's own back,
+        reads the tensors the forward read: they are put in those places for it (:func:`_as_in_forward`).
     R11. Scope. The first step runs as R1 says, with hooks on every pack, the keyer's module hooks and, when
         anything is replayed, the recorder over the whole forward; it learns each pack's module call (frame) and
         key. From the second step on, saved-tensor hooks are entered only in the module calls that hold a pack of a
@@ -160,7 +163,7 @@ import dataclasses
 import functools
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -600,6 +603,7 @@ class PolicyRuntime:
             for m in mod.modules()
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats
         ]
+        tables = [m._parameters for m in mod.modules() if m._parameters]  # R10: what the call reads as parameters
         calls = self._region_calls
 
         def recomputable(*args: Any, **kwargs: Any) -> Any:
@@ -640,6 +644,8 @@ class PolicyRuntime:
                 # None: under checkpoint (N4), as in any step that learns (R11): the keys of what the call's
                 # outputs are saved as name the op that made them, which a node would stand in for.
                 leaves = self._leaves[frame] if nodes and known and not self._keying else None
+                if leaves is not None and not _held(leaves, self._places[frame]):
+                    leaves = None  # another tensor in a parameter's place (torch.func.functional_call): checkpoint
                 if leaves is not None:
                     out = run_region(recomputable, args, kwargs, leaves, region.rng, self.device.type,
                                      on_double=self._double_backward, places=self._places[frame])  # fmt: skip
@@ -647,7 +653,7 @@ class PolicyRuntime:
                     learning = Learning(args, kwargs) if nodes and not known else None
                     self.stats.checkpointed += 1
                     out = checkpoint(
-                        _aliased(recomputable, args, kwargs),
+                        _aliased(_as_in_forward(recomputable, tables), args, kwargs),
                         *args,
                         use_reentrant=False,
                         preserve_rng_state=region.rng,
@@ -1336,6 +1342,36 @@ def applied(policy: Policy, model: torch.nn.Module, *, strict: bool = True) -> I
         rt = per_model[id(policy)] = PolicyRuntime(policy, model, strict=strict)
     with rt.step() as stats:
         yield stats
+
+
+def _held(leaves: Sequence[torch.Tensor], places: Sequence[Sequence[tuple[dict[str, Any], str]]]) -> bool:
+    """Whether the parameter tables hold the leaves a region learnt (R10): ``torch.func.functional_call`` puts
+    other tensors in their places for the call, and a node carrying the learnt leaves would differentiate the
+    wrong ones."""
+    return all(table[name] is leaf for leaf, where in zip(leaves, places, strict=True) for table, name in where)
+
+
+def _as_in_forward(fn: Callable[..., Any], tables: Sequence[dict[str, Any]]) -> Callable[..., Any]:
+    """``fn`` for ``torch.utils.checkpoint`` (R10) whose recompute reads the parameters the forward read. Under
+    ``torch.func.functional_call`` the forward reads the tensors it was given in the parameters' places, and
+    the recompute runs in backward, after functional_call has put the module's own back: it recomputed with
+    those, and the gradients were wrong from the first step whose given tensors differed (PyTorch's checkpoint
+    does the same). The tables as the forward saw them are put back for the recompute."""
+    held = [(table, name, value) for table in tables for name, value in table.items()]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._current_graph_task_id() == -1:
+            return fn(*args, **kwargs)  # the forward itself
+        put = [(table, name, table[name], value) for table, name, value in held if table[name] is not value]
+        for table, name, _, value in put:
+            table[name] = value
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for table, name, now, _ in put:
+                table[name] = now
+
+    return call
 
 
 def _aliased(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:

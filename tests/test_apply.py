@@ -1272,3 +1272,51 @@ def test_a_model_called_twice_before_backward_has_keys_of_its_own_for_each_call(
             replayed.append(stats.recomputed_ops)
     assert same_bits(got, train_steps(build, None, 4, buffers=True))
     assert replayed[0] > 0 and len(set(replayed)) == 1  # every step replays what the first did
+
+
+def test_functional_call_with_tensors_of_its_own_trains_as_plain_training_under_regions() -> None:
+    """A functional loop (torch.func.functional_call with parameter tensors held outside the module, new each
+    step): a region's recompute runs in backward, after functional_call has put the module's own parameters
+    back, and recomputed with those: gradients wrong from the second step (PyTorch's own checkpoint does the
+    same). Nor may a region run as a node on the leaves it learnt in a plain step."""
+    from torch.func import functional_call
+
+    class Block(torch.nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.b(torch.tanh(self.a(x)))
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), Block(16), Block(16), torch.nn.Linear(16, 3))
+        return model, (torch.randn(4, 8),), lambda m, b: m(*b).square().mean()
+
+    w = capture(build, name="blocks", batch_size=4)
+    policy = Policy.from_vector(w, uniform_actions(w, Action.RECOMPUTE), hardware="cpu")  # each block a region
+
+    def run(use: bool, plain_first: bool) -> list[tuple[torch.Tensor, ...]]:
+        model, batch, loss_fn = build()  # a runtime of its own: what its regions learnt is the model's
+        params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+        got, regions = [], 0
+        for step in range(4):
+            with policy.applied(model) if use else contextlib.nullcontext() as stats:
+                if plain_first and step < 2:  # the model's own: the regions learn them as leaves, then run as nodes
+                    loss = loss_fn(model, batch)
+                    grads = torch.autograd.grad(loss, list(model.parameters()))
+                else:
+                    loss = functional_call(model, params, batch).square().mean()
+                    grads = torch.autograd.grad(loss, list(params.values()))
+            regions += stats.regions if use else 0
+            got.append(grads)
+            params = {
+                n: (p - 0.1 * g).detach().requires_grad_() for (n, p), g in zip(params.items(), grads, strict=True)
+            }
+        assert regions > 0 or not use
+        return got
+
+    for plain_first in (False, True):  # (a node on the leaves it learnt failed: "not used in the graph")
+        plain, under = run(False, plain_first), run(True, plain_first)
+        assert all(torch.equal(a, b) for x, y in zip(plain, under, strict=True) for a, b in zip(x, y, strict=True))
