@@ -375,6 +375,9 @@ class PolicyRuntime:
         self._region_calls: dict[str, int] = {}
         self._leaves: dict[Frame, list[torch.Tensor] | None] = {}  # R10: learnt in a region's first step
         self._places: dict[Frame, list[list[tuple[dict[str, Any], str]]]] = {}  # R10: where the leaves are held
+        # R10: the views a region's first step returned, with their versions, until the model's forward ends
+        self._views: list[tuple[Frame, list[tuple[weakref.ref[torch.Tensor], int]]]] = []
+        self._views_hook: torch.utils.hooks.RemovableHandle | None = None
         self._double = False  # a backward with create_graph=True reached a node (R10: checkpoint from then on)
         self._parameters: frozenset[int] = frozenset()  # the trainable parameters the leaves were learnt with
         self.stats = RuntimeStats()
@@ -555,6 +558,7 @@ class PolicyRuntime:
         self._region_saves: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> its one detached copy (R10)
 
     def _end_step(self) -> None:
+        self._views_checked()  # a forward that raised before its end: not known, so under checkpoint
         for h in self._leaving:  # a forward without backward: nothing waits for these any more
             h.leaving = None
         self._leaving.clear()
@@ -664,6 +668,8 @@ class PolicyRuntime:
                         own = {id(p) for p in mod.parameters() if p.requires_grad}
                         self._leaves[frame] = leaves = learning.leaves(out, self._parameters, own)
                         self._places[frame] = parameter_places(self.model, leaves or [])
+                        if leaves is not None:
+                            self._watch_views(frame, out)
             finally:
                 self._suspended -= 1
             if self._keying:  # the first step's keyer names what the trace saw packed inside
@@ -672,6 +678,25 @@ class PolicyRuntime:
             return out
 
         return region_forward
+
+    def _watch_views(self, frame: Frame, out: Any) -> None:
+        """R10: the views a region's first step returned, checked when the model's forward ends: one written in
+        place after the call keeps the call under checkpoint (regions N4, plan P10)."""
+        views = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o._is_view()]
+        if not views:
+            return
+        self._views.append((frame, [(weakref.ref(v), v._version) for v in views]))
+        if self._views_hook is None:
+            self._views_hook = self.model.register_forward_hook(StepHook(self._views_checked), always_call=True)
+
+    def _views_checked(self, *_: Any) -> None:
+        for frame, views in self._views:
+            if any((v := ref()) is None or v._version != version for ref, version in views):
+                self._leaves[frame] = None  # written in place after the call (or gone: not known), under checkpoint
+        self._views.clear()
+        if self._views_hook is not None:
+            self._views_hook.remove()
+            self._views_hook = None
 
     def _without_grad(self) -> bool:
         """A module call the user made without grad (R11: not the step's). Inside a region run as one node the

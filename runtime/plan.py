@@ -45,7 +45,9 @@ NOTE [ Recompute mechanisms ]
         parameter used twice inside and again elsewhere). The node returns its gradient already summed over
         R's uses, which autograd then adds to the others: another association than plain training's one by one
         (T5's encoder gradients off by 3.4e-8). Under checkpoint the recompute's graph joins backward and sums
-        as plain training does.
+        as plain training does. Nor does R return a view (``Frame.view_out``: InstanceNorm's output) that a
+        forward op writes in place after R (a ``ReLU(inplace=True)``): a node's output that is a view cannot
+        be (runtime/regions.py N4).
 
     and no enclosing call is a region (the outermost qualifying calls are chosen). By P2-P6 a region needs
     nothing from outside but its kept arguments, and no replay needs what a region recomputes, so regions
@@ -155,7 +157,7 @@ class RegionPlanner:
 
         must: dict[str, list[list[int]]] = {"recompute": [], "keep": [], "not_recompute": []}
         self.static_ok = np.zeros(self.n_frames, dtype=bool)
-        self.node_ok = self._node_ok()  # P10
+        self.node_ok = self._node_ok(last_write)  # P10
         self.rng = np.zeros(self.n_frames, dtype=bool)
         self.internal: list[np.ndarray] = []  # candidates a region of this call would serve, if recomputed
         self._inputs: list[list[tuple[int, int]]] = []
@@ -226,8 +228,9 @@ class RegionPlanner:
             np.array([p[i] for p in flat], dtype=np.int64) for i in range(3)
         )
 
-    def _node_ok(self) -> np.ndarray:
-        """P10, per frame: no tensor with a gradient from before it is read twice inside it and again outside."""
+    def _node_ok(self, last_write: dict[int, int]) -> np.ndarray:
+        """P10, per frame: no tensor with a gradient from before it is read twice inside it and again outside,
+        and no view it returned is written in place after it."""
         w = self.w
         graded = {t.id for t in w.tensors if "float" in t.dtype and t.kind not in (TensorKind.BUFFER, TensorKind.INPUT)}
         readers: dict[int, list[int]] = {}  # the forward ops that read each, in-place writers of it aside
@@ -245,7 +248,8 @@ class RegionPlanner:
                 for t in info.inputs:
                     if t in readers and w.tensors[t].alloc_op < f.first_op and t not in info.outputs:
                         inside[t] = inside.get(t, 0) + 1
-            ok[f.index] = not any(k >= 2 and len(readers[t]) > k for t, k in inside.items())
+            written_after = f.view_out and any(last_write.get(t, -1) > f.last_op for t in f.outputs)
+            ok[f.index] = not written_after and not any(k >= 2 and len(readers[t]) > k for t, k in inside.items())
         return ok
 
     def _ancestry(self, f: int) -> list[int]:

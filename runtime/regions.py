@@ -53,7 +53,10 @@ NOTE [ Regions without a graph ]
         that torch's pytree cannot open (an object that may hold tensors the node would not see), or a
         trainable parameter of the called module that the call did not read: control flow that differs
         between steps (a mixture of experts whose router skips an expert in this step) may read it in another
-        step, whose gradient a node carrying the first call's leaves would drop.
+        step, whose gradient a node carrying the first call's leaves would drop. Nor, found when the model's
+        forward ends, an output that is a view of a tensor the call made (InstanceNorm's) and that the forward
+        wrote in place after the call (a ``ReLU(inplace=True)``; as a node's output, "Output 0 of _Region is a
+        view and is being modified inplace", from the second step on): runtime/apply.py R10, plan P10.
     N5. When the model's trainable parameters change between steps (one replaced, as ``load_state_dict(...,
         assign=True)`` does, or frozen, or unfrozen as fine-tuning schedules do), every call learns its leaves
         again. Limit: the leaves are those of the first step; a later step whose call reads a parameter that is

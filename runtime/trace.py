@@ -416,6 +416,7 @@ class _FrameLog:
         frame = self.frames[self._stack.pop()]
         frame.last_op = len(self.rec.ops) - 1
         frame.outputs = self._ids(_outputs_of(out))
+        frame.view_out = any(isinstance(t, torch.Tensor) and t._is_view() for t in tree_leaves(_outputs_of(out)))
 
     def end_forward(self) -> None:
         self.frames[0].last_op = len(self.rec.ops) - 1

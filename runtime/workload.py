@@ -153,7 +153,7 @@ class Frame:
 
     index: int
     path: str  # module path; "<root>" for the model itself, "<loss>" for frame 0 (outside the model)
-    call: int  # which call of that module since the forward started
+    call: int  # which call of that module since the step started (NOTE [ Key format ] in runtime/keys.py)
     parent: int  # the enclosing call; -1 for the root and for frame 0
     first_op: int  # first forward op run during the call
     last_op: int  # last forward op run during it (first_op - 1 when it ran none)
@@ -161,6 +161,7 @@ class Frame:
     args: tuple[int, ...] = ()  # tensor ids of its tensor arguments, positional then keyword (-1: unknown)
     outputs: tuple[int, ...] = ()  # tensor ids of the tensors it returned
     norm: bool = False  # a BatchNorm module: writes its running statistics in forward
+    view_out: bool = False  # it returned a view (InstanceNorm's output): never one node (plan P10, regions N4)
 
 
 @dataclass

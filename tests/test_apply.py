@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import warnings
 from collections.abc import Callable
@@ -1320,3 +1321,35 @@ def test_functional_call_with_tensors_of_its_own_trains_as_plain_training_under_
     for plain_first in (False, True):  # (a node on the leaves it learnt failed: "not used in the graph")
         plain, under = run(False, plain_first), run(True, plain_first)
         assert all(torch.equal(a, b) for x, y in zip(plain, under, strict=True) for a, b in zip(x, y, strict=True))
+
+
+def test_a_region_that_returns_a_view_modified_in_place_after_it_trains_as_plain() -> None:
+    """Conv, InstanceNorm2d (its output a view it made), ReLU(inplace=True): the pattern of torchvision's
+    raft_small. Each InstanceNorm a region, run as a node from the second step, failed there: "Output 0 of
+    _Region is a view and is being modified inplace". Such a call is planned (P10) and run (N4) under
+    checkpoint."""
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.InstanceNorm2d(8), torch.nn.ReLU(inplace=True),
+            torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.InstanceNorm2d(8), torch.nn.ReLU(inplace=True),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4),
+        )  # fmt: skip
+        return model, (torch.randn(2, 3, 16, 16),), lambda m, b: m(*b).square().mean()
+
+    w = capture(build, name="instancenorm", batch_size=2)
+    assert {f.path for f in w.frames if f.view_out} >= {"1", "4"}  # the InstanceNorms' outputs
+    vector, plain = uniform_actions(w, Action.RECOMPUTE), train_steps(build, None, 3)
+    planned = Policy.from_vector(w, vector, hardware="cpu", options=PolicyOptions(region_nodes=True))
+    assert planned.schedule is not None and not {r.module for r in planned.schedule.regions} & {"1", "4"}  # P10
+    # A policy whose schedule has them as regions (checkpointed when planned), run with nodes: N4 keeps them
+    # under checkpoint.
+    ran = Policy.from_vector(w, vector, hardware="cpu", options=PolicyOptions(region_nodes=False))
+    assert ran.schedule is not None and {r.module for r in ran.schedule.regions} >= {"1", "4"}
+    ran.options = dataclasses.replace(ran.options, region_nodes=True)
+    for policy in (planned, ran):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = train_steps(build, policy, 3)
+        assert same_bits(got, plain)
