@@ -253,8 +253,14 @@ def check_structure(policy: Policy, req: TraceRequest, *, source: str) -> None:
 
     if policy.parameter_fingerprint is None:
         return
-    with FakeTensorMode():
-        entry = build_model(req.model, batch_size=req.batch_size, seq_len=req.seq_len, image_size=req.image_size)
+    try:
+        with FakeTensorMode():
+            entry = build_model(req.model, batch_size=req.batch_size, seq_len=req.seq_len, image_size=req.image_size)
+    except AutotuneError:
+        # A factory that fake tensors cannot build (one that reads values while it builds, as an orthogonal
+        # parametrization does; a module moved to channels_last): the trace builds it for real and checks the
+        # policy there, and the runtime its parameters (R12) before the first step.
+        return
     try:
         check_model(policy, entry.module)
     except AutotuneError as e:

@@ -122,6 +122,17 @@ def make_siamese(batch_size: int = 4, pseudo_labels: bool = False) -> tuple[nn.M
     return encoder, views, loss_fn
 
 
+def make_channels_last(batch_size: int = 2) -> tuple[nn.Module, tuple]:
+    """A CNN moved to channels_last in its factory, as users do for speed on GPUs (fake tensors cannot build
+    it: "_apply(): Couldn't swap Conv2d.weight")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2)
+    )
+    model = model.to(memory_format=torch.channels_last)
+    return model, (torch.randn(batch_size, 3, 8, 8).to(memory_format=torch.channels_last),)
+
+
 def make_integer_output() -> tuple[nn.Module, torch.Tensor]:
     """A module whose output is not floating point: the default loss cannot use it."""
     return _ArgMax(), torch.randn(2, IN_FEATURES)

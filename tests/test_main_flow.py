@@ -163,6 +163,22 @@ def test_an_image_size_goes_from_search_to_simulate_and_train(
     assert "image size 32 px, not batch size 8, image size 64 px" in message and "--image-size 64" in message
 
 
+def test_a_factory_that_fake_tensors_cannot_build_trains(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`train` checked a policy's model by building its factory with fake tensors, and refused a channels_last
+    CNN as a factory that raised ("_apply(): Couldn't swap"), which profile, simulate and search had traced.
+    In a process of its own, as users run it (after a real run in the same process the fake build works)."""
+    path = tmp_path / "p.json"
+    code, _, err = run(capsys, "simulate", "--model", "tests.fixtures_models:make_channels_last", "--gpu", "cpu",
+                       "--action", "recompute", "--save-policy", str(path))  # fmt: skip
+    assert code == 0, err
+    proc = subprocess.run([sys.executable, "-m", "autotune.cli", "train", "--policy", str(path), "--steps", "1",
+                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    peak, planned = got["measured"]["peak_bytes"], got["predicted"]["peak_bytes"]
+    assert got["unknown_keys"] == [] and abs(peak - planned) <= 0.03 * planned
+
+
 def test_train_checks_the_measured_peak_against_the_policys_budget(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
