@@ -24,6 +24,7 @@ import importlib
 import inspect
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -610,6 +611,10 @@ def _fake_mode_fixes(family: str) -> Iterator[None]:
     with contextlib.ExitStack() as restore:
         torch.nn.init.trunc_normal_ = trunc_normal_  # type: ignore[assignment]
         restore.callback(setattr, torch.nn.init, "trunc_normal_", original_trunc_normal)
+        # copy.deepcopy of a fake module (nn.TransformerEncoder copies its layer) reads data pointers, and
+        # PyTorch warns that this "is almost definitely a bug in your code": ours to build it so, not the user's.
+        restore.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor is deprecated")
         if family == "torchvision":
             restore.enter_context(_regnet_widths_on_cpu())
         yield

@@ -133,6 +133,12 @@ def make_channels_last(batch_size: int = 2) -> tuple[nn.Module, tuple]:
     return model, (torch.randn(batch_size, 3, 8, 8).to(memory_format=torch.channels_last),)
 
 
+def make_transformer_encoder(batch_size: int = 2) -> tuple[nn.Module, tuple]:
+    """nn.TransformerEncoder, which deep-copies its layer while it is built."""
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), (torch.randn(batch_size, 5, 16),)
+
+
 def make_integer_output() -> tuple[nn.Module, torch.Tensor]:
     """A module whose output is not floating point: the default loss cannot use it."""
     return _ArgMax(), torch.randn(2, IN_FEATURES)

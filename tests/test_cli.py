@@ -746,3 +746,11 @@ def test_a_files_sequence_length_for_an_image_model_names_the_file(
     for command in (["train", "--policy", str(path)], ["simulate", "--policy", str(path)]):
         message = user_error(capsys, *command)
         assert f"{path}: seq_len 64 does not apply to 'resnet18': the policy was made for another model" in message
+
+
+def test_a_fake_build_says_nothing_of_data_pointers(capsys: pytest.CaptureFixture[str]) -> None:
+    """nn.TransformerEncoder deep-copies its layer: built with fake tensors, PyTorch warned "Accessing the data
+    pointer of FakeTensor is deprecated ... almost definitely a bug in your code" on every command."""
+    code, _, err = run(capsys, "profile", "--model", "tests.fixtures_models:make_transformer_encoder", "--gpu",
+                       "a100-40gb")  # fmt: skip
+    assert code == 0 and "FakeTensor" not in err, err
