@@ -1069,7 +1069,8 @@ class PolicyRuntime:
                 f"autotune: the saved tensors of this step differ from those of the step that learnt its inputs "
                 f"({self._mismatch}: {tuple(t.shape)} {t.dtype}); from here on this step keeps them, so it holds "
                 "more memory than the plan, and the next step with these inputs learns again (the model saves "
-                "other tensors for the same input shapes: control flow that depends on the data)",
+                "other tensors for the same input shapes: control flow that depends on the data, or a forward hook "
+                "of yours that computes, whose tensors the runtime's hooks see first; README, known limits)",
                 stacklevel=3,
             )
         return t.detach()
