@@ -845,6 +845,15 @@ def test_a_closed_pipe_is_not_an_error() -> None:
     assert proc.returncode == 0 and proc.stdout == "alexn" and proc.stderr == "", proc.stderr
 
 
+def test_a_piped_table_keeps_its_values_whole() -> None:
+    """Piped, rich drew tables 80 columns wide and cut what users copy from them: `autotune hardware | cat`
+    listed "v100-16…" and "h100-pc…", the names --gpu takes."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    proc = subprocess.run([sys.executable, "-m", "autotune.cli", "hardware"], cwd=ROOT, capture_output=True,
+                          text=True, env=env)  # fmt: skip
+    assert proc.returncode == 0 and "…" not in proc.stdout and "v100-16gb" in proc.stdout, proc.stdout
+
+
 def test_progress_shows_where_stderr_is_no_terminal(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
