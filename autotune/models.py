@@ -36,7 +36,7 @@ from torch import nn
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-from runtime.errors import AutotuneError
+from runtime.errors import AutotuneError, one_line
 from runtime.vocab import Batch, LossFn, batch_tensors
 
 __all__ = ["LossFn", "ModelEntry", "build_model", "default_batch_size", "list_models"]
@@ -412,7 +412,7 @@ def _build_custom(
             result = factory(**kwargs)
     except Exception as exc:
         raise AutotuneError(
-            f"the factory {path} raised {type(exc).__name__}: {_one_line(exc)} "
+            f"the factory {path} raised {type(exc).__name__}: {one_line(exc)} "
             f"(called with {kwargs or 'no arguments'}); fix the factory or the settings passed to it"
         ) from exc
     module, batch, loss_fn = _unpack_factory_result(path, result)
@@ -448,13 +448,13 @@ def _load_factory(path: str) -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise AutotuneError(
-            f"cannot import module {module_name!r} for model {path!r}: {_one_line(exc)}; check the name and "
+            f"cannot import module {module_name!r} for model {path!r}: {one_line(exc)}; check the name and "
             "that its package is installed or on PYTHONPATH"
         ) from exc
     except Exception as exc:  # user code at import time can raise anything
         raise AutotuneError(
             f"importing module {module_name!r} for model {path!r} raised {type(exc).__name__}: "
-            f"{_one_line(exc)}; fix the error in that module"
+            f"{one_line(exc)}; fix the error in that module"
         ) from exc
     factory = getattr(module, attr, None)
     if factory is None:
@@ -757,10 +757,5 @@ def _call_builder(
         settings += [f"config_overrides={overrides}"] if overrides else []
         given = " and ".join(settings)
         raise AutotuneError(
-            f"{what} rejected {given}: {type(exc).__name__}: {_one_line(exc)}; change or remove that setting"
+            f"{what} rejected {given}: {type(exc).__name__}: {one_line(exc)}; change or remove that setting"
         ) from exc
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= 300 else text[:297] + "..."

@@ -79,25 +79,20 @@ class TraceRequest:
 def check_sizes(model: str, seq_len: int | None, image_size: int | None, source: str | None = None) -> None:
     """``--seq-len`` and ``--image-size`` where they apply to ``model``, before any long work; ``source``: the
     policy file they were read from (its ``seq_len`` and ``image_size`` fields, not flags)."""
-    if source is not None and (
-        (seq_len is not None and not takes_seq_len(model)) or (image_size is not None and not takes_image_size(model))
-    ):
-        field = "seq_len" if seq_len is not None and not takes_seq_len(model) else "image_size"
-        raise AutotuneError(
-            f"{source}: {field} {seq_len if field == 'seq_len' else image_size} does not apply to {model!r}: the "
-            f"policy was made for another model, or edited; search one for {model} with `autotune search --model "
-            f"{model} ...`"
-        )
-    if seq_len is not None and not takes_seq_len(model):
-        raise AutotuneError(
-            f"--seq-len {seq_len} given for image model {model!r}: it only applies to language models "
-            "(gpt2*, bert-base) and factories; leave it unset"
-        )
-    if image_size is not None and not takes_image_size(model):
-        raise AutotuneError(
-            f"--image-size {image_size} given for language model {model!r}: it only applies to torchvision "
-            "models and factories; leave it unset (--seq-len sizes a language model's samples)"
-        )
+    for field, value, applies, flagged in (
+        ("seq_len", seq_len, takes_seq_len, f"--seq-len {seq_len} given for image model {model!r}: it only applies "
+         "to language models (gpt2*, bert-base) and factories; leave it unset"),
+        ("image_size", image_size, takes_image_size, f"--image-size {image_size} given for language model {model!r}: "
+         "it only applies to torchvision models and factories; leave it unset (--seq-len sizes a language model's "
+         "samples)"),
+    ):  # fmt: skip
+        if value is not None and not applies(model):
+            if source is None:
+                raise AutotuneError(flagged)
+            raise AutotuneError(
+                f"{source}: {field} {value} does not apply to {model!r}: the policy was made for another model, or "
+                f"edited; search one for {model} with `autotune search --model {model} ...`"
+            )
     check_factory_accepts(model, seq_len=seq_len, image_size=image_size)
 
 

@@ -179,7 +179,7 @@ from runtime.partition import partitioned
 from runtime.plan import Region
 from runtime.policy import Action, Policy, some_keys
 from runtime.precision import check_active
-from runtime.regions import Learning, parameter_places
+from runtime.regions import Learning, parameter_places, substituted
 from runtime.regions import run as run_region
 from runtime.replay import Frame, Recorder, Replayer, view_of
 from runtime.shared_grads import SharedGradients
@@ -1388,14 +1388,9 @@ def _as_in_forward(fn: Callable[..., Any], tables: Sequence[dict[str, Any]]) -> 
     def call(*args: Any, **kwargs: Any) -> Any:
         if torch._C._current_graph_task_id() == -1:
             return fn(*args, **kwargs)  # the forward itself
-        put = [(table, name, table[name], value) for table, name, value in held if table[name] is not value]
-        for table, name, _, value in put:
-            table[name] = value
-        try:
+        put = [(table, name, value) for table, name, value in held if table[name] is not value]
+        with substituted([[(table, name)] for table, name, _ in put], [value for _, _, value in put]):
             return fn(*args, **kwargs)
-        finally:
-            for table, name, now, _ in put:
-                table[name] = now
 
     return call
 

@@ -13,6 +13,12 @@ class AutotuneError(Exception):
     """An error caused by the user's input, with a message fit to print as is."""
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line, at most 300 characters: for an error of ours that quotes it."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 class ModelError(AutotuneError):
     """The model's own training step raised, run before any of autotune's hooks (runtime.trace.capture's
     warm-up): the model, its loss or the settings it was built with, not autotune's tracing."""

@@ -66,7 +66,7 @@ class SavedTensorKeyer:
 
     Use :meth:`attached` around a step (it starts counting afresh), :meth:`new_forward` at the start of each
     later step attached in the same block, and :meth:`key_for` inside a pack hook. A step is one forward and
-        its backward: every call of the model before its backward counts on (NOTE [ Key format ]).
+    its backward: every call of the model before its backward counts on (NOTE [ Key format ]).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:

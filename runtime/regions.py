@@ -206,7 +206,7 @@ class _Region(torch.autograd.Function):
         ]  # fmt: skip
         # The leaves through aliases (N2): a hook on a parameter runs once, where the node's gradient reaches it.
         aliases = [] if double or not call.places else [p.detach().requires_grad_() for p in call.leaves]
-        with call.replaying(), _native_saves(), torch.enable_grad(), _substituted(call.places, aliases):
+        with call.replaying(), _native_saves(), torch.enable_grad(), substituted(call.places, aliases):
             args, kwargs = call.arguments(inputs)
             out = call.forward(*args, **kwargs)
         # Edges, not the outputs: no name may hold a recomputed output past this point (a loop variable did,
@@ -271,10 +271,11 @@ def parameter_places(model: torch.nn.Module, leaves: Sequence[torch.Tensor]) -> 
 
 
 @contextlib.contextmanager
-def _substituted(
+def substituted(
     places: Sequence[Sequence[tuple[dict[str, Any], str]]], aliases: Sequence[torch.Tensor]
 ) -> Iterator[None]:
-    """Each leaf's alias in the parameter tables that hold the leaf, for the recompute (N2); put back after."""
+    """Each leaf's alias in the parameter tables that hold the leaf, for the recompute (N2); put back after.
+    (runtime/apply.py puts a checkpointed call's forward-time parameters back the same way, R10.)"""
     if not aliases:
         yield
         return

@@ -69,7 +69,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
-from runtime.errors import AutotuneError, ModelError
+from runtime.errors import AutotuneError, ModelError, one_line
 from runtime.hardware import HardwareProfile
 from runtime.keys import OUTSIDE, ROOT, SavedTensorKeyer, block_paths, parameter_fingerprint
 from runtime.partition import Partition, partitioned
@@ -415,8 +415,9 @@ class _FrameLog:
             return
         frame = self.frames[self._stack.pop()]
         frame.last_op = len(self.rec.ops) - 1
-        frame.outputs = self._ids(_outputs_of(out))
-        frame.view_out = any(isinstance(t, torch.Tensor) and t._is_view() for t in tree_leaves(_outputs_of(out)))
+        outputs = _outputs_of(out)
+        frame.outputs = self._ids(outputs)
+        frame.view_out = any(isinstance(t, torch.Tensor) and t._is_view() for t in tree_leaves(outputs))
 
     def end_forward(self) -> None:
         self.frames[0].last_op = len(self.rec.ops) - 1
@@ -461,11 +462,9 @@ def capture(
         except AutotuneError:
             raise
         except Exception as e:  # no hook of autotune's ran yet: the model's own failure
-            text = " ".join(str(e).split()) or type(e).__name__
-            text = text if len(text) <= 300 else text[:297] + "..."
             raise ModelError(
                 f"{name} raised in its first training step, run before any of autotune's hooks: "
-                f"{type(e).__name__}: {text}"
+                f"{type(e).__name__}: {one_line(e) or type(e).__name__}"
             ) from e
         if step.grad_accum > 1:  # the gradients of the micro-batches before this one
             _warm_up(model, batch, loss_fn, None, step, full=not fake)

@@ -92,6 +92,17 @@ def make_raises() -> tuple[nn.Module, torch.Tensor]:
     raise ValueError("no data for this model")
 
 
+class ResidualMLP(nn.Module):
+    """``x + fc2(tanh(fc1(x)))``: a block the policies recompute as a region."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
 def make_mismatched(batch_size: int = 2) -> tuple[nn.Module, torch.Tensor]:
     """A model whose forward raises: its second layer takes one feature fewer than the first gives."""
     return nn.Sequential(nn.Linear(IN_FEATURES, 16), nn.Linear(15, 2)), torch.randn(batch_size, IN_FEATURES)

@@ -1282,17 +1282,11 @@ def test_functional_call_with_tensors_of_its_own_trains_as_plain_training_under_
     same). Nor may a region run as a node on the leaves it learnt in a plain step."""
     from torch.func import functional_call
 
-    class Block(torch.nn.Module):
-        def __init__(self, d: int) -> None:
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.b(torch.tanh(self.a(x)))
+    from tests.fixtures_models import ResidualMLP
 
     def build():  # type: ignore[no-untyped-def]
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), Block(16), Block(16), torch.nn.Linear(16, 3))
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), ResidualMLP(16), ResidualMLP(16), torch.nn.Linear(16, 3))
         return model, (torch.randn(4, 8),), lambda m, b: m(*b).square().mean()
 
     w = capture(build, name="blocks", batch_size=4)

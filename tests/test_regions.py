@@ -18,6 +18,7 @@ from runtime.policy import Action, Policy, PolicyOptions
 from runtime.regions import Learning, run
 from runtime.trace import capture
 from runtime.vocab import KEEP, RECOMPUTE
+from tests.fixtures_models import ResidualMLP
 from tests.steps import same_bits, train_steps
 from tests.synthetic import framed_chain_workload
 
@@ -317,20 +318,11 @@ def test_a_region_node_holds_no_recomputed_output_past_its_backward() -> None:
     assert peaks["node"] == peaks["checkpoint"] == peaks["keep"], peaks
 
 
-class _PenaltyBlock(torch.nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-
 class _PenaltyNet(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = torch.nn.Linear(12, 16)
-        self.blocks = torch.nn.Sequential(*[_PenaltyBlock(16) for _ in range(3)])
+        self.blocks = torch.nn.Sequential(*[ResidualMLP(16) for _ in range(3)])
         self.head = torch.nn.Linear(16, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
