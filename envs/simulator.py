@@ -36,20 +36,21 @@ Rule 5 (prefetch). The unpack points U are the distinct first-backward-use ops o
 Rule 6 (stall). Before its first backward use u, the compute stream waits until a swapped tensor has
     arrived; the waiting is ``stall_s``.
 Rule 7 (replay). A recomputed candidate that no region serves lives [producer, free_if_dropped_op]. Just
-    before its first backward use u, the compute stream re-runs its closure (runtime.plan.closures_of): its
-    producer chain (producer and in-place writers) and, recursively, the chains of its inputs that are not
-    resident at u, where resident means persistent, live at u as traced (tensors that are not candidates),
-    or a kept candidate; an input that a forward op writes in place after the closure's op that reads it is not
-    resident there (its value has changed): its producer and the writers before that read are re-run too.
-    Candidate inputs that are swapped, recomputed or compressed are materialized first
-    (Rules 6-8, in candidate order), at u, so their memory starts at u and lasts to their own free_op (they
-    are not recomputed twice). The regenerated tensor lives [u, free_op]. Every other storage the closure's
-    ops write (regenerated temporaries, other outputs of multi-output ops, copies of arguments an op would
-    mutate) is held during the recompute only: nested recomputations hold theirs until the outermost one is
-    done, separate ones at the same op run one after another. The recompute runs before op u allocates its
-    own outputs, so the live bytes of op u are the larger of (live during u) and (live during u, less u's own
-    allocations, plus the largest recompute's held bytes). Its time is the sum of the closure's op times
-    (``recompute_s``), issued by the host as one block (Rule 12) after which the device runs it.
+    before its first backward use u, the compute stream re-runs its closure (runtime.plan.closures_of): its producer
+    chain (producer and in-place writers) and, recursively, the chains of its inputs that are not resident at u,
+    where resident means persistent, live at u as traced (tensors that are not candidates), or a kept candidate; an
+    input that a forward op writes in place after the closure's op that reads it is not resident there (its value
+    has changed): its producer and the writers before that read are re-run too. Candidate inputs that are swapped,
+    recomputed or compressed are materialized first (Rules 6-8, in candidate order), at u, so their memory starts at
+    u and lasts to their own free_op (they are not recomputed twice). The regenerated tensor lives [u, free_op].
+    Every other storage the closure's ops write (regenerated temporaries, other outputs of multi-output ops, copies
+    of arguments an op would mutate) is held during the recompute only: nested recomputations hold theirs until the
+    outermost one is done, a storage that two of them write once (the runtime's replay makes it once and reads it
+    again: R6), and an op that two of them run runs once; separate ones at the same op run one after another. The
+    recompute runs before op u allocates its own outputs, so the live bytes of op u are the larger of (live during
+    u) and (live during u, less u's own allocations, plus the largest recompute's held bytes). Its time is the sum
+    of the closure's op times (``recompute_s``), issued by the host as one block (Rule 12) after which the device
+    runs it.
 Rule 8 (compress). A compressed candidate is cast to ``compress_dtype`` when ``save_op`` ends, by a kernel on
     the compute stream that reads n bytes and writes n / r (r = element size ratio, at least 1). The full
     storage lives [producer, free_if_dropped_op], the packed one [save_op, u]; just before u an unpack
@@ -302,6 +303,15 @@ class Simulator:
         # Rule 12) and their runtime part.
         self._rec_device = np.array([device for device, _, _ in self.closures], dtype=np.float64)
         self._rec_transient = np.array([transient for _, transient, _ in self.closures], dtype=np.int64)
+        # ... and those bytes storage by storage (CSR: tensor ids and rounded sizes), for nested recomputations
+        # that write the same storage (counted once, Rule 7).
+        temps = [self._temporaries(ci, ops) for ci, ops in enumerate(self.closure_ops)]
+        self._temp_ptr = np.concatenate([[0], np.cumsum([len(t) for t in temps])]).astype(np.int64)
+        self._temp_idx = np.array([tid for t in temps for tid in t], dtype=np.int64)
+        self._temp_bytes = np.array([rounded(w.tensors[tid].nbytes, g) for tid in self._temp_idx], dtype=np.int64)
+        # ... and the ops they run (CSR), for nested recomputations that run the same op (run once, Rule 7).
+        self._ops_ptr = np.concatenate([[0], np.cumsum(self._closure_len)]).astype(np.int64)
+        self._ops_idx = np.array([op for ops in self.closure_ops for op in sorted(ops)], dtype=np.int64)
         deps_of = [deps for _, _, deps in self.closures]
         self._deps_ptr = np.concatenate([[0], np.cumsum([len(d) for d in deps_of])]).astype(np.int64)
         self._deps_idx = np.array([d for deps in deps_of for d in deps], dtype=np.int64)
@@ -368,9 +378,12 @@ class Simulator:
         """Rule 7: (recompute seconds, transient bytes, candidate dependencies) of candidate ``ci``: every
         storage the replayed ops write but the target is held during the recompute."""
         w, g = self.w, self.hw.alloc_granularity_bytes
-        outputs = {tid for op in ops for tid in w.ops[op].outputs} - {w.candidates[ci].tensor}
-        transient = sum(rounded(w.tensors[tid].nbytes, g) for tid in outputs)
+        transient = sum(rounded(w.tensors[tid].nbytes, g) for tid in self._temporaries(ci, ops))
         return float(self.op_s[sorted(ops)].sum()), transient, tuple(sorted(deps))
+
+    def _temporaries(self, ci: int, ops: frozenset[int]) -> list[int]:
+        """Rule 7: the storages (tensor ids) that candidate ``ci``'s replayed ops write, but its own."""
+        return sorted({tid for op in ops for tid in self.w.ops[op].outputs} - {self.w.candidates[ci].tensor})
 
     def trigger_ops(self, lookahead: int) -> np.ndarray:
         """Rule 5 with no region: the op before which each candidate's H2D copy is issued."""
@@ -841,6 +854,15 @@ class Simulator:
             self._deps_idx,
             self._rec_device,
             self._rec_transient,
+            self._temp_ptr,
+            self._temp_idx,
+            self._temp_bytes,
+            len(w.tensors),
+            self._ops_ptr,
+            self._ops_idx,
+            self.op_s,
+            self.host_op_s,
+            hw.host.replay_op_s,
             self._rec_own,
             self._rec_host,
             pack_s,

@@ -224,6 +224,8 @@ def simulate_reference(
     held = 0
     transient = 0
     held_parts: list[int] = []  # the storages of ``held``, for the allocations' record
+    held_ids: set[int] = set()  # ... by tensor id: a storage that nested recomputations both write, once
+    ran_ids: set[int] = set()  # the ops they ran: an op that two of them run, once
 
     def block(host_s: float, device_s: float) -> None:
         """Work issued at once at this point (Rule 7's replays, Rule 8's unpacks, copies back)."""
@@ -271,11 +273,15 @@ def simulate_reference(
             stats["compress"] += pack_s[ci]
             add("f", ci, size[c.tensor], free_keep[ci])
         elif act[ci] == RECOMPUTE:  # Rule 7, walking the inputs now
-            ran, needed = _closure(w, ci, cand_of, first_use, writers)
+            closure, needed = _closure(w, ci, cand_of, first_use, writers)
             for dep in sorted(needed):
                 if act[dep] != KEEP:
                     materialize(dep, i)
-            parts = [size[x] for x in sorted({x for j in ran for x in w.ops[j].outputs} - {c.tensor})]
+            ran = set(closure) - ran_ids
+            ran_ids.update(ran)
+            temporaries = {x for j in closure for x in w.ops[j].outputs} - {c.tensor} - held_ids
+            held_ids.update(temporaries)
+            parts = [size[x] for x in sorted(temporaries)]
             held += sum(parts)
             held_parts = held_parts + parts
             seconds = sum(op_s[j] for j in ran)
@@ -314,6 +320,8 @@ def simulate_reference(
                 fetch(ci, i)
         for ci in uses.get(i, []):
             held, held_parts = 0, []
+            held_ids.clear()
+            ran_ids.clear()
             materialize(ci, i)
             if held > transient:
                 transient, transient_parts = held, held_parts

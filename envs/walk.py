@@ -51,6 +51,15 @@ def walk(
     deps_idx: np.ndarray,
     rec_device: np.ndarray,
     rec_transient: np.ndarray,
+    temp_ptr: np.ndarray,
+    temp_idx: np.ndarray,
+    temp_bytes: np.ndarray,
+    n_tensors: int,
+    ops_ptr: np.ndarray,
+    ops_idx: np.ndarray,
+    op_s: np.ndarray,
+    host_op_s: np.ndarray,
+    replay_op_s: float,
     rec_own: np.ndarray,
     rec_host: np.ndarray,
     unpack_cost: np.ndarray,
@@ -89,6 +98,8 @@ def walk(
     items = np.empty(k, dtype=np.int64)  # what one expansion materializes, in order (Rule 7)
     stack = np.empty(k, dtype=np.int64)
     stack_at = np.empty(k, dtype=np.int64)
+    held_at = np.full(n_tensors, -1, dtype=np.int64)  # the event whose recompute holds each storage (Rule 7)
+    ran_at = np.full(n, -1, dtype=np.int64)  # ... and the event whose recompute ran each op
     stall_s = 0.0
     host_dyn = 0.0
     own_dyn = 0.0  # the runtime's own part of it (copies back, replays)
@@ -170,12 +181,28 @@ def walk(
                     host = h_op
                     device = unpack_cost[c]
                     compress_s += device
-                else:
+                elif n_items == 1:
                     device = rec_device[c]
                     own_dyn += rec_own[c]
                     host = rec_host[c]
                     recompute_s += device
                     held += rec_transient[c]
+                else:  # nested: an op that two of them run runs once, a storage they write is made once (R6)
+                    device = 0.0
+                    host = 0.0
+                    for j in range(ops_ptr[c], ops_ptr[c + 1]):
+                        o = ops_idx[j]
+                        if ran_at[o] != e:
+                            ran_at[o] = e
+                            device += op_s[o]
+                            host += host_op_s[o] + replay_op_s
+                            own_dyn += replay_op_s
+                    recompute_s += device
+                    for j in range(temp_ptr[c], temp_ptr[c + 1]):
+                        t = temp_idx[j]
+                        if held_at[t] != e:
+                            held_at[t] = e
+                            held += temp_bytes[j]
                 moved[n_moved] = c
                 moved[n_moved + 1] = x
                 n_moved += 2

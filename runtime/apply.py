@@ -41,23 +41,22 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         and by a replay (R6) that reads it as an input, also where the replay finds its buffer alive (a
         prefetched copy still on its way; Rule 7 materializes such inputs first).
     R6. Replay (Rule 7): while the forward runs, a dispatch mode records every op, views and queries
-        included (Rule 12 charges those too; runtime.replay: name,
-        arguments as storage references with their layout and version, random-number state for random
-        ops). At the first unpack, the tensor's producer chain is replayed from resident storages: alive
-        ones are used as they are, candidates that are swapped, recomputed or compressed are brought back
-        first (and kept for their own use), other missing inputs are replayed recursively and dropped
-        afterwards. Arguments an op would mutate that are not being regenerated (BatchNorm's running
-        statistics) are passed as copies, so replay changes no module state. An input that a later forward
-        op wrote in place (the recording's writers of its storage) is re-made as it was when read, from its
-        producer and the writers before the read, where the recording holds its producer (Rule 7); one made
-        before the recording (a buffer updated after its use, an EMA) is read from the copy the recorder took
-        before that write, kept until no replay is left (its bytes are not in the simulator's count); so are the
-        constants the forward lifts from Python data (``torch.tensor(0.1)``, ``t[..., 0] = 0``:
-        ``aten.lift_fresh``), which no op makes again. Each op is replayed in the grad mode it ran in (backward
-        runs with it off; the CPU's oneDNN LSTM returns its workspace and rounds as in training only with it on)
-        and with autocast off: the recording holds what autocast dispatched, its casts included, and an
-        autocast still on in backward would cast an op it had left in fp32 (the CPU's math attention) again.
-        The recorder records the forward and the loss, never backward. The
+        included (Rule 12 charges those too; runtime.replay: name, arguments as storage references with their layout
+        and version, random-number state for random ops). At the first unpack, the tensor's producer chain is
+        replayed from resident storages: alive ones are used as they are, candidates that are swapped, recomputed or
+        compressed are brought back first (and kept for their own use), other missing inputs are replayed
+        recursively, once per replay however many of its ops read them (Rule 7 counts them once), and dropped
+        afterwards. Arguments an op would mutate that are not being regenerated (BatchNorm's running statistics) are
+        passed as copies, so replay changes no module state. An input that a later forward op wrote in place (the
+        recording's writers of its storage) is re-made as it was when read, from its producer and the writers before
+        the read, where the recording holds its producer (Rule 7); one made before the recording (a buffer updated
+        after its use, an EMA) is read from the copy the recorder took before that write, kept until no replay is
+        left (its bytes are not in the simulator's count); so are the constants the forward lifts from Python data
+        (``torch.tensor(0.1)``, ``t[..., 0] = 0``: ``aten.lift_fresh``), which no op makes again. Each op is
+        replayed in the grad mode it ran in (backward runs with it off; the CPU's oneDNN LSTM returns its workspace
+        and rounds as in training only with it on) and with autocast off: the recording holds what autocast
+        dispatched, its casts included, and an autocast still on in backward would cast an op it had left in fp32
+        (the CPU's math attention) again. The recorder records the forward and the loss, never backward. The
         random-number states (the CPU generator's is 5,056 bytes, held in memory on a CPU) are let go
         once every replayed storage has had its last unpack (R9): no replay can need them after that,
         and one that did would fail loudly. A random op whose arguments make its draws irrelevant (dropout

@@ -188,3 +188,31 @@ class _GroupedExperts(nn.Module):
 def make_grouped_mm(batch_size: int) -> tuple[nn.Module, torch.Tensor]:
     """A model with an op whose fake kernel refuses what its real one takes."""
     return _GroupedExperts(), torch.randn(batch_size, IN_FEATURES)
+
+
+class _WhereBlock(nn.Module):
+    """A residual conv block ending in a leaky ``torch.where``: its mask and its sum are saved apart."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(c, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = x + self.c2(torch.relu(self.c1(x)))
+        return torch.where(z > 0, z, 0.1 * z)
+
+
+class WhereMaskNet(nn.Module):
+    """Three ``_WhereBlock`` and a head that clones the pooled features and masks them in place: the mask
+    read the clone before ``masked_fill_`` wrote it, so replaying the mask re-makes the clone as it was."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.Sequential(_WhereBlock(c), _WhereBlock(c), _WhereBlock(c))
+        self.fc = nn.Linear(c, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.blocks(self.stem(x)).mean((2, 3)).clone()
+        z.masked_fill_(z.abs() > 0.05, 0.0)
+        return self.fc(z)
