@@ -50,7 +50,8 @@ Rule 7 (replay). A recomputed candidate that no region serves lives [producer, f
     recompute runs before op u allocates its own outputs, so the live bytes of op u are the larger of (live during
     u) and (live during u, less u's own allocations, plus the largest recompute's held bytes). Its time is the sum
     of the closure's op times (``recompute_s``), issued by the host as one block (Rule 12) after which the device
-    runs it.
+    runs it. A recomputed candidate whose storage something other than autograd holds until u (a custom
+    Function's ``ctx`` attribute: runtime/plan.py P11) is planned as kept, everywhere (regions included).
 Rule 8 (compress). A compressed candidate is cast to ``compress_dtype`` when ``save_op`` ends, by a kernel on
     the compute stream that reads n bytes and writes n / r (r = element size ratio, at least 1). The full
     storage lives [producer, free_if_dropped_op], the packed one [save_op, u]; just before u an unpack
@@ -132,7 +133,7 @@ import numpy as np
 from envs import walk
 from envs.walk import USE
 from runtime.hardware import HardwareProfile, host_times_s, op_times_s
-from runtime.plan import RegionPlanner, closures_of, forward_writers
+from runtime.plan import RegionPlanner, as_run, closures_of, forward_writers, held_outside
 from runtime.policy import Policy, PolicyOptions
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, Action, itemsize
 from runtime.workload import Phase, TensorKind, Workload, in_place_bytes, memory_timeline, rounded, workspace_bytes
@@ -287,6 +288,7 @@ class Simulator:
         )
         # A candidate no backward op reads is never materialized: its first use is "after the end".
         self.first_use = np.array([c.bwd_uses[0] if c.bwd_uses else n for c in cands], dtype=np.int64)
+        self._held_outside = held_outside(w)  # recomputed, kept (Rule 7; runtime/plan.py P11)
         self.unpack_points = sorted({int(u) for u in self.first_use if u < n})
         self._u_pos = [bisect.bisect_left(self.unpack_points, int(u)) for u in self.first_use]
         self.sync_copies = not hw.is_gpu  # Rule 1
@@ -677,7 +679,7 @@ class Simulator:
     ) -> SimResult:
         w, n, k, hw = self.w, self.n_ops, self.k, self.hw
         hc = hw.host
-        act = _as_vector(w, policy)
+        act = as_run(_as_vector(w, policy), self._held_outside)
         if options is None:
             options = policy.options if isinstance(policy, Policy) else PolicyOptions()
         lookahead = max(0, int(options.prefetch_lookahead))

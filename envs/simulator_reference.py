@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from runtime.hardware import HardwareProfile, host_times_s, op_times_s
-from runtime.plan import RegionPlanner
+from runtime.plan import RegionPlanner, as_run, held_outside
 from runtime.policy import PolicyOptions
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, itemsize
 from runtime.workload import Phase, TensorKind, Workload, rounded
@@ -43,7 +43,7 @@ def simulate_reference(
     hc, gpu = hw.host, hw.is_gpu
     h_kernel = hc.op_s if gpu else 0.0
     cands = w.candidates
-    act = [int(a) for a in actions]
+    act = [int(a) for a in as_run(np.asarray(actions, dtype=np.int8), held_outside(w))]  # Rule 7: P11
     cand_of = {c.tensor: i for i, c in enumerate(cands)}
     size = {t.id: rounded(t.nbytes, g) for t in w.tensors}
     free_keep: list[int] = [n - 1 if (f := w.tensors[c.tensor].free_op) is None else f for c in cands]

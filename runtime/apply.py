@@ -109,15 +109,16 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         once, and the next step with these inputs learns again. A step is learnt from only when it saved something
         for backward and its backward unpacked it inside the step: a forward under ``torch.no_grad`` (a validation
         pass) or one whose backward is skipped (a loss not used) leaves the learning to the next step; a replayed
-        tensor that it never unpacked (a branch whose output the loss does not use) is learnt as kept, since no
-        replay re-ran its producers for later steps to record. The recorder is entered only in the calls whose ops a
-        replay re-ran. Entered for ``<loss>``, it leaves at the first pack there after the last op a replay re-ran
-        (the first step tells which), still in forward, so that backward's ops do not pass through it (a Python call
-        each); without such a pack, at the step's end. It is also entered in the calls that write in place, after a
-        replayed op read it, a storage that op read (a buffer updated after its use, an EMA), so that the replay
-        reads it as it was (R6). Never inside backward: backward runs each node under the thread-local state
-        captured when it began, so a mode popped inside it is back on the stack when it returns. An all-keep policy,
-        or one that only recomputes through regions, installs no saved-tensor hooks at all.
+        tensor that it never unpacked (a branch whose output the loss does not use), or whose storage was still
+        alive at its first unpack (held by other than autograd: a custom Function's ``ctx`` attribute; plan P11), is
+        learnt as kept, since no replay re-ran its producers for later steps to record. The recorder is entered only
+        in the calls whose ops a replay re-ran. Entered for ``<loss>``, it leaves at the first pack there after the
+        last op a replay re-ran (the first step tells which), still in forward, so that backward's ops do not pass
+        through it (a Python call each); without such a pack, at the step's end. It is also entered in the calls
+        that write in place, after a replayed op read it, a storage that op read (a buffer updated after its use, an
+        EMA), so that the replay reads it as it was (R6). Never inside backward: backward runs each node under the
+        thread-local state captured when it began, so a mode popped inside it is back on the stack when it returns.
+        An all-keep policy, or one that only recomputes through regions, installs no saved-tensor hooks at all.
     R12. The model. A policy records its model's parameters by name and shape
         (runtime.keys.parameter_fingerprint); a model with other ones is refused when the runtime is made,
         before anything runs, unless ``strict=False`` (the keys that still match are then applied, the
@@ -216,6 +217,8 @@ class _Handle:
     release_at: int = 0  # the pack point at which it lets them go
     version: int = 0  # the storage's version when copied (swap) or cast (compress): R3, R7
     views: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]] = field(default_factory=list)
+    unpacked: bool = False  # unpacked once in this step
+    held_outside: bool = False  # recompute: alive at its first unpack, held by other than autograd (R11, P11)
 
 
 @dataclass
@@ -756,9 +759,14 @@ class PolicyRuntime:
         finally:
             self._keying = False
             unpacked = self._unpacked
-            # Replayed tensors whose backward never came (a branch whose output the loss does not use): no replay
-            # re-ran their producers, so later steps would not record them; they are learnt as kept.
-            unneeded = {h.key for h in self._handles if h.action == Action.RECOMPUTE and h.packs and not h.unpacks}
+            # Replayed tensors whose backward never came (a branch whose output the loss does not use), or that
+            # were alive when it came (held by other than autograd, P11): no replay re-ran their producers, so
+            # later steps would not record them; they are learnt as kept.
+            unneeded = {
+                h.key
+                for h in self._handles
+                if h.action == Action.RECOMPUTE and (h.held_outside or (h.packs and not h.unpacks))
+            }
             self._end_step()
             self._say_unknown()
         if not any(e.key is not None for e in log):
@@ -1192,6 +1200,7 @@ class PolicyRuntime:
             self._prefetch_upto(h.rank)  # R4
         out = view_of(self._materialize(h), p.dtype, p.size, p.stride, p.offset)
         h.unpacks += 1
+        h.unpacked = True
         if h.unpacks >= h.packs:  # R9: the last backward node that needs it holds it from here
             h.device = None
             h.unpacks = h.packs = 0
@@ -1273,8 +1282,10 @@ class PolicyRuntime:
         """The storage back on the device (R5-R7), regenerated if it was released and is needed again."""
         if h.device is None and self._recorder is not None and h.sid is not None:
             alive = self._recorder.storage[h.sid]()
-            if alive is not None:  # released by the handle but still held (by the node that unpacked it)
+            if alive is not None:  # released by the handle but still held (by the node that unpacked it) ...
                 h.device = alive
+                # ... or, at its first unpack, by other than autograd (P11: a custom Function's ctx attribute)
+                h.held_outside = h.action == Action.RECOMPUTE and not h.unpacked
         if h.action == Action.SWAP:
             if h.device is None:
                 h.issued = False  # released and needed again: fetch anew

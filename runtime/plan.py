@@ -52,6 +52,13 @@ NOTE [ Recompute mechanisms ]
     and no enclosing call is a region (the outermost qualifying calls are chosen). By P2-P6 a region needs
     nothing from outside but its kept arguments, and no replay needs what a region recomputes, so regions
     and replays never depend on each other.
+
+    P11. Before all of the above: a recomputed candidate whose storage something other than autograd holds
+        until its first backward use (a custom ``autograd.Function`` that keeps it as a ``ctx`` attribute
+        rather than saving it, a cache of the model's; the trace's drop pass sees it outlive the forward,
+        ``free_if_dropped_op`` at or past that use) is kept (``held_outside``): dropping it frees nothing, and
+        its replay finds it alive and re-runs nothing (runtime R6), so the runtime learns it as kept (R11) and
+        the simulator plans it so (Rule 7).
 """
 
 from __future__ import annotations
@@ -402,4 +409,16 @@ def regions_for(w: Workload, act: np.ndarray, nodes: bool = True) -> list[Region
     """The regions of a policy with action codes ``act`` on ``w``, run as nodes or under checkpoint (one-off;
     the simulator keeps a planner)."""
     planner = RegionPlanner(w)
-    return [planner.region(f) for f in planner.select(np.asarray(act), nodes)]
+    return [planner.region(f) for f in planner.select(as_run(np.asarray(act), held_outside(w)), nodes)]
+
+
+def held_outside(w: Workload) -> np.ndarray:
+    """P11: per candidate, whether something other than autograd holds its storage until its first backward use."""
+    return np.array([bool(c.bwd_uses) and c.free_if_dropped_op >= c.bwd_uses[0] for c in w.candidates], dtype=bool)
+
+
+def as_run(act: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """P11: action codes ``act`` as they run, a recomputed candidate that is ``held`` outside autograd kept."""
+    if not held.any():
+        return act
+    return np.where(held & (act == RECOMPUTE), KEEP, act).astype(act.dtype)

@@ -216,3 +216,32 @@ class WhereMaskNet(nn.Module):
         z = self.blocks(self.stem(x)).mean((2, 3)).clone()
         z.masked_fill_(z.abs() > 0.05, 0.0)
         return self.fc(z)
+
+
+class _SquareKeepingInput(torch.autograd.Function):
+    """``x * x`` whose backward reads ``x`` from a ``ctx`` attribute, not from ``save_for_backward``: autograd
+    does not see it saved, yet it holds it until backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.x = x
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return 2 * ctx.x * g
+
+
+class CtxHeldMLP(nn.Module):
+    """Linear, tanh and ``_SquareKeepingInput``, four times: each tanh output is saved by tanh and held by the
+    square's ``ctx`` too."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = _SquareKeepingInput.apply(torch.tanh(layer(x)))
+        return self.head(x)
