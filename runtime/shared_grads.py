@@ -13,7 +13,11 @@ NOTE [ Shared parameters' gradients ]
     S1. For each parameter that two module attributes share, forward hooks on the modules that hold it find,
         in each call made with gradients on and outside backward (a recompute in backward re-runs forwards),
         the graph edges from the nodes the call made to the parameter's AccumulateGrad node: a walk back
-        from the call's outputs over the nodes whose sequence numbers are the call's (64 at most).
+        from the call's outputs over the nodes whose sequence numbers are the call's (64 at most). An edge is
+        counted once, however many of the holders' calls find it (BERT's masked-LM head holds its decoder's
+        bias as its own ``bias`` too: both calls find the decoder's one edge, which then passes its gradient on
+        as the only one; counted twice, it was held back to the end of backward, after DDP's hooks and
+        post-accumulate hooks had run with none).
     S2. A post-hook on each such node takes the parameter's gradient out of what the node passes on and
         holds it, except at the last edge, which passes its gradient on to the engine's buffer; a pre-hook
         on AccumulateGrad adds what is held to it there, when the last node has let go of its own inputs
@@ -97,6 +101,7 @@ class _Sum:
         self.in_place = in_place
         self.mark = mark
         self.nodes: list[Any] = []  # the edges' nodes, until a backward begins (then let go: no cycle stays)
+        self.found: set[tuple[Any, int]] = set()  # ... with their input index: an edge two holders find, once
         self.edges = 0
         self.left = 0  # edges still to arrive in the backward under way (0: none under way)
         self.held: torch.Tensor | None = None
@@ -106,6 +111,7 @@ class _Sum:
         """Count an arrival; True for the last edge this backward runs (S3)."""
         if self.left <= 0:  # a backward begins: how many of the edges it runs
             nodes, self.nodes = self.nodes, []
+            self.found = set()
             self.left = sum(map(torch._C._will_engine_execute_node, nodes)) if nodes else self.edges
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         self.left -= 1
@@ -201,7 +207,7 @@ class SharedGradients:
             for h in handles:
                 h.remove()
             for s in self._sums.values():
-                s.nodes = []  # a forward without its backward: its graph must not outlive it through us
+                s.nodes, s.found = [], set()  # a forward without its backward: its graph must not outlive it through us
             self._sums = {}
 
     def _find(self, out: Any, first: int, params: list[torch.nn.Parameter]) -> None:
@@ -230,6 +236,9 @@ class SharedGradients:
         if s is None or s.done or s.left > 0:  # this forward's first edge, or a backward has begun
             s = self._sums[id(acc)] = _Sum(param, self.in_place, self.mark)
             acc.register_prehook(s.pre_hook)
+        if (node, j) in s.found:  # found again by another module that holds the parameter (S1)
+            return
+        s.found.add((node, j))
         s.edges += 1
         s.nodes.append(node)
         node.register_hook(s.edge_hook(j))

@@ -163,3 +163,47 @@ def test_nothing_outlives_the_step() -> None:
     finally:
         gc.enable()
     assert left == []
+
+
+class _MaskedLMHead(nn.Module):
+    """BERT's masked-LM head: its ``bias`` is also its decoder's, one parameter under two names, used once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = nn.Linear(D, V)
+        self.bias = self.decoder.bias
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.decoder(h)
+
+
+def test_a_parameter_two_modules_hold_and_one_op_uses_reaches_accumulate_grad_whole() -> None:
+    """S1: the head's call and its decoder's both find the decoder's one edge into the bias; counted twice,
+    its gradient was held back to the end of backward, so a post-accumulate hook (and DDP's, which all-reduced
+    zeros) saw none, though ``.grad`` came out right. Now each hook sees plain training's gradient, bit for
+    bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), _MaskedLMHead())
+    batch = (torch.randn(B, D), torch.randint(0, V, (B,)))
+    assert [len(m) for m in shared_parameters(model).values()] == [2]
+
+    def seen(runtime: bool) -> dict[str, torch.Tensor | None]:
+        out: dict[str, torch.Tensor | None] = {}
+        handles = [
+            p.register_post_accumulate_grad_hook(
+                lambda p, n=n: out.__setitem__(n, None if p.grad is None else p.grad.clone())
+            )
+            for n, p in model.named_parameters()
+        ]
+        model.zero_grad(set_to_none=True)
+        with SharedGradients(model).installed() if runtime else contextlib.nullcontext():
+            _loss(model, batch).backward()
+        for h in handles:
+            h.remove()
+        return out
+
+    plain, shared = seen(False), seen(True)
+    assert set(plain) == set(shared) == {"0.weight", "0.bias", "2.bias", "2.decoder.weight"}  # 2.bias: the shared one
+    for name, g in plain.items():
+        got = shared[name]
+        assert g is not None and got is not None and torch.equal(g, got), name
