@@ -484,6 +484,8 @@ def baselines(
         target=hw,
         partitions=parts,
     )
+    req.validate()
+    hw, req = _with_local_host_costs(hw, sr.traced_here(req, hw), req.device if req.mode == "real" else None)
     w, _ = _trace(req)
     if allow_partition and not parts:
         # The methods compare on one model: the unpartitioned one where the budget is above its floor.

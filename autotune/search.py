@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -27,6 +27,9 @@ from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
 from runtime.policy import Action, Policy, PolicyOptions
 from runtime.workload import Workload
+
+if TYPE_CHECKING:
+    from autotune.workloads import TraceRequest
 
 
 @dataclass
@@ -54,6 +57,14 @@ def check_device(device: str | None) -> None:
     """``--device``: cpu, cuda or cuda:N (whether it is here is :func:`plan_device`'s to say)."""
     if device is not None and device != "cpu" and not device.startswith("cuda"):
         raise AutotuneError(f"unknown device '{device}': expected cpu, cuda or cuda:N")
+
+
+def traced_here(req: TraceRequest, hw: HardwareProfile) -> TraceRequest:
+    """``req`` traced as ``autotune search`` traces for ``hw``: in real mode on this machine's device where the
+    plan is for this machine (``plan_device``: --gpu cpu, or the detected GPU's profile), else in fake mode; so
+    that ``simulate`` and ``baselines`` score a plan on the workload its search scored it on."""
+    here = plan_device(hw, None)
+    return dataclasses.replace(req, mode="real" if here is not None else "fake", device=here or "cpu")
 
 
 def check_measure(measure: int | None) -> None:

@@ -754,3 +754,34 @@ def test_a_fake_build_says_nothing_of_data_pointers(capsys: pytest.CaptureFixtur
     code, _, err = run(capsys, "profile", "--model", "tests.fixtures_models:make_transformer_encoder", "--gpu",
                        "a100-40gb")  # fmt: skip
     assert code == 0 and "FakeTensor" not in err, err
+
+
+def test_simulate_and_baselines_trace_a_plan_for_this_cpu_as_search_does(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``search --gpu cpu`` traces in real mode (the ops timed on this CPU); ``simulate`` and ``baselines``
+    traced the same plan in fake mode, the cpu profile's roofline times, another workload: simulate said a
+    searched policy was 754% slower than no policy where its search had said 203% (a QA run, a reused block at
+    batch 64). They trace as search does; a plan for a GPU profile stays fake."""
+    import autotune.workloads as wl
+
+    traced: list[tuple[str, str]] = []
+    trace_model = wl.trace_model
+
+    def spy(req):  # type: ignore[no-untyped-def]
+        traced.append((req.mode, req.device))
+        return trace_model(req)
+
+    monkeypatch.setattr(wl, "trace_model", spy)
+    model = ["--model", "tests.fixtures_models:make_wide", "--batch-size", "4"]
+    path = tmp_path / "p.json"
+    code, _, err = run(capsys, "simulate", *model, "--gpu", "cpu", "--action", "recompute", "--save-policy", str(path))
+    assert code == 0, err
+    code, _, err = run(capsys, "simulate", "--policy", str(path), "--json")
+    assert code == 0, err
+    code, _, err = run(capsys, "baselines", *model, "--gpu", "cpu", "--budget", "1GB", "--only", "checkpoint-sqrt")
+    assert code == 0, err
+    assert traced == [("real", "cpu")] * 3
+    code, _, err = run(capsys, "simulate", *model, "--gpu", "a100-40gb", "--action", "keep", "--json")
+    assert code == 0, err
+    assert traced[-1] == ("fake", "cpu")
