@@ -92,13 +92,18 @@ def reserve_bytes(reserve: str | None, budget: str, budget_bytes: int, hw: Hardw
 
 def plan_budget(text: str, reserve: str | None, hw: HardwareProfile) -> Budget:
     """``--budget`` and ``--reserve`` as planned for on ``hw`` (NOTE [ Budget and reserve ])."""
+    return budget_of(parse_budget(text), reserve, hw, text)
+
+
+def parse_budget(text: str) -> int:
+    """``--budget`` in bytes; a plain number below 1 MiB is refused as a unit left out."""
     given = parse_size(text)
     if given < 2**20 and text.strip().isdigit():  # a number alone is bytes: a unit left out, surely
         raise AutotuneError(
-            f"invalid --budget '{text}': without a unit that is {given} bytes, not enough to train anything; write "
-            f"the unit, e.g. {text.strip()}GB or {text.strip()}GiB"
+            f"invalid --budget '{text}': without a unit that is {given} bytes, most likely a unit left out; write "
+            f"the unit, e.g. {text.strip()}GB or {text.strip()}GiB, or {text.strip()}B if you mean bytes"
         )
-    return budget_of(given, reserve, hw, text)
+    return given
 
 
 def budget_of(given_bytes: int, reserve: str | None, hw: HardwareProfile, text: str | None = None) -> Budget:

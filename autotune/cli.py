@@ -138,8 +138,9 @@ def profile(
     as_json: JsonOpt = False,
 ) -> None:
     """Capture one training iteration and show where the memory goes."""
+    from autotune.budget import parse_budget
     from autotune.report import profile_report, render_profile
-    from autotune.units import format_size_echo, parse_size
+    from autotune.units import format_size_echo
     from autotune.workloads import TraceRequest
     from runtime.hardware import resolve_profile
     from runtime.workload import Workload
@@ -153,7 +154,7 @@ def profile(
                                 "or --workload FILE to read a saved trace")  # fmt: skip
         _early_checks(model, batch_size=batch_size, seq_len=seq_len, image_size=image_size, optimizer=optimizer,
                       precision=precision, grad_accum=grad_accum)  # fmt: skip
-    budget_bytes = parse_size(budget) if budget is not None else None
+    budget_bytes = parse_budget(budget) if budget is not None else None
     if budget is not None and not as_json:
         err.print(f"budget: {format_size_echo(budget, budget_bytes or 0)}")
     hw, hw_note = resolve_profile(gpu)
@@ -1035,7 +1036,7 @@ def sweep(
 
     from autotune import search as sr
     from autotune import sweep as sw
-    from autotune.units import parse_size
+    from autotune.budget import parse_budget
     from autotune.workloads import TraceRequest
     from runtime.hardware import get_profile, resolve_profile
 
@@ -1045,7 +1046,7 @@ def sweep(
 
     method_list = sw.check_methods(methods)
     # Each model and budget once, in the order given (400MiB and 419430400 are one budget: one cell, one file).
-    budget_list = list(dict.fromkeys(parse_size(b) for b in budgets.split(",") if b.strip()))
+    budget_list = list(dict.fromkeys(parse_budget(b) for b in budgets.split(",") if b.strip()))
     names = list(dict.fromkeys(m.strip() for m in models.split(",") if m.strip()))
     if not names or not budget_list:
         raise AutotuneError("give at least one model and one budget, e.g. --models resnet50 --budgets 4GB,6GB")

@@ -12,10 +12,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from autotune.budget import Budget, budget_of, record_budget, warn_over_device
+from autotune.budget import Budget, budget_of, parse_budget, record_budget, warn_over_device
 from autotune.models import check_model_name, given_image_size
 from autotune.search import traced_here, with_local_host_costs
-from autotune.units import format_bytes, format_size_echo, parse_size
+from autotune.units import format_bytes, format_size_echo
 from autotune.workloads import TraceRequest, check_sizes
 from envs.simulator import SimResult, Simulator, uniform_actions
 from runtime.errors import AutotuneError
@@ -94,7 +94,7 @@ def run_simulate(
             optimizer=optimizer or "sgd",
             source=str(policy_file),
         )
-    given = parse_size(budget) if budget is not None else (loaded.budget_bytes if loaded else None)
+    given = parse_budget(budget) if budget is not None else (loaded.budget_bytes if loaded else None)
     if budget is not None and not as_json:
         err.print(f"budget: {format_size_echo(budget, given or 0)}")
     try:
