@@ -804,7 +804,11 @@ class PolicyRuntime:
         if unmatched:
             n = len(unmatched)
             what += f"; the policy's actions for {n} key{'s' if n > 1 else ''} that this step did not save are unused "
-            what += f"({some_keys(unmatched)}: edited by hand?)"
+            if self.policy.hardware != "cpu" and self.device.type == "cpu":
+                why = f"planned for {self.policy.hardware}, whose kernels save other tensors than this CPU's"
+            else:
+                why = "planned on another version of the model, or edited by hand?"
+            what += f"({some_keys(unmatched)}: {why})"
         warnings.warn(f"autotune: {what}", stacklevel=4)
 
     def _learn(self, log: list[_Logged], rec: Recorder | None, force: bool) -> _Learned:

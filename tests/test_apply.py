@@ -150,8 +150,14 @@ def test_unknown_keys_are_kept_and_reported_once() -> None:
     # A key edited by hand: the warning named the tensor the policy lost, not the action for a key that names none.
     policy.actions[dropped + "x"] = Action.SWAP
     model, batch, loss_fn = _build(name, kwargs)()
-    unused = re.escape(f"for 1 key that this step did not save are unused ('{dropped}x'")
+    unused = re.escape(f"for 1 key that this step did not save are unused ('{dropped}x': planned on another version")
     with pytest.warns(UserWarning, match=unused), PolicyRuntime(policy, model).step():
+        loss_fn(model, batch).backward()
+    # A policy planned for a GPU and run on the CPU: the kernels saved other tensors, nothing was edited.
+    policy = dataclasses.replace(policy, hardware="a100-40gb")
+    model, batch, loss_fn = _build(name, kwargs)()
+    other = re.escape(f"('{dropped}x': planned for a100-40gb, whose kernels save other tensors than this CPU's)")
+    with pytest.warns(UserWarning, match=other), PolicyRuntime(policy, model).step():
         loss_fn(model, batch).backward()
 
 
