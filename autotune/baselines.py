@@ -14,6 +14,7 @@ from rich.table import Table
 from agents.base import Problem, SearchContext, SearchResult, Status, baseline_names, get_searcher, list_searchers
 from autotune.budget import Budget, record_budget
 from autotune.units import file_stem, format_bytes
+from envs.simulator import SimResult
 from runtime.errors import AutotuneError
 
 
@@ -55,9 +56,10 @@ def run_baselines(problem: Problem, ctx: SearchContext, methods: list[str], err:
     return results
 
 
-def rows(problem: Problem, results: list[SearchResult]) -> list[dict[str, Any]]:
-    """One JSON-able row per method; ``slowdown`` is against keeping everything."""
-    base = problem.evaluate(problem.keep_all())
+def rows(problem: Problem, results: list[SearchResult], plain: SimResult | None = None) -> list[dict[str, Any]]:
+    """One JSON-able row per method; ``slowdown`` is against keeping everything, on the model without slices
+    (``plain``: its no policy) where the problem's is partitioned."""
+    base = plain if plain is not None else problem.evaluate(problem.keep_all())
     out = []
     for r in results:
         out.append(

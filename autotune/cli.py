@@ -493,7 +493,13 @@ def baselines(
         w = _choose_partition(w, hw, plan.planned_bytes, req)[-1]
     problem = sr.planned_problem(w, hw, plan, allow_compress=allow_compress, partitioning=allow_partition)
     results = bl.run_baselines(problem, SearchContext(time_limit_s=time_limit), methods, err)
-    table = bl.rows(problem, results)
+    # No policy is the model without slices, whatever the methods partition (as search says).
+    plain = (
+        sr.plain_no_policy(problem, _trace(dataclasses.replace(req, partitions=()))[0])
+        if w.meta.get("partitions")
+        else None
+    )
+    table = bl.rows(problem, results, plain)
     if save is not None:
         bl.save(save, problem, results, plan)
     if as_json:

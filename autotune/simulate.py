@@ -165,7 +165,9 @@ def run_simulate(
     started = time.perf_counter()
     result = sim.run(policy, budget_bytes=budget_bytes, timeline=timeline is not None)
     elapsed = time.perf_counter() - started
-    baseline = sim.no_policy(budget_bytes=budget_bytes, timeline=timeline is not None)
+    # No policy is the model without slices, whatever the policy partitions (as search, maxbatch and sweep say).
+    plain = Simulator(trace(dataclasses.replace(req, partitions=()))[0], hw) if req.partitions else sim
+    baseline = plain.no_policy(budget_bytes=budget_bytes, timeline=timeline is not None)
     cache = _cache(w, hw, policy, budget_bytes) if hw.is_gpu else None
 
     if save_policy is not None:

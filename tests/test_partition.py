@@ -252,7 +252,10 @@ def test_search_simulate_train_applied_with_partition_from_the_cli(
     assert policy.partitions and policy.options.allow_partition
     code, stdout, err = run(capsys, "simulate", "--policy", str(path), "--json")
     assert code == 0, err
-    assert json.loads(stdout)["peak_bytes"] == found["peak_bytes"]  # traced again with the file's partition
+    simulated = json.loads(stdout)
+    assert simulated["peak_bytes"] == found["peak_bytes"]  # traced again with the file's partition
+    # No policy is the model without slices in both (simulate's had been the sliced one's, all kept).
+    assert simulated["no_policy"]["peak_bytes"] == found["no_policy_peak_bytes"]
     code, stdout, err = run(capsys, "train", "--policy", str(path), "--steps", "1", "--json")
     assert code == 0, err
     trained = json.loads(stdout)
@@ -394,3 +397,24 @@ def test_the_floor_error_suggests_partition_only_where_it_was_not_asked_for() ->
     with pytest.raises(AutotuneError) as e:
         planned_problem(w, hw, plan, allow_compress=False, partitioning=True)
     assert "no policy can meet it" in str(e.value) and "--allow-partition" not in str(e.value)
+
+
+def test_baselines_on_slices_count_their_slowdown_from_the_model_without_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``baselines --partition``: every method runs on the sliced model, and its slowdown is against no policy
+    on the model without slices, as search's is; it was against keeping everything on slices, so the slices'
+    own cost showed nowhere ("none" +0.0%, a QA run)."""
+    from autotune.workloads import TraceRequest, trace_model
+
+    hw = get_profile("a100-40gb")
+    code, stdout, err = run(capsys, "baselines", "--model", CNN, "--budget", "10GB", "--gpu", "a100-40gb",
+                            "--partition", "blocks/4", "--only", "none", "--json")  # fmt: skip
+    assert code == 0, err
+    (none,) = json.loads(stdout)
+    plain = trace_model(TraceRequest(model=CNN, target=hw))[0]
+    sliced = trace_model(TraceRequest(model=CNN, target=hw, partitions=(Partition("blocks", 4),)))[0]
+    keep_sliced, no_policy = Simulator(sliced, hw).no_policy(), Simulator(plain, hw).no_policy()
+    assert none["samples_per_s"] == pytest.approx(keep_sliced.samples_per_s, rel=1e-12)
+    assert none["slowdown"] == pytest.approx(no_policy.samples_per_s / keep_sliced.samples_per_s - 1, rel=1e-9)
+    assert none["slowdown"] > 0.01  # four slices of each block cost time on the GPU's profile
