@@ -221,6 +221,7 @@ def _early_checks(
     device: str | None = None,
     measure: int | None = None,
     partition: str | None = None,
+    allow_partition: bool = False,
     host_memory: str | None = None,
 ) -> None:
     """What the user typed, checked before the profile is resolved (``--gpu cpu`` calibrates this CPU: seconds)
@@ -237,6 +238,11 @@ def _early_checks(
     check_device(device)
     check_measure(measure)
     parse_partition_option(partition)
+    if partition is not None and allow_partition:
+        raise AutotuneError(
+            f"--partition {partition} with --allow-partition: --partition names the submodule and its slices, "
+            "--allow-partition lets the search choose them; pass one of the two"
+        )
     TraceRequest(
         model=model or "",
         batch_size=batch_size,
@@ -466,7 +472,8 @@ def baselines(
     if not _positive(time_limit):
         raise AutotuneError(f"invalid --time-limit {time_limit}: expected a positive number of seconds, e.g. 30")
     _early_checks(model, budget, reserve, batch_size=batch_size, seq_len=seq_len, image_size=image_size,
-                  optimizer=optimizer, precision=precision, grad_accum=grad_accum, partition=partition)  # fmt: skip
+                  optimizer=optimizer, precision=precision, grad_accum=grad_accum, partition=partition,
+                  allow_partition=allow_partition)  # fmt: skip
     methods = bl.select_methods(only)
     hw, note = resolve_profile(gpu)
     plan = plan_budget(budget, reserve, hw)
@@ -641,7 +648,7 @@ def search(
     _early_checks(
         model, budget, reserve, batch_size=batch_size, seq_len=seq_len, image_size=image_size, optimizer=optimizer,
         precision=precision, grad_accum=grad_accum, device=device, measure=measure, partition=partition,
-        host_memory=host_memory,
+        allow_partition=allow_partition, host_memory=host_memory,
     )  # fmt: skip
     if gpu == "cpu" and (budget_kind == "reserved" or expandable_segments):  # the GPU's caching allocator
         what = "--budget-kind reserved" if budget_kind == "reserved" else "--expandable-segments"
@@ -1062,6 +1069,10 @@ def sweep(
         raise AutotuneError(f"invalid --timeout {timeout}: expected a positive number of seconds, e.g. --timeout 60")
     # The --seq-len and --image-size typed: a sweep of vision models passes no --seq-len on, and so on.
     TraceRequest(model="", seq_len=seq_len, image_size=image_size).validate()
+    from autotune.models import check_model_name
+
+    for name in names:  # every name before the first cell's trace (minutes for a large model)
+        check_model_name(name)
     if gpu:
         profiles = [get_profile(p) for p in dict.fromkeys(p.strip() for p in gpu.split(",") if p.strip())]
     else:

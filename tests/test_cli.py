@@ -529,6 +529,7 @@ def test_inputs_are_checked_before_the_cpu_is_calibrated(
         (["--precision", "fp8"], "unknown precision 'fp8'"),
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--partition", "layer1"], "invalid --partition 'layer1'"),
+        (["--partition", "layer1/2", "--allow-partition"], "--partition layer1/2 with --allow-partition"),
         (["--heartbeat", "0"], "invalid --heartbeat 0"),
         # click reads "nan" and "inf" as floats, and nan passed every range check: an internal error (heartbeat),
         # or a search with no time limit (timeout).
@@ -552,6 +553,10 @@ def test_inputs_are_checked_before_the_cpu_is_calibrated(
     sweep = ["sweep", "--models", "resnet18", "--budgets", "1GB"]
     assert "invalid --timeout nan" in user_error(capsys, *sweep, "--trials", "15", "--timeout", "nan")
     assert "invalid --time-limit inf" in user_error(capsys, "baselines", *base, "--time-limit", "inf")
+    both = ["--partition", "layer1/2", "--allow-partition"]
+    assert "pass one of the two" in user_error(capsys, "baselines", *base, *both)
+    assert "unknown model 'nosuch'" in user_error(capsys, "sweep", "--models", "resnet18,nosuch", "--budgets", "1GB",
+                                                  "--gpu", "cpu")  # fmt: skip
     assert "unknown model" in user_error(capsys, "simulate", "--model", "resnet999", "--gpu", "cpu", "--action", "keep")
     assert "invalid --top -1" in user_error(capsys, "profile", "--model", "resnet18", "--gpu", "cpu", "--top", "-1")
 
