@@ -60,6 +60,7 @@ class SizeResult:
     searched: bool = True  # False: traced for the no-policy search only (``fits`` is then unknown)
     baseline: SearchResult | None = None  # the best published heuristic at this size (None: not run)
     baseline_fits: bool | None = None  # within the budget (and max_slowdown); None: not run
+    trained: bool | None = None  # --measure: None not trained; True the answer, as measured; False did not fit so
 
     @property
     def baseline_slowdown(self) -> float | None:
@@ -83,6 +84,7 @@ class SizeResult:
                 self.baseline.result.samples_per_s if self.baseline is not None and self.baseline.feasible else None
             ),
             "baseline_slowdown": self.baseline_slowdown,
+            "trained": self.trained,
         }
 
 
@@ -303,6 +305,7 @@ class MaxBatch:
         outcome.max_batch, outcome.best = 0, None
         for b in sizes[:MEASURED_SIZES]:
             outcome.measured_sizes.append(b)
+            self.results[b].trained = False  # until its measured answer fits
             simulated = self.results[b].found
             assert simulated is not None
             parts = simulated.policy.partitions
@@ -330,8 +333,12 @@ class MaxBatch:
             answer = dataclasses.replace(found, policy=policy, result=f.result)
             slowdown = no_policy.samples_per_s / f.result.samples_per_s - 1
             outcome.max_batch = b
-            outcome.best = SizeResult(b, True, no_policy.feasible, no_policy, answer, slowdown)
+            outcome.best = SizeResult(b, True, no_policy.feasible, no_policy, answer, slowdown, trained=True)
+            best_baseline = best_of(baselines)
+            outcome.best.baseline, outcome.best.baseline_fits = best_baseline, self._fits(no_policy, best_baseline)
             outcome.measured = MeasuredSize(b, answer, m)
+            # The answer's row as trained, on its real-mode trace: the figures the file and the answer give.
+            outcome.tried = [outcome.best if t.batch_size == b else t for t in outcome.tried]
             break
         outcome.wall_s += time.perf_counter() - started
         return outcome
@@ -395,7 +402,11 @@ def render(
         t.add_row(
             str(r["batch_size"]),
             # A policy within the budget that is more than --max-slowdown slower does not count: say why.
-            "too slow" if r["fits"] is False and r["samples_per_s"] is not None else _FITS[r["fits"]],
+            "no, as trained"
+            if r["trained"] is False
+            else "too slow"
+            if r["fits"] is False and r["samples_per_s"] is not None
+            else _FITS[r["fits"]],
             "yes" if r["fits_without_policy"] else "no",
             sr.format_bytes(r["peak_bytes"]) if r["peak_bytes"] is not None else "—",
             f"{r['samples_per_s']:,.1f}" if r["samples_per_s"] is not None else "—",

@@ -452,6 +452,13 @@ def test_maxbatch_measures_its_largest_size_and_writes_that_policy(
     assert got["measured_sizes"][0] == simulated and m["batch_size"] == got["max_batch"] in got["measured_sizes"]
     chosen = m["finalists"][m["chosen"]]
     assert chosen["fits"] and chosen["measured"]["peak_bytes"] <= 60_000_000
+    # The answer's row is the answer as trained (it had kept the fake trace's figures); those trained above it
+    # say that they did not fit so.
+    row = next(s for s in got["sizes"] if s["batch_size"] == got["max_batch"])
+    assert row["trained"] is True
+    assert (row["samples_per_s"], row["slowdown"], row["peak_bytes"]) == (got["samples_per_s"], got["slowdown"],
+                                                                          got["peak_bytes"])  # fmt: skip
+    assert all(s["trained"] is False for s in got["sizes"] if s["batch_size"] in got["measured_sizes"][:-1])
     policy = load_policy(out)
     assert policy.batch_size == got["max_batch"] and policy.measured is not None
     assert policy.measured.peak_bytes == chosen["measured"]["peak_bytes"]
@@ -480,6 +487,7 @@ def test_maxbatch_with_nothing_that_fits_when_measured_is_an_error(
     fitting = sorted((s["batch_size"] for s in got["sizes"] if s["fits"]), reverse=True)
     assert got["measured"] is None and got["max_batch"] == 0
     assert got["measured_sizes"] == fitting[:MEASURED_SIZES] and len(got["measured_sizes"]) >= 2
+    assert [s["batch_size"] for s in got["sizes"] if s["trained"] is False] == sorted(got["measured_sizes"])
     line = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(line) == 1 and "no batch size trains within" in line[0] and "nothing written" in line[0]
 
