@@ -93,6 +93,11 @@ class CellResult:
     partitions: list[dict[str, Any]] = field(default_factory=list)  # --allow-partition: the slices searched
     interrupted: bool = False  # Ctrl-C stopped this cell's search: it holds what was found until then
 
+    @property
+    def slices(self) -> str:
+        """The partitions the cell planned on, ``features/4`` (empty: none)."""
+        return ", ".join(f"{p['module']}/{p['chunks']}" for p in self.partitions)
+
     def to_json(self) -> dict[str, Any]:
         best_h = self.best_heuristic()
         return {
@@ -299,7 +304,7 @@ def describe(cell: CellResult) -> str:
     if cell.below_floor:
         return f"{cell.model} {cell.profile} {format_bytes(cell.budget_bytes)}: below what any policy needs"
     got = cell.best["samples_per_s"] if cell.best else None
-    sliced = "".join(f", {p['module']}/{p['chunks']}" for p in cell.partitions)
+    sliced = f", {cell.slices}" if cell.partitions else ""
     return (
         f"{cell.model} {cell.profile} {format_bytes(cell.budget_bytes)}: "
         + (f"{got:,.1f} samples/s ({cell.best['method']}{sliced})" if got and cell.best else "no fitting policy")
@@ -442,7 +447,9 @@ def render(out: Console, outcome: SweepOutcome, storage: str, report: Path | Non
             f(j["ppo_samples_per_s"]),
             "below the floor"
             if cell.below_floor
-            else f"{f(j['samples_per_s'])} {j['best_method'] or ''}" + (" (interrupted)" if cell.interrupted else ""),
+            else f"{f(j['samples_per_s'])} {j['best_method'] or ''}"
+            + (f" on {cell.slices}" if cell.partitions else "")
+            + (" (interrupted)" if cell.interrupted else ""),
         )
     out.print(t)
     out.print(

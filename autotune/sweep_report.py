@@ -94,6 +94,7 @@ def _summary_table(cells: Sequence[CellResult]) -> str:
 
         h = f"{f(j['best_heuristic_samples_per_s'])} ({j['best_heuristic']})" if j["best_heuristic"] else "—"
         chosen = "below the floor" if c.below_floor else f"{f(j['samples_per_s'])} ({j['best_method'] or '—'})"
+        chosen += f" on {c.slices}" if c.partitions and not c.below_floor else ""  # a submodule run on slices
         chosen += " (interrupted)" if c.interrupted else ""  # as the terminal's table says
         rows.append(
             [

@@ -343,6 +343,11 @@ def test_sweep_partitions_the_cells_below_the_floor(capsys: pytest.CaptureFixtur
     policy = load_policy(sliced)
     assert policy.partitions and policy.options.allow_partition
     assert "no policy" in report.read_text()
+    sliced_as = f"{below['partitions'][0]['module']}/{below['partitions'][0]['chunks']}"
+    assert f"on {sliced_as}" in report.read_text()  # the summary says which cell ran on slices (it did not)
+    code, out, err = run(capsys, *args[:-1], "--allow-partition")  # the table, resumed
+    assert code == 0, err
+    assert f"on {sliced_as}" in out
 
 
 @pytest.mark.slow
