@@ -785,6 +785,15 @@ def search(
         print(sr.dumps(outcome))
     else:
         sr.render(out, outcome)
+    faster = outcome.found.result.samples_per_s / outcome.no_policy.samples_per_s - 1
+    if req.mode == "real" and outcome.found.policy.partitions and outcome.found.feasible and faster > 0.05:
+        # A policy only adds work to its model; slices and no slices are two real-mode traces, timed apart.
+        err.print(
+            f"warning: the answer on slices plans {faster:.0%} faster than no policy without them: the two models "
+            "were traced apart, and this machine's op times varied between the traces (a busy machine?); their "
+            "comparison says nothing here, the peaks stand",
+            highlight=False,
+        )
     if outcome.interrupted:
         where = f"the best policy so far is in {path}" if outcome.written else "no policy fits yet"
         err.print(f"{_stopped()}: {where}; resume with --storage {storage} --study {name}")

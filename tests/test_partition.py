@@ -423,3 +423,34 @@ def test_baselines_on_slices_count_their_slowdown_from_the_model_without_them(
     assert none["samples_per_s"] == pytest.approx(keep_sliced.samples_per_s, rel=1e-12)
     assert none["slowdown"] == pytest.approx(no_policy.samples_per_s / keep_sliced.samples_per_s - 1, rel=1e-9)
     assert none["slowdown"] > 0.01  # four slices of each block cost time on the GPU's profile
+
+
+@pytest.mark.slow
+def test_a_search_on_slices_timed_apart_from_no_policy_says_so_where_it_plans_faster(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On this CPU the model with slices and without them are two real-mode traces, timed apart: on a busy
+    machine the answer printed a slowdown of -90% against no policy, without a word (a QA run). A policy only
+    adds work to its model, so an answer on slices more than 5% faster than no policy says the times varied."""
+    import dataclasses
+
+    import autotune.workloads as wl
+
+    trace_model = wl.trace_model
+
+    def busy_without_slices(req):  # type: ignore[no-untyped-def]
+        w, s = trace_model(req)
+        if req.partitions or w.mode != "real":
+            return w, s
+        # Op times add up to the plain iterations timed beside them (NOTE [ Op time calibration ]).
+        return dataclasses.replace(w, meta={**w.meta, "plain_iter_s": 20 * w.meta["plain_iter_s"]}), s
+
+    monkeypatch.setattr(wl, "trace_model", busy_without_slices)
+    code, out, err = run(capsys, "profile", "--model", CNN, "--gpu", "cpu", "--json")
+    assert code == 0, err
+    budget = str(int(json.loads(out)["peak_bytes"] * 0.5))
+    code, out, err = run(capsys, "search", "--model", CNN, "--budget", budget, "--gpu", "cpu", "--timeout", "4",
+                         "--allow-partition", "--out", str(tmp_path / "p.json"),
+                         "--storage", f"sqlite:///{tmp_path / 's.db'}")  # fmt: skip
+    assert code == 0, err
+    assert "faster than no policy without them: the two models were traced apart" in err
