@@ -142,7 +142,8 @@ def profile(
     from autotune.report import profile_report, render_profile
     from autotune.units import format_size_echo
     from autotune.workloads import TraceRequest
-    from runtime.hardware import resolve_profile
+    from runtime.hardware import get_profile, resolve_profile
+    from runtime.target import trace_key
     from runtime.workload import Workload
 
     check_writable(out_file, "--out")
@@ -157,13 +158,21 @@ def profile(
     budget_bytes = parse_budget(budget) if budget is not None else None
     if budget is not None and not as_json:
         err.print(f"budget: {format_size_echo(budget, budget_bytes or 0)}")
-    hw, hw_note = resolve_profile(gpu)
+    saved = Workload.load(workload) if workload is not None else None
+    traced_for = saved.meta.get("traced_for") if saved is not None and saved.mode == "fake" else None
+    hw, hw_note = resolve_profile(gpu if gpu is not None or traced_for is None else traced_for)
+    if traced_for is not None and trace_key(get_profile(traced_for)) != trace_key(hw):
+        raise AutotuneError(
+            f"--gpu {hw.name} with --workload {workload}, a fake trace taken with {traced_for}'s kernels (their "
+            f"choices differ from {hw.name}'s): pass --gpu {traced_for}, or trace again without --workload"
+        )
     if budget_bytes is not None:
         from autotune.budget import warn_over_device
 
         warn_over_device(err, budget_bytes, hw)
-    if workload is not None:
-        w, trace_s = Workload.load(workload), 0.0
+    if saved is not None:
+        assert workload is not None
+        w, trace_s = saved, 0.0
         from autotune.models import given_image_size
 
         _check_workload_matches(w, workload, model=model, batch_size=batch_size, seq_len=seq_len,

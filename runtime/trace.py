@@ -499,6 +499,8 @@ def capture(
     w.meta["plain_iter_s"] = None if plain is None else plain[0]
     w.meta["plain_host_s"] = None if plain is None else plain[1]
     w.meta["parameter_fingerprint"] = parameter_fingerprint(model)
+    if fake:  # whose kernels a fake trace took (NOTE [ GPU-faithful fake traces ]): a GPU profile's, or the CPU's
+        w.meta["traced_for"] = target.name if gpu and target is not None else "cpu"
     if partitions:
         w.meta["partitions"] = [p.to_dict() for p in partitions]
         w.compute_fingerprints()  # they are part of the structure

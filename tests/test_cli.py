@@ -72,6 +72,12 @@ def test_profile_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
                         (["--precision", "bf16"], "--precision bf16"),
                         (["--image-size", "32"], "--image-size 32")):  # fmt: skip
         assert f"{said} with --workload" in user_error(capsys, "profile", *other, *saved)
+    # A fake trace takes its profile's kernels: another GPU's plan from it was accepted (a QA run). Refused where
+    # their choices differ; without --gpu the trace's own profile is taken.
+    said = user_error(capsys, "profile", "--workload", str(tmp_path / "w.json"), "--gpu", "h200")
+    assert "--gpu h200 with --workload" in said and "taken with a100-40gb's kernels" in said
+    code, out2, _ = run(capsys, "profile", "--workload", str(tmp_path / "w.json"), "--json")
+    assert code == 0 and json.loads(out2)["peak_bytes"] == d["peak_bytes"]
 
 
 def test_profile_for_a_gpu_counts_cublas_workspaces_by_default(
