@@ -161,7 +161,7 @@ def profile(
     saved = Workload.load(workload) if workload is not None else None
     traced_for = saved.meta.get("traced_for") if saved is not None and saved.mode == "fake" else None
     hw, hw_note = resolve_profile(gpu if gpu is not None or traced_for is None else traced_for)
-    if traced_for is not None and trace_key(get_profile(traced_for)) != trace_key(hw):
+    if traced_for is not None and trace_key(None if traced_for == "cpu" else get_profile(traced_for)) != trace_key(hw):
         raise AutotuneError(
             f"--gpu {hw.name} with --workload {workload}, a fake trace taken with {traced_for}'s kernels (their "
             f"choices differ from {hw.name}'s): pass --gpu {traced_for}, or trace again without --workload"
