@@ -500,6 +500,10 @@ def main() -> None:
     val_labels = [lb for lb in labels if lb.spec.model == VALIDATION]
     train_labels = [lb for lb in labels if lb.spec.model != VALIDATION] or val_labels
     train, val = rollouts(train_labels, args.cache), rollouts(val_labels or train_labels, args.cache)
+    if not val_labels or train_labels is val_labels:
+        what = "no" if not val_labels else "only"
+        print(f"warning: --models holds {what} {VALIDATION} cells: the validation curves are the training cells' "
+              "own (give both it and another model to keep them apart)", flush=True)  # fmt: skip
     print(f"dataset: {len(train.actions)} training decisions, {len(val.actions)} validation", flush=True)
 
     env = cells_env(train_labels, args.cache, args.seed)
