@@ -17,17 +17,18 @@ Rule 2 (memory). Memory is counted per op: the live bytes *during* op i are all 
     memory (``host_memory_bytes``), the swapped bytes are within that: the runtime keeps one pinned host
     buffer per swapped tensor across iterations (runtime R3).
 Rule 3 (keep). A kept candidate lives [producer, free_op], as traced.
-Rule 4 (swap out). A swapped candidate's D2H copy is issued when op ``save_op`` ends (the pack hook: its
-    value is final) and starts when the compute stream has finished that op and the D2H stream is free. Its
-    device storage is let go at its *release point*: the pack point ``release_after`` places after its own
-    (pack points: the first packs of the observed candidates, Rule 13, in candidate order), or, if there are
-    not that many, just before the first backward use of any handled candidate (swapped, compressed or
-    replayed); there the compute stream waits until the copy has ended (``stall_s``). It lives [producer,
-    max(free_if_dropped_op, r)], r the op of the release point's pack (or that first use - 1). On a profile
-    without copy engines host memory is the device's: the copy (on the one clock) lives [save_op, free_op],
-    the original [producer, free_if_dropped_op], and nothing is copied back (Rules 5, 6 do not apply).
+Rule 4 (swap out). A swapped candidate's D2H copy is issued when op ``save_op`` ends (the pack hook: its value is
+    final) and starts when the compute stream has finished that op and the D2H stream is free. Its device storage is
+    let go at its *release point*: the pack point ``release_after`` places after its own (pack points: the first
+    packs of the observed candidates, Rule 13, in candidate order), or, if there are not that many, just before the
+    first backward use of any handled candidate (swapped, compressed or replayed); there the compute stream waits
+    until the copy has ended (``stall_s``). It lives [producer, max(free_if_dropped_op, r)], r the op of the release
+    point's pack (or that first use - 1). On a profile without copy engines host memory is the device's: the copy
+    (on the one clock) lives [save_op + 1, free_op] (made once op save_op has ended, so not during it), the original
+    [producer, free_if_dropped_op], and nothing is copied back (Rules 5, 6 do not apply).
 Rule 5 (prefetch). The unpack points U are the distinct first-backward-use ops of the candidates that no
-    region serves (Rule 11), sorted (the runtime's unpack hook fires there). The H2D copy of a swapped
+    region serves (Rule 11), sorted (the runtime's unpack hook fires there: a first use is the first op of the
+    backward node that first unpacks it, ``Candidate.first_use``, which may run before the op that reads it). The H2D copy of a swapped
     candidate whose first backward use is U[p] is issued just before op U[max(0, p - L)] runs, L =
     ``prefetch_lookahead`` (L = 0: on demand); copies due at the same op are issued in order of need (first
     backward use, then candidate index). A copy starts once the H2D stream is free, its own D2H copy has
@@ -54,7 +55,7 @@ Rule 7 (replay). A recomputed candidate that no region serves lives [producer, f
     Function's ``ctx`` attribute: runtime/plan.py P11) is planned as kept, everywhere (regions included).
 Rule 8 (compress). A compressed candidate is cast to ``compress_dtype`` when ``save_op`` ends, by a kernel on
     the compute stream that reads n bytes and writes n / r (r = element size ratio, at least 1). The full
-    storage lives [producer, free_if_dropped_op], the packed one [save_op, u]; just before u an unpack
+    storage lives [producer, free_if_dropped_op], the packed one [save_op + 1, u]; just before u an unpack
     kernel (reads n / r, writes n) re-creates it, living [u, free_op]. Both kernels are ``compress_s``.
 Rule 9 (time). ``iter_s`` is when both the compute stream and the host are done (the step ends with a
     synchronisation): compute + recompute + compress + stall and whatever the host adds where it is behind.
@@ -287,7 +288,7 @@ class Simulator:
             dtype=np.int64,
         )
         # A candidate no backward op reads is never materialized: its first use is "after the end".
-        self.first_use = np.array([c.bwd_uses[0] if c.bwd_uses else n for c in cands], dtype=np.int64)
+        self.first_use = np.array([c.first_use(n) for c in cands], dtype=np.int64)
         self._held_outside = held_outside(w)  # recomputed, kept (Rule 7; runtime/plan.py P11)
         self.unpack_points = sorted({int(u) for u in self.first_use if u < n})
         self._u_pos = [bisect.bisect_left(self.unpack_points, int(u)) for u in self.first_use]

@@ -47,7 +47,7 @@ def simulate_reference(
     cand_of = {c.tensor: i for i, c in enumerate(cands)}
     size = {t.id: rounded(t.nbytes, g) for t in w.tensors}
     free_keep: list[int] = [n - 1 if (f := w.tensors[c.tensor].free_op) is None else f for c in cands]
-    first_use = [c.bwd_uses[0] if c.bwd_uses else n for c in cands]
+    first_use = [c.first_use(n) for c in cands]
     target = itemsize(options.compress_dtype)
     ratio = [max(1.0, itemsize(w.tensors[c.tensor].dtype) / target) for c in cands]
     pack_s = [hw.op_time_s(0.0, c.nbytes + c.nbytes / r, "fp32") for c, r in zip(cands, ratio, strict=True)]
@@ -346,9 +346,9 @@ def simulate_reference(
             if w.tensors[tid].alloc_op == i and tid not in in_place:
                 live[("t", tid)] = size[tid]
         for ci, c in enumerate(cands):
-            if act[ci] == COMPRESS and c.save_op == i:
+            if act[ci] == COMPRESS and c.save_op + 1 == i:  # Rule 8: cast once op save_op has ended
                 live[("p", ci)] = packed[ci]
-            if act[ci] == SWAP and not gpu and c.save_op == i:  # Rule 4: the copy is device memory
+            if act[ci] == SWAP and not gpu and c.save_op + 1 == i:  # Rule 4: the copy is device memory
                 add("c", ci, size[c.tensor], free_keep[ci])
         # Op i on the clocks (Rule 1), after the fixed insertions before it.
         clock["busy"] += host_at[i] + host_op[i]

@@ -350,9 +350,9 @@ def live_bytes(
 ) -> np.ndarray:
     """Rule 2: the live bytes during each op under the policy, as changes to keep-all's (``live_keep_delta``,
     op to op): each candidate not kept holds its storage to ``free_if_dropped_op`` (a swapped one to its
-    release point ``release_op``, in ``swp``'s order; without copy engines its copy [save_op, free_op]); what
+    release point ``release_op``, in ``swp``'s order; without copy engines its copy [save_op + 1, free_op]); what
     is made again in backward (copied back, regenerated, unpacked: at its first use, its copy back's trigger
-    op, or where ``moved`` says) to its free op; a compressed one's packed bytes [save_op, its unpack]; the
+    op, or where ``moved`` says) to its free op; a compressed one's packed bytes [save_op + 1, its unpack]; the
     regions' intervals (``region_at``, ``region_w``); and, Rules 7 and 11, the recompute held before op u
     allocates its own outputs (``extra``). Byte counts are exact in float64, so the order of the sums is
     free. An interval that ends before it starts holds nothing (its end moves to just before its start)."""
@@ -377,8 +377,8 @@ def live_bytes(
             late = max(max(drop[ci], release_op[j]), producer[ci] - 1) + 1
             delta[drop_end[ci]] += z
             delta[late] -= z
-        elif swapping:  # Rule 4 without copy engines: the copy is device memory, [save_op, free_op]
-            delta[save_op[ci]] += z
+        elif swapping:  # Rule 4 without copy engines: the copy is device memory, [save_op + 1, free_op]
+            delta[save_op[ci] + 1] += z
             delta[keep_end_from_save[ci]] -= z
     for i in range(0, n_moved, 2):
         made[moved[i]] = True
@@ -391,10 +391,10 @@ def live_bytes(
             b = bop[ci]
             delta[b] += z
             delta[max(free_keep[ci], b - 1) + 1] -= z
-        if act[ci] == compress:  # packed: [save_op, u], to the end if never unpacked (Rule 8)
-            delta[save_op[ci]] += packed_f[ci]
+        if act[ci] == compress:  # packed: [save_op + 1, u], to the end if never unpacked (Rule 8)
+            delta[save_op[ci] + 1] += packed_f[ci]
             if made[ci]:
-                delta[max(bop[ci], save_op[ci] - 1) + 1] -= packed_f[ci]
+                delta[max(bop[ci], save_op[ci]) + 1] -= packed_f[ci]
     for j in range(region_at.shape[0]):  # Rule 11: regenerated copies, held arguments
         delta[region_at[j]] += region_w[j]
     live = np.empty(n)

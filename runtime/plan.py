@@ -371,7 +371,7 @@ def closures_of(w: Workload) -> list[Closure]:
     writers = forward_writers(w)
     out: list[Closure] = []
     for c in w.candidates:
-        u = c.bwd_uses[0] if c.bwd_uses else n
+        u = c.first_use(n)
         ops: set[int] = set(c.recompute_ops)
         deps: set[int] = set()
         todo = sorted(ops)  # ops whose inputs are still to resolve
@@ -414,7 +414,8 @@ def regions_for(w: Workload, act: np.ndarray, nodes: bool = True) -> list[Region
 
 def held_outside(w: Workload) -> np.ndarray:
     """P11: per candidate, whether something other than autograd holds its storage until its first backward use."""
-    return np.array([bool(c.bwd_uses) and c.free_if_dropped_op >= c.bwd_uses[0] for c in w.candidates], dtype=bool)
+    n = len(w.ops)
+    return np.array([c.first_use(n) < n and c.free_if_dropped_op >= c.first_use(n) for c in w.candidates], dtype=bool)
 
 
 def as_run(act: np.ndarray, held: np.ndarray) -> np.ndarray:

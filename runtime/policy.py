@@ -164,7 +164,7 @@ class Schedule:
     def of(cls, workload: Workload, codes: Sequence[int] | np.ndarray | None = None, nodes: bool = True) -> Schedule:
         """The schedule of ``workload``; with action ``codes``, its regions too (run as nodes or not: P10)."""
         n = len(workload.ops)
-        firsts = [c.bwd_uses[0] if c.bwd_uses else n for c in workload.candidates]
+        firsts = [c.first_use(n) for c in workload.candidates]
         points = sorted(set(firsts))
         rank = {u: i for i, u in enumerate(points)}
         return cls(

@@ -471,7 +471,7 @@ def capture(
         keyer = SavedTensorKeyer(model)
         with keyer.attached():
             dropped = _drop_pass(model, batch, loss_fn, opt, keyer, step)
-            rec, cand_order, (saved_after, saved_in), frames = _record(
+            rec, cand_order, (saved_after, saved_in, unpacked), frames = _record(
                 model, batch, loss_fn, opt, keyer, step, time_ops=not fake, target=target if gpu else None
             )
         # The median of five plain iterations: what a training step typically takes (NOTE [ Op time
@@ -482,6 +482,7 @@ def capture(
         cand_order,
         saved_after,
         saved_in,
+        unpacked,
         dropped,
         block_paths(model),
         frames,
@@ -690,18 +691,19 @@ def _record(
     step: TrainStep,
     time_ops: bool,
     target: HardwareProfile | None = None,
-) -> tuple[_Recorder, dict[int, str], tuple[dict[int, int], dict[int, set[str]]], _FrameLog]:
+) -> tuple[_Recorder, dict[int, str], tuple[dict[int, int], dict[int, set[str]], dict[int, int]], _FrameLog]:
     keyer.new_forward()
     rec = _Recorder(time_ops=time_ops, target=target)
     _register_state(rec, model, batch, opt, step)
     cand: dict[int, str] = {}  # tensor id -> key, in first-pack order
     saved_after: dict[int, int] = {}  # tensor id -> last op completed at its first pack
     saved_in: dict[int, set[str]] = {}  # tensor id -> modules whose ops saved it
+    unpacked: dict[int, int] = {}  # tensor id -> the op backward runs next at its first unpack
     ignored: list[str] = rec.ignored_keys
     log = _FrameLog(rec)
     packs = log.packs
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> tuple[int | None, torch.Tensor]:
         rec.paused = True
         try:
             k = keyer.key_for(t)
@@ -713,13 +715,20 @@ def _record(
                 saved_after.setdefault(tid, len(rec.ops) - 1)
                 saved_in.setdefault(tid, set()).add(keyer.current_module)
                 packs.setdefault(tid, []).append((frame, len(rec.ops) - 1))
-            elif k.first_pack and k.key is not None:
-                ignored.append(k.key)  # saved but not made in forward (the batch, targets): not a candidate
-            return t.detach()  # not t itself: a saved output holding its own grad_fn would never be freed
+            else:
+                tid = None
+                if k.first_pack and k.key is not None:
+                    ignored.append(k.key)  # saved but not made in forward (the batch, targets): not a candidate
+            return tid, t.detach()  # not t itself: a saved output holding its own grad_fn would never be freed
         finally:
             rec.paused = False
 
-    def unpack(t: torch.Tensor) -> torch.Tensor:
+    def unpack(packed: tuple[int | None, torch.Tensor]) -> torch.Tensor:
+        # A backward node unpacks all it saved when it starts, before the first of its ops (a multiplication's
+        # gradient unpacks both factors, then runs two ops): where the runtime materializes a tensor.
+        tid, t = packed
+        if tid is not None and rec.phase == Phase.BACKWARD:
+            unpacked.setdefault(tid, len(rec.ops))
         return t
 
     def in_place(into: torch.Tensor, out: torch.Tensor) -> None:  # S4 of runtime/shared_grads.py
@@ -755,7 +764,7 @@ def _record(
             opt.zero_grad(set_to_none=True)  # gradients die here, after the last op
     rec.closed = True
     rec.finish_timing()
-    return rec, cand, (saved_after, saved_in), log
+    return rec, cand, (saved_after, saved_in, unpacked), log
 
 
 def _build_workload(
@@ -763,6 +772,7 @@ def _build_workload(
     cand: dict[int, str],
     saved_after: dict[int, int],
     saved_in: dict[int, set[str]],
+    unpacked: dict[int, int],
     dropped: dict[str, int],
     blocks: dict[str, str],
     log: _FrameLog,
@@ -808,6 +818,7 @@ def _build_workload(
                 block=_block(blocks, rec.ops[t.alloc_op].module),
                 block_input=any(_block(blocks, m) != _block(blocks, rec.ops[t.alloc_op].module) for m in saved_in[tid]),
                 packs=tuple(log.packs[tid]),
+                unpack_op=unpacked.get(tid, -1),
             )
         )
     w = Workload(

@@ -24,7 +24,10 @@ NOTE [ Candidates ]
     :class:`runtime.keys.SavedTensorKeyer`, the same code the runtime runs at training time, so a policy
     written for a key finds its tensor again. ``free_op`` of its tensor is where it dies when kept;
     ``free_if_dropped_op`` is where it would die if autograd did not hold it (measured, not guessed: see
-    NOTE [ Drop pass ] in runtime/trace.py).
+    NOTE [ Drop pass ] in runtime/trace.py). ``unpack_op`` is where backward first unpacks it: a node
+    unpacks all it saved when it starts, before its first op, which is where the runtime's unpack hook
+    brings a tensor back or makes it again, not at the node's op that reads it (``bwd_uses``); the
+    simulator's first use (``Candidate.first_use``).
 
 NOTE [ Frames ]
     A frame is one call of one module in the forward (``layer1.0#0``: path and call, as in the keys), with
@@ -140,6 +143,15 @@ class Candidate:
     block: str = ""  # block of the producer (runtime.keys.block_paths): a recompute region
     block_input: bool = False  # also saved in another block than its producer's: a block boundary
     packs: tuple[tuple[int, int], ...] = ()  # each pack of its storage: (frame, last op completed), in order
+    unpack_op: int = -1  # the op backward ran next when it first unpacked it (-1: never, or an older trace)
+
+    def first_use(self, n_ops: int) -> int:
+        """Where backward first needs it (NOTE [ Candidates ]): the first unpack, when its node starts, before
+        the node's first op (a multiplication's gradient unpacks both factors, then runs two ops); in a trace
+        from before unpacks were recorded, the first backward op that reads it; ``n_ops`` when none does."""
+        if self.unpack_op >= 0:
+            return self.unpack_op
+        return self.bwd_uses[0] if self.bwd_uses else n_ops
 
     @property
     def recompute_ops(self) -> tuple[int, ...]:

@@ -245,3 +245,16 @@ class CtxHeldMLP(nn.Module):
         for layer in self.layers:
             x = _SquareKeepingInput.apply(torch.tanh(layer(x)))
         return self.head(x)
+
+
+class GeluMLP(nn.Module):
+    """Linear, GPT-2's tanh GELU written out (eight elementwise ops, each saving), Linear: backward nodes that
+    unpack two saved tensors and run two ops (a product's gradient)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(0.5 * h * (1.0 + torch.tanh(0.79788456 * (h + 0.044715 * torch.pow(h, 3.0)))))
