@@ -26,14 +26,14 @@ Rule 4 (swap out). A swapped candidate's D2H copy is issued when op ``save_op`` 
     point's pack (or that first use - 1). On a profile without copy engines host memory is the device's: the copy
     (on the one clock) lives [save_op + 1, free_op] (made once op save_op has ended, so not during it), the original
     [producer, free_if_dropped_op], and nothing is copied back (Rules 5, 6 do not apply).
-Rule 5 (prefetch). The unpack points U are the distinct first-backward-use ops of the candidates that no
-    region serves (Rule 11), sorted (the runtime's unpack hook fires there: a first use is the first op of the
-    backward node that first unpacks it, ``Candidate.first_use``, which may run before the op that reads it). The H2D copy of a swapped
-    candidate whose first backward use is U[p] is issued just before op U[max(0, p - L)] runs, L =
-    ``prefetch_lookahead`` (L = 0: on demand); copies due at the same op are issued in order of need (first
-    backward use, then candidate index). A copy starts once the H2D stream is free, its own D2H copy has
-    completed and the compute stream has reached the op where it is issued. Its device buffer is allocated
-    at issue: it lives [issue op, free_op].
+Rule 5 (prefetch). The unpack points U are the distinct first-backward-use ops of the candidates that no region
+    serves (Rule 11), sorted (the runtime's unpack hook fires there: a first use is the first op of the backward
+    node that first unpacks it, ``Candidate.first_use``, which may run before the op that reads it). The H2D copy of
+    a swapped candidate whose first backward use is U[p] is issued just before op U[max(0, p - L)] runs, L =
+    ``prefetch_lookahead`` (L = 0: on demand); copies due at the same op are issued in order of need (first backward
+    use, then candidate index). A copy starts once the H2D stream is free, its own D2H copy has completed and the
+    compute stream has reached the op where it is issued. Its device buffer is allocated at issue: it lives [issue
+    op, free_op].
 Rule 6 (stall). Before its first backward use u, the compute stream waits until a swapped tensor has
     arrived; the waiting is ``stall_s``.
 Rule 7 (replay). A recomputed candidate that no region serves lives [producer, free_if_dropped_op]. Just
