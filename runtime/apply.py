@@ -1306,7 +1306,14 @@ class PolicyRuntime:
             h.packed = None
         elif h.action == Action.RECOMPUTE:
             rec = self._recorder
-            assert rec is not None and h.sid is not None
+            if rec is None:  # the step has ended: its recording went with it (R11)
+                raise AutotuneError(
+                    f"backward needs saved tensor {h.key!r}, which the policy recomputes, after "
+                    "`with policy.applied(model):` ended; the recording its recompute replays ended with the "
+                    "block: call loss.backward() inside the block (under Lightning's automatic optimization, use "
+                    "runtime.integrations.lightning.PolicyCallback rather than a block inside training_step)"
+                )
+            assert h.sid is not None
             # The recorded ops are autocast's outputs (its casts recorded as ops): an autocast still on in
             # backward (``loss.backward()`` inside it) must not cast them again (R6).
             with torch.no_grad(), _without_autocast(self.device):

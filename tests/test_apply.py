@@ -1444,3 +1444,28 @@ def test_a_region_that_returns_a_view_modified_in_place_after_it_trains_as_plain
             warnings.simplefilter("error")
             got = train_steps(build, policy, 3)
         assert same_bits(got, plain)
+
+
+def test_backward_after_the_block_under_a_recomputing_policy_says_what_to_do() -> None:
+    """``loss.backward()`` after ``with policy.applied(model):`` has ended: the recording a recompute replays
+    went with the step, and the unpack failed on a bare ``AssertionError`` (a QA run: Lightning's automatic
+    optimization calls backward after ``training_step`` returns). One line that says to call backward inside
+    the block; a swap-only policy still trains so, with plain training's gradients."""
+    name, kwargs = RESNET
+    build = _build(name, kwargs)
+    w = capture(build, name=name, batch_size=kwargs["batch_size"])
+    for action in (Action.RECOMPUTE, Action.SWAP):
+        policy = Policy.uniform(w, action, hardware="cpu")
+        model, batch, loss_fn = build()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the step's own "no backward inside it"
+            with policy.applied(model):
+                loss = loss_fn(model, batch)
+            if action == Action.RECOMPUTE:
+                with pytest.raises(AutotuneError, match=r"after `with policy.applied\(model\):` ended.*inside the"):
+                    loss.backward()
+                continue
+            loss.backward()
+        plain, pbatch, ploss = build()
+        ploss(plain, pbatch).backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
