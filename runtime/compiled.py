@@ -48,6 +48,11 @@ NOTE [ Compiled policies ] -- the eager twin is NOTE [ Runtime mechanics ] in ru
         the compiled graph's: autograd keeps them, reported changed where the policy said otherwise.
     C6. The report (``CompiledModel.report``, after the first call): per key, applied, changed (with why) or
         dropped. A search for compiled training proposes only keep and recompute (``--compile``).
+    C7. Training calls. The plan is made at the first call that trains (grad mode on, the model in training
+        mode), and the report is settled by calls that train: a validation pass first (under ``torch.no_grad``
+        or ``model.eval()``, Lightning's sanity check) saves nothing, so a plan made there named no op and
+        training ran without the policy ("0 applied, 13 dropped"); a validation compiled later rewrote the
+        report so. Before the first training call the model runs as it is (eagerly), after it compiled.
 """
 
 from __future__ import annotations
@@ -400,7 +405,10 @@ class CompiledModel(torch.nn.Module):
         self._compiled = torch.compile(unique, backend=backend, fullgraph=True, **compile_kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        training = torch.is_grad_enabled() and self.model.training
         if self._plan is None:
+            if not training:  # C7: nothing is saved, nothing to plan; the first training call plans
+                return self.model(*args, **kwargs)
             self._plan = plan_ops(self.policy, self.model, args, kwargs, strict=self.strict)
         try:
             out = self._compiled(*args, **kwargs)
@@ -411,7 +419,10 @@ class CompiledModel(torch.nn.Module):
                 "fullgraph=True (NOTE [ Compiled policies ] C1); torch.compile(model, fullgraph=True) shows where "
                 "it breaks, or apply the policy eagerly with policy.applied(model)"
             ) from e
-        self._settle()
+        if training:
+            self._settle()
+        else:  # C7: an evaluation's trace meets no saved tensor's op, and says nothing of training's
+            self._passes.clear()
         return out
 
     def _settle(self) -> None:

@@ -327,3 +327,27 @@ def test_a_graph_break_is_refused_in_one_line(cnn_workload: Workload) -> None:
     policy = _policy(cnn_workload, "relu")
     with pytest.raises(AutotuneError, match=r"does not compile as one graph .* policy.applied"):
         loss_fn(policy.compiled(broken, backend=BACKEND), batch)
+
+
+def test_a_validation_first_leaves_the_plan_to_the_first_training_call(cnn_workload: Workload) -> None:
+    """C7: a validation pass before training (eval and no_grad: Lightning's sanity check) saved nothing, the
+    plan was made there, every decision was dropped and training ran without the policy (a QA run: 427,876
+    bytes saved a step against 165,732). Planned at the first training call instead, and a later validation
+    leaves the report as training made it."""
+    build = _cnn()
+    policy = _policy(cnn_workload, "relu")
+    _, _, expected, report = _step(build, policy)
+    model, batch, loss_fn = build()
+    cm = policy.compiled(model, backend=BACKEND)
+    model.eval()
+    with torch.no_grad():
+        cm(batch[0])
+    assert not cm.report.applied  # no plan yet
+    model.train()
+    torch.manual_seed(2)
+    assert _saved_bytes(model, lambda: loss_fn(cm, batch)) == expected
+    assert cm.report.applied == report.applied and not cm.report.dropped
+    model.eval()
+    with torch.no_grad():
+        cm(batch[0])
+    assert cm.report.applied == report.applied and not cm.report.dropped
