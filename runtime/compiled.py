@@ -77,6 +77,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from runtime.errors import AutotuneError
 from runtime.keys import OUTSIDE, SavedTensorKeyer
+from runtime.precision import check_active
 from runtime.vocab import Action
 
 if TYPE_CHECKING:
@@ -406,6 +407,9 @@ class CompiledModel(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         training = torch.is_grad_enabled() and self.model.training
+        if training:  # the precision the policy was made for, as policy.applied checks it (NOTE [ Precision ])
+            device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+            check_active(self.policy.precision, device.type)
         if self._plan is None:
             if not training:  # C7: nothing is saved, nothing to plan; the first training call plans
                 return self.model(*args, **kwargs)

@@ -351,3 +351,15 @@ def test_a_validation_first_leaves_the_plan_to_the_first_training_call(cnn_workl
     with torch.no_grad():
         cm(batch[0])
     assert cm.report.applied == report.applied and not cm.report.dropped
+
+
+def test_a_policy_for_another_precision_is_refused_as_policy_applied_refuses_it(cnn_workload: Workload) -> None:
+    """An fp32 policy compiled and trained under bf16 autocast reported its decisions applied and ran (a QA
+    run), where ``policy.applied`` refuses it: refused in the same words."""
+    build = _cnn()
+    model, batch, loss_fn = build()
+    cm = _policy(cnn_workload, "relu").compiled(model, backend=BACKEND)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(AutotuneError, match="made for fp32 training"):
+        loss_fn(cm, batch)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        cm(batch[0])  # inference saves nothing: any precision
