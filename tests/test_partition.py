@@ -345,9 +345,6 @@ def test_sweep_partitions_the_cells_below_the_floor(capsys: pytest.CaptureFixtur
     assert "no policy" in report.read_text()
     sliced_as = f"{below['partitions'][0]['module']}/{below['partitions'][0]['chunks']}"
     assert f"on {sliced_as}" in report.read_text()  # the summary says which cell ran on slices (it did not)
-    code, out, err = run(capsys, *args[:-1], "--allow-partition")  # the table, resumed
-    assert code == 0, err
-    assert sliced_as in out  # (a narrow table may wrap "on" and the slices apart)
 
 
 @pytest.mark.slow
