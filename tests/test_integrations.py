@@ -95,8 +95,14 @@ def _trainer_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
     return model(**batch, num_items_in_batch=batch["labels"][:, 1:].ne(-100).sum()).loss  # type: ignore[no-any-return]
 
 
-def _gpt2_workload(loss_fn: Callable[..., torch.Tensor] = _trainer_loss, precision: str = "fp32") -> Workload:
-    return capture(lambda: (*_gpt2(), loss_fn), name="hf_causal_lm", batch_size=B, grad_accum=GA, precision=precision)
+def _gpt2_workload(
+    loss_fn: Callable[..., torch.Tensor] = _trainer_loss, precision: str = "fp32", optimizer: str = "adamw"
+) -> Workload:
+    """The 2-layer GPT-2's workload, traced with the optimizer the Trainer trains with by default."""
+    return capture(
+        lambda: (*_gpt2(), loss_fn), name="hf_causal_lm", batch_size=B, grad_accum=GA, precision=precision,
+        optimizer=optimizer,
+    )  # fmt: skip
 
 
 class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -205,6 +211,14 @@ def test_trainer_refuses_another_grad_accum(tmp_path: Path) -> None:
     assert "\n" not in msg
     assert "gradient_accumulation_steps=1" in msg and "planned for 2 micro-batches" in msg
     assert "--grad-accum 1" in msg
+
+
+def test_trainer_refuses_a_policy_planned_with_another_optimizers_state(tmp_path: Path) -> None:
+    """The Trainer trains with AdamW by default: a policy searched with SGD (the default of `autotune search`)
+    was taken without a word, and planned 16% under its peak (a QA run). Refused before training, naming the
+    option that searches for it."""
+    with pytest.raises(AutotuneError, match=r"optimizer is AdamW, but .* planned with sgd.*--optimizer adamw"):
+        _train_hf(tmp_path, _swap_and_recompute(_gpt2_workload(optimizer="sgd")))
 
 
 def test_a_policy_for_another_model_is_said_so_before_its_accumulation(tmp_path: Path) -> None:
@@ -395,7 +409,7 @@ def _train_accelerate(
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_accelerate_keeps_parameters_bit_identical(precision: str) -> None:
     mixed = {"fp32": "no", "bf16": "bf16"}[precision]  # bf16: autocast inside the forward prepare() wraps
-    w = _gpt2_workload(lambda m, b: m(**b).loss, precision)  # accelerate's loop: the model's own mean loss
+    w = _gpt2_workload(lambda m, b: m(**b).loss, precision, "sgd")  # accelerate's loop: the model's own mean loss
     ref, _ = _train_accelerate(None, mixed_precision=mixed)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="autotune")
@@ -413,7 +427,7 @@ def test_accelerate_keeps_parameters_bit_identical(precision: str) -> None:
 def test_accelerate_takes_a_policy_files_path(tmp_path: Path) -> None:
     """The callbacks and PolicySteps take a policy file's path; accelerate's ``applied`` raised AttributeError
     on one ('str' object has no attribute 'applied': a QA run)."""
-    w = _gpt2_workload(lambda m, b: m(**b).loss)
+    w = _gpt2_workload(lambda m, b: m(**b).loss, optimizer="sgd")
     policy = _swap_and_recompute(w)
     path = tmp_path / "gpt2.policy.json"
     policy.save(path)
@@ -456,7 +470,8 @@ def test_search_takes_a_trainer_style_factory(capsys: pytest.CaptureFixture[str]
     Trainer's callback as it is, trains bit-identically."""
     model = "experiments.user_models:hf_causal_lm"
     out, store = tmp_path / "p.json", f"sqlite:///{tmp_path / 's.db'}"
-    args = ["--budget", "3MB", "--gpu", "cpu", "--grad-accum", "2", "--trials", "3", "--timeout", "5"]
+    args = ["--budget", "3MB", "--gpu", "cpu", "--grad-accum", "2", "--optimizer", "adamw", "--trials", "3",
+            "--timeout", "5"]  # fmt: skip
     code, stdout, err = run(capsys, "search", "--model", model, *args, "--out", str(out), "--storage", store, "--json")
     assert code == 0, err
     found = json.loads(stdout)

@@ -6,12 +6,16 @@ import contextlib
 import importlib
 import os
 from types import ModuleType
+from typing import Any
 
 import torch
 
 from runtime.apply import PolicyRuntime, RuntimeStats
 from runtime.errors import AutotuneError
 from runtime.policy import Policy, load_policy
+
+# The optimizers a policy can be planned with, by the state they keep per parameter (runtime.trace.make_optimizer).
+_STATE = {"sgd": "momentum", "adam": "moments", "adamw": "moments"}
 
 
 class MissingDependency(AutotuneError, ImportError):
@@ -67,6 +71,23 @@ class PolicySteps:
                 f"micro-batch{'es' if p.grad_accum != 1 else ''} per optimizer step: search one for this loop "
                 f"with `autotune search --model {p.model} --grad-accum {micro_batches} ...`, or set {setting}="
                 f"{p.grad_accum}"
+            )
+
+    def check_optimizer(self, optimizers: Any, setting: str) -> None:
+        """Refuse a loop whose optimizer keeps other state than the one the policy was planned with (its state
+        is part of the peak: AdamW keeps two buffers per parameter where SGD with momentum keeps one)."""
+        planned = self.policy.optimizer
+        for opt in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
+            while isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer):
+                opt = opt.optimizer  # accelerate's AcceleratedOptimizer (an Optimizer itself), Lightning's wrapper
+            runs = _STATE.get(type(opt).__name__.lower())
+            if planned is None or runs is None or runs == _STATE.get(planned):
+                continue
+            p = self.policy
+            raise AutotuneError(
+                f"{setting} is {type(opt).__name__}, but the policy for {p.model} was planned with {planned}, whose "
+                "state differs (the state is part of the peak): search one for this loop with `autotune search "
+                f"--model {p.model} --optimizer {type(opt).__name__.lower()} ...`, or train with {planned}"
             )
 
     def target(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -58,5 +58,6 @@ def applied(
     if strict:  # another model first: its accumulation is not the point (runtime R12)
         check_model(steps.policy, target)
     steps.check_grad_accum(accelerator.gradient_accumulation_steps, "Accelerator(gradient_accumulation_steps)")
+    steps.check_optimizer(getattr(accelerator, "_optimizers", []), "the prepared optimizer")
     with steps.policy.applied(target, strict=strict) as stats:
         yield stats

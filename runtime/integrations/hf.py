@@ -78,6 +78,8 @@ class PolicyCallback(TrainerCallback):  # type: ignore[misc]
         self.steps.close()  # what an earlier train() that raised left open
         self.steps.bind(kwargs["model"])  # another model first (R12): its accumulation is not the point
         self.steps.check_grad_accum(args.gradient_accumulation_steps, "TrainingArguments.gradient_accumulation_steps")
+        if kwargs.get("optimizer") is not None:
+            self.steps.check_optimizer(kwargs["optimizer"], "the Trainer's optimizer")
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -60,6 +60,7 @@ class PolicyCallback(pl.Callback):  # type: ignore[misc]
         self.steps.close()
         self.steps.bind(pl_module)  # another model first (R12): its accumulation is not the point
         self.steps.check_grad_accum(trainer.accumulate_grad_batches, "Trainer(accumulate_grad_batches)")
+        self.steps.check_optimizer(trainer.optimizers, "configure_optimizers()'s optimizer")
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
