@@ -297,8 +297,13 @@ class Simulator:
         self.h2d_s = self.nbytes / hw.h2d_bytes_per_s
         closures = closures_of(w)
         self.closure_ops: list[frozenset[int]] = [cl.ops for cl in closures]  # Rule 7: the ops re-run
+        # Rule 7: the storages (tensor ids) each candidate's replayed ops write, but its own
+        temps = [
+            sorted({t for op in cl.ops for t in w.ops[op].outputs} - {c.tensor})
+            for cl, c in zip(closures, cands, strict=True)
+        ]
         # Rule 7, per candidate: (recompute seconds, transient bytes, candidate dependencies)
-        self.closures = [self._closure_cost(ci, cl.ops, cl.deps) for ci, cl in enumerate(closures)]
+        self.closures = [self._closure_cost(cl.ops, cl.deps, t) for cl, t in zip(closures, temps, strict=True)]
         self._closure_host = [float(self.host_op_s[sorted(ops)].sum()) for ops in self.closure_ops]
         self._closure_len = [len(ops) for ops in self.closure_ops]
         # ... as arrays for the walk (envs/walk.py): seconds, bytes, the candidate inputs (CSR: those of ci are
@@ -308,7 +313,6 @@ class Simulator:
         self._rec_transient = np.array([transient for _, transient, _ in self.closures], dtype=np.int64)
         # ... and those bytes storage by storage (CSR: tensor ids and rounded sizes), for nested recomputations
         # that write the same storage (counted once, Rule 7).
-        temps = [self._temporaries(ci, ops) for ci, ops in enumerate(self.closure_ops)]
         self._temp_ptr = np.concatenate([[0], np.cumsum([len(t) for t in temps])]).astype(np.int64)
         self._temp_idx = np.array([tid for t in temps for tid in t], dtype=np.int64)
         self._temp_bytes = np.array([rounded(w.tensors[tid].nbytes, g) for tid in self._temp_idx], dtype=np.int64)
@@ -377,16 +381,14 @@ class Simulator:
         """The op after which each candidate is first packed (Rule 4's release points; Rule 13)."""
         return self._pack_ops
 
-    def _closure_cost(self, ci: int, ops: frozenset[int], deps: tuple[int, ...]) -> tuple[float, int, tuple[int, ...]]:
-        """Rule 7: (recompute seconds, transient bytes, candidate dependencies) of candidate ``ci``: every
-        storage the replayed ops write but the target is held during the recompute."""
+    def _closure_cost(
+        self, ops: frozenset[int], deps: tuple[int, ...], temporaries: list[int]
+    ) -> tuple[float, int, tuple[int, ...]]:
+        """Rule 7: (recompute seconds, transient bytes, candidate dependencies) of one candidate's closure:
+        ``temporaries``, every storage the replayed ops write but the target, are held during the recompute."""
         w, g = self.w, self.hw.alloc_granularity_bytes
-        transient = sum(rounded(w.tensors[tid].nbytes, g) for tid in self._temporaries(ci, ops))
+        transient = sum(rounded(w.tensors[tid].nbytes, g) for tid in temporaries)
         return float(self.op_s[sorted(ops)].sum()), transient, tuple(sorted(deps))
-
-    def _temporaries(self, ci: int, ops: frozenset[int]) -> list[int]:
-        """Rule 7: the storages (tensor ids) that candidate ``ci``'s replayed ops write, but its own."""
-        return sorted({tid for op in ops for tid in self.w.ops[op].outputs} - {self.w.candidates[ci].tensor})
 
     def trigger_ops(self, lookahead: int) -> np.ndarray:
         """Rule 5 with no region: the op before which each candidate's H2D copy is issued."""
