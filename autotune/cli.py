@@ -502,7 +502,9 @@ def baselines(
         partitions=parts,
     )
     req.validate()
-    hw, req = _with_local_host_costs(hw, sr.traced_here(req, hw), req.device if req.mode == "real" else None)
+    hw, req, host_note = sr.traced_here(req, hw)
+    if host_note:
+        err.print(host_note, highlight=False)
     w, _ = _trace(req)
     if allow_partition and not parts:
         # The methods compare on one model: the unpartitioned one where the budget is above its floor.

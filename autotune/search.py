@@ -59,12 +59,16 @@ def check_device(device: str | None) -> None:
         raise AutotuneError(f"unknown device '{device}': expected cpu, cuda or cuda:N")
 
 
-def traced_here(req: TraceRequest, hw: HardwareProfile) -> TraceRequest:
+def traced_here(req: TraceRequest, hw: HardwareProfile) -> tuple[HardwareProfile, TraceRequest, str]:
     """``req`` traced as ``autotune search`` traces for ``hw``: in real mode on this machine's device where the
-    plan is for this machine (``plan_device``: --gpu cpu, or the detected GPU's profile), else in fake mode; so
-    that ``simulate`` and ``baselines`` score a plan on the workload its search scored it on."""
+    plan is for this machine (``plan_device``: --gpu cpu, or the detected GPU's profile), with the runtime's host
+    costs measured here for this machine's GPU (:func:`with_local_host_costs`: seconds, so after ``req`` is
+    validated), else in fake mode; so that ``simulate`` and ``baselines`` score a plan on the workload its search
+    scored it on. Returns the profile, the request and a line for stderr (empty: nothing to say)."""
     here = plan_device(hw, None)
-    return dataclasses.replace(req, mode="real" if here is not None else "fake", device=here or "cpu")
+    hw, note = with_local_host_costs(hw, here)
+    mode = "real" if here is not None else "fake"
+    return hw, dataclasses.replace(req, mode=mode, device=here or "cpu", target=hw), note
 
 
 def check_measure(measure: int | None) -> None:

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from autotune.budget import Budget, budget_of, parse_budget, record_budget, warn_over_device
 from autotune.models import check_model_name, given_image_size
-from autotune.search import traced_here, with_local_host_costs
+from autotune.search import traced_here
 from autotune.units import format_bytes, format_size_echo
 from autotune.workloads import TraceRequest, check_sizes
 from envs.simulator import SimResult, Simulator, uniform_actions
@@ -135,11 +135,9 @@ def run_simulate(
     )
     req.validate()
     # Traced as the search traced it (real mode where the plan is for this machine): the same workload scored.
-    req = traced_here(req, hw)
-    hw, host_note = with_local_host_costs(hw, req.device if req.mode == "real" else None)
+    hw, req, host_note = traced_here(req, hw)
     if host_note and not as_json:
         err.print(host_note, highlight=False)
-    req = dataclasses.replace(req, target=hw)
     if loaded is not None and model != loaded.model:  # another model's name: its parameters, before the trace
         from autotune.train import check_structure
 
