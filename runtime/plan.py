@@ -415,7 +415,7 @@ def regions_for(w: Workload, act: np.ndarray, nodes: bool = True) -> list[Region
 def held_outside(w: Workload) -> np.ndarray:
     """P11: per candidate, whether something other than autograd holds its storage until its first backward use."""
     n = len(w.ops)
-    return np.array([c.first_use(n) < n and c.free_if_dropped_op >= c.first_use(n) for c in w.candidates], dtype=bool)
+    return np.array([(u := c.first_use(n)) < n and c.free_if_dropped_op >= u for c in w.candidates], dtype=bool)
 
 
 def as_run(act: np.ndarray, held: np.ndarray) -> np.ndarray:
