@@ -36,23 +36,24 @@ Rule 5 (prefetch). The unpack points U are the distinct first-backward-use ops o
     op, free_op].
 Rule 6 (stall). Before its first backward use u, the compute stream waits until a swapped tensor has
     arrived; the waiting is ``stall_s``.
-Rule 7 (replay). A recomputed candidate that no region serves lives [producer, free_if_dropped_op]. Just
-    before its first backward use u, the compute stream re-runs its closure (runtime.plan.closures_of): its producer
-    chain (producer and in-place writers) and, recursively, the chains of its inputs that are not resident at u,
-    where resident means persistent, live at u as traced (tensors that are not candidates), or a kept candidate; an
-    input that a forward op writes in place after the closure's op that reads it is not resident there (its value
-    has changed): its producer and the writers before that read are re-run too. Candidate inputs that are swapped,
-    recomputed or compressed are materialized first (Rules 6-8, in candidate order), at u, so their memory starts at
-    u and lasts to their own free_op (they are not recomputed twice). The regenerated tensor lives [u, free_op].
-    Every other storage the closure's ops write (regenerated temporaries, other outputs of multi-output ops, copies
-    of arguments an op would mutate) is held during the recompute only: nested recomputations hold theirs until the
-    outermost one is done, a storage that two of them write once (the runtime's replay makes it once and reads it
-    again: R6), and an op that two of them run runs once; separate ones at the same op run one after another. The
-    recompute runs before op u allocates its own outputs, so the live bytes of op u are the larger of (live during
-    u) and (live during u, less u's own allocations, plus the largest recompute's held bytes). Its time is the sum
-    of the closure's op times (``recompute_s``), issued by the host as one block (Rule 12) after which the device
-    runs it. A recomputed candidate whose storage something other than autograd holds until u (a custom
-    Function's ``ctx`` attribute: runtime/plan.py P11) is planned as kept, everywhere (regions included).
+Rule 7 (replay). A recomputed candidate that no region serves lives [producer, free_if_dropped_op]. Just before its
+    first backward use u, the compute stream re-runs its closure (runtime.plan.closures_of): its producer chain
+    (producer and in-place writers) and, recursively, the chains of its inputs that are not resident at u, where
+    resident means persistent or live at u as traced (a candidate whose last backward use is before u is gone,
+    whatever its action: the runtime re-makes it as a temporary, R6, R9); an input that a forward op writes in place
+    after the closure's op that reads it is not resident there (its value has changed): its producer and the writers
+    before that read are re-run too. Candidate inputs that are swapped, recomputed or compressed are materialized
+    first (Rules 6-8, in candidate order), at u, so their memory starts at u and lasts to their own free_op (they
+    are not recomputed twice). The regenerated tensor lives [u, free_op]. Every other storage the closure's ops
+    write (regenerated temporaries, other outputs of multi-output ops, copies of arguments an op would mutate) is
+    held during the recompute only: nested recomputations hold theirs until the outermost one is done, a storage
+    that two of them write once (the runtime's replay makes it once and reads it again: R6), and an op that two of
+    them run runs once; separate ones at the same op run one after another. The recompute runs before op u allocates
+    its own outputs, so the live bytes of op u are the larger of (live during u) and (live during u, less u's own
+    allocations, plus the largest recompute's held bytes). Its time is the sum of the closure's op times
+    (``recompute_s``), issued by the host as one block (Rule 12) after which the device runs it. A recomputed
+    candidate whose storage something other than autograd holds until u (a custom Function's ``ctx`` attribute:
+    runtime/plan.py P11) is planned as kept, everywhere (regions included).
 Rule 8 (compress). A compressed candidate is cast to ``compress_dtype`` when ``save_op`` ends, by a kernel on
     the compute stream that reads n bytes and writes n / r (r = element size ratio, at least 1). The full
     storage lives [producer, free_if_dropped_op], the packed one [save_op + 1, u]; just before u an unpack

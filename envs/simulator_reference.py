@@ -469,10 +469,9 @@ def _closure(w, ci, cand_of, first_use, writers):  # type: ignore[no-untyped-def
             if tid in seen:
                 continue
             seen.add(tid)
-            if tid in cand_of:
-                needed.add(cand_of[tid])
-                continue
             if info.alloc_op < 0 or info.free_op is None or info.free_op >= first_use[ci]:
+                if tid in cand_of:  # live at the use: materialized as its action says
+                    needed.add(cand_of[tid])
                 continue
             chain = [info.alloc_op, *writers.get(tid, [])]
         fresh = [j for j in chain if j not in ran]

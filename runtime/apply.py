@@ -44,7 +44,8 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         included (Rule 12 charges those too; runtime.replay: name, arguments as storage references with their layout
         and version, random-number state for random ops). At the first unpack, the tensor's producer chain is
         replayed from resident storages: alive ones are used as they are, candidates that are swapped, recomputed or
-        compressed are brought back first (and kept for their own use), other missing inputs are replayed
+        compressed and still to be unpacked are brought back first (and kept for their own use), other missing inputs
+        (a kept tensor or a handled one past its last unpack, that backward freed, among them) are replayed
         recursively, once per replay however many of its ops read them (Rule 7 counts them once), and dropped
         afterwards. Arguments an op would mutate that are not being regenerated (BatchNorm's running statistics) are
         passed as copies, so replay changes no module state. An input that a later forward op wrote in place (the
@@ -68,9 +69,9 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
     R8. Compress and swap apply to what the simulator says they do: compress only to floating-point
         tensors wider than the target dtype (others are kept, as envs.simulator treats them).
     R9. A handle drops its device copy after the last unpack of its storage (the pack count of the
-        forward), so the memory lives until the last backward node that needs it is done, as when kept. On the
-        CPU a swapped storage's copy is the only one: where a replay still to run reads it (found from the
-        storage forward through the recording, ``Recorder.made_from``), it stays until no replay is left.
+        forward), so the memory lives until the last backward node that needs it is done, as when kept (on the
+        CPU a swap's copy, the only one, goes with it). A later replay that reads the storage after that re-makes
+        it as a temporary (R6).
     R10. Regions (Rule 11; NOTE [ Recompute mechanisms ] in runtime/plan.py): a module call that the policy's
         schedule lists as a region runs as one autograd node (runtime/regions.py, NOTE [ Regions without a graph ]):
         its forward records no graph, its backward re-runs the call (the RNG state preserved only where it draws
@@ -556,7 +557,6 @@ class PolicyRuntime:
         self._mismatch: str | None = None
         self._unpacked = False  # backward unpacked something (R11: a step without backward teaches nothing)
         self._replays_open = 0  # replayed handles not yet past their last unpack (R6: then the RNG states go)
-        self._replay_held: list[_Handle] = []  # CPU swaps past their last unpack, kept for those replays (R9)
         self._region_saves: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> its one detached copy (R10)
 
     def _end_step(self) -> None:
@@ -571,7 +571,6 @@ class PolicyRuntime:
         self._by_sid = {}
         self._by_key = {}
         self._swapped = []
-        self._replay_held = []
 
     # -- R10: regions --------------------------------------------------------------------------------------
     def _module(self, path: str) -> torch.nn.Module:
@@ -1212,41 +1211,9 @@ class PolicyRuntime:
                 self._replays_open -= 1
                 if self._replays_open == 0:  # R6: no replay is left to need them
                     self._recorder.release_rng()
-                    for held in self._replay_held:
-                        held.host = None
-                    self._replay_held = []
-            if not self._cuda and h.host is not None:  # a swap's copy (the others hold none)
-                if self._replays_open > 0 and self._read_by_open_replay(h):
-                    # R9 on the CPU: a replay still to run reads it (a GRU's gate, read again by the replay of
-                    # an earlier time step's tensor); its copy, the only one, goes when no replay is left.
-                    self._replay_held.append(h)
-                else:
-                    h.host = None  # R3 on the CPU: the copy was the tensor
+            if not self._cuda:
+                h.host = None  # R3 on the CPU: a swap's copy was the tensor (the others hold none)
         return out
-
-    def _read_by_open_replay(self, h: _Handle) -> bool:
-        """Whether a replayed storage not yet regenerated reads ``h``'s storage: through its recorded chain,
-        and the chains of the storages that chain reads and would regenerate (gone, not handled), as
-        :class:`runtime.replay.Replayer` resolves them."""
-        rec = self._recorder
-        if rec is None or h.sid is None:
-            return False
-        # From the storage forward, through what ops reading it made: a replayed storage not yet regenerated
-        # reads it, or a storage gone and not handled, which a replay would regenerate reading it, leads there.
-        made_from = rec.made_from()
-        todo, seen = [h.sid], {h.sid}
-        while todo:
-            for sid in made_from.get(todo.pop(), ()):
-                if sid in seen:
-                    continue
-                seen.add(sid)
-                other = self._by_sid.get(sid)
-                if other is not None:
-                    if other.action == Action.RECOMPUTE and other.packs and other.device is None:
-                        return True
-                elif rec.storage[sid]() is None:
-                    todo.append(sid)  # gone: the replay would regenerate it, reading what it read
-        return False
 
     def _prefetch_upto(self, rank: int) -> None:
         if self._next_fetch == 0 and self._swapped:

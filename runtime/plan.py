@@ -391,12 +391,11 @@ def closures_of(w: Workload) -> list[Closure]:
                     chain = [t.alloc_op, *(j for j in writers.get(tid, ()) if j < at)]  # re-made as of the read
                 elif tid in made:
                     continue
-                elif tid in cand_of:
-                    deps.add(cand_of[tid])
-                    continue
                 elif t.alloc_op < 0 or t.free_op is None or t.free_op >= u:
+                    if tid in cand_of:  # live at u: the policy's action says how it is there (Rules 6-8)
+                        deps.add(cand_of[tid])
                     continue  # resident: persistent, or still live at u as traced
-                else:
+                else:  # gone at u, a candidate whose last backward use is past included: re-made as a temporary
                     made.add(tid)
                     chain = [t.alloc_op, *writers.get(tid, [])]
                 ops.update(chain)

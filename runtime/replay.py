@@ -118,8 +118,6 @@ class Recorder(TorchDispatchMode):
         self.paused = False  # inside the runtime's own hooks: their ops are not the model's
         self.replayed: set[int] = set()  # indices of the ops some replay re-ran
         self.depth = 0  # module calls entered that record (R11)
-        self._made_from: dict[int, set[int]] = {}
-        self._made_from_at = -1  # len(self.ops) when _made_from was built
         # R6: storages made before the recording (buffers, arguments of the model) that a recorded op read
         # since their last in-place write; before the next such write, a copy of each is kept, so that a replay
         # reads what was read: (storage, the writing op) -> the storage as it was before that op.
@@ -146,19 +144,6 @@ class Recorder(TorchDispatchMode):
         for leaf in self.ops[index].leaves:
             if isinstance(leaf, _Ref):
                 yield from (j for j in self.writers.get(leaf.sid, ()) if j > index)
-
-    def made_from(self) -> dict[int, set[int]]:
-        """Storage id -> the storages that recorded ops reading it wrote (made or wrote in place): the
-        writers graph turned around, built once the forward's ops are all recorded (kept until more are)."""
-        if self._made_from_at != len(self.ops):
-            made: dict[int, set[int]] = {}
-            for sid, indices in self.writers.items():
-                for index in indices:
-                    for leaf in self.ops[index].leaves:
-                        if isinstance(leaf, _Ref):
-                            made.setdefault(leaf.sid, set()).add(sid)
-            self._made_from, self._made_from_at = made, len(self.ops)
-        return self._made_from
 
     def _sid(self, storage: torch.UntypedStorage) -> tuple[int, bool]:
         """(the storage's id, whether it is new). A freed storage's address can be reused: an entry counts only
@@ -328,6 +313,10 @@ class Replayer:
             return self.made[sid]
         alive = self.rec.storage[sid]()
         handle = self.handles.get(sid)
+        if handle is not None and handle.unpacked and not handle.packs:
+            # Past its last unpack (R9): gone unless a backward node still holds it; re-made below as a
+            # temporary of this replay, like a kept tensor that backward freed (Rule 7), not held again.
+            handle = None
         if alive is not None:
             if handle is not None and handle.action == Action.SWAP and handle.issued:
                 # A copy back already issued (R4) may still be on its way: the compute stream waits for it

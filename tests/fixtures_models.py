@@ -258,3 +258,25 @@ class GeluMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
         return self.fc2(0.5 * h * (1.0 + torch.tanh(0.79788456 * (h + 0.044715 * torch.pow(h, 3.0)))))
+
+
+class FreedBeforeReplay(nn.Module):
+    """Saved tensors that backward frees before a later replay reads them: ``z`` (kept, as the view ``a`` that
+    ``a * a`` saves, whose backward runs first), read by the chain that ``relu(y[:, :8])`` replays; ``p``, saved
+    by ``p.pow(2)`` (backward first) and read by ``tanh(p)``, which saves only its output; BatchNorm's input
+    and its saved mean, read again by the mean's replay."""
+
+    def __init__(self, d: int = 256) -> None:
+        super().__init__()
+        self.lin, self.proj = nn.Linear(16, d), nn.Linear(16, d)
+        self.conv, self.bn = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.fc = nn.Linear(16 + d + 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.lin(x)
+        a = z[:, 8:16]
+        y = (z * 2.0 + 1.0) * 3.0 - 1.0  # saved by nobody: a replay of the relu re-makes the chain from z
+        p = self.proj(x)
+        q = torch.tanh(p) + p.pow(2)
+        c = torch.relu(self.bn(self.conv(x.view(-1, 1, 4, 4)))).mean((2, 3))
+        return self.fc(torch.cat([torch.relu(y[:, :8]), a * a, q, c], 1))
