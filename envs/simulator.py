@@ -67,22 +67,22 @@ Rule 10 (gradient accumulation). With ``grad_accum`` k > 1 the workload is one m
     ``iter_s`` = k (t - t_opt) + t_opt, with t Rule 9's time and t_opt the optimizer ops' time run alone
     (Rule 1's clocks from idle; nothing of a policy happens there), and ``samples_per_s`` = k x batch size /
     ``iter_s``.
-Rule 11 (regions). A module call that runtime.plan's NOTE [ Recompute mechanisms ] makes a region runs as
-    one autograd node (runtime/regions.py, NOTE [ Regions without a graph ]) or, with ``PolicyOptions.
-    region_nodes`` off, under torch.utils.checkpoint (runtime R10). At u_R the compute stream re-runs the
-    call's forward ops, issued by the host as one block (Rule 12): a node at the first backward op of its
-    module and all its ops; checkpoint at the first backward op of its module that reads a tensor packed
-    inside it, from its first op to the last one after which something inside it was packed (checkpoint
-    stops there). Every candidate made and packed inside it is regenerated: a recomputed one lives
-    [producer, free_if_dropped_op] and again [u_R, free_op]; a kept one also has the regenerated copy, [u_R,
-    its last backward use by the call's module]. The other storages the re-run ops make live as in the
-    forward (from their op to their traced free op, at most to the re-run's end) during the recompute, and
-    under a node so do the candidates it makes again that nothing inside saves (its outputs); the
-    recompute's peak above the regenerated candidates is held at u_R, before op u_R allocates its outputs,
-    as in Rule 7. Held until the module's last backward op: the call's tensor arguments that are not
-    candidates (the node or the checkpoint saves them); under a node also the gradients its backward reads
-    that a backward op outside it made (its outputs' gradients, which the node's caller holds), and those
-    it makes that an op outside it or an accumulation into an existing gradient frees (they leave the node
+Rule 11 (regions). A module call that runtime.plan's NOTE [ Recompute mechanisms ] makes a region runs as one
+    autograd node (runtime/regions.py, NOTE [ Regions without a graph ]) or, with ``PolicyOptions.region_nodes``
+    off, under torch.utils.checkpoint (runtime R10). At u_R the compute stream re-runs the call's forward ops,
+    issued by the host as one block (Rule 12): a node at the first backward op of its module and all its ops;
+    checkpoint at the first backward op of its module that reads a tensor packed inside it, from its first op to the
+    last one after which something inside it was packed (checkpoint stops there). Every candidate made and packed
+    inside it is regenerated: a recomputed one lives [producer, free_if_dropped_op] and again [u_R, free_op]; a kept
+    one also has the regenerated copy, [u_R, its last backward use by the call's module], and its original lives
+    only to the later of free_if_dropped_op and its last backward use outside the call (the call's own backward
+    reads the copy). The other storages the re-run ops make live as in the forward (from their op to their traced
+    free op, at most to the re-run's end) during the recompute, and under a node so do the candidates it makes again
+    that nothing inside saves (its outputs); the recompute's peak above the regenerated candidates is held at u_R,
+    before op u_R allocates its outputs, as in Rule 7. Held until the module's last backward op: the call's tensor
+    arguments that are not candidates (the node or the checkpoint saves them); under a node also the gradients its
+    backward reads that a backward op outside it made (its outputs' gradients, which the node's caller holds), and
+    those it makes that an op outside it or an accumulation into an existing gradient frees (they leave the node
     when it returns).
 Rule 12 (host costs). h_i is 0 on a profile without copy engines (op times are wall times there); on a GPU
     it is the op's measured host time, scaled to the plain iteration's, when the trace ran on that device,
@@ -562,6 +562,7 @@ class Simulator:
             last_pack = max(op for ci in inside for pf, op in w.candidates[ci].packs if f <= pf <= end)
             rerun = range(first, max(first, min(last_pack, frame.last_op)) + 1)
         regenerated: list[tuple[int, int]] = []
+        released: list[tuple[int, int, int]] = []  # (first op, last op, bytes): kept outputs freed earlier
         internal = set(self.planner.internal[f].tolist())
         for ci in inside:
             c = w.candidates[ci]
@@ -572,6 +573,10 @@ class Simulator:
             else:  # a kept output packed inside: its copy until the call's module is done with it
                 own = [b for b in c.bwd_uses if in_module(b)]
                 regenerated.append((ci, max(own) if own else use))
+                # ... and the original only as long as the forward and the uses outside the call need it
+                last = max([c.free_if_dropped_op, *(b for b in c.bwd_uses if not in_module(b))])
+                if last < self.free_keep[ci]:
+                    released.append((last + 1, int(self.free_keep[ci]), -int(self.size[ci])))
         regen = {w.candidates[ci].tensor for ci, _ in regenerated}
         transient = 0
         live = 0
@@ -634,9 +639,9 @@ class Simulator:
         ends = [int(self.free_keep[ci]) if last < 0 else last for ci, last in regenerated] if cost.use < n else []
         sizes = [int(self.size[ci]) for ci, _ in regenerated] if cost.use < n else []
         cost.intervals = (
-            np.array(starts + [a for a, _, _ in held], dtype=np.int64),
-            np.array(ends + [b for _, b, _ in held], dtype=np.int64),
-            np.array(sizes + [z for _, _, z in held], dtype=np.int64),
+            np.array(starts + [a for a, _, _ in held + released], dtype=np.int64),
+            np.array(ends + [b for _, b, _ in held + released], dtype=np.int64),
+            np.array(sizes + [z for _, _, z in held + released], dtype=np.int64),
         )
         self._regions[(f, nodes)] = cost
         return cost
@@ -1054,22 +1059,46 @@ class Floor:
     workspace_bytes: int
 
 
+def region_gaps(w: Workload) -> list[list[tuple[int, int]]]:
+    """Per candidate, the backward ops (first, last: inclusive spans) between its first and last backward use
+    where some policy holds none of it: Rule 11 frees a kept output of a region after its last use outside the
+    call (or free_if_dropped_op), and its copy exists from u_R, at the latest the call's own first use. For each
+    call that can be a region (runtime/plan.py P1-P10 as far as they do not depend on the policy) and made and
+    packed it, the ops strictly between those two."""
+    planner = RegionPlanner(w)
+    out: list[set[tuple[int, int]]] = [set() for _ in w.candidates]
+    for f in np.flatnonzero(planner.static_ok):
+        frame = w.frames[f]
+        path = frame.path
+        internal = set(planner.internal[f].tolist())
+        for ci in sorted(planner.packed_in[f] - internal):
+            c = w.candidates[ci]
+            if not frame.first_op <= c.producer <= frame.last_op:
+                continue  # an input (P4)
+            inside = [b for b in c.bwd_uses if (m := w.ops[b].module) == path or m.startswith(path + ".")]
+            if inside:
+                last = max([c.free_if_dropped_op, *(b for b in c.bwd_uses if b not in inside)])
+                if last + 1 <= min(inside) - 1:
+                    out[ci].add((last + 1, min(inside) - 1))
+    return [sorted(g) for g in out]
+
+
 def peak_floor(w: Workload, hw: HardwareProfile) -> Floor:
     """What any policy holds at least, at the op where that is most (NOTE [ Simulator semantics ]).
 
     Under every action a candidate is live over [producer, free_if_dropped_op] (Rules 3, 4, 7, 8, 11: the
     original storage) and over [first, last backward use] (kept, copied back, regenerated or unpacked there:
-    Rules 3, 5, 7, 8, 11); tensors that are not candidates keep their traced intervals or longer (Rules 2,
-    7, 11); an op's workspace is live during it (Rule 2), and a recompute only adds (Rule 7). So the live
-    bytes of op i under any policy are at least those intervals' sum at i, and the peak at least its
-    maximum. Admissible, not tight: it is what no policy can go below, not what one reaches."""
+    Rules 3, 5, 7, 8, 11) but for :func:`region_gaps`; tensors that are not candidates keep their traced
+    intervals or longer (Rules 2, 7, 11); an op's workspace is live during it (Rule 2), and a recompute only adds
+    (Rule 7). So the live bytes of op i under any policy are at least those intervals' sum at i, and the peak at
+    least its maximum. Admissible, not tight: it is what no policy can go below, not what one reaches."""
     n, g = len(w.ops), hw.alloc_granularity_bytes
     cands = {c.tensor for c in w.candidates}
     state = sum(rounded(t.nbytes, g) for t in w.tensors if t.persistent and t.id not in cands)
     others = memory_timeline(w, g, exclude=cands) - in_place_bytes(w, g)  # workspace and state included; Rule 15
     ws = workspace_bytes(w)
     delta = np.zeros(n + 1, dtype=np.int64)
-    for c in w.candidates:
+    for c, gaps in zip(w.candidates, region_gaps(w), strict=True):
         size = rounded(w.tensors[c.tensor].nbytes, g)
         spans = [(c.producer, c.free_if_dropped_op)]
         if c.bwd_uses:
@@ -1078,6 +1107,9 @@ def peak_floor(w: Workload, hw: HardwareProfile) -> Floor:
                 spans = [(c.producer, max(last, c.free_if_dropped_op))]
             else:
                 spans.append((first, last))
+        for lo, hi in gaps:  # a region's kept output may be gone there (Rule 11): cut out of the spans
+            cut = [((a, min(b, lo - 1)), (max(a, hi + 1), b)) for a, b in spans]
+            spans = [(a, b) for pair in cut for a, b in pair if a <= b]
         for a, b in spans:
             delta[a] += size
             delta[b + 1] -= size

@@ -293,6 +293,10 @@ def simulate_reference(
 
     for info in region_info:
         info["ends"] = {ci: (free_keep[ci] if last < 0 else last) for ci, last in info["regenerated"]}
+    kept_end = list(free_keep)  # Rule 11: a kept output of a region, freed once nothing outside it reads it
+    for info in region_info:
+        for ci, last in info["freed"].items():
+            kept_end[ci] = min(kept_end[ci], last)
 
     extended: dict[int, int] = {}  # Rule 11: arguments a region holds, to their last op
     for info in region_info:
@@ -374,7 +378,7 @@ def simulate_reference(
             del ends[key]
         for ci, c in enumerate(cands):
             a = act[ci]
-            if a == KEEP and free_keep[ci] == i:
+            if a == KEEP and kept_end[ci] == i:
                 live.pop(("t", c.tensor), None)
             if a == COMPRESS and materialized.get(ci) == i:
                 live.pop(("p", ci), None)
@@ -521,6 +525,7 @@ def _region(w, r, mine, within, size, op_s, host_op, hc, nodes):  # type: ignore
         last_pack = max(op for ci in inside for f, op in w.candidates[ci].packs if within(f, r))
         rerun = list(range(frame.first_op, max(frame.first_op, min(last_pack, frame.last_op)) + 1))
     regenerated = []
+    freed = {}  # kept outputs: the original's last op, the call's own uses left out (they read the copy)
     for ci in inside:
         c = w.candidates[ci]
         if not frame.first_op <= c.producer <= frame.last_op:
@@ -530,6 +535,7 @@ def _region(w, r, mine, within, size, op_s, host_op, hc, nodes):  # type: ignore
         else:
             own = [b for b in c.bwd_uses if b in owned]
             regenerated.append((ci, max(own) if own else use))
+            freed[ci] = max([c.free_if_dropped_op, *(b for b in c.bwd_uses if b not in owned)])
     regen = {w.candidates[ci].tensor for ci, _ in regenerated}
     cand_tensors = {c.tensor for c in w.candidates}
     made = 0
@@ -586,5 +592,6 @@ def _region(w, r, mine, within, size, op_s, host_op, hc, nodes):  # type: ignore
         "transient": max(0, peak - total),
         "transient_parts": _parts(at_peak[1], max(0, peak - total)),
         "regenerated": regenerated,
+        "freed": freed,
         "held": held,
     }

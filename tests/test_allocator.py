@@ -505,8 +505,11 @@ def test_h200_reserved_under_policies(model: str, monkeypatch: pytest.MonkeyPatc
     the allocator got under each policy is within 4% of ``max_memory_reserved`` (ResNet-50 -1.0% to -3.5%,
     GPT-2 -0.4% to -0.9%: streams and events the replay does not see), and the model of the policy planned on a
     fake trace for the h200 (what a user without a GPU plans with) is within 0.2% on GPT-2 (all four) and
-    within 3% on ResNet-50 for keep, swap and recompute (-0.7%, -2.7%, -1.4%). Not asserted: ResNet-50's mix,
-    -10.2% (its allocated peak is 3.0% under too: cuDNN's convolution workspaces in recompute, not modelled)."""
+    within 3% on ResNet-50 for keep and swap (-0.7%, -2.7%). Not asserted: ResNet-50's recompute, -11.7%
+    (allocated -7.9%), and its mix, -10.2% (allocated -3.5%). Their recorded peaks are at a convolution's
+    backward that allocates a cuDNN workspace (316,670,607 bytes under recompute), which fake traces do not
+    have. Recompute had been within 1.4%, by Rule 11 holding each region's kept output twice where the runtime
+    holds it once (measured to the byte on the CPU: tests/test_regions.py)."""
     import numpy as np
 
     from envs.allocator import policy_stats
@@ -529,7 +532,7 @@ def test_h200_reserved_under_policies(model: str, monkeypatch: pytest.MonkeyPatc
             vec = np.array([mix[c.key] for c in w.candidates], dtype=np.int8)
         else:
             vec = uniform_actions(w, {"keep": Action.KEEP, "swap": Action.SWAP, "recompute": Action.RECOMPUTE}[label])
-        if model == "resnet50" and label == "mixed":
+        if model == "resnet50" and label in ("recompute", "mixed"):
             continue
         modelled = policy_stats(w, hw, vec, PolicyOptions()).peak_reserved
         tolerance = 0.002 if model == "gpt2" else 0.03
