@@ -426,7 +426,9 @@ def test_accelerate_keeps_parameters_bit_identical(precision: str) -> None:
 
 def test_accelerate_takes_a_policy_files_path(tmp_path: Path) -> None:
     """The callbacks and PolicySteps take a policy file's path; accelerate's ``applied`` raised AttributeError
-    on one ('str' object has no attribute 'applied': a QA run)."""
+    on one ('str' object has no attribute 'applied': a QA run). Given at every micro-batch, the path is loaded
+    once: the micro-batches after the first run from what it learnt, as with the Policy itself (each had
+    loaded the file again and learnt again: hooks on every pack, regions checkpointed)."""
     w = _gpt2_workload(lambda m, b: m(**b).loss, optimizer="sgd")
     policy = _swap_and_recompute(w)
     path = tmp_path / "gpt2.policy.json"
@@ -435,6 +437,9 @@ def test_accelerate_takes_a_policy_files_path(tmp_path: Path) -> None:
     got, done = _train_accelerate(str(path))
     assert _same(got, ref)
     _did_it(policy, done)
+    _, by_object = _train_accelerate(policy)
+    learnt = [(s.hooked_calls, s.checkpointed) for s in by_object]  # a first step: no hooked calls, regions checkpointed
+    assert [(s.hooked_calls, s.checkpointed) for s in done] == learnt and learnt[0] != learnt[-1]
 
 
 # -- install hints ----------------------------------------------------------------------------------------------

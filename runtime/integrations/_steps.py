@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -34,6 +36,22 @@ def require(name: str, extra: str) -> ModuleType:
         ) from exc
 
 
+def _load(path: str | os.PathLike[str]) -> Policy:
+    """The policy file at ``path``, one :class:`Policy` while the file is unchanged: a loop that passes the path
+    at every micro-batch (accelerate's ``applied``) reuses the runtime made for it, and what it learnt (R11)."""
+    try:
+        p = Path(path).resolve()
+        st = p.stat()
+    except OSError:
+        return load_policy(path)  # its own error, with the fix
+    return _load_file(str(p), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _load_file(path: str, mtime_ns: int, size: int) -> Policy:
+    return load_policy(path)
+
+
 class PolicySteps:
     """A policy applied to one model (or one of its submodules), one micro-batch at a time.
 
@@ -51,7 +69,7 @@ class PolicySteps:
     """
 
     def __init__(self, policy: Policy | str | os.PathLike[str], *, module: str | None = None, strict: bool = True):
-        self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
+        self.policy = policy if isinstance(policy, Policy) else _load(policy)
         self.module = module or None
         self.strict = strict
         self.runtime: PolicyRuntime | None = None

@@ -48,8 +48,8 @@ def applied(
 ) -> Iterator[RuntimeStats]:
     """``with applied(accelerator, model, policy):`` one micro-batch's forward and backward under ``policy``.
 
-    ``model`` may be what ``accelerator.prepare`` returned; ``policy`` a Policy or a policy file's path (loaded at
-    each call: load it once outside the loop where that matters); ``module`` names the submodule the policy was made
+    ``model`` may be what ``accelerator.prepare`` returned; ``policy`` a Policy or a policy file's path (loaded
+    once while the file is unchanged, so each call reuses one runtime); ``module`` names the submodule the policy was made
     for (dotted, of the unwrapped model), None for the whole model. Raises AutotuneError when
     ``accelerator.gradient_accumulation_steps`` differs from the policy's ``grad_accum``.
     """
