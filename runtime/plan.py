@@ -23,9 +23,9 @@ NOTE [ Recompute mechanisms ]
         tensor arguments (checkpoint holds them until R's backward is done, whatever the policy says);
     P5. R's forward writes no module state except BatchNorm's running statistics (which the runtime keeps
         from changing again in the recompute, R10); random ops are fine (checkpoint replays the RNG state);
-    P6. no candidate made outside R is replayed whose producer chain reads (Rule 7 of the simulator: its
-        closure's candidate inputs) one that R serves (one that another region serves is regenerated from
-        that region's own inputs, which its checkpoint holds);
+    P6. no candidate made outside R is replayed whose producer chain reads (Rule 7 of the simulator: its closure's
+        candidate inputs, those it re-makes as temporaries included) one that R serves (one that another region
+        serves is regenerated from that region's own inputs, which its checkpoint holds);
     P7. R's forward writes none of R's tensor arguments in place (an activation module with ``inplace=True``
         called on its own: the checkpoint holds the argument as the call got it, and refuses it in backward,
         written since; a node saves it too, N4);
@@ -154,7 +154,7 @@ class RegionPlanner:
         pairs: list[list[tuple[int, int]]] = [[] for _ in frames]
         for ci, cl in enumerate(closures):
             reader_frames = set(self._ancestry(int(frame_of_producer[ci])))
-            for d in cl.deps:
+            for d in (*cl.deps, *cl.remade):  # a re-made one reads what its call made too
                 for fi in self._ancestry(int(frame_of_producer[d])):
                     if fi not in reader_frames:
                         pairs[fi].append((ci, d))
@@ -345,11 +345,13 @@ class RegionPlanner:
 @dataclass(frozen=True)
 class Closure:
     """What replaying one candidate re-runs: its producer chain and, recursively, the chains of the tensors
-    it reads that are gone at its first backward use (freed, not candidates); ``deps``: the candidates it
-    reads (materialized first when not kept)."""
+    it reads that are gone at its first backward use (freed, candidates past their last backward use
+    included: ``remade``); ``deps``: the candidates it reads that are live there (materialized first when not
+    kept)."""
 
     ops: frozenset[int]
     deps: tuple[int, ...]
+    remade: tuple[int, ...] = ()
 
 
 def forward_writers(w: Workload) -> dict[int, list[int]]:
@@ -374,6 +376,7 @@ def closures_of(w: Workload) -> list[Closure]:
         u = c.first_use(n)
         ops: set[int] = set(c.recompute_ops)
         deps: set[int] = set()
+        remade: set[int] = set()
         todo = sorted(ops)  # ops whose inputs are still to resolve
         done: set[int] = set()
         made: set[int] = {c.tensor}  # tensors the closure makes from their producer
@@ -396,11 +399,13 @@ def closures_of(w: Workload) -> list[Closure]:
                         deps.add(cand_of[tid])
                     continue  # resident: persistent, or still live at u as traced
                 else:  # gone at u, a candidate whose last backward use is past included: re-made as a temporary
+                    if tid in cand_of:
+                        remade.add(cand_of[tid])
                     made.add(tid)
                     chain = [t.alloc_op, *writers.get(tid, [])]
                 ops.update(chain)
                 todo.extend(chain)
-        out.append(Closure(frozenset(ops), tuple(sorted(deps))))
+        out.append(Closure(frozenset(ops), tuple(sorted(deps)), tuple(sorted(remade))))
     return out
 
 

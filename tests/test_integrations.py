@@ -438,7 +438,7 @@ def test_accelerate_takes_a_policy_files_path(tmp_path: Path) -> None:
     assert _same(got, ref)
     _did_it(policy, done)
     _, by_object = _train_accelerate(policy)
-    learnt = [(s.hooked_calls, s.checkpointed) for s in by_object]  # a first step: no hooked calls, regions checkpointed
+    learnt = [(s.hooked_calls, s.checkpointed) for s in by_object]  # a first step: no hooked calls, checkpoints
     assert [(s.hooked_calls, s.checkpointed) for s in done] == learnt and learnt[0] != learnt[-1]
 
 

@@ -48,9 +48,9 @@ def applied(
 ) -> Iterator[RuntimeStats]:
     """``with applied(accelerator, model, policy):`` one micro-batch's forward and backward under ``policy``.
 
-    ``model`` may be what ``accelerator.prepare`` returned; ``policy`` a Policy or a policy file's path (loaded
-    once while the file is unchanged, so each call reuses one runtime); ``module`` names the submodule the policy was made
-    for (dotted, of the unwrapped model), None for the whole model. Raises AutotuneError when
+    ``model`` may be what ``accelerator.prepare`` returned; ``policy`` a Policy or a policy file's path (loaded once
+    while the file is unchanged, so each call reuses one runtime); ``module`` names the submodule the policy was
+    made for (dotted, of the unwrapped model), None for the whole model. Raises AutotuneError when
     ``accelerator.gradient_accumulation_steps`` differs from the policy's ``grad_accum``.
     """
     steps = PolicySteps(policy, module=module, strict=strict)  # a path loads here
