@@ -57,7 +57,8 @@ Rule 7 (replay). A recomputed candidate that no region serves lives [producer, f
 Rule 8 (compress). A compressed candidate is cast to ``compress_dtype`` when ``save_op`` ends, by a kernel on
     the compute stream that reads n bytes and writes n / r (r = element size ratio, at least 1). The full
     storage lives [producer, free_if_dropped_op], the packed one [save_op + 1, u]; just before u an unpack
-    kernel (reads n / r, writes n) re-creates it, living [u, free_op]. Both kernels are ``compress_s``.
+    kernel (reads n / r, writes n) re-creates it, living [u, free_op]. Both kernels are ``compress_s``. A
+    candidate that is not a floating-point tensor wider than ``compress_dtype`` (an int64 index) is kept (R8).
 Rule 9 (time). ``iter_s`` is when both the compute stream and the host are done (the step ends with a
     synchronisation): compute + recompute + compress + stall and whatever the host adds where it is behind.
     ``samples_per_s`` = batch size / ``iter_s``.
@@ -137,7 +138,7 @@ from envs.walk import USE
 from runtime.hardware import HardwareProfile, host_times_s, op_times_s
 from runtime.plan import RegionPlanner, as_run, closures_of, forward_writers, held_outside
 from runtime.policy import Policy, PolicyOptions
-from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, Action, itemsize
+from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, Action, compressible, itemsize
 from runtime.workload import Phase, TensorKind, Workload, in_place_bytes, memory_timeline, rounded, workspace_bytes
 
 if TYPE_CHECKING:
@@ -330,6 +331,7 @@ class Simulator:
         self._no_ops = np.zeros(0, dtype=np.int64)
         self._no_weights = np.zeros(0)
         self._compress_cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._compressible: dict[str, np.ndarray] = {}  # Rule 8, per compression dtype
         needed = np.flatnonzero(self.first_use < n)
         self._need_order = needed[np.lexsort((needed, self.first_use[needed]))]
         self._triggers: dict[int, np.ndarray] = {}
@@ -398,6 +400,21 @@ class Simulator:
             pos = np.array(self._u_pos, dtype=np.int64)
             self._triggers[lookahead] = up[np.maximum(0, pos - lookahead)]
         return self._triggers[lookahead]
+
+    def _as_compressed(self, act: np.ndarray, dtype: str) -> np.ndarray:
+        """Rule 8 / runtime R8: a compressed candidate that is not a floating-point tensor wider than ``dtype``
+        (an int64 index, a bfloat16 activation) is kept."""
+        compress = act == COMPRESS
+        if not compress.any():
+            return act
+        return np.where(compress & ~self.compressible(dtype), KEEP, act).astype(act.dtype)
+
+    def compressible(self, dtype: str) -> np.ndarray:
+        """Rule 8, per candidate: a floating-point tensor wider than ``dtype`` (others are kept)."""
+        if dtype not in self._compressible:
+            dtypes = [self.w.tensors[c.tensor].dtype for c in self.w.candidates]
+            self._compressible[dtype] = np.array([compressible(d, dtype) for d in dtypes], dtype=bool)
+        return self._compressible[dtype]
 
     def compression(self, dtype: str) -> tuple[np.ndarray, np.ndarray]:
         """(packed sizes, seconds of one pack or unpack kernel) per candidate (Rule 8)."""
@@ -691,6 +708,7 @@ class Simulator:
         act = as_run(_as_vector(w, policy), self._held_outside)
         if options is None:
             options = policy.options if isinstance(policy, Policy) else PolicyOptions()
+        act = self._as_compressed(act, options.compress_dtype)
         lookahead = max(0, int(options.prefetch_lookahead))
         release_after = max(1, int(options.release_after))
         packed, pack_s = self.compression(options.compress_dtype)

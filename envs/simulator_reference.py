@@ -19,7 +19,7 @@ import numpy as np
 from runtime.hardware import HardwareProfile, host_times_s, op_times_s
 from runtime.plan import RegionPlanner, as_run, held_outside
 from runtime.policy import PolicyOptions
-from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, itemsize
+from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, compressible, itemsize
 from runtime.workload import Phase, TensorKind, Workload, rounded
 
 
@@ -44,6 +44,10 @@ def simulate_reference(
     h_kernel = hc.op_s if gpu else 0.0
     cands = w.candidates
     act = [int(a) for a in as_run(np.asarray(actions, dtype=np.int8), held_outside(w))]  # Rule 7: P11
+    act = [  # Rule 8: only a floating-point tensor wider than the compression dtype is compressed, others kept
+        KEEP if a == COMPRESS and not compressible(w.tensors[c.tensor].dtype, options.compress_dtype) else a
+        for a, c in zip(act, cands, strict=True)
+    ]
     cand_of = {c.tensor: i for i, c in enumerate(cands)}
     size = {t.id: rounded(t.nbytes, g) for t in w.tensors}
     free_keep: list[int] = [n - 1 if (f := w.tensors[c.tensor].free_op) is None else f for c in cands]

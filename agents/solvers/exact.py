@@ -135,6 +135,7 @@ class Bounds:
         self.swap_s = hw.host.swap_s
         self.host_s = float(sim.host_op_s.sum()) if self.is_gpu else 0.0
         packed_cost = sim.compression(problem.options.compress_dtype)[1]
+        packed_cost = packed_cost * sim.compressible(problem.options.compress_dtype)  # others are kept (Rule 8)
         self.compress_s = packed_cost * np.where(self.first_use < n, 2.0, 1.0)
         self.optimizer_alone = sim._optimizer_alone
         self.w = w
