@@ -75,16 +75,17 @@ Rule 11 (regions). A module call that runtime.plan's NOTE [ Recompute mechanisms
     checkpoint at the first backward op of its module that reads a tensor packed inside it, from its first op to the
     last one after which something inside it was packed (checkpoint stops there). Every candidate made and packed
     inside it is regenerated: a recomputed one lives [producer, free_if_dropped_op] and again [u_R, free_op]; a kept
-    one also has the regenerated copy, [u_R, its last backward use by the call's module], and its original lives
-    only to the later of free_if_dropped_op and its last backward use outside the call (the call's own backward
-    reads the copy). The other storages the re-run ops make live as in the forward (from their op to their traced
-    free op, at most to the re-run's end) during the recompute, and under a node so do the candidates it makes again
-    that nothing inside saves (its outputs); the recompute's peak above the regenerated candidates is held at u_R,
-    before op u_R allocates its outputs, as in Rule 7. Held until the module's last backward op: the call's tensor
-    arguments that are not candidates (the node or the checkpoint saves them); under a node also the gradients its
-    backward reads that a backward op outside it made (its outputs' gradients, which the node's caller holds), and
-    those it makes that an op outside it or an accumulation into an existing gradient frees (they leave the node
-    when it returns).
+    one also has the regenerated copy, [u_R, its last backward use by the call's module], and where every backward
+    use outside the call comes before u_R its original lives only to the later of free_if_dropped_op and u_R - 1
+    (the call's own backward reads the copy; the runtime lets it go when the last node outside that saved it is
+    done, at the latest there). The other storages the re-run ops make live as in the forward (from their op to
+    their traced free op, at most to the re-run's end) during the recompute, and under a node so do the candidates
+    it makes again that nothing inside saves (its outputs); the recompute's peak above the regenerated candidates is
+    held at u_R, before op u_R allocates its outputs, as in Rule 7. Held until the module's last backward op: the
+    call's tensor arguments that are not candidates (the node or the checkpoint saves them); under a node also the
+    gradients its backward reads that a backward op outside it made (its outputs' gradients, which the node's caller
+    holds), and those it makes that an op outside it or an accumulation into an existing gradient frees (they leave
+    the node when it returns).
 Rule 12 (host costs). h_i is 0 on a profile without copy engines (op times are wall times there); on a GPU
     it is the op's measured host time, scaled to the plain iteration's, when the trace ran on that device,
     and ``host.op_s`` otherwise. The runtime's own work costs the host (``HardwareProfile.host``): each
@@ -590,10 +591,11 @@ class Simulator:
             else:  # a kept output packed inside: its copy until the call's module is done with it
                 own = [b for b in c.bwd_uses if in_module(b)]
                 regenerated.append((ci, max(own) if own else use))
-                # ... and the original only as long as the forward and the uses outside the call need it
-                last = max([c.free_if_dropped_op, *(b for b in c.bwd_uses if not in_module(b))])
-                if last < self.free_keep[ci]:
-                    released.append((last + 1, int(self.free_keep[ci]), -int(self.size[ci])))
+                # ... and the original, where every use outside the call comes before it, until u_R
+                if all(b < use for b in c.bwd_uses if not in_module(b)):
+                    last = max(c.free_if_dropped_op, use - 1)
+                    if last < self.free_keep[ci]:
+                        released.append((last + 1, int(self.free_keep[ci]), -int(self.size[ci])))
         regen = {w.candidates[ci].tensor for ci, _ in regenerated}
         transient = 0
         live = 0
@@ -1077,46 +1079,22 @@ class Floor:
     workspace_bytes: int
 
 
-def region_gaps(w: Workload) -> list[list[tuple[int, int]]]:
-    """Per candidate, the backward ops (first, last: inclusive spans) between its first and last backward use
-    where some policy holds none of it: Rule 11 frees a kept output of a region after its last use outside the
-    call (or free_if_dropped_op), and its copy exists from u_R, at the latest the call's own first use. For each
-    call that can be a region (runtime/plan.py P1-P10 as far as they do not depend on the policy) and made and
-    packed it, the ops strictly between those two."""
-    planner = RegionPlanner(w)
-    out: list[set[tuple[int, int]]] = [set() for _ in w.candidates]
-    for f in np.flatnonzero(planner.static_ok):
-        frame = w.frames[f]
-        path = frame.path
-        internal = set(planner.internal[f].tolist())
-        for ci in sorted(planner.packed_in[f] - internal):
-            c = w.candidates[ci]
-            if not frame.first_op <= c.producer <= frame.last_op:
-                continue  # an input (P4)
-            inside = [b for b in c.bwd_uses if (m := w.ops[b].module) == path or m.startswith(path + ".")]
-            if inside:
-                last = max([c.free_if_dropped_op, *(b for b in c.bwd_uses if b not in inside)])
-                if last + 1 <= min(inside) - 1:
-                    out[ci].add((last + 1, min(inside) - 1))
-    return [sorted(g) for g in out]
-
-
 def peak_floor(w: Workload, hw: HardwareProfile) -> Floor:
     """What any policy holds at least, at the op where that is most (NOTE [ Simulator semantics ]).
 
     Under every action a candidate is live over [producer, free_if_dropped_op] (Rules 3, 4, 7, 8, 11: the
     original storage) and over [first, last backward use] (kept, copied back, regenerated or unpacked there:
-    Rules 3, 5, 7, 8, 11) but for :func:`region_gaps`; tensors that are not candidates keep their traced
-    intervals or longer (Rules 2, 7, 11); an op's workspace is live during it (Rule 2), and a recompute only adds
-    (Rule 7). So the live bytes of op i under any policy are at least those intervals' sum at i, and the peak at
-    least its maximum. Admissible, not tight: it is what no policy can go below, not what one reaches."""
+    Rules 3, 5, 7, 8, 11); tensors that are not candidates keep their traced intervals or longer (Rules 2,
+    7, 11); an op's workspace is live during it (Rule 2), and a recompute only adds (Rule 7). So the live
+    bytes of op i under any policy are at least those intervals' sum at i, and the peak at least its
+    maximum. Admissible, not tight: it is what no policy can go below, not what one reaches."""
     n, g = len(w.ops), hw.alloc_granularity_bytes
     cands = {c.tensor for c in w.candidates}
     state = sum(rounded(t.nbytes, g) for t in w.tensors if t.persistent and t.id not in cands)
     others = memory_timeline(w, g, exclude=cands) - in_place_bytes(w, g)  # workspace and state included; Rule 15
     ws = workspace_bytes(w)
     delta = np.zeros(n + 1, dtype=np.int64)
-    for c, gaps in zip(w.candidates, region_gaps(w), strict=True):
+    for c in w.candidates:
         size = rounded(w.tensors[c.tensor].nbytes, g)
         spans = [(c.producer, c.free_if_dropped_op)]
         if c.bwd_uses:
@@ -1125,9 +1103,6 @@ def peak_floor(w: Workload, hw: HardwareProfile) -> Floor:
                 spans = [(c.producer, max(last, c.free_if_dropped_op))]
             else:
                 spans.append((first, last))
-        for lo, hi in gaps:  # a region's kept output may be gone there (Rule 11): cut out of the spans
-            cut = [((a, min(b, lo - 1)), (max(a, hi + 1), b)) for a, b in spans]
-            spans = [(a, b) for pair in cut for a, b in pair if a <= b]
         for a, b in spans:
             delta[a] += size
             delta[b + 1] -= size

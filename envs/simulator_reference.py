@@ -539,7 +539,8 @@ def _region(w, r, mine, within, size, op_s, host_op, hc, nodes):  # type: ignore
         else:
             own = [b for b in c.bwd_uses if b in owned]
             regenerated.append((ci, max(own) if own else use))
-            freed[ci] = max([c.free_if_dropped_op, *(b for b in c.bwd_uses if b not in owned)])
+            if all(b < use for b in c.bwd_uses if b not in owned):
+                freed[ci] = max(c.free_if_dropped_op, use - 1)
     regen = {w.candidates[ci].tensor for ci, _ in regenerated}
     cand_tensors = {c.tensor for c in w.candidates}
     made = 0

@@ -25,7 +25,8 @@ NOTE [ Recompute mechanisms ]
         from changing again in the recompute, R10); random ops are fine (checkpoint replays the RNG state);
     P6. no candidate made outside R is replayed whose producer chain reads (Rule 7 of the simulator: its closure's
         candidate inputs, those it re-makes as temporaries included) one that R serves (one that another region
-        serves is regenerated from that region's own inputs, which its checkpoint holds);
+        serves is regenerated from that region's own inputs, which its checkpoint holds), nor one of R's kept
+        outputs after that output's last backward use outside R (Rule 11 lets the original go there);
     P7. R's forward writes none of R's tensor arguments in place (an activation module with ``inplace=True``
         called on its own: the checkpoint holds the argument as the call got it, and refuses it in backward,
         written since; a node saves it too, N4);
@@ -151,13 +152,20 @@ class RegionPlanner:
                     fi = frames[fi].parent
         # P6: (reader, read) pairs of candidates made in different calls, listed under every call that made
         # the read one but not the reader.
-        pairs: list[list[tuple[int, int]]] = [[] for _ in frames]
+        pairs: list[list[tuple[int, int, bool]]] = [[] for _ in frames]
+        n = len(w.ops)
         for ci, cl in enumerate(closures):
             reader_frames = set(self._ancestry(int(frame_of_producer[ci])))
+            u = w.candidates[ci].first_use(n)
             for d in (*cl.deps, *cl.remade):  # a re-made one reads what its call made too
                 for fi in self._ancestry(int(frame_of_producer[d])):
                     if fi not in reader_frames:
-                        pairs[fi].append((ci, d))
+                        # ... and a kept output of the call, when the replay comes after its last use outside the
+                        # call: the original is gone then (Rule 11), so the replay would re-make it from the call's
+                        # ops (late).
+                        path = frames[fi].path
+                        out = [b for b in w.candidates[d].bwd_uses if not _within(w.ops[b].module, path)]
+                        pairs[fi].append((ci, d, bool(out) and u > max(out)))
         producers = np.array([c.producer for c in w.candidates], dtype=np.int64)
         order = np.argsort(producers, kind="stable")
         cand_of = {c.tensor: i for i, c in enumerate(w.candidates)}
@@ -230,10 +238,11 @@ class RegionPlanner:
         self._check_index = np.array([c for c, _ in checks], dtype=np.int64)
         self._check_frame = np.array([f for _, f in checks], dtype=np.int64)
         self._any_static = bool(self.static_ok.any())
-        flat = [(f, reader, read) for f, lst in enumerate(pairs) for reader, read in lst]
+        flat = [(f, reader, read, late) for f, lst in enumerate(pairs) for reader, read, late in lst]
         self._pair_frame, self._pair_reader, self._pair_read = (
             np.array([p[i] for p in flat], dtype=np.int64) for i in range(3)
         )
+        self._pair_late = np.array([p[3] for p in flat], dtype=bool)
 
     def _node_ok(self, last_write: dict[int, int]) -> np.ndarray:
         """P10, per frame: no tensor with a gradient from before it is read twice inside it and again outside,
@@ -291,7 +300,8 @@ class RegionPlanner:
         ok[self._check_frame[np.concatenate([~rec, act != KEEP, rec])[self._check_index]]] = False
         if not ok.any():
             return []
-        pairs = rec[self._pair_read] & rec[self._pair_reader]  # P6 pairs that may matter
+        read = rec[self._pair_read] | (self._pair_late & (act[self._pair_read] == KEEP))
+        pairs = read & rec[self._pair_reader]  # P6 pairs that may matter
         frames, readers = self._pair_frame[pairs], self._pair_reader[pairs]
         while True:  # P6 counts only readers that are replayed, which depends on the regions: to a fixpoint
             chosen = self._outermost(ok)
@@ -364,6 +374,11 @@ def forward_writers(w: Workload) -> dict[int, list[int]]:
             if w.tensors[tid].alloc_op != op.index:
                 writers.setdefault(tid, []).append(op.index)
     return writers
+
+
+def _within(module: str, path: str) -> bool:
+    """Whether an op of ``module`` runs in a call of ``path`` (the module or one inside it)."""
+    return module == path or module.startswith(path + ".")
 
 
 def closures_of(w: Workload) -> list[Closure]:

@@ -13,12 +13,12 @@ The tree decides the units one at a time, largest first, keep before swap, recom
 cut when one of two bounds, each a consequence of the simulator's rules whatever the undecided units do,
 rules it out:
 
-B1 (memory). Under every action a candidate is live over [producer, free_if_dropped_op] and over its [first, last]
-    backward use (``envs.simulator.peak_floor``'s argument: Rules 3, 4, 5, 7, 8, 11); a kept one over [producer,
-    free_op] (Rule 3); both but for ``envs.simulator.region_gaps`` (Rule 11); tensors that are not candidates and
-    workspaces as traced (Rule 2), and recomputes only add (Rules 7, 11). The live bytes of each op are at least the
-    sum of those intervals, the undecided and non-kept units at their minimum; the node is infeasible when their
-    maximum exceeds the budget.
+B1 (memory). Under every action a candidate is live over [producer, free_if_dropped_op] and over its
+    [first, last] backward use (``envs.simulator.peak_floor``'s argument: Rules 3, 4, 5, 7, 8, 11); a kept
+    one over [producer, free_op] (Rule 3); tensors that are not candidates and workspaces as traced (Rule 2),
+    and recomputes only add (Rules 7, 11). The live bytes of each op are at least the sum of those
+    intervals, the undecided and non-kept units at their minimum; the node is infeasible when their maximum
+    exceeds the budget.
 B2 (time). The iteration lasts at least (Rule 9, then Rule 10 for gradient accumulation):
     a. the compute stream's work: every op once (Rule 1), the producer op of every recomputed candidate
        once more (a replay re-runs its closure, Rule 7, a region every op up to its last pack, Rule 11:
@@ -50,7 +50,7 @@ import numpy as np
 from agents.base import RELEASES
 from agents.rule import LOOKAHEADS
 from envs.problem import Problem
-from envs.simulator import SimResult, accumulated_s, region_gaps
+from envs.simulator import SimResult, accumulated_s
 from runtime.policy import PolicyOptions
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP
 
@@ -109,18 +109,15 @@ class Bounds:
         self.size = sim.size.astype(np.int64)
         floor = sim.base_live.astype(np.int64).copy()
         self.extra_if_kept: list[tuple[np.ndarray, np.ndarray]] = []  # (ops, bytes) kept adds over the minimum
-        for c, (cand, gaps) in enumerate(zip(w.candidates, region_gaps(w), strict=True)):
+        for c, cand in enumerate(w.candidates):
             lo, hi = int(sim.producer[c]), int(sim.free_keep[c])
             least = np.zeros(n, dtype=bool)
             least[lo : min(int(sim.drop[c]), hi) + 1] = True
             if cand.bwd_uses:
                 least[max(min(cand.bwd_uses), lo) : min(max(cand.bwd_uses), hi) + 1] = True
+            floor[least] += self.size[c]
             kept = np.zeros(n, dtype=bool)
             kept[lo : hi + 1] = True
-            for a, b in gaps:  # a region's kept output may be gone there (Rule 11)
-                least[a : b + 1] = False
-                kept[a : b + 1] = False
-            floor[least] += self.size[c]
             ops = np.flatnonzero(kept & ~least)
             self.extra_if_kept.append((ops, np.full(len(ops), self.size[c], dtype=np.int64)))
         self.floor = floor
