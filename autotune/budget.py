@@ -82,6 +82,11 @@ def reserve_bytes(reserve: str | None, budget: str, budget_bytes: int, hw: Hardw
                     f"--reserve: invalid size {reserve!r}: unknown unit {zero.group(1)!r}; e.g. 0 or 128MiB"
                 ) from None
             raise AutotuneError(f"--reserve: {e} (or 0 for none)") from None
+        if zero is None and n < 2**20 and reserve.strip().isdigit():  # as --budget: a number alone is bytes
+            raise AutotuneError(
+                f"invalid --reserve '{reserve}': without a unit that is {n} bytes, most likely a unit left out; "
+                f"write the unit, e.g. {reserve.strip()}MiB, or {reserve.strip()}B if you mean bytes (0: none)"
+            )
     if n >= budget_bytes and reserve is not None:
         raise AutotuneError(
             f"--reserve {reserve} is not below the budget ({budget}): nothing would be left to plan for; pass "

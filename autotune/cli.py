@@ -211,6 +211,12 @@ def _positive(value: float) -> bool:
     return math.isfinite(value) and value > 0
 
 
+def _check_seed(seed: int) -> None:
+    """--seed: what Optuna's and NumPy's generators take, checked before any work."""
+    if not 0 <= seed < 2**32:
+        raise AutotuneError(f"invalid --seed {seed}: expected an integer from 0 to 4294967295, e.g. --seed 0")
+
+
 def _check_heartbeat(heartbeat: float | None) -> None:
     if heartbeat is not None and not _positive(heartbeat):
         raise AutotuneError(f"invalid --heartbeat {heartbeat}: expected a positive number of seconds, e.g. 60")
@@ -656,6 +662,7 @@ def search(
             f"--compile with --measure {measure}: measured searches train eagerly; drop --measure (the plan is "
             "simulated; autotune train --compile measures it)"
         )
+    _check_seed(seed)
     _early_checks(
         model, budget, reserve, batch_size=batch_size, seq_len=seq_len, image_size=image_size, optimizer=optimizer,
         precision=precision, grad_accum=grad_accum, device=device, measure=measure, partition=partition,
@@ -868,6 +875,7 @@ def maxbatch(
         raise AutotuneError(f"invalid --max-slowdown {max_slowdown}: expected 0 or more, e.g. --max-slowdown 0.2")
     if not _positive(per_size):
         raise AutotuneError(f"invalid --per-size {per_size}: expected a positive number of seconds, e.g. 10")
+    _check_seed(seed)
     _early_checks(model, budget, reserve, seq_len=seq_len, image_size=image_size, optimizer=optimizer,
                   precision=precision, grad_accum=grad_accum, device=device, measure=measure,
                   host_memory=host_memory)  # fmt: skip
@@ -1076,6 +1084,7 @@ def sweep(
     check_writable(report, "--report")
     check_folder(out_dir, "--out-dir")
     _check_heartbeat(heartbeat)
+    _check_seed(seed)
 
     method_list = sw.check_methods(methods)
     # Each model and budget once, in the order given (400MiB and 419430400 are one budget: one cell, one file).

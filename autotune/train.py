@@ -190,7 +190,7 @@ def train(
         check_backend(compile_backend)
         refuse_uncompilable(policy, source=str(policy_path))
     name = model or policy.model
-    batch = batch_size or policy.batch_size
+    batch = batch_size if batch_size is not None else policy.batch_size
     check_sizes(name, policy.seq_len, policy.image_size, source=str(policy_path))
     req = TraceRequest(
         model=name,
@@ -200,7 +200,7 @@ def train(
         mode="real",
         device=device,
         precision=precision or policy.precision,
-        grad_accum=grad_accum or policy.grad_accum,
+        grad_accum=grad_accum if grad_accum is not None else policy.grad_accum,
         optimizer=optimizer or policy.optimizer or "sgd",
         partitions=policy.partitions,
     )

@@ -201,6 +201,12 @@ BAD_INPUTS = [
         "raised in its first training step, run before any of autotune's hooks: RuntimeError: mat1 and mat2 shapes",
     ),
     (["search", "--model", "resnet18", "--budget", "1GB", "--reserve", "-1"], "--reserve: invalid size '-1'"),
+    # 6 bytes of reserve, searched for (a QA run): a unit left out, as --budget 6
+    (["search", "--model", "resnet18", "--budget", "1GB", "--reserve", "6"], "invalid --reserve '6'"),
+    # an internal error from Optuna's sampler after the trace and the baselines (a QA run)
+    (["search", "--model", "resnet18", "--budget", "1GB", "--seed", "-1"], "invalid --seed -1"),
+    (["maxbatch", "--model", "resnet18", "--budget", "1GB", "--seed", "4294967296"], "invalid --seed 4294967296"),
+    (["sweep", "--models", "resnet18", "--budgets", "1GB", "--seed", "-1"], "invalid --seed -1"),
 ]
 
 
@@ -393,6 +399,9 @@ def test_train_says_in_which_iteration_it_ran_out_of_memory(
     code, out, err = run(capsys, "train", "--policy", str(path))
     assert code == 0, err
     assert "out of memory at the policy's budget in iteration 2 (the first is the warm-up)" in " ".join(out.split())
+    # 0 is a value, not "take the file's" (a QA run: it trained at the file's batch and accumulation)
+    assert "batch size" in user_error(capsys, "train", "--policy", str(path), "--batch-size", "0")
+    assert "grad" in user_error(capsys, "train", "--policy", str(path), "--grad-accum", "0")
 
 
 def test_a_plan_for_this_machines_gpu_takes_this_hosts_costs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -650,6 +659,16 @@ def test_the_profilers_own_log_lines_stay_out_of_the_output() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "profiler_start" not in done.stdout + done.stderr and "gpuGetDeviceCount" not in done.stderr
+
+
+def test_python_dash_m_autotune_is_the_command_line() -> None:
+    """``python -m autotune`` said "'autotune' is a package and cannot be directly executed" (a QA run)."""
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "autotune", "search", "--model", "resnet18", "--budget", "6"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "e.g. 6GB or 6GiB" in done.stderr, done.stderr
 
 
 def test_profile_says_what_search_plans_for_at_the_same_budget(capsys: pytest.CaptureFixture[str]) -> None:
