@@ -475,13 +475,15 @@ def test_search_takes_a_trainer_style_factory(capsys: pytest.CaptureFixture[str]
     Trainer's callback as it is, trains bit-identically."""
     model = "experiments.user_models:hf_causal_lm"
     out, store = tmp_path / "p.json", f"sqlite:///{tmp_path / 's.db'}"
-    args = ["--budget", "3MB", "--gpu", "cpu", "--grad-accum", "2", "--optimizer", "adamw", "--trials", "3",
+    # 3.5 MB: well below the no-policy peak (4.30 MB) and above what a 5-second search reaches on a loaded machine
+    # (2.85 MiB answers 3 MB unloaded, but in a CI run beside other work it reached 2.94 MiB only).
+    args = ["--budget", "3.5MB", "--gpu", "cpu", "--grad-accum", "2", "--optimizer", "adamw", "--trials", "3",
             "--timeout", "5"]  # fmt: skip
     code, stdout, err = run(capsys, "search", "--model", model, *args, "--out", str(out), "--storage", store, "--json")
     assert code == 0, err
     found = json.loads(stdout)
     assert found["feasible"] and found["written"], found
-    assert found["peak_bytes"] <= 3_000_000 < found["no_policy_peak_bytes"]
+    assert found["peak_bytes"] <= 3_500_000 < found["no_policy_peak_bytes"]
     policy = load_policy(out)
     assert policy.grad_accum == 2 and policy.counts()[Action.KEEP] < len(policy.actions)
     assert any(a in (Action.SWAP, Action.RECOMPUTE) for a in policy.actions.values())
