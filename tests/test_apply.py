@@ -987,10 +987,11 @@ def test_the_cpu_lstm_trains_as_plain_under_random_mixes() -> None:
         assert same_bits(plain, train_steps(build, policy, 2)), nodes
 
 
-def test_a_swapped_tensor_that_a_later_replay_reads_is_held_on_the_cpu() -> None:
+def test_a_swapped_tensor_that_a_later_replay_reads_is_re_made_on_the_cpu() -> None:
     """R9 on the CPU: ``x`` is swapped and read last (in backward) by ``x * w``'s backward; the sigmoid made
-    from it is replayed later, in ``l2``'s backward. The swap's only copy must stay until then (without the
-    hold: "swapped tensor ... was needed after its release")."""
+    from it is replayed later, in ``l2``'s backward. The swap's only copy goes at its last unpack, and the
+    replay re-makes ``x`` from its producer (R6; it had failed: "swapped tensor ... was needed after its
+    release")."""
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
