@@ -1253,7 +1253,20 @@ def dashboard(
     check_storage(storage)
     _check_listen(host, port)
     err.print(f"optuna-dashboard on {storage}: http://{host}:{port}/ (Ctrl-C stops it)")
+    # A signal turned into KeyboardInterrupt while a request is served is caught by wsgiref's handler, which
+    # prints it as a failed request and serves on: the server has nothing to save, so it ends at once.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _end_now)
+        signal.signal(signal.SIGTERM, _end_now)
     optuna_dashboard.run_server(storage, host=host, port=port)
+
+
+def _end_now(signum: int, frame: Any) -> None:
+    """Ctrl-C or SIGTERM in the dashboard: say so and end the process now (exit 128 + the signal's number)."""
+    _TERMINATED[0] = signum == signal.SIGTERM
+    err.print(_stopped())
+    sys.stderr.flush()
+    os._exit(128 + signum)
 
 
 def _check_listen(host: str, port: int) -> None:
