@@ -48,7 +48,9 @@ Rule 7 (replay). A recomputed candidate that no region serves lives [producer, f
     write (regenerated temporaries, other outputs of multi-output ops, copies of arguments an op would mutate) is
     held during the recompute only: nested recomputations hold theirs until the outermost one is done, a storage
     that two of them write once (the runtime's replay makes it once and reads it again: R6), and an op that two of
-    them run runs once; separate ones at the same op run one after another. The recompute runs before op u allocates
+    them run runs once; separate ones at the same op run one after another, in the order backward first unpacks them
+    (``Candidate.unpack_seq``: a multiplication's gradient unpacks its second factor first; where that one's
+    closure reads the first factor, the first's replay runs nested in it). The recompute runs before op u allocates
     its own outputs, so the live bytes of op u are the larger of (live during u) and (live during u, less u's own
     allocations, plus the largest recompute's held bytes). Its time is the sum of the closure's op times
     (``recompute_s``), issued by the host as one block (Rule 12) after which the device runs it. A recomputed
@@ -334,7 +336,9 @@ class Simulator:
         self._compress_cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._compressible: dict[str, np.ndarray] = {}  # Rule 8, per compression dtype
         needed = np.flatnonzero(self.first_use < n)
-        self._need_order = needed[np.lexsort((needed, self.first_use[needed]))]
+        self._fetch_order = needed[np.lexsort((needed, self.first_use[needed]))]  # Rule 5
+        seq = np.array([c.unpack_seq for c in cands], dtype=np.int64)
+        self._need_order = needed[np.lexsort((needed, seq[needed], self.first_use[needed]))]  # Rule 7
         self._triggers: dict[int, np.ndarray] = {}
         self._views: dict[tuple[tuple[int, ...], bool], _RegionView] = {}
         self._optimizer_alone = self._optimizer_alone_s()
@@ -814,7 +818,7 @@ class Simulator:
             release_event = release_op + 1  # the op before which it happens
 
         # The walk (Rules 1, 4-7, 12). Events come before op x; at one x, in this order: copies out, releases,
-        # copies back (in order of need), uses (in order of need); then op x with its fixed insertions.
+        # copies back (Rule 5: by first use, then candidate index), uses (Rule 7: in unpack order); then op x.
         hcum = np.zeros(n + 1)
         np.add.accumulate(self.host_op_s + hx[:n], out=hcum[1:])  # Hc
         if dx_touched:
@@ -826,7 +830,7 @@ class Simulator:
         d2h_end = np.zeros(k)  # each swapped candidate's copy out's end (Rule 4)
         begin_at, ih, ed = 0, 0.0, 0.0
         if copies:
-            fetch_arr = self._need_order[swp_mask[self._need_order]]
+            fetch_arr = self._fetch_order[swp_mask[self._fetch_order]]
             # Rule 4 in forward, at once when no release point waits for its copy.
             e_after = dcum[1:] + np.maximum.accumulate(np.maximum(reach, 0.0))  # each op's end, no wait on the way
             dur = self.d2h_s[swp]

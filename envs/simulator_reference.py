@@ -212,7 +212,7 @@ def simulate_reference(
         if handled[ci] and first_use[ci] < n:
             uses.setdefault(first_use[ci], []).append(ci)
     for lst in uses.values():
-        lst.sort()
+        lst.sort(key=lambda ci: (cands[ci].unpack_seq, ci))  # Rule 7: in the order backward unpacks them
 
     # The walk.
     clock = {"host": 0.0, "dev": 0.0, "d2h": 0.0, "h2d": 0.0, "busy": 0.0}

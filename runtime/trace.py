@@ -698,7 +698,7 @@ def _record(
     cand: dict[int, str] = {}  # tensor id -> key, in first-pack order
     saved_after: dict[int, int] = {}  # tensor id -> last op completed at its first pack
     saved_in: dict[int, set[str]] = {}  # tensor id -> modules whose ops saved it
-    unpacked: dict[int, int] = {}  # tensor id -> the op backward runs next at its first unpack
+    unpacked: dict[int, int] = {}  # tensor id -> the op backward runs next at its first unpack, in unpack order
     ignored: list[str] = rec.ignored_keys
     log = _FrameLog(rec)
     packs = log.packs
@@ -778,6 +778,7 @@ def _build_workload(
     log: _FrameLog,
     **info: Any,
 ) -> Workload:
+    unpack_seq = {tid: i for i, tid in enumerate(unpacked)}  # (a dict keeps the first unpacks' order)
     tensors = [
         TensorInfo(
             id=t.id,
@@ -819,6 +820,7 @@ def _build_workload(
                 block_input=any(_block(blocks, m) != _block(blocks, rec.ops[t.alloc_op].module) for m in saved_in[tid]),
                 packs=tuple(log.packs[tid]),
                 unpack_op=unpacked.get(tid, -1),
+                unpack_seq=unpack_seq.get(tid, -1),
             )
         )
     w = Workload(

@@ -27,7 +27,9 @@ NOTE [ Candidates ]
     NOTE [ Drop pass ] in runtime/trace.py). ``unpack_op`` is where backward first unpacks it: a node
     unpacks all it saved when it starts, before its first op, which is where the runtime's unpack hook
     brings a tensor back or makes it again, not at the node's op that reads it (``bwd_uses``); the
-    simulator's first use (``Candidate.first_use``).
+    simulator's first use (``Candidate.first_use``). ``unpack_seq`` orders the first unpacks, so also those of
+    one node, in the node's own order (a multiplication's gradient unpacks its second factor first): the order
+    in which the runtime brings them back or makes them again (Rule 7 in envs/simulator.py).
 
 NOTE [ Frames ]
     A frame is one call of one module in the forward (``layer1.0#0``: path and call, as in the keys), with
@@ -144,6 +146,7 @@ class Candidate:
     block_input: bool = False  # also saved in another block than its producer's: a block boundary
     packs: tuple[tuple[int, int], ...] = ()  # each pack of its storage: (frame, last op completed), in order
     unpack_op: int = -1  # the op backward ran next when it first unpacked it (-1: never, or an older trace)
+    unpack_seq: int = -1  # its first unpack's rank among all candidates' first unpacks (-1: as unpack_op)
 
     def first_use(self, n_ops: int) -> int:
         """Where backward first needs it (NOTE [ Candidates ]): the first unpack, when its node starts, before

@@ -280,3 +280,20 @@ class FreedBeforeReplay(nn.Module):
         q = torch.tanh(p) + p.pow(2)
         c = torch.relu(self.bn(self.conv(x.view(-1, 1, 4, 4)))).mean((2, 3))
         return self.fc(torch.cat([torch.relu(y[:, :8]), a * a, q, c], 1))
+
+
+class ProductOfChains(nn.Module):
+    """``u * v`` where ``v`` is made from ``u``: the product's backward node unpacks ``v`` (its second factor)
+    first, so where both are recomputed, ``u``'s replay runs nested inside ``v``'s and its temporaries are held
+    until ``v``'s ends; ``v * u`` unpacks ``u`` first and the two replays run one after the other."""
+
+    def __init__(self, d: int = 64, swapped: bool = False) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(16, d), nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.head = nn.Linear(d, 10)
+        self.swapped = swapped
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = torch.tanh(self.b(torch.relu(self.a(x))))
+        v = torch.tanh(self.d(torch.relu(self.c(u))))
+        return self.head(v * u if self.swapped else u * v)
