@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from envs.simulator import Simulator, peak_floor
 from runtime.hardware import HardwareProfile
-from runtime.keys import OUTSIDE, ROOT
+from runtime.keys import OUTSIDE, ROOT, runs_in
 from runtime.partition import Partition
 from runtime.workload import Frame, Workload
 
@@ -85,7 +85,7 @@ def candidate_frames(w: Workload, op: int) -> list[Frame]:
     for f in reversed(chain):
         if f.path in (ROOT, OUTSIDE) or calls[f.path] != 1:
             continue
-        if any(p == f.path or p.startswith(f.path + ".") for p in norm_paths):
+        if any(runs_in(p, f.path) for p in norm_paths):
             continue
         first = f.args[0] if f.args else -1
         if first < 0 or not w.tensors[first].shape or w.tensors[first].shape[0] != w.batch_size:

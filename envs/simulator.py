@@ -139,6 +139,7 @@ import numpy as np
 from envs import walk
 from envs.walk import USE
 from runtime.hardware import HardwareProfile, host_times_s, op_times_s
+from runtime.keys import runs_in
 from runtime.plan import RegionPlanner, as_run, closures_of, forward_writers, held_outside
 from runtime.policy import Policy, PolicyOptions
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, Action, compressible, itemsize
@@ -566,9 +567,7 @@ class Simulator:
         end = int(self._frame_end[f])
         path = frame.path
 
-        module_ops = {
-            op for m, ops in self._bwd_ops_of_module.items() if m == path or m.startswith(path + ".") for op in ops
-        }
+        module_ops = {op for m, ops in self._bwd_ops_of_module.items() if runs_in(m, path) for op in ops}
 
         def in_module(op: int) -> bool:
             return op in module_ops

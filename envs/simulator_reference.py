@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from runtime.hardware import HardwareProfile, host_times_s, op_times_s
+from runtime.keys import runs_in
 from runtime.plan import RegionPlanner, as_run, held_outside
 from runtime.policy import PolicyOptions
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, compressible, itemsize
@@ -515,11 +516,7 @@ def _region(w, r, mine, within, size, op_s, host_op, hc, nodes):  # type: ignore
     holds, walked op by op."""
     frame, n = w.frames[r], len(w.ops)
     path = frame.path
-    owned = {
-        op.index
-        for op in w.ops
-        if op.phase == Phase.BACKWARD and (op.module == path or op.module.startswith(path + "."))
-    }
+    owned = {op.index for op in w.ops if op.phase == Phase.BACKWARD and runs_in(op.module, path)}
     inside = [ci for ci, c in enumerate(w.candidates) if any(within(f, r) for f, _ in c.packs)]
     if nodes:  # the node's backward starts before the call's first backward op and re-runs the whole call
         use = min(owned, default=n)

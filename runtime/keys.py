@@ -53,6 +53,11 @@ OUTSIDE = "<loss>"
 _BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
 
 
+def runs_in(module: str, path: str) -> bool:
+    """Whether what runs in module ``module`` runs in a call of ``path``: the module itself or one inside it."""
+    return module == path or module.startswith(path + ".")
+
+
 @dataclass
 class KeyedTensor:
     """What the keyer knows of a storage packed in this forward."""

@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.keys import canonical_key
+from runtime.keys import canonical_key, runs_in
 from runtime.vocab import KEEP, RECOMPUTE
 from runtime.workload import Phase, TensorKind, Workload
 
@@ -164,7 +164,7 @@ class RegionPlanner:
                         # call: the original is gone then (Rule 11), so the replay would re-make it from the call's
                         # ops (late).
                         path = frames[fi].path
-                        out = [b for b in w.candidates[d].bwd_uses if not _within(w.ops[b].module, path)]
+                        out = [b for b in w.candidates[d].bwd_uses if not runs_in(w.ops[b].module, path)]
                         pairs[fi].append((ci, d, bool(out) and u > max(out)))
         producers = np.array([c.producer for c in w.candidates], dtype=np.int64)
         order = np.argsort(producers, kind="stable")
@@ -374,11 +374,6 @@ def forward_writers(w: Workload) -> dict[int, list[int]]:
             if w.tensors[tid].alloc_op != op.index:
                 writers.setdefault(tid, []).append(op.index)
     return writers
-
-
-def _within(module: str, path: str) -> bool:
-    """Whether an op of ``module`` runs in a call of ``path`` (the module or one inside it)."""
-    return module == path or module.startswith(path + ".")
 
 
 def closures_of(w: Workload) -> list[Closure]:
