@@ -60,7 +60,8 @@ Rule 8 (compress). A compressed candidate is cast to ``compress_dtype`` when ``s
     the compute stream that reads n bytes and writes n / r (r = element size ratio, at least 1). The full
     storage lives [producer, free_if_dropped_op], the packed one [save_op + 1, u]; just before u an unpack
     kernel (reads n / r, writes n) re-creates it, living [u, free_op]. Both kernels are ``compress_s``. A
-    candidate that is not a floating-point tensor wider than ``compress_dtype`` (an int64 index) is kept (R8).
+    candidate that is not a floating-point tensor wider than ``compress_dtype`` (an int64 index) is kept (R8), and
+    so is one that the replay of a recomputed candidate reads (runtime/plan.py P12).
 Rule 9 (time). ``iter_s`` is when both the compute stream and the host are done (the step ends with a
     synchronisation): compute + recompute + compress + stall and whatever the host adds where it is behind.
     ``samples_per_s`` = batch size / ``iter_s``.
@@ -140,7 +141,15 @@ from envs import walk
 from envs.walk import USE
 from runtime.hardware import HardwareProfile, host_times_s, op_times_s
 from runtime.keys import runs_in
-from runtime.plan import RegionPlanner, as_run, closures_of, forward_writers, held_outside
+from runtime.plan import (
+    RegionPlanner,
+    as_run,
+    closures_of,
+    deps_csr,
+    forward_writers,
+    held_outside,
+    replay_inputs_kept,
+)
 from runtime.policy import Policy, PolicyOptions
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, Action, compressible, itemsize
 from runtime.workload import Phase, TensorKind, Workload, in_place_bytes, memory_timeline, rounded, workspace_bytes
@@ -325,9 +334,7 @@ class Simulator:
         # ... and the ops they run (CSR), for nested recomputations that run the same op (run once, Rule 7).
         self._ops_ptr = np.concatenate([[0], np.cumsum(self._closure_len)]).astype(np.int64)
         self._ops_idx = np.array([op for ops in self.closure_ops for op in sorted(ops)], dtype=np.int64)
-        deps_of = [deps for _, _, deps in self.closures]
-        self._deps_ptr = np.concatenate([[0], np.cumsum([len(d) for d in deps_of])]).astype(np.int64)
-        self._deps_idx = np.array([d for deps in deps_of for d in deps], dtype=np.int64)
+        self._deps_ptr, self._deps_idx = deps_csr(closures)
         self._rec_own = np.array([length * hw.host.replay_op_s for length in self._closure_len], dtype=np.float64)
         self._rec_host = np.array(self._closure_host, dtype=np.float64) + self._rec_own
         self._no_floors = np.empty((0, 3))
@@ -409,7 +416,7 @@ class Simulator:
 
     def _as_compressed(self, act: np.ndarray, dtype: str) -> np.ndarray:
         """Rule 8 / runtime R8: a compressed candidate that is not a floating-point tensor wider than ``dtype``
-        (an int64 index, a bfloat16 activation) is kept."""
+        (an int64 index, a bfloat16 activation) is kept (and so is one a replay reads: runtime/plan.py P12)."""
         compress = act == COMPRESS
         if not compress.any():
             return act
@@ -713,7 +720,7 @@ class Simulator:
         act = as_run(_as_vector(w, policy), self._held_outside)
         if options is None:
             options = policy.options if isinstance(policy, Policy) else PolicyOptions()
-        act = self._as_compressed(act, options.compress_dtype)
+        act = replay_inputs_kept(self._as_compressed(act, options.compress_dtype), self._deps_ptr, self._deps_idx)
         lookahead = max(0, int(options.prefetch_lookahead))
         release_after = max(1, int(options.release_after))
         packed, pack_s = self.compression(options.compress_dtype)

@@ -63,6 +63,12 @@ def simulate_reference(
             for out in op.outputs:
                 if w.tensors[out].alloc_op != op.index:
                     writers.setdefault(out, []).append(op.index)
+    if COMPRESS in act and RECOMPUTE in act:  # Rule 8, runtime/plan.py P12: what a replay reads is kept
+        read = set()
+        for ci in range(len(cands)):
+            if act[ci] == RECOMPUTE:
+                read |= _closure(w, ci, cand_of, first_use, writers)[1]
+        act = [KEEP if a == COMPRESS and ci in read else a for ci, a in enumerate(act)]
     framed = bool(w.frames) and all(c.packs for c in cands)
 
     # Rule 11: regions, the candidates they serve, and what each one re-runs and holds.

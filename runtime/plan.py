@@ -60,16 +60,23 @@ NOTE [ Recompute mechanisms ]
         ``free_if_dropped_op`` at or past that use) is kept (``held_outside``): dropping it frees nothing, and
         its replay finds it alive and re-runs nothing (runtime R6), so the runtime learns it as kept (R11) and
         the simulator plans it so (Rule 7).
+
+    P12. Before all of the above, after P11: a compressed candidate that the replay of a recomputed one reads
+        (``Closure.deps``: live at that one's first use, materialized first) is kept (``replay_inputs_kept``).
+        The replay would re-make from the rounded values what forward made from the exact ones, and where those
+        values decide a shape (the boolean mask of ``x[x > 0.1]``) backward fails. ``Policy.from_vector`` writes
+        it kept and both simulators plan it so (Rule 8).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from runtime.keys import canonical_key, runs_in
-from runtime.vocab import KEEP, RECOMPUTE
+from runtime.vocab import COMPRESS, KEEP, RECOMPUTE
 from runtime.workload import Phase, TensorKind, Workload
 
 # P8: ops whose kernels read grad mode (found by running each with it on and off on the same inputs).
@@ -424,6 +431,25 @@ def regions_for(w: Workload, act: np.ndarray, nodes: bool = True) -> list[Region
     the simulator keeps a planner)."""
     planner = RegionPlanner(w)
     return [planner.region(f) for f in planner.select(as_run(np.asarray(act), held_outside(w)), nodes)]
+
+
+def deps_csr(closures: Sequence[Closure]) -> tuple[np.ndarray, np.ndarray]:
+    """The closures' ``deps`` as CSR arrays: those of candidate ci are ``idx[ptr[ci]:ptr[ci + 1]]``."""
+    ptr = np.concatenate([[0], np.cumsum([len(cl.deps) for cl in closures])]).astype(np.int64)
+    return ptr, np.array([d for cl in closures for d in cl.deps], dtype=np.int64)
+
+
+def replay_inputs_kept(act: np.ndarray, deps_ptr: np.ndarray, deps_idx: np.ndarray) -> np.ndarray:
+    """P12: action codes ``act`` with every compressed candidate that a recomputed one's replay reads kept (the
+    closures' dependencies as :func:`deps_csr` gives them)."""
+    compressed = act == COMPRESS
+    if not compressed.any():
+        return act
+    read = np.zeros(len(act), dtype=bool)
+    read[deps_idx[np.repeat(act == RECOMPUTE, np.diff(deps_ptr))]] = True
+    if not (read & compressed).any():
+        return act
+    return np.where(read & compressed, KEEP, act).astype(act.dtype)
 
 
 def held_outside(w: Workload) -> np.ndarray:

@@ -297,3 +297,16 @@ class ProductOfChains(nn.Module):
         u = torch.tanh(self.b(torch.relu(self.a(x))))
         v = torch.tanh(self.d(torch.relu(self.c(u))))
         return self.head(v * u if self.swapped else u * v)
+
+
+class MaskedSum(nn.Module):
+    """``s[s > 0.1]``: the boolean mask that indexing saves is made from ``s``, which ``tanh`` saves too. A
+    replay of the mask from a rounded (compressed) ``s`` selects another number of elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.tanh(self.fc2(self.fc1(x)))
+        return self.head(s) + s[s > 0.1].sum()

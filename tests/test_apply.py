@@ -360,6 +360,39 @@ def test_replays_at_one_node_run_in_the_order_it_unpacks_them(swapped: bool) -> 
     assert same_bits(train_steps(build, policy, steps=2), train_steps(build, None, steps=2))
 
 
+def test_a_compressed_tensor_that_a_replay_reads_is_kept() -> None:
+    """Plan P12 / Rule 8: with ``lossy``, a policy compressed ``s`` and recomputed the mask ``s > 0.1`` that
+    ``s[mask]`` saves; the mask's replay read the rounded ``s``, selected another number of elements, and
+    backward failed ("shape mismatch: value tensor of shape [195] cannot be broadcast to indexing result of
+    shape [196]"). ``s`` is now kept: the policy says so, both simulators plan it and the runtime's peak is the
+    plan. Compressed alone, with no replay reading it, it stays compressed."""
+    from envs.simulator_reference import simulate_reference
+    from tests.fixtures_models import MaskedSum
+
+    build = classifier(MaskedSum, (16, 16), 10)
+    w = capture(build, name="masked", batch_size=16, fake=False)
+    s, mask = "<root>#0.0:Tanh", "<root>#0.1:nograd"
+    assert {s, mask} <= {c.key for c in w.candidates}
+    hw, opts = get_profile("cpu"), PolicyOptions(lossy=True)
+    alone = Policy.from_vector(
+        w, [COMPRESS if c.key == s else KEEP for c in w.candidates], hardware="cpu", options=opts
+    )
+    assert alone.actions[s] == Action.COMPRESS
+    acts = {s: COMPRESS, mask: RECOMPUTE}
+    vec = np.array([acts.get(c.key, KEEP) for c in w.candidates], np.int8)
+    policy = Policy.from_vector(w, vec, hardware="cpu", options=opts)
+    assert policy.actions[s] == Action.KEEP and policy.actions[mask] == Action.RECOMPUTE
+    planned = Simulator(w, hw).run(vec, options=opts).peak_bytes
+    assert Simulator(w, hw).run(policy).peak_bytes == planned
+    assert simulate_reference(w, hw, vec, options=opts).peak_bytes == planned
+    model, batch, loss_fn = build()
+    rt = PolicyRuntime(policy, model)
+    opt = make_optimizer("sgd", model.parameters())
+    measured = run_iterations(model, batch, loss_fn, opt, steps=2, batch_size=16, around_step=rt.step)
+    assert [m.peak_bytes for m in measured] == [planned] * 2
+    assert same_bits(train_steps(build, policy, steps=2), train_steps(build, None, steps=2))
+
+
 @pytest.mark.parametrize("fake", [True, False], ids=["fake", "real"])
 def test_a_tensor_held_by_a_ctx_attribute_is_kept_where_the_policy_recomputes_it(fake: bool) -> None:
     """Plan P11: a custom Function that keeps its input as a ``ctx`` attribute holds it until backward, so a

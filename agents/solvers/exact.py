@@ -23,7 +23,8 @@ B2 (time). The iteration lasts at least (Rule 9, then Rule 10 for gradient accum
     a. the compute stream's work: every op once (Rule 1), the producer op of every recomputed candidate
        once more (a replay re-runs its closure, Rule 7, a region every op up to its last pack, Rule 11:
        either way the producer; an op shared by several recomputed candidates counted once), a compressed
-       candidate's pack kernel and, when backward reads it, its unpack kernel (Rule 8); on a profile
+       candidate's pack kernel and, when backward reads it, its unpack kernel (Rule 8; none for one that some
+       candidate's replay reads: recomputing that one keeps it, runtime/plan.py P12); on a profile
        without copy engines also each swap's copy out and its ``swap_s`` (Rules 1, 4, 12: one clock);
     b. on a GPU, the host's: every op's h_i and each copy out's ``swap_s`` (Rule 12);
     c. on a GPU, per swapped candidate c read in backward: the compute stream's ops up to its save_op, its
@@ -134,6 +135,8 @@ class Bounds:
         packed_cost = sim.compression(problem.options.compress_dtype)[1]
         packed_cost = packed_cost * sim.compressible(problem.options.compress_dtype)  # others are kept (Rule 8)
         self.compress_s = packed_cost * np.where(self.first_use < n, 2.0, 1.0)
+        # ... and none for one a replay may read: with its reader recomputed it is kept (runtime/plan.py P12).
+        self.compress_s[sim._deps_idx] = 0.0
         self.optimizer_alone = sim._optimizer_alone
         self.w = w
 
