@@ -352,6 +352,10 @@ def run_search(
         if found.feasible and not found.policy.to_vector(problem.workload).any():
             # The budget holds the model as it is: "won by capuchin" named a heuristic for keeping everything.
             found = dataclasses.replace(found, note="keeping everything fits the budget: no policy needed")
+        if not found.feasible:  # the nearest miss won nothing: "won by delta" stood beside "fits: no" (a QA run)
+            nearest = found.note.removeprefix("won by ")
+            note = "does not fit the budget" + (f"; nearest: {nearest}" if nearest else "")
+            found = dataclasses.replace(found, note=note)
         if ctx.state.sigint_pending:  # a Ctrl-C after the last report, that a finalizer swallowed
             ctx.interrupt()
     if user_budget_bytes is not None:  # the budget as typed, and the reserve kept back of it

@@ -569,6 +569,28 @@ def test_a_searcher_that_loses_to_a_baseline_answers_with_its_policy_and_says_wh
     assert found.policy.provenance.searcher == top.searcher  # the file says who made the policy
 
 
+def test_an_answer_that_does_not_fit_is_not_said_to_have_won(tmp_path: Path) -> None:
+    """Where nothing fits (an interrupted search, a budget no searcher reached), the table's "found" row and
+    --json's note said "won by delta" beside "fits: no": it says the answer does not fit, and whose came
+    nearest."""
+    import io
+
+    from rich.console import Console
+
+    from autotune.search import dumps, render, run_search
+
+    outcome = run_search(chain_problem(0.05), SearchContext(trials=2, time_limit_s=5), "portfolio",
+                         out=tmp_path / "p.json", milp=False, milp_time_s=1.0, err=Console(file=io.StringIO()),
+                         quiet=True)  # fmt: skip
+    assert not outcome.found.feasible
+    assert outcome.found.note.startswith("does not fit the budget; nearest: ")
+    assert json.loads(dumps(outcome))["note"] == outcome.found.note
+    table = Console(file=io.StringIO(), width=200)
+    render(table, outcome)
+    shown = table.file.getvalue()  # type: ignore[attr-defined]
+    assert "won by" not in shown and "found (portfolio, does not fit the budget; nearest: " in shown
+
+
 def test_a_budget_that_holds_the_model_as_it_is_says_no_policy_is_needed(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
