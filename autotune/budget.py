@@ -57,13 +57,21 @@ class Budget:
             planned, kept = format_bytes(self.planned_bytes), format_bytes(self.reserve_bytes)
             err.print(f"planning for {planned}: the budget less a {kept} reserve for workspaces (--reserve)")
 
-    def check_left(self) -> None:
-        """Refuse a budget that the reserve leaves nothing of (it would be planned for 0 B)."""
-        if self.planned_bytes == 0:
+    def check_left(self, source: str | None = None) -> None:
+        """Refuse a budget that the reserve leaves nothing of (it would be planned for 0 B). ``source``: the
+        policy file whose recorded reserve it is (``autotune simulate --policy``), else --reserve's."""
+        if self.planned_bytes:
+            return
+        if source is not None:
             raise AutotuneError(
-                f"budget {self.text} leaves nothing after the {format_bytes(self.reserve_bytes)} kept back on GPU "
-                "profiles for workspaces (--reserve): raise the budget well above it"
+                f"{source}: budget {self.text} leaves nothing after the file's {format_bytes(self.reserve_bytes)} "
+                "reserve for workspaces (reserve_bytes): expected a reserve below the budget; pass a --budget well "
+                "above it, or plan the policy again with `autotune search` (the file edited by hand?)"
             )
+        raise AutotuneError(
+            f"budget {self.text} leaves nothing after the {format_bytes(self.reserve_bytes)} kept back on GPU "
+            "profiles for workspaces (--reserve): raise the budget well above it"
+        )
 
 
 def reserve_bytes(reserve: str | None, budget: str, budget_bytes: int, hw: HardwareProfile) -> int:

@@ -95,6 +95,9 @@ def run_simulate(
             source=str(policy_file),
         )
     given = parse_budget(budget) if budget is not None else (loaded.budget_bytes if loaded else None)
+    recorded = loaded.reserve_bytes if loaded is not None else None
+    if given is not None and recorded is not None:  # before the profile (--gpu cpu calibrates this CPU: seconds)
+        Budget(format_bytes(given), given, recorded).check_left(source=str(policy_file))
     if budget is not None and not as_json:
         err.print(f"budget: {format_size_echo(budget, given or 0)}")
     try:
@@ -111,7 +114,6 @@ def run_simulate(
     # reserve the file records, else the profile's default one, so that simulate's verdict is the search's.
     plan: Budget | None = None
     if given is not None:
-        recorded = loaded.reserve_bytes if loaded is not None else None
         plan = budget_of(given, None, hw) if recorded is None else Budget(format_bytes(given), given, recorded)
         if plan.reserve_bytes and not as_json:
             kept = "the file's" if recorded is not None else "the default"

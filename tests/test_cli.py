@@ -643,6 +643,31 @@ def test_an_unknown_hardware_profile_in_a_policy_file_names_the_file(
     assert line.startswith(f"error: {path}: hardware: unknown hardware profile 'h900'") and "--gpu" in line
 
 
+def test_a_policy_files_reserve_that_leaves_nothing_of_its_budget_is_refused_before_the_trace(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file whose reserve_bytes is not below its budget (edited by hand): simulate traced, planned for 0 B and
+    exited 0 with "exceeds it" (a QA run); refused at once, as --reserve is (Budget.check_left)."""
+    import autotune.workloads
+
+    path = tmp_path / "p.json"
+    code, _, err = run(capsys, "simulate", "--model", "resnet18", "--batch-size", "2", "--gpu", "a100-40gb",
+                       "--action", "keep", "--budget", "1GB", "--save-policy", str(path), "--json")  # fmt: skip
+    assert code == 0, err
+    d = json.loads(path.read_text())
+    d["reserve_bytes"] = 2 * d["budget_bytes"]
+    path.write_text(json.dumps(d))
+
+    def no_trace(*_: object, **__: object) -> None:
+        raise AssertionError("traced")
+
+    monkeypatch.setattr(autotune.workloads, "trace_model", no_trace)
+    for more in ([], ["--budget", "2GB"]):  # the file's budget, or one given that the reserve still leaves nothing of
+        line = user_error(capsys, "simulate", "--policy", str(path), *more)
+        assert line.startswith(f"error: {path}: budget ") and "leaves nothing after the file's 1.86 GiB reserve" in line
+        assert "expected a reserve below the budget; pass a --budget well above it" in line
+
+
 def test_the_profilers_own_log_lines_stay_out_of_the_output() -> None:
     """`train --compile` measures the compiled peak with torch's profiler, whose log lines ("USDT ...
     profiler_start", "ERROR ... gpuGetDeviceCount failed" without a GPU) came out among the command's."""
