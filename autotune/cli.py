@@ -160,7 +160,16 @@ def profile(
         err.print(f"budget: {format_size_echo(budget, budget_bytes or 0)}")
     saved = Workload.load(workload) if workload is not None else None
     traced_for = saved.meta.get("traced_for") if saved is not None and saved.mode == "fake" else None
-    hw, hw_note = resolve_profile(gpu if gpu is not None or traced_for is None else traced_for)
+    # Without --gpu: the profile a fake trace took its kernels from, or the one of the device a real trace ran on
+    # (its op times measured, as search plans --gpu cpu): a CPU's trace showed an a100-40gb's roofline times.
+    default = traced_for
+    if saved is None and mode == "real":
+        from autotune.workloads import device_profile
+
+        default = device_profile(device)
+    elif saved is not None and saved.mode == "real":
+        default = saved.meta.get("device_profile")
+    hw, hw_note = resolve_profile(gpu if gpu is not None or default is None else default)
     if traced_for is not None and trace_key(None if traced_for == "cpu" else get_profile(traced_for)) != trace_key(hw):
         raise AutotuneError(
             f"--gpu {hw.name} with --workload {workload}, a fake trace taken with {traced_for}'s kernels (their "

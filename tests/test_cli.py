@@ -111,6 +111,21 @@ def test_profile_table_and_budget_echo(capsys: pytest.CaptureFixture[str]) -> No
     assert code == 0 and "below what any policy can reach" in " ".join(out.split())
 
 
+def test_profile_in_real_mode_reports_the_op_times_it_measured(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`profile --mode real` on the CPU without --gpu: the op times measured there, on the cpu profile (as
+    search plans --gpu cpu), from a trace and from the trace saved. It showed an a100-40gb's roofline times
+    where no GPU was detected (a QA run)."""
+    saved = tmp_path / "w.json"
+    args = ["--model", "resnet18", "--batch-size", "2", "--image-size", "32", "--mode", "real", "--out", str(saved)]
+    for given in (args, ["--workload", str(saved)]):
+        code, out, err = run(capsys, "profile", *given, "--json")
+        assert code == 0, err
+        d = json.loads(out)
+        assert (d["mode"], d["device"], d["gpu"], d["op_times"]) == ("real", "cpu", "cpu", "measured")
+
+
 def test_hardware_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "hardware", "--json")
     assert code == 0
