@@ -1397,9 +1397,18 @@ def _stop_code() -> int:
     return 143 if _TERMINATED[0] else 130  # 128 + the signal's number
 
 
-def _interrupted() -> SystemExit:
+def _interrupted(as_json: bool = False) -> SystemExit:
     err.print(_stopped())
-    return SystemExit(_stop_code())
+    return _failed(_stopped(), _stop_code(), as_json)
+
+
+def _failed(message: str, code: int, as_json: bool) -> SystemExit:
+    """The exit for a failure whose message is on stderr; with --json also one object on stdout, so that a script
+    reading it gets one (stdout was empty). A command that printed its own object first (search's, maxbatch's
+    and sweep's, then exit 1 or 130) raises its SystemExit itself: that one does not come here."""
+    if as_json:
+        print(json.dumps({"error": message, "exit_code": code}), flush=True)
+    return SystemExit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1414,6 +1423,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(args: list[str]) -> None:
+    as_json = "--json" in args
     try:
         with warnings.catch_warnings():
             if not _DEBUG:  # a warning is one line on stderr, as errors are (--debug: Python's, with its source)
@@ -1424,9 +1434,9 @@ def _main(args: list[str]) -> None:
             raise
         # The message as it is: a key such as ``d1.0#0.0:Cat`` is no emoji code, ``[x]`` no markup.
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True, emoji=False)
-        raise SystemExit(2) from None
+        raise _failed(str(e), 2, as_json) from None
     except KeyboardInterrupt:
-        raise _interrupted() from None
+        raise _interrupted(as_json) from None
     except SystemExit as e:
         # The reader went away (`autotune models | head`): not an error. click answers a broken pipe with exit 1.
         if e.code == 1 and isinstance(e.__context__, BrokenPipeError):
@@ -1436,14 +1446,16 @@ def _main(args: list[str]) -> None:
         _reader_gone()
     except Exception as e:  # click's own usage errors carry their exit code (2)
         if (from_interrupt(e) or sigint_arrived()) and not _DEBUG:  # a Ctrl-C that a library turned into another error
-            raise _interrupted() from None
+            raise _interrupted(as_json) from None
         if _is_click(e, "UsageError"):  # a value of the wrong type, an unknown option: one line, as ours
             if e.format_message():  # type: ignore[attr-defined]  # (none: the help was shown, no command given)
-                err.print(f"[bold red]error:[/] {escape(_usage_error(e, args))}", highlight=False, soft_wrap=True)
+                message = _usage_error(e, args)
+                err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+                raise _failed(message, e.exit_code, as_json) from None  # type: ignore[attr-defined]
             raise SystemExit(e.exit_code) from None  # type: ignore[attr-defined]
         if _is_click(e, "ClickException"):
             e.show()  # type: ignore[attr-defined]
-            raise SystemExit(e.exit_code) from None  # type: ignore[attr-defined]
+            raise _failed(e.format_message(), e.exit_code, as_json) from None  # type: ignore[attr-defined]
         if _is_click(e, "Exit"):
             raise SystemExit(e.exit_code) from None  # type: ignore[attr-defined]
         if _is_click(e, "Abort"):
@@ -1457,12 +1469,12 @@ def _main(args: list[str]) -> None:
             soft_wrap=True,
             emoji=False,
         )
-        raise SystemExit(1) from None
+        raise _failed(f"internal error: {type(e).__name__}: {e}", 1, as_json) from None
     # Not standalone, typer returns an ``Exit``'s code instead of raising it, and turns a Ctrl-C outside our
     # own handling (tracing, a command's setup) into ``Exit(130)``: returned, it would end the process with 0.
     if isinstance(code, int) and not isinstance(code, bool) and code != 0:
         if code == 130:
-            raise _interrupted()
+            raise _interrupted(as_json)
         raise SystemExit(code)
 
 

@@ -302,6 +302,44 @@ def test_ctrl_c_while_tracing_exits_130(
     assert code == 130 and "interrupted" in err and not (tmp_path / "p.json").exists(), (code, out, err)
 
 
+JSON_FAILURES = [
+    ["profile", "--model", "resnet18", "--batch-size", "0"],
+    ["simulate", "--model", "resnet18"],
+    ["baselines", "--model", "resnet18", "--budget", "1GB", "--only", ","],
+    ["search", "--model", "resnet18", "--budget", "6"],
+    ["search", "--model", "resnet18", "--budget", "1GB", "--trials", "many"],  # click's usage error
+    ["maxbatch", "--model", "resnet18", "--budget", "1GB", "--seed", "-1"],
+    ["sweep", "--models", "resnet18", "--budgets", "1GB", "--seed", "-1"],
+    ["train", "--policy", "no-such.policy.json"],
+]
+
+
+@pytest.mark.parametrize("args", JSON_FAILURES, ids=[" ".join(a) for a in JSON_FAILURES])
+def test_a_failure_with_json_prints_one_object(capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
+    """--json and an input error: stdout was empty, and a script reading it had nothing to parse (a QA run).
+    One object now, with the message on stderr and the exit code."""
+    code, out, err = run(capsys, *args, "--json")
+    assert code == 2 and "Traceback" not in err, (code, out, err)
+    line = err.strip().splitlines()[-1]
+    assert json.loads(out) == {"error": line.removeprefix("error: "), "exit_code": 2}
+
+
+def test_an_interrupt_with_json_prints_one_object(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C before a command printed its object: that one says so. (Where it printed its own first, as search
+    does where nothing fits, it stays the only one: tests/test_main_flow.py reads search's and maxbatch's.)"""
+    import autotune.workloads
+
+    def interrupted(*a: object, **k: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(autotune.workloads, "trace_model", interrupted)
+    code, out, err = run(capsys, "profile", "--model", "resnet18", "--batch-size", "2", "--json")
+    assert code == 130 and "interrupted" in err
+    assert json.loads(out) == {"error": "interrupted", "exit_code": 130}
+
+
 def test_every_planning_command_keeps_the_same_reserve(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """On a GPU profile `baselines` planned for the whole budget and `search` for the budget less the 128 MiB
     reserve (NOTE [ Budget and reserve ] in autotune.budget): the same heuristics, two answers. Now both plan
