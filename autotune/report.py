@@ -32,6 +32,7 @@ def profile_report(
     report: dict[str, Any] = {
         "model": w.model,
         "batch_size": w.batch_size,
+        "grad_accum": w.grad_accum,  # micro-batches per iteration: phase_s and compute_s are one's (Rule 10)
         "seq_len": w.seq_len,
         "image_size": w.image_size,  # None: the model's default
         "optimizer": w.optimizer,
@@ -146,9 +147,11 @@ def render_profile(console: Console, r: dict[str, Any]) -> None:
         )
     console.print(big)
     ph = r["phase_s"]
+    k = r["grad_accum"]
+    per = f" for one of {k} micro-batches and the optimizer step" if k > 1 else ""
     console.print(
         f"estimated iteration on {r['gpu']} ({r['op_times']} op times): {r['iter_s'] * 1e3:.1f} ms, "
-        f"{r['samples_per_s']:.1f} samples/s; the ops' compute: forward {ph['forward'] * 1e3:.1f}, "
+        f"{r['samples_per_s']:.1f} samples/s; the ops' compute{per}: forward {ph['forward'] * 1e3:.1f}, "
         f"backward {ph['backward'] * 1e3:.1f}, optimizer {ph['optimizer'] * 1e3:.1f} ms"
     )
     if r["reserved_peak_bytes"]:

@@ -591,9 +591,11 @@ def render(out: Console, outcome: SearchOutcome) -> None:
     r = f.result
     where = w.ops[r.peak_op]
     phase = where.phase.value  # forward, backward or optimizer
+    # Rule 10: with --grad-accum k the times are one micro-batch's and the optimizer step's; the iteration runs k.
+    per = f" of one of {w.grad_accum} micro-batches (the optimizer step in compute)" if w.grad_accum > 1 else ""
     out.print(
         f"peak {format_bytes(r.peak_bytes)} during op {r.peak_op} ({where.name}, {where.module}, {phase}); "
-        f"time: compute {r.compute_s * 1e3:.1f} ms, recompute {r.recompute_s * 1e3:.1f} ms, "
+        f"time{per}: compute {r.compute_s * 1e3:.1f} ms, recompute {r.recompute_s * 1e3:.1f} ms, "
         f"stalls {r.stall_s * 1e3:.1f} ms, compress {r.compress_s * 1e3:.1f} ms"
     )
     if outcome.measured is not None:

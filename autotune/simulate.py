@@ -260,7 +260,10 @@ def _render(
     """The table of ``r`` against no policy; ``planned``: the budget in ``r`` is the given one less a reserve."""
     counts = ", ".join(f"{n} {a.value}" for a, n in policy.counts().items() if n)
     out.print(f"[bold]{w.model}[/] batch {w.batch_size} on {gpu}: {counts}")
-    table = Table(title="Simulated iteration")
+    # Rule 10: with --grad-accum k the times are one micro-batch's and the optimizer step's; the iteration runs k.
+    k = w.grad_accum
+    per = f"compute, recompute, compress and stall: one of {k} micro-batches (the optimizer step in compute)"
+    table = Table(title="Simulated iteration", caption=per if k > 1 else None)
     for col in ("", "peak", "iteration", "samples/s", "compute", "recompute", "compress", "stall", "swapped"):
         table.add_column(col, justify="left" if not col else "right")
     for name, x in (("no policy", base), ("this policy", r)):

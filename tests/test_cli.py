@@ -126,6 +126,40 @@ def test_profile_in_real_mode_reports_the_op_times_it_measured(
         assert (d["mode"], d["device"], d["gpu"], d["op_times"]) == ("real", "cpu", "cpu", "measured")
 
 
+def test_with_grad_accum_the_times_say_they_are_one_micro_batchs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """--grad-accum 4: compute, recompute, compress and stall are one micro-batch's, the optimizer step once in
+    compute, where the iteration beside them runs four (Rule 10); simulate's table, search's line and profile's
+    showed them as the iteration's (a QA run)."""
+    import numpy as np
+
+    from autotune.workloads import TraceRequest, trace_model
+    from envs.simulator import Simulator, optimizer_s
+    from runtime.hardware import get_profile, op_times_s
+
+    model = ["--model", "tests.test_env:deep_mlp", "--batch-size", "8", "--gpu", "a100-40gb"]
+    hw = get_profile("a100-40gb")
+    w, _ = trace_model(TraceRequest(model="tests.test_env:deep_mlp", batch_size=8, grad_accum=4, target=hw))
+    r = Simulator(w, hw).no_policy()
+    opt_s = optimizer_s(w, np.array(op_times_s(w, hw)))
+    assert r.compute_s == pytest.approx(sum(op_times_s(w, hw)))  # one micro-batch's ops and the step's
+    assert r.iter_s >= 4 * (r.compute_s - opt_s) + opt_s > 2 * r.compute_s  # the iteration runs four
+    said = {
+        "simulate": "compute, recompute, compress and stall: one of 4 micro-batches (the optimizer step in compute)",
+        "search": "time of one of 4 micro-batches (the optimizer step in compute): compute",
+        "profile": "the ops' compute for one of 4 micro-batches and the optimizer step: forward",
+    }
+    more = {"simulate": ["--action", "keep"], "profile": [],
+            "search": ["--budget", "10GB", "--trials", "1", "--out", str(tmp_path / "p.json"),
+                       "--storage", f"sqlite:///{tmp_path / 's.db'}"]}  # fmt: skip
+    for command, line in said.items():
+        for accum in ("4", "1"):
+            code, out, err = run(capsys, command, *model, "--grad-accum", accum, *more[command])
+            assert code == 0, err
+            assert (line in " ".join(out.split())) == (accum == "4"), out
+
+
 def test_hardware_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "hardware", "--json")
     assert code == 0
