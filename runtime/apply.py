@@ -803,8 +803,14 @@ class PolicyRuntime:
         if unmatched:
             n = len(unmatched)
             what += f"; the policy's actions for {n} key{'s' if n > 1 else ''} that this step did not save are unused "
+            frozen = sum(1 for p in self.model.parameters() if not p.requires_grad)
             if self.policy.hardware != "cpu" and self.device.type == "cpu":
                 why = f"planned for {self.policy.hardware}, whose kernels save other tensors than this CPU's"
+            elif frozen:  # a frozen layer saves no input for its weights' gradient (freezing during training)
+                why = (
+                    f"{frozen} of the model's parameters are frozen (requires_grad=False), and a frozen layer saves "
+                    "other tensors: search again with the model frozen as it trains"
+                )
             else:
                 why = "planned on another version of the model, or edited by hand?"
             what += f"({some_keys(unmatched)}: {why})"

@@ -163,6 +163,24 @@ def test_a_compressed_int64_index_is_planned_kept() -> None:
     assert [m.peak_bytes for m in measured] == [planned] * 2 and rt.stats.compressed_bytes == 0
 
 
+def test_a_frozen_backbone_is_named_as_why_keys_went_unused() -> None:
+    """A policy searched with every layer trainable, run with the first layers frozen: they save nothing (or
+    other tensors), and the warning said the policy was "planned on another version of the model, or edited by
+    hand?" (a QA run). It now says that parameters are frozen and to search again with them frozen."""
+    name, kwargs = RESNET
+    w = capture(_build(name, kwargs), name=name, batch_size=2)
+    policy = Policy.uniform(w, Action.SWAP, hardware="cpu")
+    model, batch, loss_fn = _build(name, kwargs)()
+    for n, p in model.named_parameters():
+        if n.startswith(("conv1", "bn1", "layer1")):
+            p.requires_grad_(False)
+    frozen = sum(1 for p in model.parameters() if not p.requires_grad)
+    said = f"{frozen} of the model's parameters are frozen"
+    with pytest.warns(UserWarning, match=said) as caught, PolicyRuntime(policy, model).step():
+        loss_fn(model, batch).backward()
+    assert not any("another version" in str(c.message) for c in caught)
+
+
 def test_unknown_keys_are_kept_and_reported_once() -> None:
     name, kwargs = RESNET
     w = capture(_build(name, kwargs), name=name, batch_size=2)
