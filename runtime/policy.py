@@ -559,6 +559,11 @@ def load_policy(
             if isinstance(e, FileNotFoundError)
             else ""
         )
+        if path.is_dir():  # a folder given for the file in it
+            inside = sorted(p.name for p in path.glob("*.policy.json"))
+            fix = f"; give a policy file, e.g. {path / inside[0]}" if inside else "; give a policy file, not a folder"
+            if len(inside) > 1:
+                fix += f" (it holds {len(inside)}: {', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''})"
         raise AutotuneError(f"cannot read policy file '{path}': {why}{fix}") from None
     try:
         d = json.loads(text, object_pairs_hook=_unique_keys)

@@ -146,6 +146,12 @@ def test_unreadable_and_not_json(tmp_path: Path) -> None:
     (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(AutotuneError, match=r"cannot read policy file .*not UTF-8"):
         load_policy(tmp_path / "bin.json")
+    # A folder: "Is a directory" said nothing of what to give (a QA run); the file in it is named.
+    with pytest.raises(AutotuneError, match=r"Is a directory; give a policy file, not a folder$"):
+        load_policy(tmp_path)
+    (tmp_path / "resnet18.policy.json").write_text("{}")
+    with pytest.raises(AutotuneError, match=r"Is a directory; give a policy file, e\.g\. .*resnet18\.policy\.json$"):
+        load_policy(tmp_path)
 
 
 def test_wrong_format(tmp_path: Path, mlp: Workload) -> None:
