@@ -77,5 +77,10 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, flo
 
 
 def write_html(fig: Any, path: str | os.PathLike[str]) -> None:
-    """Write a figure as one self-contained HTML file, atomically (temp file, then rename)."""
-    atomic_write(path, fig.to_html(include_plotlyjs=True, full_html=True))
+    """Write a figure as one self-contained HTML file, atomically (temp file, then rename), titled as the figure
+    (plotly writes no ``<title>``: a browser's tab showed the file's name)."""
+    import html
+
+    page = fig.to_html(include_plotlyjs=True, full_html=True)
+    title = html.escape(fig.layout.title.text or "autotune")
+    atomic_write(path, page.replace("<head>", f"<head><title>{title}</title>", 1))

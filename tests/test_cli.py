@@ -188,6 +188,7 @@ def test_simulate_actions_and_policy_roundtrip(capsys: pytest.CaptureFixture[str
         assert again[key] == swap[key], key
     text = html.read_text()
     assert "plotly" in text and "cdn.plot.ly" not in text.split("<body>")[0]  # self-contained
+    assert "<title>resnet18, batch 4, on a100-40gb: device memory</title>" in text  # the browser tab's name
     # The caching allocator's model: keeping everything reserves what the no-policy iteration does; capped at
     # that the policy runs, capped one byte under its allocated peak it runs out (A7).
     from autotune.workloads import TraceRequest, trace_model
