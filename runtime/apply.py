@@ -40,12 +40,13 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
     R5. Stall (Rule 6): before a swapped tensor is used, the compute stream waits for its copy: by backward,
         and by a replay (R6) that reads it as an input, also where the replay finds its buffer alive (a
         prefetched copy still on its way; Rule 7 materializes such inputs first).
-    R6. Replay (Rule 7): while the forward runs, a dispatch mode records every op, views and queries
-        included (Rule 12 charges those too; runtime.replay: name, arguments as storage references with their layout
-        and version, random-number state for random ops). At the first unpack, the tensor's producer chain is
-        replayed from resident storages: alive ones are used as they are, candidates that are swapped, recomputed or
-        compressed and still to be unpacked are brought back first (and kept for their own use), other missing inputs
-        (a kept tensor or a handled one past its last unpack, that backward freed, among them) are replayed
+    R6. Replay (Rule 7): while the forward runs, a dispatch mode records every op, views and queries included (Rule
+        12 charges those too; runtime.replay: name, arguments as storage references with their layout and version,
+        random-number state for random ops); it is off the stack while ``torch.autograd.backward`` and ``grad`` run
+        (some backward formulas take another path under any mode). At the first unpack, the tensor's producer chain
+        is replayed from resident storages: alive ones are used as they are, candidates that are swapped, recomputed
+        or compressed and still to be unpacked are brought back first (and kept for their own use), other missing
+        inputs (a kept tensor or a handled one past its last unpack, that backward freed, among them) are replayed
         recursively, once per replay however many of its ops read them (Rule 7 counts them once), and dropped
         afterwards. Arguments an op would mutate that are not being regenerated (BatchNorm's running statistics) are
         passed as copies, so replay changes no module state. An input that a later forward op wrote in place (the
@@ -58,12 +59,11 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         and rounds as in training only with it on) and with autocast off: the recording holds what autocast
         dispatched, its casts included, and an autocast still on in backward would cast an op it had left in fp32
         (the CPU's math attention) again. The recorder records the forward and the loss, never backward. The
-        random-number states (the CPU generator's is 5,056 bytes, held in memory on a CPU) are let go
-        once every replayed storage has had its last unpack (R9): no replay can need them after that,
-        and one that did would fail loudly. A random op whose arguments make its draws irrelevant (dropout
-        at p=0, the CPU's attention at ``dropout_p`` 0) keeps no state and is replayed with the random state
-        forked, so a second backward (``retain_graph=True``) replays it too. The simulator counts none of
-        the states (at most a few per block).
+        random-number states (the CPU generator's is 5,056 bytes, held in memory on a CPU) are let go once every
+        replayed storage has had its last unpack (R9): no replay can need them after that, and one that did would
+        fail loudly. A random op whose arguments make its draws irrelevant (dropout at p=0, the CPU's attention at
+        ``dropout_p`` 0) keeps no state and is replayed with the random state forked, so a second backward
+        (``retain_graph=True``) replays it too. The simulator counts none of the states (at most a few per block).
     R7. Compress (Rule 8): at the first pack, a cast to the policy's dtype; at the first unpack, a cast
         back. Lossy, allowed only by the policy's ``lossy`` option.
     R8. Compress and swap apply to what the simulator says they do: compress only to floating-point
@@ -445,8 +445,38 @@ class PolicyRuntime:
                 if not hooks:
                     yield self.stats
                 else:
-                    with self._hooked(force_hooks):
+                    with self._backward_without_recorder(), self._hooked(force_hooks):
                         yield self.stats
+
+    @contextlib.contextmanager
+    def _backward_without_recorder(self) -> Iterator[None]:
+        """R6: ``torch.autograd.backward`` and ``torch.autograd.grad`` (``loss.backward()`` calls the former)
+        called during the step run with the recorder off the dispatch-mode stack, put back when they return.
+        Backward runs with the modes that were on the stack at the call, and some of PyTorch's backward formulas
+        take another path while any dispatch mode is on (``prod``'s, ``areAnyTensorSubclassLike``): gradients
+        differed from plain training in the last bits (3.7e-9) under any policy that recomputed. As in
+        ``_without_recorder``, only where the recorder is the innermost mode."""
+        if not self.needs_recorder:
+            yield
+            return
+        originals = torch.autograd.backward, torch.autograd.grad
+
+        def outside(f: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(f)
+            def run(*args: Any, **kwargs: Any) -> Any:
+                rec = self._recorder
+                if rec is not None and _get_current_dispatch_mode() is rec:
+                    with _pop_mode_temporarily():
+                        return f(*args, **kwargs)
+                return f(*args, **kwargs)
+
+            return run
+
+        torch.autograd.backward, torch.autograd.grad = (outside(f) for f in originals)  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            torch.autograd.backward, torch.autograd.grad = originals  # type: ignore[assignment]
 
     def _check_own_checkpointing(self) -> None:
         """R16: refuse a model that checkpoints its own layers (Hugging Face's ``gradient_checkpointing_enable``,

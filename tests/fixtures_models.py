@@ -310,3 +310,16 @@ class MaskedSum(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = torch.tanh(self.fc2(self.fc1(x)))
         return self.head(s) + s[s > 0.1].sum()
+
+
+class ProductOfStack(nn.Module):
+    """``stack([u, 2u]).prod(0)``: PyTorch's ``prod`` backward takes another path (exact zeros handled, other
+    rounding) while any dispatch mode is on the stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(16, 64), nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = torch.tanh(self.a(x))
+        return self.head(torch.stack([u, u * 2], 0).prod(0))
