@@ -971,7 +971,12 @@ def train(
     model: Annotated[str | None, typer.Option("--model", "-m", help="\\[default: the policy's model]")] = None,
     batch_size: BatchOpt = None,
     steps: Annotated[int, typer.Option(help="Measured iterations (after one warm-up).")] = 3,
-    device: Annotated[str, typer.Option(help="cpu or cuda[:N].")] = "cpu",
+    device: Annotated[
+        str | None,
+        typer.Option(
+            help="cpu or cuda[:N] \\[default: cuda where the policy was planned for a GPU and CUDA is here, else cpu]."
+        ),
+    ] = None,
     precision: Annotated[
         str | None,
         typer.Option(

@@ -72,7 +72,7 @@ class TrainReport:
             "profile": self.profile,
             "measured": measured,
             "predicted": self.predicted,
-            "error": error,
+            "prediction_error": error,  # relative, (predicted - measured) / measured ("error" is a failure's key)
             "iterations": [s.to_dict() for s in self.steps],
             # CUDA: the allocator's retries within the budget's cap over the measured steps (runtime.measure)
             "alloc_retries": _total(s.alloc_retries for s in self.steps),
@@ -146,6 +146,12 @@ def expandable_in_effect() -> bool | None:
     return bool(values) and values[-1] == "true"
 
 
+def default_device(policy: Policy) -> str:
+    """``--device`` left out: the GPU where the policy was planned for one and CUDA is here, else the CPU (a
+    policy searched on the detected GPU trained on the CPU by default, minutes a step)."""
+    return "cuda" if policy.hardware != "cpu" and torch.cuda.is_available() else "cpu"
+
+
 def _profile_for(device: str) -> HardwareProfile:
     """This device's profile, with this host's runtime costs measured (the CPU profile's always are; a GPU's as
     `autotune search` measures them when it plans for this machine's GPU)."""
@@ -165,7 +171,7 @@ def train(
     model: str | None,
     batch_size: int | None,
     steps: int,
-    device: str,
+    device: str | None,
     precision: str | None = None,
     grad_accum: int | None = None,
     optimizer: str | None = None,
@@ -181,9 +187,13 @@ def train(
     the compiled graph applies."""
     if steps <= 0:
         raise AutotuneError(f"invalid --steps {steps}: expected a positive number of iterations, e.g. --steps 3")
-    if expandable_segments:
+    if expandable_segments and device is not None:  # before anything else: the file need not be read for this
         enable_expandable_segments(device)
     policy = load_policy(policy_path)
+    if device is None:
+        device = default_device(policy)
+        if expandable_segments:
+            enable_expandable_segments(device)
     if compile_backend is not None:
         from runtime.compiled import check_backend
 
@@ -375,7 +385,7 @@ def render(out: Console, report: TrainReport) -> None:
             f"step {i + 1}", format_bytes(s.peak_bytes), f"{s.iter_s * 1e3:.1f} ms", f"{s.samples_per_s:,.2f}"
         )
     d = report.to_dict()
-    m, p, e = d["measured"], d["predicted"], d["error"]
+    m, p, e = d["measured"], d["predicted"], d["prediction_error"]
     if m:
         table.add_row(
             "median",
@@ -388,7 +398,8 @@ def render(out: Console, report: TrainReport) -> None:
         "predicted", format_bytes(p["peak_bytes"]), f"{p['iter_s'] * 1e3:.1f} ms", f"{p['samples_per_s']:,.2f}"
     )
     if e:
-        table.add_row("error", f"{e['peak_bytes']:+.1%}", f"{e['iter_s']:+.1%}", f"{e['samples_per_s']:+.1%}")
+        row = (f"{e['peak_bytes']:+.1%}", f"{e['iter_s']:+.1%}", f"{e['samples_per_s']:+.1%}")
+        table.add_row("prediction error", *row)
     out.print(table)
     if d["within_budget"] is not None:
         budget, peak = report.budget_bytes or 0, m["peak_bytes"]

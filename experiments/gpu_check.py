@@ -164,7 +164,8 @@ def end_to_end(
     row = {
         "model": model, "batch": batch, "seq_len": seq, "budget_bytes": plan.get("budget_bytes"),
         "planned_peak_bytes": plan.get("peak_bytes"), "planned_samples_per_s": plan.get("samples_per_s"),
-        "measured": got.get("measured"), "predicted": got.get("predicted"), "error": got.get("error"),
+        "measured": got.get("measured"), "predicted": got.get("predicted"),
+        "prediction_error": got.get("prediction_error"),
         "out_of_memory": got.get("out_of_memory"), "out_of_memory_iteration": got.get("out_of_memory_iteration"),
         "search_measured": plan.get("measured"),
         "finalists": plan.get("finalists"), "compile_report": got.get("compile_report"),

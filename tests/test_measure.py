@@ -79,5 +79,30 @@ def test_the_median_steps_samples_per_second_are_of_its_median_time() -> None:
     report = TrainReport("m", 8, "cpu", "cpu", steps, {"peak_bytes": 100, "iter_s": 0.4, "samples_per_s": 20.0}, [])
     m = report.medians()
     assert m["iter_s"] == pytest.approx(0.48655) and m["samples_per_s"] == pytest.approx(8 / 0.48655)
-    e = report.to_dict()["error"]
+    d = report.to_dict()
+    e = d["prediction_error"]
+    assert "error" not in d  # the key of a failure's object (autotune --json): a script would read success as one
     assert e["iter_s"] < 0 < e["samples_per_s"]
+
+
+def test_train_runs_on_the_gpu_a_policy_was_planned_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``autotune train`` without --device trained on the CPU whatever the policy was planned for: on a GPU
+    machine, the README's flow (search on the detected GPU, then train) ran minutes a step on the CPU (a QA
+    run). Now the GPU where the policy was planned for one and CUDA is here, else the CPU."""
+    import dataclasses
+
+    import torch
+
+    from autotune.train import default_device
+    from runtime.policy import Policy
+    from runtime.trace import capture
+    from runtime.vocab import Action
+    from tests.steps import classifier
+
+    w = capture(classifier(lambda: torch.nn.Linear(8, 4), (4, 8), 4), name="lin", batch_size=4)
+    gpu = Policy.uniform(w, Action.KEEP, hardware="a100-40gb")
+    cpu = dataclasses.replace(gpu, hardware="cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert (default_device(gpu), default_device(cpu)) == ("cuda", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_device(gpu) == "cpu"
