@@ -597,6 +597,7 @@ def render(out: Console, outcome: SearchOutcome) -> None:
         f"peak {format_bytes(r.peak_bytes)} during op {r.peak_op} ({where.name}, {where.module}, {phase}); "
         f"time{per}: compute {r.compute_s * 1e3:.1f} ms, recompute {r.recompute_s * 1e3:.1f} ms, "
         f"stalls {r.stall_s * 1e3:.1f} ms, compress {r.compress_s * 1e3:.1f} ms"
+        + (f", waiting for the host {r.host_wait_s * 1e3:.1f} ms" if w.grad_accum == 1 else "")
     )
     if outcome.measured is not None:
         render_measured(out, outcome.measured)

@@ -263,19 +263,19 @@ def _render(
     # Rule 10: with --grad-accum k the times are one micro-batch's and the optimizer step's; the iteration runs k.
     k = w.grad_accum
     per = f"compute, recompute, compress and stall: one of {k} micro-batches (the optimizer step in compute)"
-    table = Table(title="Simulated iteration", caption=per if k > 1 else None)
-    for col in ("", "peak", "iteration", "samples/s", "compute", "recompute", "compress", "stall", "swapped"):
+    host = "host: the iteration beyond the other four, where it waits for Python (dispatch, autotune's hooks, replays)"
+    table = Table(title="Simulated iteration", caption=per if k > 1 else host)
+    cols = ("", "peak", "iteration", "samples/s", "compute", "recompute", "compress", "stall", "host", "swapped")
+    for col in cols if k == 1 else tuple(c for c in cols if c != "host"):
         table.add_column(col, justify="left" if not col else "right")
     for name, x in (("no policy", base), ("this policy", r)):
+        times = [x.compute_s, x.recompute_s, x.compress_s, x.stall_s] + ([x.host_wait_s] if k == 1 else [])
         table.add_row(
             name,
             format_bytes(x.peak_bytes),
             f"{x.iter_s * 1e3:.1f} ms",
             f"{x.samples_per_s:,.1f}",
-            f"{x.compute_s * 1e3:.1f} ms",
-            f"{x.recompute_s * 1e3:.1f} ms",
-            f"{x.compress_s * 1e3:.1f} ms",
-            f"{x.stall_s * 1e3:.1f} ms",
+            *(f"{s * 1e3:.1f} ms" for s in times),
             format_bytes(x.d2h_bytes),
         )
     out.print(table)

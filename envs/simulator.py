@@ -186,10 +186,18 @@ class SimResult:
         swapped bytes its host cannot pin (Rule 2)."""
         return self.peak_bytes + self.host_over_bytes
 
+    @property
+    def host_wait_s(self) -> float:
+        """Rule 9's last term: what the iteration lasts beyond the compute stream's work (kernels, recompute,
+        compress, stalls), where it waits for the host (issuing ops, the runtime's hooks and replays); one
+        micro-batch's iteration (``grad_accum`` 1) only, as the parts are one micro-batch's (Rule 10)."""
+        return max(0.0, self.iter_s - self.compute_s - self.recompute_s - self.compress_s - self.stall_s)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if self.timeline is None:
             d.pop("timeline")
+        d["host_wait_s"] = self.host_wait_s
         return d
 
 

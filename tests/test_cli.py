@@ -177,6 +177,9 @@ def test_simulate_actions_and_policy_roundtrip(capsys: pytest.CaptureFixture[str
     rec = json.loads(run(capsys, *base, "--action", "recompute")[1])
     assert keep["peak_bytes"] == keep["no_policy"]["peak_bytes"] and keep["recompute_s"] == 0
     assert rec["peak_bytes"] < keep["peak_bytes"] and rec["iter_s"] > keep["iter_s"]
+    # The table's parts add up to the iteration: the host's share was left out (1.7 ms shown as 1.5 of parts).
+    parts = ("compute_s", "recompute_s", "compress_s", "stall_s", "host_wait_s")
+    assert sum(rec[p] for p in parts) == pytest.approx(rec["iter_s"]) and rec["host_wait_s"] > 0
     policy, html = tmp_path / "p.json", tmp_path / "t.html"
     code, out, _ = run(
         capsys, *base, "--action", "swap", "--budget", "1GB", "--save-policy", str(policy), "--timeline", str(html)
