@@ -122,7 +122,7 @@ def profile(
     seq_len: SeqOpt = None,
     image_size: ImageOpt = None,
     gpu: GpuOpt = None,
-    optimizer: Annotated[str, typer.Option(help="sgd (with momentum), adam or adamw.")] = "sgd",
+    optimizer: Annotated[str, typer.Option(help="sgd (momentum 0.9), adam or adamw.")] = "sgd",
     mode: Annotated[
         str, typer.Option(help="fake: no memory, seconds; real: run on the device and time every op.")
     ] = "fake",
@@ -417,7 +417,7 @@ def simulate(
         ),
     ] = None,
     optimizer: Annotated[
-        str | None, typer.Option(help="sgd, adam or adamw \\[default: the policy file's, or sgd].")
+        str | None, typer.Option(help="sgd (momentum 0.9), adam or adamw \\[default: the policy file's, or sgd].")
     ] = None,
     timeline: Annotated[Path | None, typer.Option(help="Write the memory timeline as an HTML plot.")] = None,
     save_policy: Annotated[Path | None, typer.Option(help="Write the simulated policy as a policy file.")] = None,
@@ -479,7 +479,7 @@ def baselines(
     allow_partition: Annotated[
         bool, typer.Option(help="Partition where the budget lies below the unpartitioned floor (as search).")
     ] = False,
-    optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
+    optimizer: Annotated[str, typer.Option(help="sgd (momentum 0.9), adam or adamw.")] = "sgd",
     precision: PrecisionOpt = "fp32",
     grad_accum: AccumOpt = 1,
     as_json: JsonOpt = False,
@@ -615,7 +615,7 @@ def search(
         ),
     ] = False,
     seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
-    optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
+    optimizer: Annotated[str, typer.Option(help="sgd (momentum 0.9), adam or adamw.")] = "sgd",
     precision: PrecisionOpt = "fp32",
     grad_accum: AccumOpt = 1,
     heartbeat: Annotated[
@@ -848,7 +848,7 @@ def maxbatch(
         Path | None, typer.Option("--out", help="Policy file \\[default: <model>.b<batch>.policy.json].")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
-    optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
+    optimizer: Annotated[str, typer.Option(help="sgd (momentum 0.9), adam or adamw.")] = "sgd",
     precision: PrecisionOpt = "fp32",
     grad_accum: AccumOpt = 1,
     measure: Annotated[
@@ -969,7 +969,10 @@ def maxbatch(
 def train(
     policy_file: Annotated[Path, typer.Option("--policy", help="The policy file to apply.")],
     model: Annotated[str | None, typer.Option("--model", "-m", help="\\[default: the policy's model]")] = None,
-    batch_size: BatchOpt = None,
+    batch_size: Annotated[
+        int | None,
+        typer.Option("--batch-size", "-b", help="Batch size \\[default: the policy's; another one is refused]."),
+    ] = None,
     steps: Annotated[int, typer.Option(help="Measured iterations (after one warm-up).")] = 3,
     device: Annotated[
         str | None,
@@ -989,7 +992,9 @@ def train(
     ] = None,
     optimizer: Annotated[
         str | None,
-        typer.Option(help="sgd, adam or adamw \\[default: the policy's, or sgd; another one is refused]."),
+        typer.Option(
+            help="sgd (momentum 0.9), adam or adamw \\[default: the policy's, or sgd; another one is refused]."
+        ),
     ] = None,
     expandable_segments: Annotated[
         bool,
@@ -1071,7 +1076,7 @@ def sweep(
         float | None,
         typer.Option(help="Seconds between Optuna heartbeats: a dead worker's trial is failed and retried."),
     ] = None,
-    optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw.")] = "sgd",
+    optimizer: Annotated[str, typer.Option(help="sgd (momentum 0.9), adam or adamw.")] = "sgd",
     precision: PrecisionOpt = "fp32",
     grad_accum: AccumOpt = 1,
     seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
