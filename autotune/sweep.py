@@ -452,7 +452,9 @@ def render(out: Console, outcome: SweepOutcome, storage: str, report: Path | Non
             + (" (interrupted)" if cell.interrupted else ""),
         )
     out.print(t)
+    names = [cell.study_name for cell in outcome.cells]  # the budget in them is the planned bytes, not as typed
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more (--json names each cell's)" if len(names) > 3 else "")
     out.print(
-        f"{outcome.wall_s:.0f} s; one study per cell (sweep.<model>.b<batch>.<profile>.<budget bytes>) in {storage}: "
+        f"{outcome.wall_s:.0f} s; one study per cell in {storage} ({shown}): "
         f"`autotune dashboard --storage {storage}` opens them" + (f"; report: {report}" if report else "")
     )

@@ -113,6 +113,9 @@ def test_running_again_recomputes_nothing(sweep_run: SweepRun) -> None:
         assert second["resumed"] == ["baselines", "optuna"]
         assert second["samples_per_s"] == first["samples_per_s"]
         assert len(_study(sweep_run.storage, second["study"]).trials) == (0 if second["below_floor"] else 15)
+    # The table's footer names the studies as they are (it gave a pattern without the image size, of typed bytes).
+    table = "".join(autotune(*SWEEP_ARGS, "--storage", sweep_run.storage).stdout.split())
+    assert again[0]["study"] in table
 
 
 @pytest.mark.slow
