@@ -114,11 +114,13 @@ def render(out: Console, problem: Problem, table: list[dict[str, Any]], budget: 
 
 
 def save(directory: Path, problem: Problem, results: list[SearchResult], budget: Budget | None = None) -> list[Path]:
-    """Each method's policy file, recording the budget as typed (the planned one without ``budget``)."""
+    """Each method's policy file, recording the budget as typed (the planned one without ``budget``); one that
+    does not fit the budget is named ``<model>.<method>.infeasible.policy.json`` (nothing told them apart)."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for r in results:
-        path = directory / f"{file_stem(problem.workload.model)}.{r.searcher}.policy.json"
+        fits = "" if r.result.feasible else ".infeasible"
+        path = directory / f"{file_stem(problem.workload.model)}.{r.searcher}{fits}.policy.json"
         record_budget(r.policy, budget if budget is not None else problem.budget_bytes).save(path)
         paths.append(path)
     return paths

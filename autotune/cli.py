@@ -540,7 +540,9 @@ def baselines(
         return
     bl.render(out, problem, table, plan)
     if save is not None:
-        out.print(f"policies written to {save}/")
+        over = sum(1 for r in results if not r.result.feasible)
+        named = f" ({over} over the budget: *.infeasible.policy.json)" if over else ""
+        out.print(f"policies written to {save}/{named}")
 
 
 @app.command()

@@ -824,8 +824,9 @@ def test_simulate_plans_a_saved_policy_as_its_search_did(capsys: pytest.CaptureF
     # Capuchin's policy (megtaichi's with CUBLAS_WORKSPACE_CONFIG=:0:0, which sizes the traced workspaces) is
     # over the planned budget and within the whole one: the case that was told otherwise.
     assert any(planned < r["peak_bytes"] <= 484_000_000 for r in rows), rows
-    for row in rows:
-        path = tmp_path / f"resnet18.{row['method']}.policy.json"
+    for row in rows:  # one that does not fit says so in its name (nothing told them apart)
+        fits = "" if row["status"] == "FEASIBLE" else ".infeasible"
+        path = tmp_path / f"resnet18.{row['method']}{fits}.policy.json"
         policy = load_policy(path)
         assert (policy.budget_bytes, policy.reserve_bytes) == (484_000_000, DEFAULT_GPU_RESERVE)
         code, out, err = run(capsys, "simulate", "--policy", str(path), "--json")
@@ -834,7 +835,7 @@ def test_simulate_plans_a_saved_policy_as_its_search_did(capsys: pytest.CaptureF
         assert got["feasible"] == (row["status"] == "FEASIBLE") and got["peak_bytes"] == row["peak_bytes"]
         assert (got["budget_bytes"], got["planned_budget_bytes"]) == (484_000_000, planned)
     over = next(r for r in rows if planned < r["peak_bytes"] <= 484_000_000)
-    path = tmp_path / f"resnet18.{over['method']}.policy.json"
+    path = tmp_path / f"resnet18.{over['method']}.infeasible.policy.json"
     code, out, err = run(capsys, "simulate", "--policy", str(path))
     assert "(planned): exceeds it by" in out and "less the file's 128.00 MiB reserve" in err, (out, err)
     # A uniform action's options beside a file were ignored, the file's own scored (a QA run): refused.
