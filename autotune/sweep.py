@@ -87,11 +87,18 @@ class CellResult:
     best: dict[str, Any] | None = None  # the fastest fitting policy (None: nothing fits)
     per_method: dict[str, float] = field(default_factory=dict)  # each method's best fitting samples/s
     below_floor: bool = False
+    floor_bytes: int | None = None  # below_floor: what no policy's peak goes below (envs.simulator.peak_floor)
     resumed: list[str] = field(default_factory=list)  # methods found done in the storage
     wall_s: float = 0.0
     reserve_bytes: int = 0
     partitions: list[dict[str, Any]] = field(default_factory=list)  # --allow-partition: the slices searched
     interrupted: bool = False  # Ctrl-C stopped this cell's search: it holds what was found until then
+
+    def floor_text(self) -> str:
+        """A cell below its floor, with the floor as a budget to type (the reserve added back)."""
+        if self.floor_bytes is None:
+            return "below the floor"
+        return f"below the floor: no policy under {format_bytes(self.floor_bytes + self.reserve_bytes)}"
 
     @property
     def slices(self) -> str:
@@ -109,6 +116,7 @@ class CellResult:
             "reserve_bytes": self.reserve_bytes,
             "study": self.study_name,
             "below_floor": self.below_floor,
+            "floor_bytes": self.floor_bytes,
             "no_policy_samples_per_s": self.no_policy["samples_per_s"],
             "no_policy_peak_bytes": self.no_policy["peak_bytes"],
             "best_heuristic": best_h[0] if best_h else None,
@@ -198,7 +206,9 @@ def run_cell(
             },
         )
         study.set_user_attr("no_policy", cell.no_policy)
-    if budget_floor(problem) > budget_bytes:
+    floor = budget_floor(problem)
+    if floor > budget_bytes:
+        cell.floor_bytes = floor
         cell.resumed = list(methods) if attrs.get("below_floor") else []
         cell.below_floor = True
         study.set_user_attr("below_floor", True)
@@ -445,7 +455,7 @@ def render(out: Console, outcome: SweepOutcome, storage: str, report: Path | Non
             f"{f(j['best_heuristic_samples_per_s'])} {j['best_heuristic'] or ''}",
             f(j["optuna_samples_per_s"]),
             f(j["ppo_samples_per_s"]),
-            "below the floor"
+            cell.floor_text()
             if cell.below_floor
             else f"{f(j['samples_per_s'])} {j['best_method'] or ''}"
             + (f" on {cell.slices}" if cell.partitions else "")

@@ -93,7 +93,7 @@ def _summary_table(cells: Sequence[CellResult]) -> str:
             return "—" if v is None else f"{v:,.1f}"
 
         h = f"{f(j['best_heuristic_samples_per_s'])} ({j['best_heuristic']})" if j["best_heuristic"] else "—"
-        chosen = "below the floor" if c.below_floor else f"{f(j['samples_per_s'])} ({j['best_method'] or '—'})"
+        chosen = c.floor_text() if c.below_floor else f"{f(j['samples_per_s'])} ({j['best_method'] or '—'})"
         chosen += f" on {c.slices}" if c.partitions and not c.below_floor else ""  # a submodule run on slices
         chosen += " (interrupted)" if c.interrupted else ""  # as the terminal's table says
         rows.append(

@@ -35,6 +35,17 @@ def test_one_study_per_cell_with_the_baselines_beside_it(sweep_run: SweepRun) ->
     # 150 MB is below what any policy needs (parameters, gradients, momentum and the largest op): no search.
     low = _study(sweep_run.storage, cells[0]["study"])
     assert cells[0]["below_floor"] and low.user_attrs["below_floor"] and not low.trials
+    # ... and says what the floor is, as search does (it said "below the floor" alone).
+    from agents.base import Problem
+    from autotune.search import budget_floor
+    from autotune.workloads import TraceRequest, trace_model
+    from runtime.hardware import get_profile
+
+    hw = get_profile("a100-40gb")
+    w, _ = trace_model(TraceRequest(model="resnet18", batch_size=8, target=hw))
+    floor = budget_floor(Problem(w, hw, 1 << 40))
+    assert cells[0]["floor_bytes"] == floor > cells[0]["planned_budget_bytes"]
+    assert [c["floor_bytes"] for c in cells[1:]] == [None, None]
     for c in cells[1:]:
         study = _study(sweep_run.storage, c["study"])
         attrs = study.user_attrs
