@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 MAX_BATCH = 1 << 16
 MEASURED_SIZES = 3  # --measure: sizes trained for real, from the largest that fits on the simulator down
+FAKE_TRACE, REAL_TRACE = "fake-mode trace", "real-mode trace"  # what a size's simulated times are timed on
 
 
 @dataclass
@@ -61,6 +62,13 @@ class SizeResult:
     baseline: SearchResult | None = None  # the best published heuristic at this size (None: not run)
     baseline_fits: bool | None = None  # within the budget (and max_slowdown); None: not run
     trained: bool | None = None  # --measure: None not trained; True the answer, as measured; False did not fit so
+    # Where the simulator's times come from: a fake-mode trace (the profile's modelled op times; every size
+    # the search tries) or, for --measure's answer, a real-mode trace (op times measured on this machine).
+    real_trace: bool = False
+
+    @property
+    def timed_on(self) -> str:
+        return REAL_TRACE if self.real_trace else FAKE_TRACE
 
     @property
     def baseline_slowdown(self) -> float | None:
@@ -85,6 +93,7 @@ class SizeResult:
             ),
             "baseline_slowdown": self.baseline_slowdown,
             "trained": self.trained,
+            "timed_on": self.timed_on,
         }
 
 
@@ -126,6 +135,7 @@ class MaxBatchOutcome:
             "samples_per_s": b.found.result.samples_per_s if b and b.found else None,
             "peak_bytes": b.found.result.peak_bytes if b and b.found else None,
             "slowdown": b.slowdown if b else None,
+            "timed_on": b.timed_on if b else None,
             "no_policy_samples_per_s": next(
                 (t.no_policy.samples_per_s for t in self.tried if t.batch_size == self.max_batch_no_policy), None
             ),
@@ -333,7 +343,8 @@ class MaxBatch:
             answer = dataclasses.replace(found, policy=policy, result=f.result)
             slowdown = no_policy.samples_per_s / f.result.samples_per_s - 1
             outcome.max_batch = b
-            outcome.best = SizeResult(b, True, no_policy.feasible, no_policy, answer, slowdown, trained=True)
+            outcome.best = SizeResult(b, True, no_policy.feasible, no_policy, answer, slowdown, trained=True,
+                                      real_trace=True)  # fmt: skip
             best_baseline = best_of(baselines)
             outcome.best.baseline, outcome.best.baseline_fits = best_baseline, self._fits(no_policy, best_baseline)
             outcome.measured = MeasuredSize(b, answer, m)
@@ -395,8 +406,9 @@ def render(
     """`autotune maxbatch`'s table: every batch size tried, the answer in green, and the measurement."""
     from autotune import search as sr
 
-    t = Table(title=f"{model} on {hw.name}, budget {sr.format_bytes(budget_bytes)}")
-    for col in ("batch", "fits", "no policy fits", "peak", "samples/s", "slowdown", "best heuristic"):
+    timed = {r["timed_on"] for r in result["sizes"] if r["samples_per_s"] is not None}
+    t = Table(title=f"{model} on {hw.name}, budget {sr.format_bytes(budget_bytes)}", caption=_caption(hw, timed))
+    for col in ("batch", "fits", "no policy fits", "peak", "samples/s", "slowdown", "timed on", "best heuristic"):
         t.add_column(col, justify="right")
     for r in result["sizes"]:
         t.add_row(
@@ -411,6 +423,7 @@ def render(
             sr.format_bytes(r["peak_bytes"]) if r["peak_bytes"] is not None else "—",
             f"{r['samples_per_s']:,.1f}" if r["samples_per_s"] is not None else "—",
             f"{r['slowdown']:+.1%}" if r["slowdown"] is not None else "—",
+            r["timed_on"].replace("-mode", "") if r["samples_per_s"] is not None else "—",
             _heuristic_cell(r),
             style="bold green" if r["batch_size"] == outcome.max_batch else "",
         )
@@ -421,6 +434,13 @@ def render(
         f"{outcome.max_batch_baseline} with the best heuristic ({result['baseline'] or 'none fits'}); "
         f"{outcome.wall_s:.0f} s" + (f"; policy written to {outcome.policy_path}" if outcome.policy_path else "")
     )
+    if hw.name == "cpu" and FAKE_TRACE in timed:  # `search` and `simulate` trace this machine in real mode
+        f = outcome.policy_path or "FILE"
+        out.print(
+            "on this machine's CPU the fake traces' times are the cpu profile's estimates of its ops, not timings: "
+            f"`autotune simulate --policy {f}` and `autotune train --policy {f}` time its real ops",
+            highlight=False,
+        )
     if outcome.measured is not None:
         sr.render_measured(out, outcome.measured.measured)
         out.print(
@@ -430,6 +450,16 @@ def render(
 
 
 _FITS = {True: "yes", False: "no", None: "not searched"}
+
+
+def _caption(hw: HardwareProfile, timed: set[str]) -> str:
+    """What the samples/s and slowdowns are: the simulator's, on which trace's op times (one kind or two)."""
+    kinds = []
+    if FAKE_TRACE in timed:
+        kinds.append(f"fake trace: the {hw.name} profile's modelled op times")
+    if REAL_TRACE in timed:
+        kinds.append("real trace: op times measured on this machine (--measure; trained figures below)")
+    return "samples/s and slowdowns simulated; " + "; ".join(kinds) if kinds else ""
 
 
 def _heuristic_cell(size: dict[str, Any]) -> str:

@@ -455,7 +455,8 @@ def test_maxbatch_measures_its_largest_size_and_writes_that_policy(
     # The answer's row is the answer as trained (it had kept the fake trace's figures); those trained above it
     # say that they did not fit so.
     row = next(s for s in got["sizes"] if s["batch_size"] == got["max_batch"])
-    assert row["trained"] is True
+    assert row["trained"] is True and row["timed_on"] == got["timed_on"] == "real-mode trace"
+    assert all(s["timed_on"] == "fake-mode trace" for s in got["sizes"] if s["batch_size"] != got["max_batch"])
     assert (row["samples_per_s"], row["slowdown"], row["peak_bytes"]) == (got["samples_per_s"], got["slowdown"],
                                                                           got["peak_bytes"])  # fmt: skip
     assert all(s["trained"] is False for s in got["sizes"] if s["batch_size"] in got["measured_sizes"][:-1])
