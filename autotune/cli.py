@@ -938,6 +938,8 @@ def maxbatch(
                                     partitions=partitions)  # fmt: skip
 
             outcome = search.measure(outcome, backend_at, k, budget_bytes)
+        status.update("maxbatch: checking the reserved bytes (the caching allocator's model)")
+        outcome = search.check_allocator(outcome)
     if outcome.best is not None and outcome.best.found is not None:
         path = out_path or Path(f"{file_stem(model)}.b{outcome.max_batch}.policy.json")
         record_budget(outcome.best.found.policy, plan).save(path)

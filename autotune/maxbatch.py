@@ -34,7 +34,8 @@ from rich.table import Table
 from agents.base import Problem, SearchContext, SearchResult, Status, baseline_names, best_of, get_searcher
 from agents.finalists import Finalists
 from autotune.measured import MeasuredSearch, answer_policy
-from autotune.search import budget_floor, plain_no_policy
+from autotune.reserved import ReservedFit
+from autotune.search import budget_floor, check_reserved, plain_no_policy, warn_reserved
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
@@ -117,6 +118,7 @@ class MaxBatchOutcome:
     wall_s: float = 0.0
     measured: MeasuredSize | None = None  # --measure: the answer as trained
     measured_sizes: list[int] = field(default_factory=list)  # --measure: every size trained, largest first
+    reserved: ReservedFit | None = None  # GPU profiles, answer not measured: on the caching allocator's model
 
     def to_json(self, hw: HardwareProfile, budget_bytes: int, planned_bytes: int) -> dict[str, Any]:
         b = self.best
@@ -151,6 +153,7 @@ class MaxBatchOutcome:
                 else None
             ),
             "measured_sizes": self.measured_sizes,
+            "reserved": self.reserved.to_dict() if self.reserved is not None else None,
         }
 
 
@@ -354,6 +357,15 @@ class MaxBatch:
         outcome.wall_s += time.perf_counter() - started
         return outcome
 
+    def check_allocator(self, outcome: MaxBatchOutcome) -> MaxBatchOutcome:
+        """On a GPU profile, whether the answer (planned to the edge of the budget) also runs within it on the
+        caching allocator's model, as `autotune search` checks its answer (NOTE [ Reserved budget ]): checked,
+        not enforced. A measured answer ran on the device itself, capped at the budget: not checked."""
+        b = outcome.best
+        if self.hw.is_gpu and outcome.measured is None and b is not None and b.found and b.found.feasible:
+            outcome.reserved = check_reserved(self._problem(b.batch_size), b.found)
+        return outcome
+
 
 def _same_slicing(a: Workload, b: Workload) -> bool:
     """A policy for one size seeds another only where both were traced with the same partitions: other
@@ -441,6 +453,10 @@ def render(
             f"`autotune simulate --policy {f}` and `autotune train --policy {f}` time its real ops",
             highlight=False,
         )
+    warn_reserved(
+        out, outcome.reserved, f"`autotune search --batch-size {outcome.max_batch} --budget-kind reserved` plans for "
+        "that, at this batch or a smaller one",
+    )  # fmt: skip
     if outcome.measured is not None:
         sr.render_measured(out, outcome.measured.measured)
         out.print(

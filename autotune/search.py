@@ -387,12 +387,7 @@ def fit_reserved(
     searches. ``enforce`` False: the answer checked, not changed."""
     budget = outcome.problem.budget_bytes
     if not enforce:
-        _, fit = fit_one(outcome.problem, outcome.found, budget, rivals=0, expandable_segments=expandable_segments)
-        fit.enforced, fit.planned = False, [budget]
-        if not fit.fits and not expandable_segments:  # does the allocator's setting alone make it run?
-            _, grown = fit_one(outcome.problem, outcome.found, budget, rivals=0, expandable_segments=True)
-            fit.expandable_peak_bytes = grown.reserved_peak_bytes or 0
-        outcome.reserved = fit
+        outcome.reserved = check_reserved(outcome.problem, outcome.found, expandable_segments)
         return outcome
     current, planned, checked = outcome, [budget], 0
     lowest: ReservedFit | None = None
@@ -434,6 +429,32 @@ def fit_reserved(
     outcome.reserved, outcome.wall_s = lowest, wall
     outcome.found = dataclasses.replace(outcome.found, status=Status.INFEASIBLE, note="reserved bytes over budget")
     return outcome
+
+
+def check_reserved(problem: Problem, found: SearchResult, expandable_segments: bool = False) -> ReservedFit:
+    """Whether ``found`` runs within ``problem``'s budget on the caching allocator's model, checked and not
+    changed (step 1 of NOTE [ Reserved budget ] alone); when it does not, its reserved peak on the model of
+    ``expandable_segments:True`` (0 when it runs out there too)."""
+    budget = problem.budget_bytes
+    _, fit = fit_one(problem, found, budget, rivals=0, expandable_segments=expandable_segments)
+    fit.enforced, fit.planned = False, [budget]
+    if not fit.fits and not expandable_segments:  # does the allocator's setting alone make it run?
+        _, grown = fit_one(problem, found, budget, rivals=0, expandable_segments=True)
+        fit.expandable_peak_bytes = grown.reserved_peak_bytes or 0
+    return fit
+
+
+def warn_reserved(out: Console, rf: ReservedFit | None, lever: str = "--budget-kind reserved plans for that") -> None:
+    """The warning for an answer checked (not enforced) that runs out on the caching allocator's model;
+    ``lever``: what plans for it in the command that printed the answer."""
+    if rf is None or rf.enforced or rf.fits:
+        return
+    es = " with expandable_segments:True" if rf.expandable_segments else ""
+    out.print(
+        f"[yellow]warning:[/] on a model of PyTorch's CUDA caching allocator{es} (cached blocks and split ends) "
+        f"this policy runs out of memory within {format_bytes(rf.planned[0])}: {lever}" + _expandable_lever(rf),
+        highlight=False,
+    )
 
 
 def _expandable_lever(rf: ReservedFit) -> str:
@@ -604,12 +625,7 @@ def render(out: Console, outcome: SearchOutcome) -> None:
     rf = outcome.reserved
     es = " with expandable_segments:True" if rf is not None and rf.expandable_segments else ""
     if rf is not None and not rf.enforced and not rf.fits:
-        out.print(
-            f"[yellow]warning:[/] on a model of PyTorch's CUDA caching allocator{es} (cached blocks and split ends) "
-            f"this policy runs out of memory within {format_bytes(rf.planned[0])}: "
-            "--budget-kind reserved plans for that" + _expandable_lever(rf),
-            highlight=False,
-        )
+        warn_reserved(out, rf)
     elif rf is not None and rf.fits and rf.reserved_peak_bytes is not None:
         how = "the answer" if rf.source == "answer" else f"the {rf.source} (the first answer does not)"
         again = f"; tensors planned for {format_bytes(rf.planned[-1])}" if len(rf.planned) > 1 else ""

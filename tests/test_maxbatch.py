@@ -138,3 +138,25 @@ def test_maxbatch_says_its_times_are_simulated_on_fake_traces(
     assert "timed on" in stdout and "fake trace │" in stdout, stdout
     assert "simulated; fake trace: the cpu profile's modelled op times" in stdout, stdout
     assert f"estimates of its ops, not timings: `autotune simulate --policy {out}`" in " ".join(stdout.split())
+
+
+def test_maxbatch_checks_its_answer_on_the_caching_allocators_model(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """maxbatch fills the planned budget to the edge (a QA run: batch 10 at 158.02 MiB of 158.10) and never
+    checked its answer on the caching allocator's model, on which that policy runs out (as `simulate --policy`
+    said): it now warns as `search` does, and its JSON carries the verdict as search's does."""
+    out = tmp_path / "p.json"
+    args = ["maxbatch", "--model", "resnet18", "--image-size", "64", "--budget", "300MB", "--gpu", "a100-40gb",
+            "--start-batch", "8", "--per-size", "0.5", "--out", str(out)]  # fmt: skip
+    code, stdout, err = run(capsys, *args, "--json")
+    assert code == 0, err
+    got = json.loads(stdout)
+    rf = got["reserved"]
+    assert rf is not None and rf["fits"] is False and rf["enforced"] is False
+    assert rf["planned_bytes"] == [got["planned_budget_bytes"]] and got["peak_bytes"] <= got["planned_budget_bytes"]
+    code, stdout, err = run(capsys, *args)
+    assert code == 0, err
+    said = " ".join(stdout.split())
+    assert "warning: on a model of PyTorch's CUDA caching allocator" in said and "runs out of memory within" in said
+    assert f"autotune search --batch-size {got['max_batch']} --budget-kind reserved" in said, stdout
