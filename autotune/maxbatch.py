@@ -136,9 +136,12 @@ class MaxBatchOutcome:
             ),
             "samples_per_s": b.found.result.samples_per_s if b and b.found else None,
             "peak_bytes": b.found.result.peak_bytes if b and b.found else None,
-            "slowdown": b.slowdown if b else None,
+            "slowdown": b.slowdown if b else None,  # against no policy at max_batch (the next figure)
             "timed_on": b.timed_on if b else None,
-            "no_policy_samples_per_s": next(
+            # No policy's samples/s at the answer's batch (what "slowdown" compares with; it may not fit there)
+            # and at its own largest batch: two batches, named so.
+            "no_policy_samples_per_s_at_max_batch": b.no_policy.samples_per_s if b else None,
+            "no_policy_samples_per_s_at_max_batch_no_policy": next(
                 (t.no_policy.samples_per_s for t in self.tried if t.batch_size == self.max_batch_no_policy), None
             ),
             "policy_path": str(self.policy_path) if self.policy_path else None,

@@ -160,3 +160,24 @@ def test_maxbatch_checks_its_answer_on_the_caching_allocators_model(
     said = " ".join(stdout.split())
     assert "warning: on a model of PyTorch's CUDA caching allocator" in said and "runs out of memory within" in said
     assert f"autotune search --batch-size {got['max_batch']} --budget-kind reserved" in said, stdout
+
+
+def test_maxbatch_json_names_the_batch_of_each_no_policy_figure(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The JSON's "slowdown" is against no policy at the answer's batch, but the only no-policy samples/s beside
+    it was at max_batch_no_policy (a QA run: unlike figures side by side): both are given, each named by its
+    batch, and the slowdown is the one at the answer's."""
+    code, stdout, err = run(capsys, "maxbatch", "--model", "resnet18", "--image-size", "64", "--budget", "300MB",
+                            "--gpu", "a100-40gb", "--start-batch", "8", "--per-size", "0.5",
+                            "--out", str(tmp_path / "p.json"), "--json")  # fmt: skip
+    assert code == 0, err
+    got = json.loads(stdout)
+    sizes = {s["batch_size"]: s for s in got["sizes"]}
+    b, b0 = got["max_batch"], got["max_batch_no_policy"]
+    assert b > b0 and "no_policy_samples_per_s" not in got
+    at_b = got["no_policy_samples_per_s_at_max_batch"]
+    assert at_b == sizes[b]["no_policy_samples_per_s"] and got["slowdown"] == pytest.approx(
+        at_b / got["samples_per_s"] - 1
+    )
+    assert got["no_policy_samples_per_s_at_max_batch_no_policy"] == sizes[b0]["no_policy_samples_per_s"] != at_b
