@@ -25,7 +25,7 @@ from runtime.step_only import _left_behind
 from runtime.trace import capture, make_optimizer
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP
 from runtime.workload import Workload
-from tests.steps import classifier, same_bits, train_steps
+from tests.steps import Build, classifier, same_bits, train_steps
 
 RESNET = ("resnet18", {"batch_size": 2, "image_size": 64})
 GPT2 = ("gpt2", {"batch_size": 2, "seq_len": 32, "config_overrides": {"n_layer": 2}})  # dropout 0.1 on
@@ -324,7 +324,6 @@ def test_a_replay_re_makes_what_backward_freed_before_it_as_a_temporary(
     copy until no replay was left. Measured over planned before: kept 388,776 vs 356,008 bytes (+9.2%),
     swapped +2.4%, all recomputed +10.4% (the second case was already exact here; on a QA model with a layer
     before ``p`` it was +0.8%). Now planned to the byte in both simulators; gradients are plain training's."""
-    from envs.simulator_reference import simulate_reference
     from tests.fixtures_models import FreedBeforeReplay
 
     build = classifier(FreedBeforeReplay, (32, 16), 10)
@@ -335,17 +334,29 @@ def test_a_replay_re_makes_what_backward_freed_before_it_as_a_temporary(
     else:
         vec = np.array([RECOMPUTE if k in recomputed else SWAP if k in swapped else KEEP for k in keys], np.int8)
         assert (vec != KEEP).sum() == len(recomputed) + len(swapped)
-    hw = get_profile("cpu")
-    policy = Policy.from_vector(w, vec, hardware="cpu")
-    planned = Simulator(w, hw).run(policy).peak_bytes
-    assert simulate_reference(w, hw, vec).peak_bytes == planned
+    rt = _planned_to_the_byte(build, w, vec, 32)
+    assert rt.stats.recomputed_ops > 0
+
+
+def _planned_to_the_byte(
+    build: Build, w: Workload, vec: np.ndarray, batch_size: int, lossy: bool = False
+) -> PolicyRuntime:
+    """Action codes ``vec`` on real-mode trace ``w``: the fast simulator's peak, the reference's and the runtime's
+    measured one equal over two steps, and gradients plain training's bit for bit. Returns the runtime."""
+    from envs.simulator_reference import simulate_reference
+
+    hw, opts = get_profile("cpu"), PolicyOptions(lossy=lossy)
+    policy = Policy.from_vector(w, vec, hardware="cpu", options=opts)
+    planned = Simulator(w, hw).run(vec, options=opts).peak_bytes
+    assert Simulator(w, hw).run(policy).peak_bytes == planned  # as the file says (P12 may have kept some)
+    assert simulate_reference(w, hw, vec, options=opts).peak_bytes == planned
     model, batch, loss_fn = build()
     rt = PolicyRuntime(policy, model)
     opt = make_optimizer("sgd", model.parameters())
-    measured = run_iterations(model, batch, loss_fn, opt, steps=2, batch_size=32, around_step=rt.step)
-    assert rt.stats.recomputed_ops > 0
+    measured = run_iterations(model, batch, loss_fn, opt, steps=2, batch_size=batch_size, around_step=rt.step)
     assert [m.peak_bytes for m in measured] == [planned] * 2
     assert same_bits(train_steps(build, policy, steps=2), train_steps(build, None, steps=2))
+    return rt
 
 
 @pytest.mark.parametrize("swapped", [False, True], ids=["u*v", "v*u"])
@@ -355,7 +366,6 @@ def test_replays_at_one_node_run_in_the_order_it_unpacks_them(swapped: bool) -> 
     ``u``'s temporaries until ``v``'s ends. The simulator had replayed them in candidate order (``u`` alone, then
     ``v``): 593,536 bytes planned against 659,072 measured (11.0% under). The trace now records the unpack
     order (``Candidate.unpack_seq``) and both simulators follow it; ``v * u`` keeps the order it had."""
-    from envs.simulator_reference import simulate_reference
     from tests.fixtures_models import ProductOfChains
 
     build = classifier(lambda: ProductOfChains(swapped=swapped), (256, 16), 10)
@@ -366,16 +376,7 @@ def test_replays_at_one_node_run_in_the_order_it_unpacks_them(swapped: bool) -> 
     u, v = (next(c for c in w.candidates if c.key == k) for k in (keys[0], keys[2]))
     assert u.first_use(len(w.ops)) == v.first_use(len(w.ops))  # one node unpacks both ...
     assert (v.unpack_seq < u.unpack_seq) != swapped  # ... the second factor first
-    hw = get_profile("cpu")
-    policy = Policy.from_vector(w, vec, hardware="cpu")
-    planned = Simulator(w, hw).run(policy).peak_bytes
-    assert simulate_reference(w, hw, vec).peak_bytes == planned
-    model, batch, loss_fn = build()
-    rt = PolicyRuntime(policy, model)
-    opt = make_optimizer("sgd", model.parameters())
-    measured = run_iterations(model, batch, loss_fn, opt, steps=2, batch_size=256, around_step=rt.step)
-    assert [m.peak_bytes for m in measured] == [planned] * 2
-    assert same_bits(train_steps(build, policy, steps=2), train_steps(build, None, steps=2))
+    _planned_to_the_byte(build, w, vec, 256)
 
 
 def test_backward_runs_without_the_recorder() -> None:
@@ -412,14 +413,13 @@ def test_a_compressed_tensor_that_a_replay_reads_is_kept() -> None:
     backward failed ("shape mismatch: value tensor of shape [195] cannot be broadcast to indexing result of
     shape [196]"). ``s`` is now kept: the policy says so, both simulators plan it and the runtime's peak is the
     plan. Compressed alone, with no replay reading it, it stays compressed."""
-    from envs.simulator_reference import simulate_reference
     from tests.fixtures_models import MaskedSum
 
     build = classifier(MaskedSum, (16, 16), 10)
     w = capture(build, name="masked", batch_size=16, fake=False)
     s, mask = "<root>#0.0:Tanh", "<root>#0.1:nograd"
     assert {s, mask} <= {c.key for c in w.candidates}
-    hw, opts = get_profile("cpu"), PolicyOptions(lossy=True)
+    opts = PolicyOptions(lossy=True)
     alone = Policy.from_vector(
         w, [COMPRESS if c.key == s else KEEP for c in w.candidates], hardware="cpu", options=opts
     )
@@ -428,15 +428,7 @@ def test_a_compressed_tensor_that_a_replay_reads_is_kept() -> None:
     vec = np.array([acts.get(c.key, KEEP) for c in w.candidates], np.int8)
     policy = Policy.from_vector(w, vec, hardware="cpu", options=opts)
     assert policy.actions[s] == Action.KEEP and policy.actions[mask] == Action.RECOMPUTE
-    planned = Simulator(w, hw).run(vec, options=opts).peak_bytes
-    assert Simulator(w, hw).run(policy).peak_bytes == planned
-    assert simulate_reference(w, hw, vec, options=opts).peak_bytes == planned
-    model, batch, loss_fn = build()
-    rt = PolicyRuntime(policy, model)
-    opt = make_optimizer("sgd", model.parameters())
-    measured = run_iterations(model, batch, loss_fn, opt, steps=2, batch_size=16, around_step=rt.step)
-    assert [m.peak_bytes for m in measured] == [planned] * 2
-    assert same_bits(train_steps(build, policy, steps=2), train_steps(build, None, steps=2))
+    _planned_to_the_byte(build, w, vec, 16, lossy=True)
 
 
 @pytest.mark.parametrize("fake", [True, False], ids=["fake", "real"])
