@@ -423,7 +423,9 @@ def render(
 
     timed = {r["timed_on"] for r in result["sizes"] if r["samples_per_s"] is not None}
     t = Table(title=f"{model} on {hw.name}, budget {sr.format_bytes(budget_bytes)}", caption=_caption(hw, timed))
-    for col in ("batch", "fits", "no policy fits", "peak", "samples/s", "slowdown", "timed on", "best heuristic"):
+    # A row simulated on a real-mode trace is marked (*) rather than given a column: a narrower table (80
+    # columns in a log) wrapped "too slow" and the heuristic's cells.
+    for col in ("batch", "fits", "no policy fits", "peak", "samples/s", "slowdown", "best heuristic"):
         t.add_column(col, justify="right")
     for r in result["sizes"]:
         t.add_row(
@@ -436,9 +438,10 @@ def render(
             else _FITS[r["fits"]],
             "yes" if r["fits_without_policy"] else "no",
             sr.format_bytes(r["peak_bytes"]) if r["peak_bytes"] is not None else "—",
-            f"{r['samples_per_s']:,.1f}" if r["samples_per_s"] is not None else "—",
+            f"{r['samples_per_s']:,.1f}" + ("*" if r["timed_on"] == REAL_TRACE else "")
+            if r["samples_per_s"] is not None
+            else "—",
             f"{r['slowdown']:+.1%}" if r["slowdown"] is not None else "—",
-            r["timed_on"].replace("-mode", "") if r["samples_per_s"] is not None else "—",
             _heuristic_cell(r),
             style="bold green" if r["batch_size"] == outcome.max_batch else "",
         )
@@ -475,10 +478,10 @@ def _caption(hw: HardwareProfile, timed: set[str]) -> str:
     """What the samples/s and slowdowns are: the simulator's, on which trace's op times (one kind or two)."""
     kinds = []
     if FAKE_TRACE in timed:
-        kinds.append(f"fake trace: the {hw.name} profile's modelled op times")
+        kinds.append(f"on fake traces: the {hw.name} profile's modelled op times")
     if REAL_TRACE in timed:
-        kinds.append("real trace: op times measured on this machine (--measure; trained figures below)")
-    return "samples/s and slowdowns simulated; " + "; ".join(kinds) if kinds else ""
+        kinds.append("* on a real trace: op times measured on this machine (--measure; trained figures below)")
+    return "samples/s and slowdowns simulated " + "; ".join(kinds) if kinds else ""
 
 
 def _heuristic_cell(size: dict[str, Any]) -> str:
