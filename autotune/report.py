@@ -210,8 +210,14 @@ def hardware_report(profiles: list[HardwareProfile], found: Detection) -> dict[s
 
 def render_hardware(console: Console, profiles: list[HardwareProfile], found: Detection) -> None:
     table = Table(title="Hardware profiles")
-    for col in ("name", "memory", "FP32 TFLOP/s", "TF32", "BF16", "HBM GB/s", "host link GB/s", "device"):
-        table.add_column(col, justify="left" if col in ("name", "device") else "right")
+    widest = max((len(p.name) for p in profiles), default=4)  # a name is typed to --gpu: never cut (80 columns)
+    for col in ("name", "memory", "FP32 TFLOP/s", "TF32", "BF16", "FP16", "HBM GB/s", "host link GB/s", "device"):
+        table.add_column(
+            col,
+            justify="left" if col in ("name", "device") else "right",
+            min_width=widest if col == "name" else None,
+            no_wrap=col == "name",
+        )
     for p in profiles:
 
         def tf(k: str, p: HardwareProfile = p) -> str:
@@ -224,6 +230,7 @@ def render_hardware(console: Console, profiles: list[HardwareProfile], found: De
             tf("fp32"),
             tf("tf32"),
             tf("bf16"),
+            tf("fp16"),  # the V100's and T4's tensor cores (no BF16 there)
             f"{p.memory_bytes_per_s / 1e9:,.0f}",
             f"{p.h2d_bytes_per_s / 1e9:.0f}",
             p.description,

@@ -169,6 +169,9 @@ def test_hardware_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert "message" in d["detected"]
     code, out, _ = run(capsys, "hardware")  # the table names the cpu profile too, which --gpu takes (a QA run)
     assert code == 0 and "cpu: this machine's CPU" in out
+    # FP16: the V100's and T4's tensor cores, which have no TF32 or BF16 ("-" in every other column; a QA run).
+    v100 = next(line for line in out.splitlines() if "v100-16gb" in line)
+    assert "FP16" in out and "125.0" in v100, v100
 
 
 def test_simulate_actions_and_policy_roundtrip(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
