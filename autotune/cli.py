@@ -1181,7 +1181,8 @@ def sweep(
         return choose(w, hw, budget_bytes, retracer(dataclasses.replace(reqs[i], target=hw))).searched(w, budget_bytes)
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=as_json) as bar:
+    # Not on a terminal (a log file, CI) a bar is redrawn as lines cut to the width: none there.
+    with Progress(*columns, console=err, transient=as_json, disable=not err.is_terminal) as bar:
         task = bar.add_task("sweep", total=len(reqs) * len(profiles) * len(budget_list))
 
         def progress(done: int, total: int, what: str) -> None:

@@ -436,7 +436,8 @@ def _faster(a: CellResult, b: CellResult) -> bool:
 
 def render(out: Console, outcome: SweepOutcome, storage: str, report: Path | None) -> None:
     """`autotune sweep`'s table: one row per cell, and where its studies and report are."""
-    t = Table(title=f"sweep: {len(outcome.cells)} cells in {storage}")
+    n = len(outcome.cells)
+    t = Table(title=f"sweep: {n} cell{'' if n == 1 else 's'} in {storage}")
     cols = ["model", "profile", "budget", "no policy", "best heuristic", "optuna", "ppo", "chosen"]
     for col in cols:
         t.add_column(col, justify="left" if col in ("model", "profile") else "right")
@@ -464,7 +465,9 @@ def render(out: Console, outcome: SweepOutcome, storage: str, report: Path | Non
     out.print(t)
     names = [cell.study_name for cell in outcome.cells]  # the budget in them is the planned bytes, not as typed
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more (--json names each cell's)" if len(names) > 3 else "")
+    resumed = sum(1 for cell in outcome.cells if cell.resumed)  # a run that found its cells done says so
+    again = f" ({resumed} of {n} resumed from the storage)" if resumed else ""
     out.print(
-        f"{outcome.wall_s:.0f} s; one study per cell in {storage} ({shown}): "
+        f"{outcome.wall_s:.0f} s{again}; one study per cell in {storage} ({shown}): "
         f"`autotune dashboard --storage {storage}` opens them" + (f"; report: {report}" if report else "")
     )

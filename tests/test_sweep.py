@@ -125,8 +125,12 @@ def test_running_again_recomputes_nothing(sweep_run: SweepRun) -> None:
         assert second["samples_per_s"] == first["samples_per_s"]
         assert len(_study(sweep_run.storage, second["study"]).trials) == (0 if second["below_floor"] else 15)
     # The table's footer names the studies as they are (it gave a pattern without the image size, of typed bytes).
-    table = "".join(autotune(*SWEEP_ARGS, "--storage", sweep_run.storage).stdout.split())
+    shown = autotune(*SWEEP_ARGS, "--storage", sweep_run.storage)
+    table = "".join(shown.stdout.split())
     assert again[0]["study"] in table
+    # A run that found every cell done says so (it said "0 s" alone), and no bar is drawn where stderr is no
+    # terminal (cut to the width, "━━ 4… 0:…", in a log).
+    assert "(3of3resumedfromthestorage)" in table and "━" not in shown.stderr
 
 
 @pytest.mark.slow
