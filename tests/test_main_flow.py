@@ -769,7 +769,7 @@ def test_ctrl_c_stops_the_whole_sweep_and_keeps_what_its_cell_found(tmp_path: Pa
     )  # fmt: skip
     stdout, stderr = _interrupt_after_trials(proc, db, 2, "the sweep's first cell")
     assert f"interrupted in cell 1 of 2; the same command resumes from sqlite:///{db}" in stderr, stderr
-    assert "(interrupted)" in stdout and "sweep: 1 cells" in stdout, stdout
+    assert "(interrupted)" in stdout and "sweep: 1 cell in" in stdout, stdout
     with contextlib.closing(sqlite3.connect(str(db))) as conn:
         studies = [name for (name,) in conn.execute("SELECT study_name FROM studies")]
         trials = conn.execute("SELECT COUNT(*) FROM trials").fetchone()[0]
