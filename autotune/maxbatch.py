@@ -63,13 +63,12 @@ class SizeResult:
     baseline: SearchResult | None = None  # the best published heuristic at this size (None: not run)
     baseline_fits: bool | None = None  # within the budget (and max_slowdown); None: not run
     trained: bool | None = None  # --measure: None not trained; True the answer, as measured; False did not fit so
-    # Where the simulator's times come from: a fake-mode trace (the profile's modelled op times; every size
-    # the search tries) or, for --measure's answer, a real-mode trace (op times measured on this machine).
-    real_trace: bool = False
 
     @property
     def timed_on(self) -> str:
-        return REAL_TRACE if self.real_trace else FAKE_TRACE
+        """Where the simulator's times come from: a fake-mode trace (the profile's modelled op times; every size
+        the search tries) or, for --measure's answer (the one size trained and fitting), its real-mode trace."""
+        return REAL_TRACE if self.trained is True else FAKE_TRACE
 
     @property
     def baseline_slowdown(self) -> float | None:
@@ -349,8 +348,7 @@ class MaxBatch:
             answer = dataclasses.replace(found, policy=policy, result=f.result)
             slowdown = no_policy.samples_per_s / f.result.samples_per_s - 1
             outcome.max_batch = b
-            outcome.best = SizeResult(b, True, no_policy.feasible, no_policy, answer, slowdown, trained=True,
-                                      real_trace=True)  # fmt: skip
+            outcome.best = SizeResult(b, True, no_policy.feasible, no_policy, answer, slowdown, trained=True)
             best_baseline = best_of(baselines)
             outcome.best.baseline, outcome.best.baseline_fits = best_baseline, self._fits(no_policy, best_baseline)
             outcome.measured = MeasuredSize(b, answer, m)
