@@ -424,7 +424,8 @@ class Simulator:
 
     def _as_compressed(self, act: np.ndarray, dtype: str) -> np.ndarray:
         """Rule 8 / runtime R8: a compressed candidate that is not a floating-point tensor wider than ``dtype``
-        (an int64 index, a bfloat16 activation) is kept (and so is one a replay reads: runtime/plan.py P12)."""
+        (an int64 index, a bfloat16 activation) is kept (one a replay reads is kept too, by ``replay_inputs_kept``:
+        runtime/plan.py P12)."""
         compress = act == COMPRESS
         if not compress.any():
             return act
