@@ -33,6 +33,7 @@ class MaskablePPOSearcher(Searcher):
         import torch
         from sb3_contrib import MaskablePPO
         from stable_baselines3.common.callbacks import BaseCallback
+        from stable_baselines3.common.logger import Logger
 
         from agents.pretrained import from_sb3, one_pass
         from envs.memory_env import MemoryPolicyEnv
@@ -69,6 +70,7 @@ class MaskablePPOSearcher(Searcher):
                 device="cpu",
                 verbose=0,
             )
+            model.set_logger(Logger(None, []))  # SB3's default makes an empty folder in /tmp per learn()
             warm = WARM_START and _warm_start(model)
             # The pretrained actor's one pass is the first policy seen (PPO's first updates can undo it).
             first = one_pass(from_sb3(model.policy), problem) if warm else None

@@ -253,8 +253,9 @@ def merge(a: Dataset, b: Dataset) -> Dataset:
 
 def make_model(env: Any, net_arch: list[int], seed: int) -> Any:
     from sb3_contrib import MaskablePPO
+    from stable_baselines3.common.logger import Logger
 
-    return MaskablePPO(
+    model = MaskablePPO(
         "MlpPolicy",
         env,
         n_steps=2048,
@@ -267,6 +268,8 @@ def make_model(env: Any, net_arch: list[int], seed: int) -> Any:
         device="cpu",
         verbose=0,
     )
+    model.set_logger(Logger(None, []))  # SB3's default makes an empty folder in /tmp per learn()
+    return model
 
 
 def behaviour_clone(

@@ -44,6 +44,16 @@ def test_ppo_without_the_pretrained_actor_starts_fresh(monkeypatch) -> None:  # 
     assert r.feasible and "fresh actor" in r.note
 
 
+def test_ppo_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """SB3 makes an empty folder (``SB3-<time>``) in the temporary folder at every ``learn()`` that has no logger
+    of its caller's: one per search, 190 in one day of this suite's runs."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert get_searcher("ppo").search(problem(), context()).feasible
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_ppo_is_deterministic_under_a_seed() -> None:
     a = get_searcher("ppo").search(problem(), context(seed=7)).policy.to_vector(_W)
     b = get_searcher("ppo").search(problem(), context(seed=7)).policy.to_vector(_W)
