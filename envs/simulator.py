@@ -44,9 +44,11 @@ Rule 7 (replay). A recomputed candidate that no region serves lives [producer, f
     after the closure's op that reads it is not resident there (its value has changed): its producer and the writers
     before that read are re-run too. Candidate inputs that are swapped, recomputed or compressed are materialized
     first (Rules 6-8, in candidate order), at u, so their memory starts at u and lasts to their own free_op (they
-    are not recomputed twice). The regenerated tensor lives [u, free_op]. Every other storage the closure's ops
-    write (regenerated temporaries, other outputs of multi-output ops, copies of arguments an op would mutate) is
-    held during the recompute only: nested recomputations hold theirs until the outermost one is done, a storage
+    are not recomputed twice); a recomputed one re-runs its closure as of u, not as of its own first use
+    (runtime.plan.nested_closures: what is live at u is read as it is, R6). The regenerated tensor lives [u,
+    free_op]. Every other storage the closure's ops write (regenerated temporaries, other outputs of multi-output
+    ops, copies of arguments an op would mutate) is held during the recompute only: nested recomputations hold
+    theirs until the outermost one is done, a storage
     that two of them write once (the runtime's replay makes it once and reads it again: R6), and an op that two of
     them run runs once; separate ones at the same op run one after another, in the order backward first unpacks them
     (``Candidate.unpack_seq``: a multiplication's gradient unpacks its second factor first; where that one's
@@ -98,7 +100,8 @@ Rule 12 (host costs). h_i is 0 on a profile without copy engines (op times are w
     back ``swap_s``; each
     region ``region_s`` (checkpointed: plus ``region_pack_s`` per pack inside it), at its first op and again
     with its recompute, whose ops also cost their h_i; each op the recorder runs under ``record_op_s`` (the forward
-    ops of the module calls whose ops a replay re-runs, the calls they ran in included, and of the calls that
+    ops of the module calls whose ops a replay re-runs, as of its own first use (a replay nested in an earlier
+    one's may re-run fewer: an upper bound), the calls they ran in included, and of the calls that
     write in place, after such an op read it, what it read (runtime R11); outside the model:
     from the model's end to the end of forward, where runtime R11 stops a little earlier, at the pack after
     the last op re-run), and as much again for each quiet op dispatched after it (``OpInfo.quiet_ops``:
@@ -142,12 +145,15 @@ from envs.walk import USE
 from runtime.hardware import HardwareProfile, host_times_s, op_times_s
 from runtime.keys import runs_in
 from runtime.plan import (
+    Closure,
     RegionPlanner,
     as_run,
     closures_of,
     deps_csr,
     forward_writers,
     held_outside,
+    nested_closures,
+    reads_csr,
     replay_inputs_kept,
 )
 from runtime.policy import Policy, PolicyOptions
@@ -320,31 +326,41 @@ class Simulator:
         self.h2d_s = self.nbytes / hw.h2d_bytes_per_s
         closures = closures_of(w)
         self.closure_ops: list[frozenset[int]] = [cl.ops for cl in closures]  # Rule 7: the ops re-run
-        # Rule 7: the storages (tensor ids) each candidate's replayed ops write, but its own
-        temps = [
-            sorted({t for op in cl.ops for t in w.ops[op].outputs} - {c.tensor})
+        # Rule 7, per candidate: (recompute seconds, transient bytes, candidate dependencies)
+        self.closures = [
+            self._closure_cost(cl.ops, cl.deps, self._temporaries(cl, c.tensor))
             for cl, c in zip(closures, cands, strict=True)
         ]
-        # Rule 7, per candidate: (recompute seconds, transient bytes, candidate dependencies)
-        self.closures = [self._closure_cost(cl.ops, cl.deps, t) for cl, t in zip(closures, temps, strict=True)]
-        self._closure_host = [float(self.host_op_s[sorted(ops)].sum()) for ops in self.closure_ops]
-        self._closure_len = [len(ops) for ops in self.closure_ops]
-        # ... as arrays for the walk (envs/walk.py): seconds, bytes, the candidate inputs (CSR: those of ci are
-        # _deps_idx[_deps_ptr[ci]:_deps_ptr[ci + 1]]), the host's seconds (h_i and the replay's own per op,
+        # Rule 7 for the walk (envs/walk.py), per *row*: a candidate's closure as of the ops from where it holds
+        # (runtime.plan.nested_closures: a replay nested in an earlier one's runs it as of that one's use; rows
+        # of ci are _row_ptr[ci]:_row_ptr[ci + 1], from ops _row_from, the last its own closure).
+        nested = nested_closures(w, closures)
+        rows = [cl for entries in nested for _, cl in entries]
+        row_cand = [ci for ci, entries in enumerate(nested) for _ in entries]
+        self._row_ptr = np.concatenate([[0], np.cumsum([len(e) for e in nested])]).astype(np.int64)
+        self._row_from = np.array([start for entries in nested for start, _ in entries], dtype=np.int64)
+        temps = [self._temporaries(cl, cands[ci].tensor) for cl, ci in zip(rows, row_cand, strict=True)]
+        costs = [self._closure_cost(cl.ops, cl.deps, t) for cl, t in zip(rows, temps, strict=True)]
+        row_len = [len(cl.ops) for cl in rows]
+        # ... as arrays: seconds, bytes, the candidate inputs (CSR: those of row r are
+        # _deps_idx[_deps_ptr[r]:_deps_ptr[r + 1]]), the host's seconds (h_i and the replay's own per op,
         # Rule 12) and their runtime part.
-        self._rec_device = np.array([device for device, _, _ in self.closures], dtype=np.float64)
-        self._rec_transient = np.array([transient for _, transient, _ in self.closures], dtype=np.int64)
+        self._rec_device = np.array([device for device, _, _ in costs], dtype=np.float64)
+        self._rec_transient = np.array([transient for _, transient, _ in costs], dtype=np.int64)
         # ... and those bytes storage by storage (CSR: tensor ids and rounded sizes), for nested recomputations
         # that write the same storage (counted once, Rule 7).
         self._temp_ptr = np.concatenate([[0], np.cumsum([len(t) for t in temps])]).astype(np.int64)
         self._temp_idx = np.array([tid for t in temps for tid in t], dtype=np.int64)
         self._temp_bytes = np.array([rounded(w.tensors[tid].nbytes, g) for tid in self._temp_idx], dtype=np.int64)
         # ... and the ops they run (CSR), for nested recomputations that run the same op (run once, Rule 7).
-        self._ops_ptr = np.concatenate([[0], np.cumsum(self._closure_len)]).astype(np.int64)
-        self._ops_idx = np.array([op for ops in self.closure_ops for op in sorted(ops)], dtype=np.int64)
-        self._deps_ptr, self._deps_idx = deps_csr(closures)
-        self._rec_own = np.array([length * hw.host.replay_op_s for length in self._closure_len], dtype=np.float64)
-        self._rec_host = np.array(self._closure_host, dtype=np.float64) + self._rec_own
+        self._ops_ptr = np.concatenate([[0], np.cumsum(row_len)]).astype(np.int64)
+        self._ops_idx = np.array([op for cl in rows for op in sorted(cl.ops)], dtype=np.int64)
+        self._deps_ptr, self._deps_idx = deps_csr(rows)
+        self._rec_own = np.array([length * hw.host.replay_op_s for length in row_len], dtype=np.float64)
+        self._rec_host = np.array([self.host_op_s[sorted(cl.ops)].sum() for cl in rows], dtype=np.float64)
+        self._rec_host += self._rec_own
+        # P12 (Rule 8): the candidates each candidate's closure reads, kept where compressed and it recomputed.
+        self._reads_ptr, self._reads_idx = reads_csr(closures)
         self._no_floors = np.empty((0, 3))
         self._no_served = np.zeros(self.k, dtype=bool)
         self._no_ops = np.zeros(0, dtype=np.int64)
@@ -404,6 +420,10 @@ class Simulator:
     def first_pack_op(self) -> np.ndarray:
         """The op after which each candidate is first packed (Rule 4's release points; Rule 13)."""
         return self._pack_ops
+
+    def _temporaries(self, cl: Closure, target: int) -> list[int]:
+        """Rule 7: the storages (tensor ids) a closure's replayed ops write, but the target's own."""
+        return sorted({t for op in cl.ops for t in self.w.ops[op].outputs} - {target})
 
     def _closure_cost(
         self, ops: frozenset[int], deps: tuple[int, ...], temporaries: list[int]
@@ -729,7 +749,7 @@ class Simulator:
         act = as_run(_as_vector(w, policy), self._held_outside)
         if options is None:
             options = policy.options if isinstance(policy, Policy) else PolicyOptions()
-        act = replay_inputs_kept(self._as_compressed(act, options.compress_dtype), self._deps_ptr, self._deps_idx)
+        act = replay_inputs_kept(self._as_compressed(act, options.compress_dtype), self._reads_ptr, self._reads_idx)
         lookahead = max(0, int(options.prefetch_lookahead))
         release_after = max(1, int(options.release_after))
         packed, pack_s = self.compression(options.compress_dtype)
@@ -900,6 +920,8 @@ class Simulator:
             sync,
             timeline,
             act,
+            self._row_ptr,
+            self._row_from,
             self._deps_ptr,
             self._deps_idx,
             self._rec_device,

@@ -67,7 +67,8 @@ def simulate_reference(
         read = set()
         for ci in range(len(cands)):
             if act[ci] == RECOMPUTE:
-                read |= _closure(w, ci, cand_of, first_use, writers)[1]
+                _, needed, remade = _closure(w, ci, cand_of, first_use[ci], writers)
+                read |= needed | remade  # remade: live where a replay nested in an earlier one runs it
         act = [KEEP if a == COMPRESS and ci in read else a for ci, a in enumerate(act)]
     framed = bool(w.frames) and all(c.packs for c in cands)
 
@@ -284,7 +285,7 @@ def simulate_reference(
             stats["compress"] += pack_s[ci]
             add("f", ci, size[c.tensor], free_keep[ci])
         elif act[ci] == RECOMPUTE:  # Rule 7, walking the inputs now
-            closure, needed = _closure(w, ci, cand_of, first_use, writers)
+            closure, needed, _ = _closure(w, ci, cand_of, i, writers)  # as of now: maybe nested, before its use
             for dep in sorted(needed):
                 if act[dep] != KEEP:
                     materialize(dep, i)
@@ -465,13 +466,15 @@ class _Live(dict[tuple[str, int], int]):
         return super().pop(key, default)
 
 
-def _closure(w, ci, cand_of, first_use, writers):  # type: ignore[no-untyped-def]
-    """Rule 7: the ops re-run for candidate ``ci`` and its candidate inputs, walking its inputs now."""
+def _closure(w, ci, cand_of, at, writers):  # type: ignore[no-untyped-def]
+    """Rule 7: the ops re-run for candidate ``ci`` replayed just before op ``at``, its candidate inputs live there
+    and those it re-makes, walking its inputs now."""
     c = w.candidates[ci]
     ran: set[int] = set(c.recompute_ops)
     pending = [(op, tid) for op in sorted(ran) for tid in w.ops[op].inputs]  # (reading op, tensor read)
     seen = {c.tensor}
     needed: set[int] = set()
+    remade: set[int] = set()
     while pending:
         op, tid = pending.pop()
         if tid == c.tensor:
@@ -484,21 +487,23 @@ def _closure(w, ci, cand_of, first_use, writers):  # type: ignore[no-untyped-def
             if tid in seen:
                 continue
             seen.add(tid)
-            if info.alloc_op < 0 or info.free_op is None or info.free_op >= first_use[ci]:
+            if info.alloc_op < 0 or info.free_op is None or info.free_op >= at:
                 if tid in cand_of:  # live at the use: materialized as its action says
                     needed.add(cand_of[tid])
                 continue
+            if tid in cand_of:
+                remade.add(cand_of[tid])
             chain = [info.alloc_op, *writers.get(tid, [])]
         fresh = [j for j in chain if j not in ran]
         ran.update(chain)
         pending.extend((j, x) for j in fresh for x in w.ops[j].inputs)
-    return ran, needed
+    return ran, needed, remade
 
 
 def _recorded(w, ci, cand_of, first_use, writers):  # type: ignore[no-untyped-def]
     """Rule 12: the ops whose module calls the recorder runs in for candidate ``ci``'s replay: its closure's, and
     the forward ops that write in place, after a closure op read it, what it read (runtime R11)."""
-    ran = _closure(w, ci, cand_of, first_use, writers)[0]
+    ran = _closure(w, ci, cand_of, first_use[ci], writers)[0]
     later = {j for op in ran for tid in w.ops[op].inputs for j in writers.get(tid, []) if j > op}
     return sorted(ran | later)
 

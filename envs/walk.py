@@ -47,6 +47,8 @@ def walk(
     sync: bool,
     timeline: bool,
     act: np.ndarray,
+    row_ptr: np.ndarray,
+    row_from: np.ndarray,
     deps_ptr: np.ndarray,
     deps_idx: np.ndarray,
     rec_device: np.ndarray,
@@ -84,7 +86,9 @@ def walk(
     (when the host has issued it, less the compute before it); the walk starts at op ``begin_at``, at its
     events there first where ``at_start``; ``compress_s`` and ``recompute_s`` are those before the walk,
     added to in order. ``d2h_end`` holds each swapped candidate's copy-out end where forward was settled
-    before the walk, and receives those the walk issues. Writes, per op, the largest recompute held
+    before the walk, and receives those the walk issues. A recomputed candidate's closure is a *row*
+    (``row_ptr``, ``row_from``: :func:`_row`), and the closures' arrays (``deps_ptr`` to ``rec_host``) are
+    per row. Writes, per op, the largest recompute held
     (``extra``, Rule 7), each candidate made again in backward and where (``moved``: candidate, op, ...)
     and, with ``timeline``, the clocks after the events at each op (``floors``: op, host, device rows).
 
@@ -96,7 +100,9 @@ def walk(
     fetched = np.zeros(k, dtype=np.bool_)  # its copy back issued (Rule 5)
     h2d_end = np.zeros(k, dtype=np.float64)
     items = np.empty(k, dtype=np.int64)  # what one expansion materializes, in order (Rule 7)
+    item_rows = np.empty(k, dtype=np.int64)  # ... and the closure row of each recomputed one
     stack = np.empty(k, dtype=np.int64)
+    stack_row = np.empty(k, dtype=np.int64)
     stack_at = np.empty(k, dtype=np.int64)
     held_at = np.full(n_tensors, -1, dtype=np.int64)  # the event whose recompute holds each storage (Rule 7)
     ran_at = np.full(n, -1, dtype=np.int64)  # ... and the event whose recompute ran each op
@@ -143,9 +149,11 @@ def walk(
             if mat_op[ci]:
                 continue
             ready = act[ci] != recompute
+            r = -1
             if not ready:  # recomputed: ready when its candidate inputs are kept or there already
                 ready = True
-                for j in range(deps_ptr[ci], deps_ptr[ci + 1]):
+                r = _row(ci, x, row_ptr, row_from)
+                for j in range(deps_ptr[r], deps_ptr[r + 1]):
                     d = deps_idx[j]
                     if not mat_op[d] and act[d] != keep:
                         ready = False
@@ -153,9 +161,13 @@ def walk(
             if ready:
                 mat_op[ci] = True
                 items[0] = ci
+                item_rows[0] = r
                 n_items = 1
             else:
-                n_items = _expand(ci, act, deps_ptr, deps_idx, keep, recompute, mat_op, items, stack, stack_at)
+                n_items = _expand(
+                    ci, x, act, row_ptr, row_from, deps_ptr, deps_idx, keep, recompute, mat_op, items, item_rows,
+                    stack, stack_row, stack_at,
+                )  # fmt: skip
             held = 0  # nested recomputations hold theirs until the outer one is done
             for i in range(n_items):
                 c = items[i]
@@ -182,15 +194,17 @@ def walk(
                     device = unpack_cost[c]
                     compress_s += device
                 elif n_items == 1:
-                    device = rec_device[c]
-                    own_dyn += rec_own[c]
-                    host = rec_host[c]
+                    r = item_rows[i]
+                    device = rec_device[r]
+                    own_dyn += rec_own[r]
+                    host = rec_host[r]
                     recompute_s += device
-                    held += rec_transient[c]
+                    held += rec_transient[r]
                 else:  # nested: an op that two of them run runs once, a storage they write is made once (R6)
+                    r = item_rows[i]
                     device = 0.0
                     host = 0.0
-                    for j in range(ops_ptr[c], ops_ptr[c + 1]):
+                    for j in range(ops_ptr[r], ops_ptr[r + 1]):
                         o = ops_idx[j]
                         if ran_at[o] != e:
                             ran_at[o] = e
@@ -198,7 +212,7 @@ def walk(
                             host += host_op_s[o] + replay_op_s
                             own_dyn += replay_op_s
                     recompute_s += device
-                    for j in range(temp_ptr[c], temp_ptr[c + 1]):
+                    for j in range(temp_ptr[r], temp_ptr[r + 1]):
                         t = temp_idx[j]
                         if held_at[t] != e:
                             held_at[t] = e
@@ -258,32 +272,50 @@ def _copy_back(
     return float(h2d_end[ci])
 
 
+@register_jitable
+def _row(ci: int, x: int, row_ptr: np.ndarray, row_from: np.ndarray) -> int:
+    """Rule 7: the row of candidate ``ci``'s closure as of a replay just before op ``x``: the last of its rows
+    (runtime.plan.nested_closures) that holds from ``x`` or before."""
+    r = row_ptr[ci + 1] - 1
+    while r > row_ptr[ci] and row_from[r] > x:
+        r -= 1
+    return r
+
+
 @register_jitable  # plain Python called from Python, compiled into walk where walk is compiled
 def _expand(
     ci: int,
+    x: int,
     act: np.ndarray,
+    row_ptr: np.ndarray,
+    row_from: np.ndarray,
     deps_ptr: np.ndarray,
     deps_idx: np.ndarray,
     keep: int,
     recompute: int,
     mat_op: np.ndarray,
     items: np.ndarray,
+    item_rows: np.ndarray,
     stack: np.ndarray,
+    stack_row: np.ndarray,
     stack_at: np.ndarray,
 ) -> int:
-    """Rule 7: what materializing recomputed ``ci`` materializes, written to ``items`` in order (returns how
-    many): its candidate inputs that are not kept (recursively, in candidate order), then itself; depth first,
-    by an explicit stack."""
+    """Rule 7: what materializing recomputed ``ci`` just before op ``x`` materializes, written to ``items`` in
+    order, each recomputed one's closure row (as of ``x``) to ``item_rows`` (returns how many): its candidate
+    inputs that are not kept (recursively, in candidate order), then itself; depth first, by an explicit stack."""
     n_items = 0
     mat_op[ci] = True  # first, so that a cycle through in-place writers cannot recurse forever
     stack[0] = ci
-    stack_at[0] = deps_ptr[ci]
+    stack_row[0] = _row(ci, x, row_ptr, row_from)
+    stack_at[0] = deps_ptr[stack_row[0]]
     depth = 1
     while depth:
         top = stack[depth - 1]
+        tr = stack_row[depth - 1]
         j = stack_at[depth - 1]
-        if j == deps_ptr[top + 1]:  # its inputs done: itself
+        if j == deps_ptr[tr + 1]:  # its inputs done: itself
             items[n_items] = top
+            item_rows[n_items] = tr
             n_items += 1
             depth -= 1
             continue
@@ -293,10 +325,12 @@ def _expand(
             mat_op[d] = True
             if act[d] == recompute:
                 stack[depth] = d
-                stack_at[depth] = deps_ptr[d]
+                stack_row[depth] = _row(d, x, row_ptr, row_from)
+                stack_at[depth] = deps_ptr[stack_row[depth]]
                 depth += 1
             else:
                 items[n_items] = d
+                item_rows[n_items] = -1
                 n_items += 1
     return n_items
 

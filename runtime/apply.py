@@ -45,7 +45,8 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         random-number state for random ops); it is off the stack while ``torch.autograd.backward`` and ``grad`` run
         (some backward formulas take another path under any mode). At the first unpack, the tensor's producer chain
         is replayed from resident storages: alive ones are used as they are, candidates that are swapped, recomputed
-        or compressed and still to be unpacked are brought back first (and kept for their own use), other missing
+        or compressed and still to be unpacked are brought back first (and kept for their own use; a recomputed
+        one's chain from what is alive now, not at its own unpack: Rule 7's nested closures), other missing
         inputs (a kept tensor or a handled one past its last unpack, that backward freed, among them) are replayed
         recursively, once per replay however many of its ops read them (Rule 7 counts them once), and dropped
         afterwards. Arguments an op would mutate that are not being regenerated (BatchNorm's running statistics) are

@@ -62,7 +62,8 @@ NOTE [ Recompute mechanisms ]
         the simulator plans it so (Rule 7).
 
     P12. Before all of the above, after P11: a compressed candidate that the replay of a recomputed one reads
-        (``Closure.deps``: live at that one's first use, materialized first) is kept (``replay_inputs_kept``).
+        (``Closure.deps``: live at that one's first use, materialized first; and ``Closure.remade``, gone there
+        but live where a replay nested in an earlier one's runs it, Rule 7) is kept (``replay_inputs_kept``).
         The replay would re-make from the rounded values what forward made from the exact ones, and where those
         values decide a shape (the boolean mask of ``x[x > 0.1]``) backward fails. ``Policy.from_vector`` writes
         it kept and both simulators plan it so (Rule 8).
@@ -383,46 +384,82 @@ def forward_writers(w: Workload) -> dict[int, list[int]]:
     return writers
 
 
+def closure_at(w: Workload, ci: int, u: int, writers: dict[int, list[int]], cand_of: dict[int, int]) -> Closure:
+    """Rule 7's closure of candidate ``ci`` replayed just before op ``u`` (``writers``: :func:`forward_writers`;
+    ``cand_of``: tensor id -> candidate index)."""
+    c = w.candidates[ci]
+    ops: set[int] = set(c.recompute_ops)
+    deps: set[int] = set()
+    remade: set[int] = set()
+    todo = sorted(ops)  # ops whose inputs are still to resolve
+    done: set[int] = set()
+    made: set[int] = {c.tensor}  # tensors the closure makes from their producer
+    while todo:
+        at = todo.pop()
+        if at in done:
+            continue
+        done.add(at)
+        for tid in w.ops[at].inputs:
+            if tid == c.tensor:
+                continue
+            t = w.tensors[tid]
+            later = t.alloc_op >= 0 and any(j > at for j in writers.get(tid, ()))
+            if later:  # written in place after this read: its value now is not the one read, so it is
+                chain = [t.alloc_op, *(j for j in writers.get(tid, ()) if j < at)]  # re-made as of the read
+            elif tid in made:
+                continue
+            elif t.alloc_op < 0 or t.free_op is None or t.free_op >= u:
+                if tid in cand_of:  # live at u: the policy's action says how it is there (Rules 6-8)
+                    deps.add(cand_of[tid])
+                continue  # resident: persistent, or still live at u as traced
+            else:  # gone at u, a candidate whose last backward use is past included: re-made as a temporary
+                if tid in cand_of:
+                    remade.add(cand_of[tid])
+                made.add(tid)
+                chain = [t.alloc_op, *writers.get(tid, [])]
+            ops.update(chain)
+            todo.extend(chain)
+    return Closure(frozenset(ops), tuple(sorted(deps)), tuple(sorted(remade)))
+
+
 def closures_of(w: Workload) -> list[Closure]:
-    """Rule 7's closure of every candidate, in candidate order."""
+    """Rule 7's closure of every candidate as of its own first backward use, in candidate order."""
     n = len(w.ops)
     cand_of = {c.tensor: i for i, c in enumerate(w.candidates)}
     writers = forward_writers(w)
-    out: list[Closure] = []
-    for c in w.candidates:
+    return [closure_at(w, ci, c.first_use(n), writers, cand_of) for ci, c in enumerate(w.candidates)]
+
+
+def nested_closures(w: Workload, closures: Sequence[Closure]) -> list[list[tuple[int, Closure]]]:
+    """Rule 7's closures of each candidate as of the ops where a replay may run it nested in another's, before
+    its own first use: ``[(from_op, closure), ...]`` ascending, each closure the one as of every op from
+    ``from_op`` up to the next entry's (the first from op 0), the last one its own (``closures``, as of its
+    first use). Earlier, fewer of the tensors its chain reads are gone: a tensor freed at op f is re-made by
+    the replays from op f + 1 on and read as it is before, so those ops are where the closure can change."""
+    n = len(w.ops)
+    cand_of = {c.tensor: i for i, c in enumerate(w.candidates)}
+    writers = forward_writers(w)
+    out: list[list[tuple[int, Closure]]] = []
+    for ci, (c, own) in enumerate(zip(w.candidates, closures, strict=True)):
         u = c.first_use(n)
-        ops: set[int] = set(c.recompute_ops)
-        deps: set[int] = set()
-        remade: set[int] = set()
-        todo = sorted(ops)  # ops whose inputs are still to resolve
-        done: set[int] = set()
-        made: set[int] = {c.tensor}  # tensors the closure makes from their producer
-        while todo:
-            at = todo.pop()
-            if at in done:
-                continue
-            done.add(at)
-            for tid in w.ops[at].inputs:
-                if tid == c.tensor:
-                    continue
-                t = w.tensors[tid]
-                later = t.alloc_op >= 0 and any(j > at for j in writers.get(tid, ()))
-                if later:  # written in place after this read: its value now is not the one read, so it is
-                    chain = [t.alloc_op, *(j for j in writers.get(tid, ()) if j < at)]  # re-made as of the read
-                elif tid in made:
-                    continue
-                elif t.alloc_op < 0 or t.free_op is None or t.free_op >= u:
-                    if tid in cand_of:  # live at u: the policy's action says how it is there (Rules 6-8)
-                        deps.add(cand_of[tid])
-                    continue  # resident: persistent, or still live at u as traced
-                else:  # gone at u, a candidate whose last backward use is past included: re-made as a temporary
-                    if tid in cand_of:
-                        remade.add(cand_of[tid])
-                    made.add(tid)
-                    chain = [t.alloc_op, *writers.get(tid, [])]
-                ops.update(chain)
-                todo.extend(chain)
-        out.append(Closure(frozenset(ops), tuple(sorted(deps)), tuple(sorted(remade))))
+        changes = sorted(
+            {
+                f + 1
+                for op in own.ops
+                for tid in w.ops[op].inputs
+                if (t := w.tensors[tid]).alloc_op >= 0 and (f := t.free_op) is not None and f < u and tid != c.tensor
+            }
+        )
+        if not changes:
+            out.append([(0, own)])
+            continue
+        rows: list[tuple[int, Closure]] = []
+        for i, start in enumerate([0, *changes]):
+            # the same closure from ``start`` up to the next change; from the last one on, its own
+            cl = own if i == len(changes) else closure_at(w, ci, changes[0] - 1 if i == 0 else start, writers, cand_of)
+            if not rows or rows[-1][1] != cl:
+                rows.append((start, cl))
+        out.append(rows)
     return out
 
 
@@ -434,14 +471,19 @@ def regions_for(w: Workload, act: np.ndarray, nodes: bool = True) -> list[Region
 
 
 def deps_csr(closures: Sequence[Closure]) -> tuple[np.ndarray, np.ndarray]:
-    """The closures' ``deps`` as CSR arrays: those of candidate ci are ``idx[ptr[ci]:ptr[ci + 1]]``."""
+    """The closures' ``deps`` as CSR arrays: those of closure i are ``idx[ptr[i]:ptr[i + 1]]``."""
     ptr = np.concatenate([[0], np.cumsum([len(cl.deps) for cl in closures])]).astype(np.int64)
     return ptr, np.array([d for cl in closures for d in cl.deps], dtype=np.int64)
 
 
+def reads_csr(closures: Sequence[Closure]) -> tuple[np.ndarray, np.ndarray]:
+    """P12: the candidates each candidate's closure reads, ``deps`` and ``remade`` (CSR, as :func:`deps_csr`)."""
+    return deps_csr([Closure(cl.ops, (*cl.deps, *cl.remade)) for cl in closures])
+
+
 def replay_inputs_kept(act: np.ndarray, deps_ptr: np.ndarray, deps_idx: np.ndarray) -> np.ndarray:
     """P12: action codes ``act`` with every compressed candidate that a recomputed one's replay reads kept (the
-    closures' dependencies as :func:`deps_csr` gives them)."""
+    candidates the closures read as :func:`reads_csr` gives them)."""
     compressed = act == COMPRESS
     if not compressed.any():
         return act

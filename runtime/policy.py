@@ -65,7 +65,7 @@ from runtime.errors import AutotuneError
 from runtime.fileio import atomic_write
 from runtime.keys import canonical_key
 from runtime.partition import Partition, parse_partitions
-from runtime.plan import Region, as_run, closures_of, deps_csr, held_outside, regions_for, replay_inputs_kept
+from runtime.plan import Region, as_run, closures_of, held_outside, reads_csr, regions_for, replay_inputs_kept
 from runtime.precision import check_grad_accum, check_precision
 from runtime.vocab import ACTIONS, COMPRESS, KEEP, RECOMPUTE, Action
 from runtime.workload import Workload
@@ -271,7 +271,7 @@ class Policy:
         options = options if options is not None else PolicyOptions()
         compressed = codes == COMPRESS
         if compressed.any() and (codes == RECOMPUTE).any():  # P12 (runtime/plan.py): what a replay reads is kept
-            run = replay_inputs_kept(as_run(codes, held_outside(workload)), *deps_csr(closures_of(workload)))
+            run = replay_inputs_kept(as_run(codes, held_outside(workload)), *reads_csr(closures_of(workload)))
             codes = np.where(compressed & (run == KEEP), KEEP, codes).astype(codes.dtype)
         return cls(
             actions={c.key: ACTIONS[int(a)] for c, a in zip(workload.candidates, codes, strict=True)},

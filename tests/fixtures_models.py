@@ -323,3 +323,24 @@ class ProductOfStack(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u = torch.tanh(self.a(x))
         return self.head(torch.stack([u, u * 2], 0).prod(0))
+
+
+class StackedWhere(nn.Module):
+    """``p = st[0] * st[1]`` on ``st = stack([u, where(mask, v * u, sigmoid(v))])``, concatenated with ``u * z``
+    into the head's input: the multiplication saves two views of the stack, and where the head's input and those
+    views are recomputed, the head's replay (backward's first) re-makes ``p`` and so the stack, nested in it,
+    while ``where``'s output, gone by the stack's own first use, is still live."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(16, d), nn.Linear(d, d), nn.Linear(d, 10)
+        self.d = d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = torch.tanh(self.a(x))
+        v = self.b(u)
+        z = torch.where(x.repeat(1, self.d // 16) > 0.1, v * u, torch.sigmoid(v))
+        st = torch.stack([u, z], 0)
+        p = st[0] * st[1]
+        c = torch.cat([u * z, p], 1)
+        return self.head(c[:, : self.d] + c[:, self.d :])

@@ -136,7 +136,7 @@ class Bounds:
         packed_cost = packed_cost * sim.compressible(problem.options.compress_dtype)  # others are kept (Rule 8)
         self.compress_s = packed_cost * np.where(self.first_use < n, 2.0, 1.0)
         # ... and none for one a replay may read: with its reader recomputed it is kept (runtime/plan.py P12).
-        self.compress_s[sim._deps_idx] = 0.0
+        self.compress_s[sim._reads_idx] = 0.0
         self.optimizer_alone = sim._optimizer_alone
         self.w = w
 
