@@ -126,8 +126,35 @@ def save(directory: Path, problem: Problem, results: list[SearchResult], budget:
     return paths
 
 
-def to_json(table: list[dict[str, Any]]) -> str:
-    return json.dumps(table)
+def to_json(
+    problem: Problem,
+    table: list[dict[str, Any]],
+    budget: Budget | None = None,
+    plain: SimResult | None = None,
+    saved: Path | None = None,
+) -> str:
+    """The problem (as `search --json` names it), no policy (``plain``: on the model without slices, as in
+    :func:`rows`), the fastest feasible heuristic and one row per method (``methods``)."""
+    w = problem.workload
+    base = plain if plain is not None else problem.evaluate(problem.keep_all())
+    top = best_heuristic(table)
+    return json.dumps(
+        {
+            "model": w.model,
+            "batch_size": w.batch_size,
+            "precision": w.precision,
+            "grad_accum": w.grad_accum,
+            "gpu": problem.hardware.name,
+            "budget_bytes": problem.budget_bytes if budget is None else budget.given_bytes,
+            "planned_budget_bytes": problem.budget_bytes,
+            "partitions": list(w.meta.get("partitions", ())),
+            "no_policy_samples_per_s": base.samples_per_s,
+            "no_policy_peak_bytes": base.peak_bytes,
+            "best_heuristic": top["method"] if top else None,
+            "saved_to": str(saved) if saved is not None else None,
+            "methods": table,
+        }
+    )
 
 
 __all__ = ["Status", "best_heuristic", "render", "rows", "run_baselines", "save", "select_methods"]

@@ -536,7 +536,7 @@ def baselines(
     if save is not None:
         bl.save(save, problem, results, plan)
     if as_json:
-        print(bl.to_json(table))
+        print(bl.to_json(problem, table, plan, plain, save))
         return
     bl.render(out, problem, table, plan)
     if save is not None:

@@ -822,8 +822,14 @@ def test_simulate_plans_a_saved_policy_as_its_search_did(capsys: pytest.CaptureF
     methods = "capuchin,megtaichi,delta"
     code, out, err = run(capsys, "baselines", *args, "--only", methods, "--save", str(tmp_path), "--json")
     assert code == 0 and err == "", err  # --json writes nothing else, not even the bar's empty line
-    rows = json.loads(out)
+    answer = json.loads(out)
+    rows = answer["methods"]
     planned = 484_000_000 - DEFAULT_GPU_RESERVE
+    assert (answer["model"], answer["batch_size"], answer["gpu"]) == ("resnet18", 16, "a100-40gb")
+    assert (answer["budget_bytes"], answer["planned_budget_bytes"]) == (484_000_000, planned)
+    assert answer["saved_to"] == str(tmp_path) and answer["partitions"] == []
+    fastest = max((r for r in rows if r["feasible"] and not r["exact"]), key=lambda r: r["samples_per_s"])
+    assert answer["best_heuristic"] == fastest["method"]
     # Capuchin's policy (megtaichi's with CUBLAS_WORKSPACE_CONFIG=:0:0, which sizes the traced workspaces) is
     # over the planned budget and within the whole one: the case that was told otherwise.
     assert any(planned < r["peak_bytes"] <= 484_000_000 for r in rows), rows

@@ -380,7 +380,9 @@ def test_baselines_compare_on_the_chosen_partition(capsys: pytest.CaptureFixture
     code, out, err = run(capsys, *args, "--allow-partition", "--json")
     assert code == 0, err
     assert "partition: blocks/" in err
-    assert {row["method"] for row in json.loads(out)} == {"megtaichi", "dtr"}
+    answer = json.loads(out)
+    assert {row["method"] for row in answer["methods"]} == {"megtaichi", "dtr"}
+    assert [p["module"] for p in answer["partitions"]] == ["blocks"]
 
 
 def test_the_floor_error_suggests_partition_only_where_it_was_not_asked_for() -> None:
@@ -413,13 +415,15 @@ def test_baselines_on_slices_count_their_slowdown_from_the_model_without_them(
     code, stdout, err = run(capsys, "baselines", "--model", CNN, "--budget", "10GB", "--gpu", "a100-40gb",
                             "--partition", "blocks/4", "--only", "none", "--json")  # fmt: skip
     assert code == 0, err
-    (none,) = json.loads(stdout)
+    answer = json.loads(stdout)
+    (none,) = answer["methods"]
     plain = trace_model(TraceRequest(model=CNN, target=hw))[0]
     sliced = trace_model(TraceRequest(model=CNN, target=hw, partitions=(Partition("blocks", 4),)))[0]
     keep_sliced, no_policy = Simulator(sliced, hw).no_policy(), Simulator(plain, hw).no_policy()
     assert none["samples_per_s"] == pytest.approx(keep_sliced.samples_per_s, rel=1e-12)
     assert none["slowdown"] == pytest.approx(no_policy.samples_per_s / keep_sliced.samples_per_s - 1, rel=1e-9)
     assert none["slowdown"] > 0.01  # four slices of each block cost time on the GPU's profile
+    assert answer["no_policy_samples_per_s"] == pytest.approx(no_policy.samples_per_s, rel=1e-12)  # no slices
 
 
 @pytest.mark.slow
