@@ -928,16 +928,21 @@ def maxbatch(
             progress=lambda msg: status.update(f"maxbatch: {msg}"),
             partition=_partitioner(hw, plan.planned_bytes, req) if allow_partition else None,
         )
-        outcome = search.run(start_batch)
-        if k and outcome.max_batch:
-            from autotune.real_backend import real_backend
+        try:
+            outcome = search.run(start_batch)
+            if k and outcome.max_batch:
+                from autotune.real_backend import real_backend
 
-            def backend_at(b: int, partitions: tuple[Any, ...]) -> Any:
-                return real_backend(model, b, here or "cpu", steps=3, seq_len=seq_len, image_size=image_size,
-                                    optimizer=req.optimizer, precision=req.precision, grad_accum=grad_accum,
-                                    partitions=partitions)  # fmt: skip
+                def backend_at(b: int, partitions: tuple[Any, ...]) -> Any:
+                    return real_backend(model, b, here or "cpu", steps=3, seq_len=seq_len, image_size=image_size,
+                                        optimizer=req.optimizer, precision=req.precision, grad_accum=grad_accum,
+                                        partitions=partitions)  # fmt: skip
 
-            outcome = search.measure(outcome, backend_at, k, budget_bytes)
+                outcome = search.measure(outcome, backend_at, k, budget_bytes)
+        except KeyboardInterrupt:
+            status.stop()
+            err.print(f"maxbatch: {search.reached()}; nothing written", highlight=False)
+            raise
         status.update("maxbatch: checking the reserved bytes (the caching allocator's model)")
         outcome = search.check_allocator(outcome)
     if outcome.best is not None and outcome.best.found is not None:

@@ -203,6 +203,19 @@ class MaxBatch:
             self._no_policy[b] = plain_no_policy(self._problem(b), self._plain[b])
         return self._no_policy[b]
 
+    def reached(self) -> str:
+        """The sizes searched so far and what each gave, in one line (what a Ctrl-C leaves the user)."""
+        done = [self.results[b] for b in sorted(self.results) if self.results[b].searched]
+        if not done:
+            return "no batch size searched yet"
+        said = []
+        for r in done:
+            if r.fits and r.found is not None:
+                said.append(f"{r.batch_size} fits ({r.found.result.samples_per_s:,.1f} samples/s)")
+            else:
+                said.append(f"{r.batch_size} does not")
+        return "searched " + ", ".join(said)
+
     def no_policy_fits(self, b: int) -> bool:
         self.workload(b)
         return peak_report(self._plain[b], self.hw.alloc_granularity_bytes).peak_bytes <= self.planned

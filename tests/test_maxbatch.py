@@ -103,6 +103,31 @@ def test_ctrl_c_in_a_sizes_search_stops_maxbatch(
     assert calls[0] == 3 and not out.exists()
 
 
+def test_ctrl_c_says_the_sizes_searched_so_far(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C after minutes of searching left the user one word, "interrupted": it now also says the sizes
+    searched so far and what each gave, and that nothing was written."""
+    import re
+
+    from autotune import maxbatch as mb
+
+    real = mb.MaxBatch.evaluate
+
+    def evaluate(self: mb.MaxBatch, b: int) -> mb.SizeResult:
+        if self.results and b not in self.results:  # Ctrl-C in the second size's search
+            raise KeyboardInterrupt
+        return real(self, b)
+
+    monkeypatch.setattr(mb.MaxBatch, "evaluate", evaluate)
+    out = tmp_path / "p.json"
+    code, _, err = run(capsys, "maxbatch", "--model", "resnet18", "--gpu", "a100-40gb", "--budget", "300MB",
+                       "--start-batch", "4", "--per-size", "1", "--reserve", "0", "--out", str(out))  # fmt: skip
+    assert code == 130 and "interrupted" in err, err
+    assert re.search(r"maxbatch: searched 4 fits \([\d,.]+ samples/s\); nothing written", err), err
+    assert not out.exists()
+
+
 def test_a_size_that_fits_but_runs_too_slow_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """With --max-slowdown, a size whose policy is within the budget but slower than allowed read "no" in the
     fits column, as a size whose policy is over the budget does (a QA run): it reads "too slow"."""
