@@ -52,9 +52,10 @@ Rule 7 (replay). A recomputed candidate that no region serves lives [producer, f
     that two of them write once (the runtime's replay makes it once and reads it again: R6), and an op that two of
     them run runs once; separate ones at the same op run one after another, in the order backward first unpacks them
     (``Candidate.unpack_seq``: a multiplication's gradient unpacks its second factor first; where that one's
-    closure reads the first factor, the first's replay runs nested in it). The recompute runs before op u allocates
-    its own outputs, so the live bytes of op u are the larger of (live during u) and (live during u, less u's own
-    allocations, plus the largest recompute's held bytes). Its time is the sum of the closure's op times
+    closure reads the first factor, the first's replay runs nested in it), each dropping what it holds before the
+    next starts. The recomputes run before op u allocates its own outputs, so the live bytes of op u are the larger
+    of (live during u) and, for each recompute there, (live during u, less u's own allocations and the candidates
+    that the recomputes after it make, plus its held bytes). Its time is the sum of the closure's op times
     (``recompute_s``), issued by the host as one block (Rule 12) after which the device runs it. A recomputed
     candidate whose storage something other than autograd holds until u (a custom Function's ``ctx`` attribute:
     runtime/plan.py P11) is planned as kept, everywhere (regions included).
@@ -900,7 +901,7 @@ class Simulator:
         # The clocks are read at the start, each op with events and the end; between each two, a segment of ops
         # with no event inside (Hc, Dc at its ends, the largest reach inside), walked in turn.
         at_start = (sorted_pos[0] if len(sorted_pos) else n) == begin_at  # events at the start: walked first
-        extra = np.zeros(n, dtype=np.int64)  # Rule 7: the largest recompute held before each op
+        extra = np.zeros(n, dtype=np.int64)  # Rule 7: what recomputes hold before each op, above what they make
         moved = np.empty(2 * k, dtype=np.int64)  # made again in backward: candidate, op, ...
         floors = np.empty((n + 1, 3)) if timeline else self._no_floors  # the clocks after the events at an op
         ih, ed, stall_s, host_dyn, own_dyn, compress_s, recompute_s, n_moved, n_floors = walk.compiled()(
@@ -947,6 +948,7 @@ class Simulator:
             SWAP,
             RECOMPUTE,
             COMPRESS,
+            self.size,
             extra,
             moved,
             floors,

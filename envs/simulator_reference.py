@@ -334,27 +334,31 @@ def simulate_reference(
         for ci in triggers.get(i, []):
             if ci not in fetched:
                 fetch(ci, i)
-        for ci in uses.get(i, []):
-            held, held_parts = 0, []
-            held_ids.clear()
-            ran_ids.clear()
-            materialize(ci, i)
-            if held > transient:
-                transient, transient_parts = held, held_parts
         for info in region_info:
             if info["use"] == i:  # Rule 11: the regenerated copies, and the recompute's own peak
                 for ci, last in info["ends"].items():
                     add("r", ci, size[cands[ci].tensor], last)
                 if info["transient"] > transient:
                     transient, transient_parts = info["transient"], info["transient_parts"]
+        replay_peak = 0  # Rule 7: the most live while one replay at op i holds its temporaries
+        for ci in uses.get(i, []):  # one after another: each with what those before it made, not those after
+            held, held_parts = 0, []
+            held_ids.clear()
+            ran_ids.clear()
+            materialize(ci, i)
+            replay_peak = max(replay_peak, sum(live.values()) + held)
+            if allocations is not None and held:  # held during this replay, given back before the next one
+                handles = [-2 - 2 * n - j for j in range(len(held_parts))]
+                allocations += [Allocation(i, h, z) for h, z in zip(handles, held_parts, strict=True)]
+                allocations += [Allocation(i, h, None) for h in handles]
         if i == 0:
             cur[0] = -1  # what exists before the iteration
             for t in w.tensors:
                 if t.alloc_op < 0 and (t.free_op is None or t.free_op >= 0):
                     live[("t", t.id)] = size[t.id]
             cur[0] = 0
-        recomputing = sum(live.values()) + transient  # Rules 7, 11: before op i allocates its outputs
-        if allocations is not None and transient:  # held during the recompute, given back before op i
+        recomputing = max(sum(live.values()) + transient, replay_peak)  # Rules 7, 11: before op i allocates outputs
+        if allocations is not None and transient:  # held during the region's recompute, given back before op i
             handles = [-2 - 2 * n - j for j in range(len(transient_parts))]  # freed at once: reused next op
             allocations += [Allocation(i, h, z) for h, z in zip(handles, transient_parts, strict=True)]
             allocations += [Allocation(i, h, None) for h in handles]

@@ -74,6 +74,7 @@ def walk(
     swap: int,
     recompute: int,
     compress: int,
+    cand_size: np.ndarray,
     extra: np.ndarray,
     moved: np.ndarray,
     floors: np.ndarray,
@@ -88,8 +89,10 @@ def walk(
     added to in order. ``d2h_end`` holds each swapped candidate's copy-out end where forward was settled
     before the walk, and receives those the walk issues. A recomputed candidate's closure is a *row*
     (``row_ptr``, ``row_from``: :func:`_row`), and the closures' arrays (``deps_ptr`` to ``rec_host``) are
-    per row. Writes, per op, the largest recompute held
-    (``extra``, Rule 7), each candidate made again in backward and where (``moved``: candidate, op, ...)
+    per row. Writes, per op, what its recomputes hold above the candidates made there (``extra``, Rule 7:
+    replays one after another, each holding its temporaries with what the ones before made, less all that the
+    op's replays make, ``cand_size`` bytes each), each candidate made again in backward and where (``moved``:
+    candidate, op, ...)
     and, with ``timeline``, the clocks after the events at each op (``floors``: op, host, device rows).
 
     Returns (host clock, compute clock, stall, host's dynamic work, its runtime part, compress seconds,
@@ -113,6 +116,9 @@ def walk(
     h2d_free = 0.0
     n_moved = 0
     n_floors = 0
+    use_at = -1  # the op of the last replays (Rule 7): what they made so far, and the most held with it
+    made_at = 0
+    top_at = 0
     prev = begin_at  # where the segment being walked starts
     at = begin_at if at_start else -1
     n_events = pos.shape[0]
@@ -148,6 +154,10 @@ def walk(
         if ev == USE:  # Rules 6-8 at x: dynamic work issued as blocks (Rule 12), the device running each after
             if mat_op[ci]:
                 continue
+            if x != use_at:
+                if use_at >= 0:
+                    extra[use_at] = top_at - made_at
+                use_at, made_at, top_at = x, 0, 0
             ready = act[ci] != recompute
             r = -1
             if not ready:  # recomputed: ready when its candidate inputs are kept or there already
@@ -181,6 +191,7 @@ def walk(
                         moved[n_moved] = c
                         moved[n_moved + 1] = x
                         n_moved += 2
+                        made_at += cand_size[c]
                         h2d_free = _copy_back(c, ed, h2d_free, d2h_end, h2d_dur, h2d_end)
                         host_dyn += swap_host
                         ih += swap_host
@@ -220,6 +231,7 @@ def walk(
                 moved[n_moved] = c
                 moved[n_moved + 1] = x
                 n_moved += 2
+                made_at += cand_size[c]
                 host_dyn += host
                 if sync:
                     ed += host + device
@@ -230,8 +242,8 @@ def walk(
                         if ih > ed:
                             ed = ih
                         ed += device
-            if held > extra[x]:
-                extra[x] = held
+            if made_at + held > top_at:
+                top_at = made_at + held
         elif ev == COPY_BACK:
             if not fetched[ci]:  # Rule 5: the copy back, issued as a block of no device work
                 own_dyn += swap_host
@@ -248,6 +260,8 @@ def walk(
             begin = ed if ed > d2h_free else d2h_free
             d2h_free = begin + d2h_dur[ci]
             d2h_end[ci] = d2h_free
+    if use_at >= 0:
+        extra[use_at] = top_at - made_at
     if timeline and at >= 0:
         floors[n_floors, 0] = at
         floors[n_floors, 1] = ih

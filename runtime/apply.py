@@ -49,7 +49,8 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         one's chain from what is alive now, not at its own unpack: Rule 7's nested closures), other missing
         inputs (a kept tensor or a handled one past its last unpack, that backward freed, among them) are replayed
         recursively, once per replay however many of its ops read them (Rule 7 counts them once), and dropped
-        afterwards. Arguments an op would mutate that are not being regenerated (BatchNorm's running statistics) are
+        afterwards, before backward unpacks the next tensor (Rule 7: replays at one op hold theirs in turn).
+        Arguments an op would mutate that are not being regenerated (BatchNorm's running statistics) are
         passed as copies, so replay changes no module state. An input that a later forward op wrote in place (the
         recording's writers of its storage) is re-made as it was when read, from its producer and the writers before
         the read, where the recording holds its producer (Rule 7); one made before the recording (a buffer updated

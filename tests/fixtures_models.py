@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 IN_FEATURES = 8
 OUT_FEATURES = 4
@@ -344,3 +345,32 @@ class StackedWhere(nn.Module):
         p = st[0] * st[1]
         c = torch.cat([u * z, p], 1)
         return self.head(c[:, : self.d] + c[:, self.d :])
+
+
+class PooledChain(nn.Module):
+    """max_pool2d's backward unpacks its input (a convolution of ``relu(c1(x) * 2 + 1)``) and its int64 indices
+    at one op: where all three are recomputed, the convolution's replay (the relu's nested in it) runs first and
+    drops its temporaries, then the indices' replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.c1(x) * 2.0 + 1.0)
+        return self.fc(F.max_pool2d(self.c2(h), 2).mean((2, 3)))
+
+
+class TwoLayerLSTM(nn.Module):
+    """The second LSTM layer's op makes its cell state and its workspace, which its backward unpacks at one op:
+    recomputed, each is replayed in turn, the first replay's other outputs (the workspace among them) dropped
+    before the second runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.rnn, self.head = nn.LSTM(8, 12, num_layers=2, batch_first=True), nn.Linear(12, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, (_, c) = self.rnn(torch.tanh(self.inp(x)))
+        return self.head(y[:, -1] * torch.sigmoid(c[-1]))
