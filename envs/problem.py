@@ -35,7 +35,9 @@ class Problem:
     options: PolicyOptions = field(default_factory=PolicyOptions)
     allow_compress: bool = False
     # False for a search whose policy runs under torch.compile (runtime/compiled.py C5: keep and recompute
-    # only): a swap is simulated as the keep it would become, and Searcher.search answers keep for it.
+    # only), and on a profile without copy engines (the CPU: simulator Rule 4, the copy is the same memory, so a
+    # swap never lowers the peak and adds a copy): a swap is simulated as the keep it would become, and
+    # Searcher.search answers keep for it.
     allow_swap: bool = True
     evaluations: int = field(default=0, repr=False, kw_only=True)  # ``evaluate`` calls
     cached: int = field(default=0, repr=False, kw_only=True)  # evaluations answered from the cache
@@ -47,6 +49,8 @@ class Problem:
         # every policy for it carries allow_partition, whoever makes it.
         if self.workload.meta.get("partitions") and not self.options.allow_partition:
             self.options = dataclasses.replace(self.options, allow_partition=True)
+        if not self.hardware.is_gpu:
+            self.allow_swap = False
 
     @property
     def simulator(self) -> Simulator:

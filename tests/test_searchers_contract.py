@@ -81,6 +81,26 @@ def test_rule_4_no_compression_unless_allowed(name: str) -> None:
         assert not np.any(searched(name, f)[1].policy.to_vector(_W) == COMPRESS)
 
 
+def test_rule_4_no_swap_on_a_profile_without_copy_engines() -> None:
+    """Simulator Rule 4: on the CPU a swapped tensor's copy is the same memory, so a swap never lowers the peak
+    and adds a copy; swap-based heuristics answered swaps there all the same (and where a tensor's own op saves
+    it, the runtime copies it while that op's inputs are live: measured above the plan). No searcher is offered
+    swap on such a profile: a swap is planned and answered as keep."""
+    from runtime.vocab import SWAP
+
+    cpu = get_profile("cpu")
+    peak = peak_report(_W, cpu.alloc_granularity_bytes).peak_bytes
+    assert Problem(_W, _HW, budget_bytes=_PEAK).allow_swap
+    for name in ("vdnn", "zhang-swap"):
+        swapped = get_searcher(name).search(Problem(_W, _HW, budget_bytes=int(_PEAK * 0.8)), context())
+        assert (swapped.policy.to_vector(_W) == SWAP).any(), name  # they swap on a GPU's profile
+        p = Problem(_W, cpu, budget_bytes=int(peak * 0.8))
+        r = get_searcher(name).search(p, context())
+        assert not (r.policy.to_vector(_W) == SWAP).any(), name
+        assert r.result == p.evaluate(r.policy.to_vector(_W), r.policy.options)
+    assert not p.allow_swap
+
+
 @pytest.mark.parametrize("name", list_searchers())
 def test_rule_5_deterministic_under_one_seed(name: str) -> None:
     a = searched(name, 0.7, seed=3)[1]
