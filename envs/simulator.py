@@ -124,7 +124,9 @@ Rule 15 (shared parameters' gradients). Where the trace marks an op as a sum PyT
     and the runtime makes in place (``OpInfo.in_place_into``; runtime R14, NOTE [ Shared parameters'
     gradients ] in runtime/shared_grads.py), under every policy, keep-all included, the op allocates nothing
     and the input it writes lives on to the sum's free op: the live bytes of that op are the traced ones
-    less the sum's. Without a policy (plain training: :meth:`Simulator.no_policy`) it is as traced.
+    less the sum's. Without a policy (plain training: :meth:`Simulator.no_policy`) it is as traced, and so is a
+    sum with a term that a region run as a node makes (Rule 11; the node's call runs without a graph, where the
+    runtime's hooks see no use: R14's S1).
 
 Two implementations share these rules: :class:`Simulator` (vectorised where it can be, an event walk where it
 cannot, for search) and :func:`simulate_reference` (op by op with explicit clocks and a live set, for tests).
@@ -247,6 +249,7 @@ class _RegionCost:
     regenerated: list[tuple[int, int]]  # (candidate, last op of its regenerated copy; -1 for its free_op)
     held: list[tuple[int, int, int]]  # (first op, last op, bytes): arguments and gradients the node holds longer
     intervals: tuple[np.ndarray, np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0), np.zeros(0))  # Rule 2
+    out_of_place: tuple[int, ...] = ()  # Rule 15's sums with a term the node makes: in a new tensor, as traced
 
 
 @dataclass
@@ -261,6 +264,7 @@ class _RegionView:
     n_ops: int
     interval_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # Rule 2, in run's form
     interval_w: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    alloc_ws: np.ndarray | None = None  # what each op allocates, where a sum of Rule 15 is made as traced
     _triggers: dict[int, np.ndarray] = field(default_factory=dict)
     _up_pos: tuple[np.ndarray, np.ndarray] | None = None  # the points and the end; each first use's position
 
@@ -685,6 +689,13 @@ class Simulator:
                 held.append((t.free_op + 1, last_bwd, rounded(t.nbytes, g)))
         hc = self.hw.host
         own_s = hc.region_s + (0.0 if nodes else hc.region_pack_s * packs)  # the node runs nothing per pack
+        # Rule 15: a sum of a parameter's gradients with a term that the node makes is PyTorch's, in a new tensor
+        # (the runtime's hooks see no use of the parameter inside a call run without a graph, R14).
+        out_of_place = tuple(
+            int(j)
+            for j in np.flatnonzero(self.in_place)
+            if nodes and (int(j) in module_ops or any(w.tensors[t].alloc_op in module_ops for t in w.ops[j].inputs))
+        )
         cost = _RegionCost(
             use=use,
             device_s=float(self.op_s[list(rerun)].sum()),
@@ -693,6 +704,7 @@ class Simulator:
             transient=max(0, transient),
             regenerated=regenerated,
             held=held,
+            out_of_place=out_of_place,
         )
         starts = [cost.use] * len(regenerated) if cost.use < n else []
         ends = [int(self.free_keep[ci]) if last < 0 else last for ci, last in regenerated] if cost.use < n else []
@@ -720,6 +732,13 @@ class Simulator:
                 s0, e0, z0 = rc.intervals
                 at_l += [s0, np.maximum(e0, s0 - 1) + 1]
                 w_l += [z0, -z0]
+            undone = np.array(sorted({j for rc in costs for j in rc.out_of_place}), dtype=np.int64)
+            alloc_ws = None
+            if len(undone):  # Rule 15 undone: the sum's bytes during its op, which allocates them
+                at_l += [undone, undone + 1]
+                w_l += [self.in_place[undone].astype(np.float64), -self.in_place[undone].astype(np.float64)]
+                alloc_ws = self._alloc_ws.copy()
+                alloc_ws[undone] += self.in_place[undone]
             # The unpack points of the candidates no region serves (sorted, distinct), from a mask over ops.
             at_use = np.zeros(self.n_ops + 1, dtype=bool)
             at_use[self.first_use[~served]] = True
@@ -732,6 +751,7 @@ class Simulator:
                 n_ops=self.n_ops,
                 interval_at=np.concatenate(at_l),
                 interval_w=np.concatenate(w_l),
+                alloc_ws=alloc_ws,
             )
             self._views[(regions, nodes)] = view
         return view
@@ -991,7 +1011,7 @@ class Simulator:
             view.interval_w if regions else self._no_weights,
             self._live_keep_delta,
             extra,
-            self._alloc_ws,
+            view.alloc_ws if regions and view.alloc_ws is not None else self._alloc_ws,
             KEEP,
             SWAP,
             COMPRESS,

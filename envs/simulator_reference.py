@@ -315,8 +315,15 @@ def simulate_reference(
         for tid, last in info["held"]:
             extended[tid] = max(extended.get(tid, -1), last)
     in_place: set[int] = set()  # Rule 15: sums the runtime makes in the input it writes, which lives on
+    node_paths = [frames[r].path for r in regions] if options.region_nodes else []
+
+    def in_node(j: int) -> bool:  # Rule 15: backward op j runs in a region run as a node
+        return w.ops[j].phase == Phase.BACKWARD and any(runs_in(w.ops[j].module, p) for p in node_paths)
+
     for op in w.ops:
-        if op.in_place_into >= 0:
+        if op.in_place_into >= 0 and not (  # ... not one with a term a node makes: PyTorch's new tensor
+            in_node(op.index) or any(w.tensors[t].alloc_op >= 0 and in_node(w.tensors[t].alloc_op) for t in op.inputs)
+        ):
             for tid in op.outputs:
                 if w.tensors[tid].alloc_op == op.index:
                     in_place.add(tid)

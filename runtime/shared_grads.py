@@ -31,8 +31,9 @@ NOTE [ Shared parameters' gradients ]
     S3. The last edge is the last of those this backward runs (``torch._C._will_engine_execute_node``, as
         ``register_multi_grad_hook`` counts). Nothing is lost: what is still held when the backward ends
         (the last edge produced no gradient) is added to ``.grad`` by a callback queued with the engine;
-        edges the walk did not find go through the engine's buffer as before; under ``create_graph``
-        nothing is taken. A parameter with tensor hooks of its own is left alone: they run before node
+        edges the walk did not find go through the engine's buffer as before (a use inside a region run as one
+        node, whose call runs without a graph: simulator Rule 15 plans that sum as PyTorch makes it); under
+        ``create_graph`` nothing is taken. A parameter with tensor hooks of its own is left alone: they run before node
         pre-hooks, and must see the whole gradient.
     S4. A trace (runtime/trace.py) runs the same hooks doing what PyTorch does (``in_place=False``) and
         marks each sum made in a new tensor that the runtime makes in place: ``OpInfo.in_place_into`` names

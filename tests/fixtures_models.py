@@ -374,3 +374,28 @@ class TwoLayerLSTM(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, (_, c) = self.rnn(torch.tanh(self.inp(x)))
         return self.head(y[:, -1] * torch.sigmoid(c[-1]))
+
+
+class _TiedEmbeddingBlock(nn.Module):
+    def __init__(self, vocab: int, d: int) -> None:
+        super().__init__()
+        self.word = nn.Embedding(vocab, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.word(ids) * 2)
+
+
+class TiedEmbedding(nn.Module):
+    """An embedding inside a block of its own whose weight is the output head's too (BERT's masked-LM head, GPT-2's
+    LM head): the weight's two gradients are summed where the embedding's arrives."""
+
+    def __init__(self, vocab: int = 1024, d: int = 128) -> None:
+        super().__init__()
+        self.emb = _TiedEmbeddingBlock(vocab, d)
+        self.body = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab)
+        self.head.weight = self.emb.word.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(self.emb(ids)))).flatten(0, 1)
