@@ -48,3 +48,26 @@ def classifier(make: Callable[[], torch.nn.Module], x_shape: tuple[int, ...], cl
         return model, batch, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
 
     return build
+
+
+def planned_and_measured(
+    build: Build, w: Any, policy: Policy, batch_size: int, steps: int = 2
+) -> tuple[int, list[int], Any]:
+    """``policy`` on real-mode trace ``w`` of ``build``: the fast simulator's planned peak on the cpu profile
+    (checked equal to the reference's for the policy's action codes and options), the runtime's measured peaks
+    over ``steps`` steps of SGD, and the runtime."""
+    from envs.simulator import Simulator
+    from envs.simulator_reference import simulate_reference
+    from runtime.apply import PolicyRuntime
+    from runtime.hardware import get_profile
+    from runtime.measure import run_iterations
+    from runtime.trace import make_optimizer
+
+    hw = get_profile("cpu")
+    planned = Simulator(w, hw).run(policy).peak_bytes
+    assert simulate_reference(w, hw, policy.to_vector(w), options=policy.options).peak_bytes == planned
+    model, batch, loss_fn = build()
+    rt = PolicyRuntime(policy, model)
+    opt = make_optimizer("sgd", model.parameters())
+    measured = run_iterations(model, batch, loss_fn, opt, steps=steps, batch_size=batch_size, around_step=rt.step)
+    return planned, [m.peak_bytes for m in measured], rt

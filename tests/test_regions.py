@@ -345,28 +345,16 @@ def test_a_region_output_saved_outside_goes_after_its_last_use_there(nodes: bool
     after ``amax``'s backward, before the recompute. The simulator had held it to the ReLU's backward beside
     the copy: 1,664,800 bytes planned, 1,411,936 measured as a node (+17.9%), 1,402,656 checkpointed (+18.7%).
     Now equal to the byte, in both simulators."""
-    from envs.simulator import Simulator
-    from envs.simulator_reference import simulate_reference
-    from runtime.hardware import get_profile
-    from runtime.measure import run_iterations
-    from runtime.trace import make_optimizer
-    from tests.steps import classifier
+    from tests.steps import classifier, planned_and_measured
 
     build = classifier(_OutputSavedOutside, (4, 3, 32, 32), 10)
     w = capture(build, name="output-outside", batch_size=4, fake=False)
     acts = np.array([RECOMPUTE if c.key.startswith("block#0.0:Tanh") else KEEP for c in w.candidates], np.int8)
-    options = PolicyOptions(region_nodes=nodes)
-    policy = Policy.from_vector(w, acts, hardware="cpu", options=options)
+    policy = Policy.from_vector(w, acts, hardware="cpu", options=PolicyOptions(region_nodes=nodes))
     assert policy.schedule is not None and [r.module for r in policy.schedule.regions] == ["block"]
-    hw = get_profile("cpu")
-    planned = Simulator(w, hw).run(policy).peak_bytes
-    assert simulate_reference(w, hw, acts, options=options).peak_bytes == planned
-    model, batch, loss_fn = build()
-    rt = PolicyRuntime(policy, model)
-    opt = make_optimizer("sgd", model.parameters())
-    measured = run_iterations(model, batch, loss_fn, opt, steps=2, batch_size=4, around_step=rt.step)
+    planned, measured, rt = planned_and_measured(build, w, policy, 4)
     assert rt.stats.regions == 1
-    assert [m.peak_bytes for m in measured] == [planned] * 2
+    assert measured == [planned] * 2
     assert same_bits(train_steps(build, policy, steps=2), train_steps(build, None, steps=2))
 
 
