@@ -157,6 +157,7 @@ from runtime.plan import (
     held_outside,
     nested_closures,
     reads_csr,
+    replay_copies,
     replay_inputs_kept,
 )
 from runtime.policy import Policy, PolicyOptions
@@ -428,7 +429,8 @@ class Simulator:
 
     def _temporaries(self, cl: Closure, target: int) -> list[int]:
         """Rule 7: the storages (tensor ids) a closure's replayed ops write, but the target's own."""
-        return sorted({t for op in cl.ops for t in self.w.ops[op].outputs} - {target})
+        w = self.w
+        return sorted({t for op in cl.ops for t in (*w.ops[op].outputs, *replay_copies(w, op))} - {target})
 
     def _closure_cost(
         self, ops: frozenset[int], deps: tuple[int, ...], temporaries: list[int]

@@ -18,7 +18,7 @@ import numpy as np
 
 from runtime.hardware import HardwareProfile, host_times_s, op_times_s
 from runtime.keys import runs_in
-from runtime.plan import RegionPlanner, as_run, held_outside
+from runtime.plan import RegionPlanner, as_run, held_outside, replay_copies
 from runtime.policy import PolicyOptions
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, compressible, itemsize
 from runtime.workload import Phase, TensorKind, Workload, rounded
@@ -291,7 +291,8 @@ def simulate_reference(
                     materialize(dep, i)
             ran = set(closure) - ran_ids
             ran_ids.update(ran)
-            temporaries = {x for j in closure for x in w.ops[j].outputs} - {c.tensor} - held_ids
+            made = {x for j in closure for x in (*w.ops[j].outputs, *replay_copies(w, j))}  # R6: BN's stats copied
+            temporaries = made - {c.tensor} - held_ids
             held_ids.update(temporaries)
             parts = [size[x] for x in sorted(temporaries)]
             held += sum(parts)

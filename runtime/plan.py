@@ -360,6 +360,23 @@ class RegionPlanner:
 
 
 # -- replay closures (Rule 7 of the simulator) -------------------------------------------------------------
+# Ops that update arguments their schema does not mark as written: BatchNorm's running statistics
+# (native_functions.yaml declares native_batch_norm's running_mean/running_var as plain ``Tensor?``). A replay
+# passes copies of them (runtime R6), which the trace does not list among the op's outputs.
+UNDECLARED_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4), "miopen_batch_norm": (3, 4)}
+
+
+def replay_copies(w: Workload, op: int) -> list[int]:
+    """Rule 7: the tensors that a replay of forward op ``op`` copies and holds besides its outputs: the buffers
+    it reads where it writes them undeclared (``UNDECLARED_WRITES``: BatchNorm's running statistics). Copies of
+    the arguments it declares written are among its outputs (the trace lists in-place writes there)."""
+    info = w.ops[op]
+    parts = info.name.split(".")
+    if len(parts) < 2 or parts[1] not in UNDECLARED_WRITES:
+        return []
+    return [t for t in info.inputs if w.tensors[t].kind == TensorKind.BUFFER]
+
+
 @dataclass(frozen=True)
 class Closure:
     """What replaying one candidate re-runs: its producer chain and, recursively, the chains of the tensors

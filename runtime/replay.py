@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from runtime.plan import UNDECLARED_WRITES as _UNDECLARED_WRITES
 from runtime.trace import written_arguments
 
 if TYPE_CHECKING:
@@ -212,10 +213,6 @@ class Recorder(TorchDispatchMode):
 
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
-
-# Ops that update arguments their schema does not mark as written: BatchNorm's running statistics
-# (native_functions.yaml declares native_batch_norm's running_mean/running_var as plain ``Tensor?``).
-_UNDECLARED_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4), "miopen_batch_norm": (3, 4)}
 
 
 # Arguments of a random op whose value here makes its result independent of the random state (R6): a

@@ -399,3 +399,16 @@ class TiedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.body(self.emb(ids)))).flatten(0, 1)
+
+
+class ConvBNReLU(nn.Module):
+    """relu(bn(conv(x))) into a linear head: BatchNorm's replay passes copies of its running statistics."""
+
+    def __init__(self, c: int = 64) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, c, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
