@@ -126,7 +126,8 @@ Rule 15 (shared parameters' gradients). Where the trace marks an op as a sum PyT
     and the input it writes lives on to the sum's free op: the live bytes of that op are the traced ones
     less the sum's. Without a policy (plain training: :meth:`Simulator.no_policy`) it is as traced, and so is a
     sum with a term that a region run as a node makes (Rule 11; the node's call runs without a graph, where the
-    runtime's hooks see no use: R14's S1).
+    runtime's hooks see no use: R14's S1), which autograd makes once the node has returned: it is not one of the
+    node's backward ops (what the node holds to its last one has gone by then).
 
 Two implementations share these rules: :class:`Simulator` (vectorised where it can be, an event walk where it
 cannot, for search) and :func:`simulate_reference` (op by op with explicit clocks and a live set, for tests).
@@ -611,6 +612,15 @@ class Simulator:
         path = frame.path
 
         module_ops = {op for m, ops in self._bwd_ops_of_module.items() if runs_in(m, path) for op in ops}
+        # Rule 15: a sum of a parameter's gradients with a term that the node makes is PyTorch's, in a new tensor
+        # (the runtime's hooks see no use of the parameter inside a call run without a graph, R14), made in
+        # autograd's buffer once the node has returned: not one of the node's ops.
+        out_of_place = tuple(
+            int(j)
+            for j in np.flatnonzero(self.in_place)
+            if nodes and (int(j) in module_ops or any(w.tensors[t].alloc_op in module_ops for t in w.ops[j].inputs))
+        )
+        module_ops -= set(out_of_place)
 
         def in_module(op: int) -> bool:
             return op in module_ops
@@ -691,13 +701,6 @@ class Simulator:
                 held.append((t.free_op + 1, last_bwd, rounded(t.nbytes, g)))
         hc = self.hw.host
         own_s = hc.region_s + (0.0 if nodes else hc.region_pack_s * packs)  # the node runs nothing per pack
-        # Rule 15: a sum of a parameter's gradients with a term that the node makes is PyTorch's, in a new tensor
-        # (the runtime's hooks see no use of the parameter inside a call run without a graph, R14).
-        out_of_place = tuple(
-            int(j)
-            for j in np.flatnonzero(self.in_place)
-            if nodes and (int(j) in module_ops or any(w.tensors[t].alloc_op in module_ops for t in w.ops[j].inputs))
-        )
         cost = _RegionCost(
             use=use,
             device_s=float(self.op_s[list(rerun)].sum()),

@@ -540,6 +540,12 @@ def _region(w, r, mine, within, size, op_s, host_op, hc, nodes):  # type: ignore
     frame, n = w.frames[r], len(w.ops)
     path = frame.path
     owned = {op.index for op in w.ops if op.phase == Phase.BACKWARD and runs_in(op.module, path)}
+    if nodes:  # Rule 15: a sum with a term the node makes runs in autograd's buffer after the node returns
+        owned -= {
+            op.index
+            for op in w.ops
+            if op.in_place_into >= 0 and (op.index in owned or any(w.tensors[t].alloc_op in owned for t in op.inputs))
+        }
     inside = [ci for ci, c in enumerate(w.candidates) if any(within(f, r) for f, _ in c.packs)]
     if nodes:  # the node's backward starts before the call's first backward op and re-runs the whole call
         use = min(owned, default=n)
