@@ -333,11 +333,6 @@ class Simulator:
         self.h2d_s = self.nbytes / hw.h2d_bytes_per_s
         closures = closures_of(w)
         self.closure_ops: list[frozenset[int]] = [cl.ops for cl in closures]  # Rule 7: the ops re-run
-        # Rule 7, per candidate: (recompute seconds, transient bytes, candidate dependencies)
-        self.closures = [
-            self._closure_cost(cl.ops, cl.deps, self._temporaries(cl, c.tensor))
-            for cl, c in zip(closures, cands, strict=True)
-        ]
         # Rule 7 for the walk (envs/walk.py), per *row*: a candidate's closure as of the ops from where it holds
         # (runtime.plan.nested_closures: a replay nested in an earlier one's runs it as of that one's use; rows
         # of ci are _row_ptr[ci]:_row_ptr[ci + 1], from ops _row_from, the last its own closure).
@@ -349,6 +344,8 @@ class Simulator:
         temps = [self._temporaries(cl, cands[ci].tensor) for cl, ci in zip(rows, row_cand, strict=True)]
         costs = [self._closure_cost(cl.ops, cl.deps, t) for cl, t in zip(rows, temps, strict=True)]
         row_len = [len(cl.ops) for cl in rows]
+        # Rule 7, per candidate: (recompute seconds, transient bytes, candidate dependencies), its last row's
+        self.closures = [costs[last] for last in self._row_ptr[1:] - 1]
         # ... as arrays: seconds, bytes, the candidate inputs (CSR: those of row r are
         # _deps_idx[_deps_ptr[r]:_deps_ptr[r + 1]]), the host's seconds (h_i and the replay's own per op,
         # Rule 12) and their runtime part.
