@@ -316,15 +316,9 @@ def simulate_reference(
         for tid, last in info["held"]:
             extended[tid] = max(extended.get(tid, -1), last)
     in_place: set[int] = set()  # Rule 15: sums the runtime makes in the input it writes, which lives on
-    node_paths = [frames[r].path for r in regions] if options.region_nodes else []
-
-    def in_node(j: int) -> bool:  # Rule 15: backward op j runs in a region run as a node
-        return w.ops[j].phase == Phase.BACKWARD and any(runs_in(w.ops[j].module, p) for p in node_paths)
-
+    as_traced = {j for info in region_info for j in info["out_of_place"]}  # ... not one with a term a node makes
     for op in w.ops:
-        if op.in_place_into >= 0 and not (  # ... not one with a term a node makes: PyTorch's new tensor
-            in_node(op.index) or any(w.tensors[t].alloc_op >= 0 and in_node(w.tensors[t].alloc_op) for t in op.inputs)
-        ):
+        if op.in_place_into >= 0 and op.index not in as_traced:
             for tid in op.outputs:
                 if w.tensors[tid].alloc_op == op.index:
                     in_place.add(tid)
@@ -540,12 +534,16 @@ def _region(w, r, mine, within, size, op_s, host_op, hc, nodes):  # type: ignore
     frame, n = w.frames[r], len(w.ops)
     path = frame.path
     owned = {op.index for op in w.ops if op.phase == Phase.BACKWARD and runs_in(op.module, path)}
-    if nodes:  # Rule 15: a sum with a term the node makes runs in autograd's buffer after the node returns
-        owned -= {
-            op.index
-            for op in w.ops
-            if op.in_place_into >= 0 and (op.index in owned or any(w.tensors[t].alloc_op in owned for t in op.inputs))
-        }
+    # Rule 15: a sum with a term the node makes is PyTorch's, in a new tensor, made in autograd's buffer once
+    # the node has returned: not one of its ops.
+    out_of_place = {
+        op.index
+        for op in w.ops
+        if nodes
+        and op.in_place_into >= 0
+        and (op.index in owned or any(w.tensors[t].alloc_op in owned for t in op.inputs))
+    }
+    owned -= out_of_place
     inside = [ci for ci, c in enumerate(w.candidates) if any(within(f, r) for f, _ in c.packs)]
     if nodes:  # the node's backward starts before the call's first backward op and re-runs the whole call
         use = min(owned, default=n)
@@ -625,4 +623,5 @@ def _region(w, r, mine, within, size, op_s, host_op, hc, nodes):  # type: ignore
         "regenerated": regenerated,
         "freed": freed,
         "held": held,
+        "out_of_place": out_of_place,
     }
