@@ -62,9 +62,11 @@ def test_ppo_is_deterministic_under_a_seed() -> None:
 
 def test_greedy_rollout_honours_the_masks() -> None:
     from sb3_contrib import MaskablePPO
+    from stable_baselines3.common.logger import Logger
 
     env = MemoryPolicyEnv(problem(), allow_compress=False)
     model = MaskablePPO("MlpPolicy", env, n_steps=64, batch_size=32, seed=0, device="cpu")
+    model.set_logger(Logger(None, []))  # SB3's default leaves an empty folder in /tmp
     model.learn(total_timesteps=64)
     obs, _ = env.reset()
     done = False
