@@ -24,7 +24,9 @@ Rule 4 (swap out). A swapped candidate's D2H copy is issued when op ``save_op`` 
     first backward use of any handled candidate (swapped, compressed or replayed); there the compute stream waits
     until the copy has ended (``stall_s``). It lives [producer, max(free_if_dropped_op, r)], r the op of the release
     point's pack (or that first use - 1). On a profile without copy engines host memory is the device's: the copy
-    (on the one clock) lives [save_op + 1, free_op] (made once op save_op has ended, so not during it), the original
+    (on the one clock) lives [save_op + 1, free_op], and during op save_op too where that op packs its own output
+    (``Candidate.packed_in_op``: the pack hook runs after its kernel, when its inputs are still alive and its
+    workspace is gone; an input is packed before its reader's kernel, once the op before has ended), the original
     [producer, free_if_dropped_op], and nothing is copied back (Rules 5, 6 do not apply).
 Rule 5 (prefetch). The unpack points U are the distinct first-backward-use ops of the candidates that no region
     serves (Rule 11), sorted (the runtime's unpack hook fires there: a first use is the first op of the backward
@@ -58,12 +60,13 @@ Rule 7 (replay). A recomputed candidate that no region serves lives [producer, f
     is the sum of the closure's op times (``recompute_s``), issued by the host as one block (Rule 12) after which
     the device runs it. A recomputed candidate whose storage something other than autograd holds until u (a custom
     Function's ``ctx`` attribute: runtime/plan.py P11) is planned as kept, everywhere (regions included).
-Rule 8 (compress). A compressed candidate is cast to ``compress_dtype`` when ``save_op`` ends, by a kernel on
-    the compute stream that reads n bytes and writes n / r (r = element size ratio, at least 1). The full
-    storage lives [producer, free_if_dropped_op], the packed one [save_op + 1, u]; just before u an unpack
-    kernel (reads n / r, writes n) re-creates it, living [u, free_op]. Both kernels are ``compress_s``. A
-    candidate that is not a floating-point tensor wider than ``compress_dtype`` (an int64 index) is kept (R8), and
-    so is one that the replay of a recomputed candidate reads (runtime/plan.py P12).
+Rule 8 (compress). A compressed candidate is cast to ``compress_dtype`` when ``save_op`` ends, by a kernel on the
+    compute stream that reads n bytes and writes n / r (r = element size ratio, at least 1). The full storage lives
+    [producer, free_if_dropped_op], the packed one [save_op + 1, u] (and during op save_op where it packs its own
+    output, as in Rule 4); just before u an unpack kernel (reads n / r, writes n) re-creates it, living [u,
+    free_op]. Both kernels are ``compress_s``. A candidate that is not a floating-point tensor wider than
+    ``compress_dtype`` (an int64 index) is kept (R8), and so is one that the replay of a recomputed candidate reads
+    (runtime/plan.py P12).
 Rule 9 (time). ``iter_s`` is when both the compute stream and the host are done (the step ends with a
     synchronisation): compute + recompute + compress + stall and whatever the host adds where it is behind.
     ``samples_per_s`` = batch size / ``iter_s``.
@@ -317,6 +320,7 @@ class Simulator:
         self.nbytes = np.array([c.nbytes for c in cands], dtype=np.float64)
         self.producer = np.array([c.producer for c in cands], dtype=np.int64)
         self.save_op = np.array([c.save_op for c in cands], dtype=np.int64)
+        self.in_op = np.array([c.packed_in_op for c in cands], dtype=np.bool_)  # Rules 4, 8: packed inside save_op
         self.drop = np.array([c.free_if_dropped_op for c in cands], dtype=np.int64)
         self.free_keep = np.array(
             [n - 1 if w.tensors[c.tensor].free_op is None else w.tensors[c.tensor].free_op for c in cands],
@@ -405,6 +409,7 @@ class Simulator:
         # counts, and their sums, are exact below 2**53).
         self._live_keep_delta = np.diff(self._live_keep, prepend=0).astype(np.float64)
         self._alloc_ws = self.base_alloc + self.workspace  # Rules 7, 11: what op u itself allocates
+        self._workspace_f = self.workspace.astype(np.float64)  # Rules 4, 8: gone when an op packs its outputs
         self._observation_setup(closures)
 
     @functools.cached_property
@@ -1008,6 +1013,8 @@ class Simulator:
             self.first_use,
             self._used,
             self._packed_f(options.compress_dtype, packed),
+            self.in_op,
+            self._workspace_f,
             view.interval_at if regions else self._no_ops,
             view.interval_w if regions else self._no_weights,
             self._live_keep_delta,

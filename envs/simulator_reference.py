@@ -317,6 +317,10 @@ def simulate_reference(
             extended[tid] = max(extended.get(tid, -1), last)
     in_place: set[int] = set()  # Rule 15: sums the runtime makes in the input it writes, which lives on
     as_traced = {j for info in region_info for j in info["out_of_place"]}  # ... not one with a term a node makes
+    packed_in: dict[int, list[int]] = {}  # Rules 4, 8: op -> the candidates it packs as its own outputs
+    for ci, c in enumerate(cands):
+        if c.packed_in_op:
+            packed_in.setdefault(c.save_op, []).append(ci)
     for op in w.ops:
         if op.in_place_into >= 0 and op.index not in as_traced:
             for tid in op.outputs:
@@ -368,9 +372,11 @@ def simulate_reference(
             if w.tensors[tid].alloc_op == i and tid not in in_place:
                 live[("t", tid)] = size[tid]
         for ci, c in enumerate(cands):
-            if act[ci] == COMPRESS and c.save_op + 1 == i:  # Rule 8: cast once op save_op has ended
+            if c.packed_in_op or c.save_op + 1 != i:
+                continue
+            if act[ci] == COMPRESS:  # Rule 8: cast once op save_op has ended
                 live[("p", ci)] = packed[ci]
-            if act[ci] == SWAP and not gpu and c.save_op + 1 == i:  # Rule 4: the copy is device memory
+            if act[ci] == SWAP and not gpu:  # Rule 4: the copy is device memory
                 add("c", ci, size[c.tensor], free_keep[ci])
         # Op i on the clocks (Rule 1), after the fixed insertions before it.
         clock["busy"] += host_at[i] + host_op[i]
@@ -386,6 +392,14 @@ def simulate_reference(
         timeline.append(max(sum(live.values()) + op.workspace_bytes, recomputing))  # workspace: during the op
         if allocations is not None and op.workspace_bytes:
             allocations += [Allocation(i, -2 - n - i, op.workspace_bytes), Allocation(i, -2 - n - i, None)]
+        packing = packed_in.get(i, [])
+        for ci in packing:  # Rules 4, 8: op i packs its own output, its inputs still alive, its workspace gone
+            if act[ci] == COMPRESS:
+                live[("p", ci)] = packed[ci]
+            if act[ci] == SWAP and not gpu:
+                add("c", ci, size[cands[ci].tensor], free_keep[ci])
+        if packing:
+            timeline[-1] = max(timeline[-1], sum(live.values()))
 
         # Releases after op i.
         for t in w.tensors:

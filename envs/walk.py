@@ -387,6 +387,8 @@ def live_bytes(
     first_use: np.ndarray,
     used: np.ndarray,
     packed_f: np.ndarray,
+    in_op: np.ndarray,
+    ws: np.ndarray,
     region_at: np.ndarray,
     region_w: np.ndarray,
     live_keep_delta: np.ndarray,
@@ -402,10 +404,13 @@ def live_bytes(
     is made again in backward (copied back, regenerated, unpacked: at its first use, its copy back's trigger
     op, or where ``moved`` says) to its free op; a compressed one's packed bytes [save_op + 1, its unpack]; the
     regions' intervals (``region_at``, ``region_w``); and, Rules 7 and 11, the recompute held before op u
-    allocates its own outputs (``extra``). Byte counts are exact in float64, so the order of the sums is
-    free. An interval that ends before it starts holds nothing (its end moves to just before its start)."""
+    allocates its own outputs (``extra``). A copy or packed form made inside op save_op (``in_op``: the op
+    packs its own output) is also live during that op once its workspace (``ws``) is gone (Rules 4, 8).
+    Byte counts are exact in float64, so the order of the sums is free. An interval that ends before it
+    starts holds nothing (its end moves to just before its start)."""
     k = act.shape[0]
     delta = np.zeros(n + 1)
+    packing = np.zeros(n)  # Rules 4, 8: made inside op save_op, after its kernel
     bop = first_use.copy()
     made = np.zeros(k, dtype=np.bool_)
     for ci in range(k):
@@ -428,6 +433,8 @@ def live_bytes(
         elif swapping:  # Rule 4 without copy engines: the copy is device memory, [save_op + 1, free_op]
             delta[save_op[ci] + 1] += z
             delta[keep_end_from_save[ci]] -= z
+            if in_op[ci]:
+                packing[save_op[ci]] += z
     for i in range(0, n_moved, 2):
         made[moved[i]] = True
         bop[moved[i]] = moved[i + 1]
@@ -441,6 +448,8 @@ def live_bytes(
             delta[max(free_keep[ci], b - 1) + 1] -= z
         if act[ci] == compress:  # packed: [save_op + 1, u], to the end if never unpacked (Rule 8)
             delta[save_op[ci] + 1] += packed_f[ci]
+            if in_op[ci]:
+                packing[save_op[ci]] += packed_f[ci]
             if made[ci]:
                 delta[max(bop[ci], save_op[ci]) + 1] -= packed_f[ci]
     for j in range(region_at.shape[0]):  # Rule 11: regenerated copies, held arguments
@@ -451,6 +460,8 @@ def live_bytes(
         acc += delta[i] + live_keep_delta[i]
         held = extra[i]
         live[i] = max(acc, acc - alloc_ws[i] + held) if held else acc
+        if packing[i]:
+            live[i] = max(live[i], acc - ws[i] + packing[i])
     return live
 
 

@@ -26,7 +26,8 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         backward, whichever comes first. There the compute stream waits for the copy's event (no host
         synchronisation) and the handle lets go, so the block is released at that point of the program,
         as the simulator plans. On the CPU the host store is the same memory: the copy is counted like any
-        storage (runtime.measure), unpacks return views of it, and it goes after the last one (R9).
+        storage (runtime.measure), from the pack hook (inside the op where an op saves its own output: Rule 4),
+        unpacks return views of it, and it goes after the last one (R9).
         Tensors on another device than the model's (attention's RNG seed on the host) are kept. A later pack
         of the storage after a write into it (its version moved, or it is a part of its storage that is no
         view: ``unsafe_chunk``'s, as in the CPU's GRU cell) copies it again, so that the copy holds its
@@ -66,8 +67,8 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         fail loudly. A random op whose arguments make its draws irrelevant (dropout at p=0, the CPU's attention at
         ``dropout_p`` 0) keeps no state and is replayed with the random state forked, so a second backward
         (``retain_graph=True``) replays it too. The simulator counts none of the states (at most a few per block).
-    R7. Compress (Rule 8): at the first pack, a cast to the policy's dtype; at the first unpack, a cast
-        back. Lossy, allowed only by the policy's ``lossy`` option.
+    R7. Compress (Rule 8): at the first pack, a cast to the policy's dtype (inside the op where an op saves its
+        own output); at the first unpack, a cast back. Lossy, allowed only by the policy's ``lossy`` option.
     R8. Compress and swap apply to what the simulator says they do: compress only to floating-point
         tensors wider than the target dtype (others are kept, as envs.simulator treats them).
     R9. A handle drops its device copy after the last unpack of its storage (the pack count of the

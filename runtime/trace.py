@@ -14,6 +14,10 @@ NOTE [ What is recorded ]
     storages ]), FLOPs (PyTorch's own ``flop_counter`` formulas for matmuls, convolutions and attention;
     one per output element for everything else), bytes moved, the module it belongs to and, in real mode,
     its time. Ops that only alias (views, ``detach``) and ``prim`` metadata queries are not recorded.
+    Each first pack of a storage also records whether it ran inside the last op recorded: autograd saves an
+    op's inputs before its kernel runs, after making the op's node, and its outputs after the kernel, with
+    no node made since (``torch.autograd._get_sequence_nr`` counts the nodes made): a tensor that its own op
+    saves as an output is packed while that op's inputs are still alive (``Candidate.packed_in_op``).
     Releases are observed, not guessed: a weak reference to each storage object fires when PyTorch frees
     it, and the release is placed after the last recorded op. So the lifetimes include Python's own
     references (a local that outlives its last use), the autograd engine's releases in backward and the
@@ -138,6 +142,7 @@ class _Recorder(TorchDispatchMode):
         self._time_ops = time_ops
         self.target = target  # a fake trace's GPU target (G7's and G8's workspaces)
         self.ignored_keys: list[str] = []
+        self.nodes_at_last_op = -1  # autograd nodes made when the last recorded op was dispatched
         self._cuda_events: list[tuple[int, Any, Any]] = []
         # Real CUDA traces read each op's workspace off the allocator (bytes allocated and released inside it).
         self._cuda_memory = time_ops and torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -205,6 +210,7 @@ class _Recorder(TorchDispatchMode):
             return out
 
         index = len(self.ops)
+        self.nodes_at_last_op = _nodes_made()
         inputs: list[int] = []
         for t in in_tensors:
             tid = self.register(t, TensorKind.BUFFER)  # unseen storage: state created before the capture
@@ -471,7 +477,7 @@ def capture(
         keyer = SavedTensorKeyer(model)
         with keyer.attached():
             dropped = _drop_pass(model, batch, loss_fn, opt, keyer, step)
-            rec, cand_order, (saved_after, saved_in, unpacked), frames = _record(
+            rec, cand_order, (saved_after, saved_in, unpacked, in_op), frames = _record(
                 model, batch, loss_fn, opt, keyer, step, time_ops=not fake, target=target if gpu else None
             )
         # The median of five plain iterations: what a training step typically takes (NOTE [ Op time
@@ -483,6 +489,7 @@ def capture(
         saved_after,
         saved_in,
         unpacked,
+        in_op,
         dropped,
         block_paths(model),
         frames,
@@ -691,12 +698,15 @@ def _record(
     step: TrainStep,
     time_ops: bool,
     target: HardwareProfile | None = None,
-) -> tuple[_Recorder, dict[int, str], tuple[dict[int, int], dict[int, set[str]], dict[int, int]], _FrameLog]:
+) -> tuple[
+    _Recorder, dict[int, str], tuple[dict[int, int], dict[int, set[str]], dict[int, int], dict[int, bool]], _FrameLog
+]:
     keyer.new_forward()
     rec = _Recorder(time_ops=time_ops, target=target)
     _register_state(rec, model, batch, opt, step)
     cand: dict[int, str] = {}  # tensor id -> key, in first-pack order
     saved_after: dict[int, int] = {}  # tensor id -> last op completed at its first pack
+    in_op: dict[int, bool] = {}  # tensor id -> its first pack ran inside that op (its own output's save)
     saved_in: dict[int, set[str]] = {}  # tensor id -> modules whose ops saved it
     unpacked: dict[int, int] = {}  # tensor id -> the op backward runs next at its first unpack, in unpack order
     ignored: list[str] = rec.ignored_keys
@@ -713,6 +723,7 @@ def _record(
             if k.key is not None and tid is not None and rec.tensors[tid].phase == Phase.FORWARD:
                 cand.setdefault(tid, k.key)
                 saved_after.setdefault(tid, len(rec.ops) - 1)
+                in_op.setdefault(tid, rec.nodes_at_last_op == _nodes_made() >= 0)
                 saved_in.setdefault(tid, set()).add(keyer.current_module)
                 packs.setdefault(tid, []).append((frame, len(rec.ops) - 1))
             else:
@@ -764,7 +775,7 @@ def _record(
             opt.zero_grad(set_to_none=True)  # gradients die here, after the last op
     rec.closed = True
     rec.finish_timing()
-    return rec, cand, (saved_after, saved_in, unpacked), log
+    return rec, cand, (saved_after, saved_in, unpacked, in_op), log
 
 
 def _build_workload(
@@ -773,6 +784,7 @@ def _build_workload(
     saved_after: dict[int, int],
     saved_in: dict[int, set[str]],
     unpacked: dict[int, int],
+    in_op: dict[int, bool],
     dropped: dict[str, int],
     blocks: dict[str, str],
     log: _FrameLog,
@@ -801,6 +813,7 @@ def _build_workload(
         needs = {i for op in chain for i in rec.ops[op].inputs} - {tid}
         last_fwd = max(fwd_uses, default=t.alloc_op)
         drop_at = dropped.get(key, -1)
+        save_op = max(saved_after[tid], t.alloc_op, *fwd_writers)
         candidates.append(
             Candidate(
                 key=key,
@@ -808,7 +821,7 @@ def _build_workload(
                 nbytes=t.nbytes,
                 producer=t.alloc_op,
                 writers=tuple(fwd_writers),
-                save_op=max(saved_after[tid], t.alloc_op, *fwd_writers),
+                save_op=save_op,
                 last_fwd_use=last_fwd,
                 bwd_uses=tuple(i for i in t.readers if rec.ops[i].phase == Phase.BACKWARD),
                 # A release before the last use would be a tracing bug; -1 means dropping frees nothing.
@@ -821,6 +834,7 @@ def _build_workload(
                 packs=tuple(log.packs[tid]),
                 unpack_op=unpacked.get(tid, -1),
                 unpack_seq=unpack_seq.get(tid, -1),
+                packed_in_op=in_op[tid] and save_op == saved_after[tid],
             )
         )
     w = Workload(
@@ -834,6 +848,12 @@ def _build_workload(
     w.meta["ignored_keys"] = rec.ignored_keys
     w.compute_fingerprints()
     return w
+
+
+def _nodes_made() -> int:
+    """How many autograd nodes this thread has made (-1 where torch does not say)."""
+    counter = getattr(torch.autograd, "_get_sequence_nr", None)
+    return int(counter()) if counter is not None else -1
 
 
 def _block(blocks: dict[str, str], module: str) -> str:

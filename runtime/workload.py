@@ -147,6 +147,9 @@ class Candidate:
     packs: tuple[tuple[int, int], ...] = ()  # each pack of its storage: (frame, last op completed), in order
     unpack_op: int = -1  # the op backward ran next when it first unpacked it (-1: never, or an older trace)
     unpack_seq: int = -1  # its first unpack's rank among all candidates' first unpacks (-1: as unpack_op)
+    # Its first pack ran inside op ``save_op``, after its kernel (the op saves its own output): that op's inputs
+    # were still alive, its workspace gone (NOTE [ What is recorded ] in runtime/trace.py; Rules 4, 8).
+    packed_in_op: bool = False
 
     def first_use(self, n_ops: int) -> int:
         """Where backward first needs it (NOTE [ Candidates ]): the first unpack, when its node starts, before
