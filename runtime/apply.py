@@ -156,7 +156,8 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         out. A deep copy had kept them, bound to the original: it computed with the original's weights.
     R19. Entered again inside its own step (a ``train_step`` helper that applies the policy, called inside a
         loop that applies it too), a runtime does nothing more: the outer step is the step. Another policy's
-        runtime on the same model inside a step is refused.
+        runtime on the same model inside a step is refused, and so is one on another model in the same thread
+        (saved-tensor hooks are the thread's: each runtime would see the other model's packs as its own).
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -386,6 +388,7 @@ class PolicyRuntime:
         self._views_hook: torch.utils.hooks.RemovableHandle | None = None
         self._double = False  # a backward with create_graph=True reached a node (R10: checkpoint from then on)
         self._parameters: frozenset[int] = frozenset()  # the trainable parameters the leaves were learnt with
+        self._step_thread = -1  # the thread of its step (R19)
         self.stats = RuntimeStats()
 
     def _usable_regions(self, regions: list[Region]) -> dict[Frame, Region]:
@@ -417,6 +420,16 @@ class PolicyRuntime:
                 f"another policy ({active.policy.provenance.searcher}, for {active.policy.model}) is already applied "
                 "to this model in this step: apply one policy per step"
             )
+        here = threading.get_ident()
+        other = next((rt for rt in list(_active.values()) if rt._step_thread == here), None)
+        if other is not None:
+            raise AutotuneError(
+                f"a policy (for {other.policy.model}) is already applied to another model in this step, and this "
+                f"one (for {self.policy.model}) cannot apply inside it (each would see the other's saved tensors): run "
+                "each model's forward and backward in a step of its own (a GAN's discriminator step, then its "
+                "generator step), or wrap both models in one nn.Module and search one policy for it"
+            )
+        self._step_thread = here
         _active[self.model] = self
         try:
             with self._step(force_hooks) as stats:

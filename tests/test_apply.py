@@ -1045,6 +1045,44 @@ def test_a_policy_applied_again_inside_its_step_is_the_same_step() -> None:
         loss_fn(model, batch).backward()
 
 
+def test_two_models_each_under_its_own_policy_in_one_step_are_refused() -> None:
+    """R19: saved-tensor hooks are the thread's, so a step of a second model inside another model's step saw
+    that model's packs as its own (``<loss>`` tensors): part of each plan was not applied, and on a tiny Llama
+    the third step failed inside the runtime (``IndexError``). It is refused at once, naming the way out;
+    each model in a step of its own trains as plain training does, and a step in another thread is its own."""
+    import threading
+
+    name, kwargs = RESNET
+    w = capture(_build(name, kwargs), name=name, batch_size=2)
+    recompute = Policy.from_vector(w, uniform_actions(w, Action.RECOMPUTE), hardware="cpu")
+    swap = Policy.from_vector(w, uniform_actions(w, Action.SWAP), hardware="cpu")
+    (m1, batch, loss_fn), (m2, _, _) = _build(name, kwargs)(), _build(name, kwargs)()
+    with recompute.applied(m1), pytest.raises(AutotuneError, match="another model in this step"), swap.applied(m2):
+        pass
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in [*m1.modules(), *m2.modules()])
+    plain = train_steps(_build(name, kwargs), None, steps=1)
+    for model, policy in ((m1, recompute), (m2, swap)):
+        model.zero_grad()
+        with policy.applied(model):
+            loss_fn(model, batch).backward()
+        assert same_bits(plain, [[p.grad for p in model.parameters() if p.grad is not None]])
+    errors: list[BaseException] = []
+
+    def elsewhere() -> None:
+        try:
+            with swap.applied(m2):
+                loss_fn(m2, batch).backward()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    with recompute.applied(m1):
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
+        loss_fn(m1, batch).backward()
+    assert errors == []
+
+
 def test_a_validation_pass_of_another_shape_does_not_make_the_next_step_learn() -> None:
     """A validation pass under ``torch.no_grad()`` with its own batch size, inside ``policy.applied``,
     between training steps: it packs nothing and learns nothing, and the next training step applies the
