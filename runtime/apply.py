@@ -142,7 +142,10 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         and backward): a persistent block allocated mid-step lands in a cached block of the step's own tensors
         and splits it for good, so a later step's large tensor (GPT-2's logits) needs a segment more.
     R16. A model that checkpoints its own layers (Hugging Face's ``gradient_checkpointing``) is refused at its
-        first step under a policy that hooks or has regions: the model's recompute would re-run them.
+        first step under a policy that hooks or has regions: the model's recompute would re-run them. So is one
+        whose code calls ``torch.utils.checkpoint`` itself, when its recompute runs a module's forward in that
+        step's backward outside the policy's regions (reentrant, it had left BatchNorm's statistics other than
+        plain training's, without a word).
     R17. Autocast around forward and backward (``loss.backward()`` inside it). Its cache of the parameters'
         casts would hold them through backward, where the trace's autocast (runtime.precision: around the
         forward, as PyTorch's recipes put it) let go of it after the forward: a swapped or recomputed cast
@@ -389,6 +392,7 @@ class PolicyRuntime:
         self._double = False  # a backward with create_graph=True reached a node (R10: checkpoint from then on)
         self._parameters: frozenset[int] = frozenset()  # the trainable parameters the leaves were learnt with
         self._step_thread = -1  # the thread of its step (R19)
+        self._recomputing = 0  # regions recomputing in backward now (R16)
         self.stats = RuntimeStats()
 
     def _usable_regions(self, regions: list[Region]) -> dict[Frame, Region]:
@@ -507,6 +511,17 @@ class PolicyRuntime:
                     "gradient_checkpointing=True): turn that off, the policy decides what to recompute (search "
                     "with it off too); a policy and the model's own checkpointing cannot both recompute its layers"
                 )
+
+    def _called_in_backward(self, path: str) -> None:
+        """R16: a module of the model runs its forward with grad inside backward, and not in one of the policy's
+        regions: the model's own checkpoint (``torch.utils.checkpoint`` in its code) recomputes it."""
+        if self._recomputing:
+            return
+        raise AutotuneError(
+            f"the model checkpoints part of its own forward: module '{path}' ran again in backward (torch.utils."
+            "checkpoint in the model's code); remove that checkpoint, the policy decides what to recompute (search "
+            "without it too): a policy and the model's own checkpointing cannot both recompute its layers"
+        )
 
     def _learnt(self, inputs: tuple[Any, ...] | None, force: bool) -> _Learned | None:
         learned = self._learned.get(inputs)
@@ -658,8 +673,17 @@ class PolicyRuntime:
         calls = self._region_calls
 
         def recomputable(*args: Any, **kwargs: Any) -> Any:
-            if not norm or torch._C._current_graph_task_id() == -1:
+            if torch._C._current_graph_task_id() == -1:
                 return forward(*args, **kwargs)  # the forward itself
+            self._recomputing += 1  # R16: the module calls it makes in backward are the runtime's
+            try:
+                return recompute(*args, **kwargs)
+            finally:
+                self._recomputing -= 1
+
+        def recompute(*args: Any, **kwargs: Any) -> Any:
+            if not norm:
+                return forward(*args, **kwargs)
             # The recompute, in backward: with momentum 0 BatchNorm rewrites its running statistics with
             # their own values (x (1 - 0) + 0 m = x, exactly), and its step count is taken back in place where
             # the recompute ran it in training mode (it counted one; in eval mode it updates nothing). Nothing
@@ -794,6 +818,8 @@ class PolicyRuntime:
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(keyer.attached(global_hooks=True))
+                keyer.on_backward_call = self._called_in_backward
+                stack.callback(setattr, keyer, "on_backward_call", None)
                 if started:
                     keyer.enter_root()
                 stack.callback(self.model.register_forward_hook(StepHook(root_done), always_call=True).remove)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -84,6 +84,9 @@ class SavedTensorKeyer:
         self._excluded: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> True
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._names: dict[int, str] | None = None  # id(module) -> path, for global hooks (built once)
+        # Called with the module's path when a module's forward runs with grad inside a backward (a checkpoint's
+        # recompute: runtime R16).
+        self.on_backward_call: Callable[[str], None] | None = None
 
     # -- module tracking ---------------------------------------------------------------------------------
     @contextmanager
@@ -133,6 +136,8 @@ class SavedTensorKeyer:
         if not torch.is_grad_enabled():
             self._idle.append(name)
             return
+        if self.on_backward_call is not None and torch._C._current_graph_task_id() != -1:
+            self.on_backward_call(name)
         call = self._calls.get(name, 0)
         self._calls[name] = call + 1
         self._stack.append((name, call))

@@ -1164,6 +1164,44 @@ def test_a_model_that_checkpoints_its_own_layers_is_refused_in_one_line() -> Non
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
+class _OwnCheckpointCNN(torch.nn.Module):
+    """A CNN whose forward checkpoints its block itself (``torch.utils.checkpoint`` in the model's code)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+        self.block = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        h = h + torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_model_that_calls_checkpoint_itself_is_refused_at_its_first_step(reentrant: bool) -> None:
+    """R16: ``torch.utils.checkpoint`` in the model's own code under a policy that recomputes. Reentrant, the
+    step ran without a word and left BatchNorm's running statistics other than plain training's (the
+    runtime's guard for its own recomputes took the second update back); non-reentrant, backward failed in
+    torch ("Recomputed values ... have different metadata"). The first step now says what to do, with
+    nothing of the runtime left installed; an all-keep policy installs nothing and trains as plain."""
+    build = classifier(lambda: _OwnCheckpointCNN(reentrant), (4, 3, 16, 16), 5)
+    w = capture(build, name="own-checkpoint", batch_size=4, fake=False)
+    policy = Policy.from_vector(w, uniform_actions(w, Action.RECOMPUTE), hardware="cpu")
+    model, batch, loss_fn = build()
+    with (
+        pytest.raises(AutotuneError, match="checkpoints part of its own forward: module 'block"),
+        policy.applied(model),
+    ):
+        loss_fn(model, batch).backward()
+    assert not _get_current_dispatch_mode_stack()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    keep = Policy.from_vector(w, uniform_actions(w, Action.KEEP), hardware="cpu")
+    assert same_bits(train_steps(build, keep, steps=2, buffers=True), train_steps(build, None, steps=2, buffers=True))
+
+
 class _Recurrent(torch.nn.Module):
     """A recurrent layer (``rnn``), then a linear head (``h``) on its last time step."""
 
