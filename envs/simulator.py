@@ -62,11 +62,12 @@ Rule 7 (replay). A recomputed candidate that no region serves lives [producer, f
     Function's ``ctx`` attribute: runtime/plan.py P11) is planned as kept, everywhere (regions included).
 Rule 8 (compress). A compressed candidate is cast to ``compress_dtype`` when ``save_op`` ends, by a kernel on the
     compute stream that reads n bytes and writes n / r (r = element size ratio, at least 1). The full storage lives
-    [producer, free_if_dropped_op], the packed one [save_op + 1, u] (and during op save_op where it packs its own
-    output, as in Rule 4); just before u an unpack kernel (reads n / r, writes n) re-creates it, living [u,
-    free_op]. Both kernels are ``compress_s``. A candidate that is not a floating-point tensor wider than
-    ``compress_dtype`` (an int64 index) is kept (R8), and so is one that the replay of a recomputed candidate reads
-    (runtime/plan.py P12).
+    [producer, free_if_dropped_op], the packed one [save_op + 1, u - 1] (and during op save_op where it packs its
+    own output, as in Rule 4); just before u an unpack kernel (reads n / r, writes n) re-creates it, living [u,
+    free_op], and the packed one goes once that kernel is done: it is held at u, with what the materializations
+    before it there made, before op u allocates its outputs (as a replay's temporaries, Rule 7). Both kernels are
+    ``compress_s``. A candidate that is not a floating-point tensor wider than ``compress_dtype`` (an int64 index)
+    is kept (R8), and so is one that the replay of a recomputed candidate reads (runtime/plan.py P12).
 Rule 9 (time). ``iter_s`` is when both the compute stream and the host are done (the step ends with a
     synchronisation): compute + recompute + compress + stall and whatever the host adds where it is behind.
     ``samples_per_s`` = batch size / ``iter_s``.
@@ -975,6 +976,7 @@ class Simulator:
             RECOMPUTE,
             COMPRESS,
             self.size,
+            packed,
             extra,
             moved,
             floors,

@@ -234,6 +234,7 @@ def simulate_reference(
     timeline: list[int] = []
     starts: list[float] = []
     held = 0
+    replay_peak = 0
     transient = 0
     held_parts: list[int] = []  # the storages of ``held``, for the allocations' record
     held_ids: set[int] = set()  # ... by tensor id: a storage that nested recomputations both write, once
@@ -269,7 +270,7 @@ def simulate_reference(
         block(hc.swap_s, 0.0)
 
     def materialize(ci: int, i: int) -> None:
-        nonlocal held, overhead, held_parts
+        nonlocal held, overhead, held_parts, replay_peak
         if ci in materialized:
             return
         materialized[ci] = i
@@ -284,6 +285,8 @@ def simulate_reference(
             block(h_kernel, pack_s[ci])
             stats["compress"] += pack_s[ci]
             add("f", ci, size[c.tensor], free_keep[ci])
+            replay_peak = max(replay_peak, sum(live.values()) + held)  # the packed form until the kernel is done
+            live.pop(("p", ci), None)
         elif act[ci] == RECOMPUTE:  # Rule 7, walking the inputs now
             closure, needed, _ = _closure(w, ci, cand_of, i, writers)  # as of now: maybe nested, before its use
             for dep in sorted(needed):

@@ -75,6 +75,7 @@ def walk(
     recompute: int,
     compress: int,
     cand_size: np.ndarray,
+    packed_size: np.ndarray,
     extra: np.ndarray,
     moved: np.ndarray,
     floors: np.ndarray,
@@ -91,7 +92,8 @@ def walk(
     (``row_ptr``, ``row_from``: :func:`_row`), and the closures' arrays (``deps_ptr`` to ``rec_host``) are
     per row. Writes, per op, what its recomputes hold above the candidates made there (``extra``, Rule 7:
     replays one after another, each holding its temporaries with what the ones before made, less all that the
-    op's replays make, ``cand_size`` bytes each), each candidate made again in backward and where (``moved``:
+    op's replays make, ``cand_size`` bytes each; Rule 8: an unpack holds its packed form, ``packed_size``, until
+    its kernel has made the full one), each candidate made again in backward and where (``moved``:
     candidate, op, ...)
     and, with ``timeline``, the clocks after the events at each op (``floors``: op, host, device rows).
 
@@ -232,6 +234,10 @@ def walk(
                 moved[n_moved + 1] = x
                 n_moved += 2
                 made_at += cand_size[c]
+                if a == compress:  # Rule 8: its packed form, held by what ran here before it, and to its kernel's end
+                    top_at += packed_size[c]
+                    if made_at + held + packed_size[c] > top_at:
+                        top_at = made_at + held + packed_size[c]
                 host_dyn += host
                 if sync:
                     ed += host + device
@@ -402,7 +408,8 @@ def live_bytes(
     op to op): each candidate not kept holds its storage to ``free_if_dropped_op`` (a swapped one to its
     release point ``release_op``, in ``swp``'s order; without copy engines its copy [save_op + 1, free_op]); what
     is made again in backward (copied back, regenerated, unpacked: at its first use, its copy back's trigger
-    op, or where ``moved`` says) to its free op; a compressed one's packed bytes [save_op + 1, its unpack]; the
+    op, or where ``moved`` says) to its free op; a compressed one's packed bytes [save_op + 1, its unpack - 1]
+    (at the unpack, in ``extra``); the
     regions' intervals (``region_at``, ``region_w``); and, Rules 7 and 11, the recompute held before op u
     allocates its own outputs (``extra``). A copy or packed form made inside op save_op (``in_op``: the op
     packs its own output) is also live during that op once its workspace (``ws``) is gone (Rules 4, 8).
@@ -446,12 +453,12 @@ def live_bytes(
             b = bop[ci]
             delta[b] += z
             delta[max(free_keep[ci], b - 1) + 1] -= z
-        if act[ci] == compress:  # packed: [save_op + 1, u], to the end if never unpacked (Rule 8)
+        if act[ci] == compress:  # packed: [save_op + 1, u - 1], to the end if never unpacked (Rule 8)
             delta[save_op[ci] + 1] += packed_f[ci]
             if in_op[ci]:
                 packing[save_op[ci]] += packed_f[ci]
             if made[ci]:
-                delta[max(bop[ci], save_op[ci]) + 1] -= packed_f[ci]
+                delta[max(bop[ci], save_op[ci] + 1)] -= packed_f[ci]
     for j in range(region_at.shape[0]):  # Rule 11: regenerated copies, held arguments
         delta[region_at[j]] += region_w[j]
     live = np.empty(n)

@@ -68,7 +68,8 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         ``dropout_p`` 0) keeps no state and is replayed with the random state forked, so a second backward
         (``retain_graph=True``) replays it too. The simulator counts none of the states (at most a few per block).
     R7. Compress (Rule 8): at the first pack, a cast to the policy's dtype (inside the op where an op saves its
-        own output); at the first unpack, a cast back. Lossy, allowed only by the policy's ``lossy`` option.
+        own output); at the first unpack, a cast back, after which the cast copy goes (Rule 8: held at that
+        unpack only). Lossy, allowed only by the policy's ``lossy`` option.
     R8. Compress and swap apply to what the simulator says they do: compress only to floating-point
         tensors wider than the target dtype (others are kept, as envs.simulator treats them).
     R9. A handle drops its device copy after the last unpack of its storage (the pack count of the

@@ -412,3 +412,23 @@ class ConvBNReLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+class ThreePoolCNN(nn.Module):
+    """Three convolution, activation and max-pool stages: max_pool2d's backward unpacks its input (the
+    activation's output), the largest tensor backward reads there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2, self.c3 = (
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.Conv2d(16, 16, 3, padding=1),
+        )
+        self.head = nn.Linear(16 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.c1(x)), 2)
+        x = F.max_pool2d(F.relu(self.c2(x)), 2)
+        x = F.max_pool2d(torch.tanh(self.c3(x)), 2)
+        return self.head(x.flatten(1))
