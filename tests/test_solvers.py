@@ -266,3 +266,56 @@ def test_resnet50_milp_fits_and_beats_checkpoint_dp() -> None:
         assert results[name].result.peak_bytes <= budget, results[name].note
     assert results["milp"].status in (Status.OPTIMAL, Status.TIMEOUT, Status.FEASIBLE)
     assert results["milp"].result.samples_per_s > results["checkpoint-dp"].result.samples_per_s
+
+
+def test_ctrl_c_stops_the_milp_solve_at_once() -> None:
+    """HiGHS solves in one C++ call, during which Python runs no signal handler: Ctrl-C waited for the whole
+    solve (36 s of a 40 s time limit on resnet101's MILP). The solve runs in a thread of its own; an interrupt
+    starts HiGHS's MIP interrupt callback, which stops it at its next check, and the KeyboardInterrupt goes on
+    with nothing left running. A stand-in for HiGHS checks every 10 ms and would run for 30 s."""
+    import _thread
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from agents.solvers.milp.highs import _run_interruptible
+
+    kind = "kCallbackMipInterrupt"
+    hs = SimpleNamespace(cb=SimpleNamespace(HighsCallbackType=SimpleNamespace(__members__={kind: kind})))
+
+    class Solver:  # highspy's names
+        def __init__(self) -> None:
+            self.callback = None
+            self.active: set[object] = set()
+            self.checks = 0
+
+        def setCallback(self, fn, data):  # type: ignore[no-untyped-def]
+            self.callback = fn
+
+        def startCallback(self, k):  # type: ignore[no-untyped-def]
+            self.active.add(k)
+
+        @staticmethod
+        def resetThreadScheduler(blocking: bool) -> None:
+            pass
+
+        def run(self) -> None:
+            for _ in range(3000):
+                self.checks += 1
+                if kind in self.active and self.callback is not None:
+                    data_in = SimpleNamespace(user_interrupt=False)
+                    self.callback(kind, "", None, data_in, None)
+                    if data_in.user_interrupt:
+                        return
+                time.sleep(0.01)
+
+    h = Solver()
+    threading.Timer(0.2, _thread.interrupt_main).start()  # Ctrl-C, as the signal handler raises it
+    start = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        _run_interruptible(hs, h)
+    assert time.perf_counter() - start < 1.0 and h.checks < 100
+    assert [t.name for t in threading.enumerate() if t.name == "highs"] == [] and h.callback is None
+    h.active.clear()
+    _run_interruptible(hs, h)  # uninterrupted: runs to its end with the callback never started
+    assert h.checks >= 3000

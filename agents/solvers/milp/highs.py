@@ -3,12 +3,60 @@
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 _INSTALL_HINT = "the milp searcher needs HiGHS: pip install 'highspy>=1.7'"
+
+
+def _run_interruptible(hs: Any, h: Any) -> None:
+    """``h.run()`` in a thread of its own, so that Ctrl-C (or SIGTERM's exception) reaches the caller at once: the
+    solve is one C++ call, during which Python runs no signal handler; HiGHS's interrupt callbacks then stop it.
+    Where this highspy has no callbacks, the plain call."""
+    kinds = getattr(getattr(getattr(hs, "cb", None), "HighsCallbackType", None), "__members__", {})
+    interrupts = [kinds[k] for k in ("kCallbackMipInterrupt",) if k in kinds]  # checked between the MIP's nodes
+    reset = getattr(type(h), "resetThreadScheduler", None)
+    if not interrupts or not hasattr(h, "setCallback") or reset is None:
+        h.run()
+        return
+    stop = threading.Event()
+
+    def interrupt(_kind: Any, _message: str, _out: Any, data_in: Any, _user: Any) -> None:
+        if data_in is not None and stop.is_set():
+            data_in.user_interrupt = True
+
+    h.setCallback(interrupt, None)  # started once interrupted: a call into Python at every check slows the MIP
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def solve() -> None:
+        try:
+            h.run()
+            reset(True)  # the scheduler's threads belong to this thread's solve: gone with it (as highspy's own)
+        except BaseException as e:  # raised again in the caller's thread
+            failed.append(e)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=solve, name="highs", daemon=True)
+    worker.start()
+    try:
+        while not done.wait(0.05):  # (a Thread.join that Ctrl-C interrupts can return early next time)
+            pass
+    except BaseException:
+        stop.set()
+        for kind in interrupts:
+            h.startCallback(kind)  # (a flag the solver reads at its next check between nodes)
+        done.wait()
+        raise
+    finally:
+        worker.join()
+        h.setCallback(None, None)
+    if failed:
+        raise failed[0]
 
 
 def highspy_module() -> Any:
@@ -117,7 +165,7 @@ class SparseMilp:
         if start:
             idx = np.fromiter(start.keys(), dtype=np.int32)
             h.setSolution(len(idx), idx, np.fromiter(start.values(), dtype=np.float64))
-        h.run()
+        _run_interruptible(hs, h)
         status = h.getModelStatus()
         info = h.getInfo()
         has_solution = info.primal_solution_status == hs.kSolutionStatusFeasible
