@@ -252,8 +252,7 @@ def _early_checks(
     and before any trace, each with the message the later check would give."""
     from autotune.budget import plan_budget
     from autotune.models import check_model_name
-    from autotune.search import check_device, check_measure
-    from autotune.units import parse_size
+    from autotune.search import check_device, check_measure, parse_host_memory
     from autotune.workloads import TraceRequest, check_sizes
     from runtime.hardware import get_profile
 
@@ -277,10 +276,7 @@ def _early_checks(
         grad_accum=grad_accum,
     ).validate()
     if host_memory is not None:
-        try:
-            parse_size(host_memory)
-        except AutotuneError as e:
-            raise AutotuneError(f"--host-memory: {e}") from None
+        parse_host_memory(host_memory)
     if model is not None:
         check_model_name(model)
         check_sizes(model, seq_len, image_size)

@@ -99,16 +99,25 @@ def plan_device(hw: HardwareProfile, device: str | None) -> str | None:
     return device
 
 
+def parse_host_memory(text: str) -> int:
+    """``--host-memory`` in bytes; a plain number below 1 MiB is refused as a unit left out (as ``--budget``)."""
+    try:
+        n = parse_size(text)
+    except AutotuneError as e:
+        raise AutotuneError(f"--host-memory: {e}") from None
+    if n < 2**20 and text.strip().isdigit():
+        raise AutotuneError(
+            f"invalid --host-memory '{text}': without a unit that is {n} bytes, most likely a unit left out; write "
+            f"the unit, e.g. {text.strip()}GB or {text.strip()}GiB, or {text.strip()}B if you mean bytes"
+        )
+    return n
+
+
 def with_host_memory(hw: HardwareProfile, text: str | None, here: str | None) -> tuple[HardwareProfile, str]:
     """``--host-memory``: the host memory a plan may pin for swapped tensors (simulator Rule 2, runtime R3),
     on GPU profiles. Default: this machine's physical memory where the plan is for its GPU, else unbounded
     (another machine's host is not known). Returns the profile and a line for stderr (empty: nothing to say)."""
-    n = 0
-    if text is not None:
-        try:
-            n = parse_size(text)
-        except AutotuneError as e:
-            raise AutotuneError(f"--host-memory: {e}") from None
+    n = 0 if text is None else parse_host_memory(text)
     if not hw.is_gpu:
         return hw, "" if text is None else f"--host-memory {text} does not apply to the {hw.name} profile (no copies)"
     if text is None:

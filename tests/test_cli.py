@@ -650,6 +650,8 @@ def test_inputs_are_checked_before_the_cpu_is_calibrated(
         (["--compile", "--allow-compress"], "--compile with --allow-compress"),
         # Said after about 10 s of calibration (a QA run), or not at all: the CPU has no caching allocator.
         (["--host-memory", "lots"], "--host-memory: invalid size 'lots'"),
+        # A number alone was taken as bytes: "--host-memory 64" planned with 64 bytes of host memory.
+        (["--host-memory", "64"], "invalid --host-memory '64': without a unit that is 64 bytes"),
         (["--seq-len", "16"], "--seq-len 16 given for image model 'resnet18'"),
         (["--budget-kind", "reserved"], "--budget-kind reserved with --gpu cpu"),
         (["--expandable-segments"], "--expandable-segments with --gpu cpu"),
