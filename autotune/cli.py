@@ -40,8 +40,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 # Piped or redirected, tables get room for every value (rich's 80 columns cut profile names, method names and
-# figures to "…"); a terminal's width, or COLUMNS where set, otherwise.
-out = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 200)
+# figures to "…"); a terminal's width, or COLUMNS where set, otherwise. Piped or redirected, a message line stays
+# one line (a file name or a command in it was cut in two at the 200th column).
+out = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 200, soft_wrap=not sys.stdout.isatty())
 err = Console(stderr=True, soft_wrap=True)  # a message stays on one line, however long
 _DEBUG = False
 

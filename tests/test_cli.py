@@ -460,6 +460,20 @@ def test_host_memory_option(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     assert "swapped tensors may pin up to 8GB = 8,000,000,000 bytes" in err
 
 
+def test_a_message_line_stays_whole_when_stdout_is_redirected(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Piped or redirected, stdout is 200 columns wide (COLUMNS where set) so that tables keep every value, and
+    rich cut message lines there too: the command to check a policy written to a long path came out in two."""
+    out = tmp_path / ("d" * 120) / ("e" * 120) / "p.json"
+    out.parent.mkdir(parents=True)
+    args = ["--model", "resnet18", "--batch-size", "2", "--budget", "1GB", "--gpu", "a100-40gb", "--timeout", "2"]
+    code, stdout, err = run(capsys, "search", *args, "--out", str(out), "--storage", f"sqlite:///{tmp_path / 's.db'}")
+    assert code == 0, err
+    said = f"check it with `autotune simulate --policy {out}`"
+    assert any(line.endswith(said) for line in stdout.splitlines()), stdout
+
+
 def test_train_says_in_which_iteration_it_ran_out_of_memory(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
