@@ -939,7 +939,12 @@ def maxbatch(
         except KeyboardInterrupt:
             status.stop()
             err.print(f"maxbatch: {search.reached()}; nothing written", highlight=False)
-            raise
+            if not as_json:
+                raise
+            err.print(_stopped())  # the outcome as an object, then the exit (README: what --json prints)
+            stopped = {"error": _stopped(), "exit_code": _stop_code(), "searched": search.searched(), "policy": None}
+            print(json.dumps(stopped), flush=True)
+            raise SystemExit(_stop_code()) from None
         status.update("maxbatch: checking the reserved bytes (the caching allocator's model)")
         outcome = search.check_allocator(outcome)
     if outcome.best is not None and outcome.best.found is not None:

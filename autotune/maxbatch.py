@@ -203,6 +203,18 @@ class MaxBatch:
             self._no_policy[b] = plain_no_policy(self._problem(b), self._plain[b])
         return self._no_policy[b]
 
+    def searched(self) -> list[dict[str, Any]]:
+        """The sizes searched so far, each with whether it fits and its samples/s (simulated) where it does."""
+        done = [self.results[b] for b in sorted(self.results) if self.results[b].searched]
+        return [
+            {
+                "batch_size": r.batch_size,
+                "fits": bool(r.fits and r.found is not None),
+                "samples_per_s": r.found.result.samples_per_s if r.fits and r.found is not None else None,
+            }
+            for r in done
+        ]
+
     def reached(self) -> str:
         """The sizes searched so far and what each gave, in one line (what a Ctrl-C leaves the user)."""
         done = [self.results[b] for b in sorted(self.results) if self.results[b].searched]

@@ -107,7 +107,9 @@ def test_ctrl_c_says_the_sizes_searched_so_far(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Ctrl-C after minutes of searching left the user one word, "interrupted": it now also says the sizes
-    searched so far and what each gave, and that nothing was written."""
+    searched so far and what each gave, and that nothing was written. With --json stdout had only the error; it
+    now holds the same as an object, as search's and sweep's outcomes do."""
+    import json
     import re
 
     from autotune import maxbatch as mb
@@ -126,6 +128,13 @@ def test_ctrl_c_says_the_sizes_searched_so_far(
     assert code == 130 and "interrupted" in err, err
     assert re.search(r"maxbatch: searched 4 fits \([\d,.]+ samples/s\); nothing written", err), err
     assert not out.exists()
+    args = ["--model", "resnet18", "--gpu", "a100-40gb", "--budget", "300MB", "--start-batch", "4", "--per-size", "1"]
+    code, stdout, err = run(capsys, "maxbatch", *args, "--reserve", "0", "--out", str(out), "--json")
+    got = json.loads(stdout)
+    assert code == got["exit_code"] == 130 and got["error"] == "interrupted" and got["policy"] is None, stdout
+    [four] = got["searched"]
+    assert four["batch_size"] == 4 and four["fits"] and four["samples_per_s"] > 0
+    assert "searched 4 fits" in err and not out.exists()
 
 
 def test_a_size_that_fits_but_runs_too_slow_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
