@@ -170,15 +170,15 @@ def _pareto(cells: Sequence[CellResult], trials: dict[str, list[dict[str, Any]]]
     any_point = False
     for col, (model, profile) in enumerate(groups, start=1):
         pts: list[tuple[float, float, str]] = []
+        answers: list[tuple[float, float, str]] = []
         for c in cells:
             if c.model != model or c.profile != profile:
                 continue
-            peak0, speed0 = c.no_policy["peak_bytes"], c.no_policy["samples_per_s"]
             for t in trials.get(c.study_name, []):
                 if t["feasible"] and t["samples_per_s"]:
-                    saved = 100 * (1 - t["peak_bytes"] / peak0)
-                    slow = 100 * (speed0 / t["samples_per_s"] - 1)
-                    pts.append((saved, slow, f"{_budget(c)} budget, trial {t['number']}"))
+                    pts.append((*_saved_and_slowdown(c, t), f"{_budget(c)} budget, trial {t['number']}"))
+            if c.best and c.best.get("samples_per_s"):  # refined after the trials, or a baseline's: not a trial
+                answers.append((*_saved_and_slowdown(c, c.best), f"{_budget(c)} budget: answer ({c.best['method']})"))
         if not pts:
             continue
         any_point = True
@@ -210,12 +210,33 @@ def _pareto(cells: Sequence[CellResult], trials: dict[str, list[dict[str, Any]]]
             row=1,
             col=col,
         )
+        if answers:
+            fig.add_trace(
+                go.Scatter(
+                    x=[p[0] for p in answers],
+                    y=[p[1] for p in answers],
+                    mode="markers",
+                    text=[p[2] for p in answers],
+                    name="each cell's answer",
+                    legendgroup="answers",
+                    showlegend=col == 1,
+                    marker={"size": 11, "symbol": "star", "color": "#2ca02c"},
+                ),
+                row=1,
+                col=col,
+            )
         fig.update_xaxes(title_text="memory saved (% of the no-policy peak)", row=1, col=col)
     if not any_point:
         return None
     fig.update_yaxes(title_text="slowdown against no policy (%)", row=1, col=1)
     fig.update_layout(template="plotly_white", height=420, legend={"orientation": "h", "y": -0.25})
     return fig
+
+
+def _saved_and_slowdown(c: CellResult, found: dict[str, Any]) -> tuple[float, float]:
+    """A policy's memory saved (% of the cell's no-policy peak) and slowdown against no policy (%)."""
+    peak0, speed0 = c.no_policy["peak_bytes"], c.no_policy["samples_per_s"]
+    return 100 * (1 - found["peak_bytes"] / peak0), 100 * (speed0 / found["samples_per_s"] - 1)
 
 
 def _tightest(cells: Sequence[CellResult], model: str, profile: str) -> CellResult | None:
@@ -324,15 +345,20 @@ def _history(cells: Sequence[CellResult], trials: dict[str, list[dict[str, Any]]
                 xs.append(t["number"])
                 ys.append(best)
         if xs:
-            fig.add_trace(
-                go.Scatter(
-                    x=xs,
-                    y=ys,
-                    mode="lines",
-                    line={"shape": "hv"},
-                    name=f"{c.model} {c.profile} {_budget(c)}",
+            name = f"{c.model} {c.profile} {_budget(c)}"
+            line = go.Scatter(x=xs, y=ys, mode="lines", line={"shape": "hv"}, name=name, legendgroup=name)
+            fig.add_trace(line)
+            if c.best and c.best.get("samples_per_s"):  # the answer, refined after the last trial (or a baseline's)
+                fig.add_trace(
+                    go.Scatter(
+                        x=[xs[-1]],
+                        y=[c.best["samples_per_s"]],
+                        mode="markers",
+                        marker={"size": 11, "symbol": "star"},
+                        name=f"{name}: answer ({c.best['method']})",
+                        legendgroup=name,
+                    )
                 )
-            )
     if not fig.data:
         return None
     fig.update_layout(template="plotly_white", height=420, xaxis_title="trial", yaxis_title="samples/s (simulated)")
