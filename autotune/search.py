@@ -337,6 +337,13 @@ def run_search(
         except KeyboardInterrupt:
             ctx.interrupt()
         milp_result = None
+        # The model as it is fits: keeping everything is the fastest policy there is (every other action adds
+        # work, Rules 4-8), so a search would spend its time to find it again; but for --measure, whose finalists
+        # come from the search (a plan that fits can run out when trained).
+        kept = [b for b in baselines if b.feasible and not b.policy.to_vector(problem.workload).any()]
+        kept = kept if problem.finalists is None else []
+        if no_policy.feasible and kept and not ctx.interrupted:
+            milp = False
         if milp and not ctx.interrupted:
             report("milp (exact, coarsened)", None)
             try:
@@ -345,6 +352,9 @@ def run_search(
                 ctx.interrupt()
         left_s = None if limit is None else max(1.0, limit - (time.perf_counter() - started))
         found = best_of(baselines) if ctx.interrupted else None
+        fastest_kept = best_of(kept)
+        if found is None and no_policy.feasible and fastest_kept is not None:
+            found = dataclasses.replace(fastest_kept, searcher=searcher)
         if found is None:
             try:
                 found = get_searcher(searcher).search(problem, ctx.derive(seeds=tuple(baselines), time_limit_s=left_s))
