@@ -205,7 +205,8 @@ def profile(
         w, trace_s = _trace(req)
     if out_file is not None:
         w.save(out_file)
-    report = profile_report(w, hw, trace_s=trace_s, budget_bytes=budget_bytes, top=top)
+    report = profile_report(w, hw, trace_s=trace_s, budget_bytes=budget_bytes, top=top,
+                            workload_file=str(workload) if saved is not None else None)  # fmt: skip
     if as_json:
         print(json.dumps(report))
         return

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from autotune.budget import budget_of
@@ -19,9 +20,16 @@ MIB = 2**20
 
 
 def profile_report(
-    w: Workload, hw: HardwareProfile, *, trace_s: float, budget_bytes: int | None, top: int
+    w: Workload,
+    hw: HardwareProfile,
+    *,
+    trace_s: float,
+    budget_bytes: int | None,
+    top: int,
+    workload_file: str | None = None,
 ) -> dict[str, Any]:
-    """Everything `autotune profile` prints; ``--json`` prints exactly this object."""
+    """Everything `autotune profile` prints; ``--json`` prints exactly this object. ``workload_file``: the trace
+    was read from there (``--workload``), not taken."""
     peak = peak_report(w, hw.alloc_granularity_bytes)
     times = op_times_s(w, hw)
     phase_s = {p.value: 0.0 for p in Phase}
@@ -38,6 +46,8 @@ def profile_report(
         "optimizer": w.optimizer,
         "mode": w.mode,
         "device": w.device,
+        "traced_for": w.meta.get("traced_for"),  # a fake trace: the profile whose kernels it took
+        "workload_file": workload_file,
         "trace_s": round(trace_s, 3),
         "fingerprint": w.fingerprint,
         "shape_fingerprint": w.shape_fingerprint,
@@ -115,9 +125,15 @@ def profile_report(
 def render_profile(console: Console, r: dict[str, Any]) -> None:
     seq = f" x {r['seq_len']} tokens" if r["seq_len"] else ""
     seq += f" at {r['image_size']} px" if r.get("image_size") else ""
+    if r.get("workload_file"):
+        how = f"read from {escape(r['workload_file'])}"
+    elif r["mode"] == "fake" and r.get("traced_for"):
+        how = f"for {r['traced_for']}'s kernels in {r['trace_s']:.2f} s"
+    else:
+        how = f"on {r['device']} in {r['trace_s']:.2f} s"
     console.print(
-        f"[bold]{r['model']}[/] batch {r['batch_size']}{seq}, {r['optimizer']}, {r['mode']} trace on "
-        f"{r['device']} in {r['trace_s']:.2f} s: {r['ops']} ops, fingerprint {r['fingerprint']}"
+        f"[bold]{r['model']}[/] batch {r['batch_size']}{seq}, {r['optimizer']}, {r['mode']} trace {how}: "
+        f"{r['ops']} ops, fingerprint {r['fingerprint']}"
     )
     mem = Table(title="Memory at the no-policy peak", show_footer=True)
     mem.add_column("kind", footer="peak")

@@ -78,6 +78,11 @@ def test_profile_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     assert "--gpu h200 with --workload" in said and "taken with a100-40gb's kernels" in said
     code, out2, _ = run(capsys, "profile", "--workload", str(tmp_path / "w.json"), "--json")
     assert code == 0 and json.loads(out2)["peak_bytes"] == d["peak_bytes"]
+    # The first line said "fake trace on cpu in 0.00 s" for a trace read from a file, and "on cpu" for one taken
+    # with a GPU's kernels.
+    code, text, _ = run(capsys, "profile", "--workload", str(tmp_path / "w.json"))
+    assert code == 0 and f"fake trace read from {tmp_path / 'w.json'}: " in text.splitlines()[0]
+    assert d["traced_for"] == "a100-40gb" and d["workload_file"] is None
 
 
 def test_profile_for_a_gpu_counts_cublas_workspaces_by_default(
