@@ -193,7 +193,7 @@ def measure(
     if len(out.rows) < k:  # --measure K asked for more than the search found apart from each other
         notes.append(
             f"{len(out.rows)} of the {k} finalists asked for: the search found no more fitting policies that differ "
-            f"from these in at least {distance} decisions"
+            f"from these in at least {distance} decision{'s' if distance != 1 else ''}"
         )
     while not any(m.fits(budget_bytes) for m in out.rows):
         higher = [m for m in MARGINS if m > tried]

@@ -640,7 +640,8 @@ def _calibrate_cpu(seconds: float) -> HardwareProfile:
     return HardwareProfile(
         name="cpu",
         description=(
-            f"this machine's CPU ({_cpu_model()}, {torch.get_num_threads()} threads), calibrated in "
+            f"this machine's CPU ({_cpu_model()}, {torch.get_num_threads()} thread"
+            f"{'s' if torch.get_num_threads() != 1 else ''}), calibrated in "
             f"{elapsed:.2f} s: {rates['fp32'] / 1e9:.1f} GFLOP/s fp32 matmul, "
             f"{2 * nbytes / copy_s / 1e9:.1f} GB/s copy (read+write)"
         ),
