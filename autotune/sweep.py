@@ -116,7 +116,8 @@ class CellResult:
             "reserve_bytes": self.reserve_bytes,
             "study": self.study_name,
             "below_floor": self.below_floor,
-            "floor_bytes": self.floor_bytes,
+            "floor_bytes": self.floor_bytes,  # planned, as planned_budget_bytes; the least budget to type:
+            "floor_budget_bytes": None if self.floor_bytes is None else self.floor_bytes + self.reserve_bytes,
             "no_policy_samples_per_s": self.no_policy["samples_per_s"],
             "no_policy_peak_bytes": self.no_policy["peak_bytes"],
             "best_heuristic": best_h[0] if best_h else None,

@@ -45,6 +45,8 @@ def test_one_study_per_cell_with_the_baselines_beside_it(sweep_run: SweepRun) ->
     w, _ = trace_model(TraceRequest(model="resnet18", batch_size=8, target=hw))
     floor = budget_floor(Problem(w, hw, 1 << 40))
     assert cells[0]["floor_bytes"] == floor > cells[0]["planned_budget_bytes"]
+    # The floor as a budget to type, as the table says it (the reserve added back) and as budget_bytes is typed.
+    assert cells[0]["floor_budget_bytes"] == floor + cells[0]["reserve_bytes"] > cells[0]["budget_bytes"]
     assert [c["floor_bytes"] for c in cells[1:]] == [None, None]
     for c in cells[1:]:
         study = _study(sweep_run.storage, c["study"])
