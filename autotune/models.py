@@ -721,7 +721,8 @@ def _check_seq_len(name: str, seq_len: int | None, max_positions: int, field: st
     if seq_len > max_positions:
         raise AutotuneError(
             f"seq_len={seq_len} exceeds {name}'s {max_positions} positions: pass seq_len <= {max_positions}, "
-            f"or raise {field} in config_overrides"
+            f"or raise {field} (build_model's config_overrides; from the command line, a factory of your own: "
+            "--model package.module:factory)"
         )
     return seq_len
 
