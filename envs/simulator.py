@@ -81,20 +81,20 @@ Rule 11 (regions). A module call that runtime.plan's NOTE [ Recompute mechanisms
     autograd node (runtime/regions.py, NOTE [ Regions without a graph ]) or, with ``PolicyOptions.region_nodes``
     off, under torch.utils.checkpoint (runtime R10). At u_R the compute stream re-runs the call's forward ops,
     issued by the host as one block (Rule 12): a node at the first backward op of its module and all its ops;
-    checkpoint at the first backward op of its module that reads a tensor packed inside it, from its first op to the
-    last one after which something inside it was packed (checkpoint stops there). Every candidate made and packed
-    inside it is regenerated: a recomputed one lives [producer, free_if_dropped_op] and again [u_R, free_op]; a kept
-    one also has the regenerated copy, [u_R, its last backward use by the call's module], and where every backward
-    use outside the call comes before u_R its original lives only to the later of free_if_dropped_op and u_R - 1
-    (the call's own backward reads the copy; the runtime lets it go when the last node outside that saved it is
-    done, at the latest there). The other storages the re-run ops make live as in the forward (from their op to
-    their traced free op, at most to the re-run's end) during the recompute, and under a node so do the candidates
-    it makes again that nothing inside saves (its outputs); the recompute's peak above the regenerated candidates is
-    held at u_R, before op u_R allocates its outputs, as in Rule 7. Held until the module's last backward op: the
-    call's tensor arguments that are not candidates (the node or the checkpoint saves them); under a node also the
-    gradients its backward reads that a backward op outside it made (its outputs' gradients, which the node's caller
-    holds), and those it makes that an op outside it or an accumulation into an existing gradient frees (they leave
-    the node when it returns).
+    checkpoint at the first unpack of a tensor packed inside it by a node of the call (where that node starts,
+    before its first op: ``Candidate.first_use``), from its first op to the last one after which something inside it
+    was packed (checkpoint stops there). Every candidate made and packed inside it is regenerated: a recomputed one
+    lives [producer, free_if_dropped_op] and again [u_R, free_op]; a kept one also has the regenerated copy, [u_R,
+    its last backward use by the call's module], and where every backward use outside the call comes before u_R its
+    original lives only to the later of free_if_dropped_op and u_R - 1 (the call's own backward reads the copy; the
+    runtime lets it go when the last node outside that saved it is done, at the latest there). The other storages
+    the re-run ops make live as in the forward (from their op to their traced free op, at most to the re-run's end)
+    during the recompute, and under a node so do the candidates it makes again that nothing inside saves (its
+    outputs); the recompute's peak above the regenerated candidates is held at u_R, before op u_R allocates its
+    outputs, as in Rule 7. Held until the module's last backward op: the call's tensor arguments that are not
+    candidates (the node or the checkpoint saves them); under a node also the gradients its backward reads that a
+    backward op outside it made (its outputs' gradients, which the node's caller holds), and those it makes that an
+    op outside it or an accumulation into an existing gradient frees (they leave the node when it returns).
 Rule 12 (host costs). h_i is 0 on a profile without copy engines (op times are wall times there); on a GPU
     it is the op's measured host time, scaled to the plain iteration's, when the trace ran on that device,
     and ``host.op_s`` otherwise. The runtime's own work costs the host (``HardwareProfile.host``): each
@@ -633,8 +633,11 @@ class Simulator:
             use = min(module_ops) if module_ops else n
             rerun = range(first, max(first, frame.last_op) + 1)
         else:  # checkpoint: at the first unpack, up to the last op that saved something inside
-            uses = [b for ci in inside for b in w.candidates[ci].bwd_uses if in_module(b)]
-            use = min(uses) if uses else n
+            use = n  # the first unpack by a node of the call: where a node starts (Candidate.first_use)
+            for ci in inside:
+                c = w.candidates[ci]
+                u = c.first_use(n)
+                use = min(use, u if in_module(u) else min((b for b in c.bwd_uses if in_module(b)), default=n))
             last_pack = max(op for ci in inside for pf, op in w.candidates[ci].packs if f <= pf <= end)
             rerun = range(first, max(first, min(last_pack, frame.last_op)) + 1)
         regenerated: list[tuple[int, int]] = []

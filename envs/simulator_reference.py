@@ -566,7 +566,12 @@ def _region(w, r, mine, within, size, op_s, host_op, hc, nodes):  # type: ignore
         use = min(owned, default=n)
         rerun = list(range(frame.first_op, max(frame.first_op, frame.last_op) + 1))
     else:  # checkpoint: at the first unpack, up to the last op that saved something inside
-        use = min((b for ci in inside for b in w.candidates[ci].bwd_uses if b in owned), default=n)
+        # The first unpack by a node of the call: where a node starts, before its first op (Candidate.first_use)
+        use = n
+        for ci in inside:
+            c = w.candidates[ci]
+            u = c.first_use(n)
+            use = min(use, u if u in owned else min((b for b in c.bwd_uses if b in owned), default=n))
         last_pack = max(op for ci in inside for f, op in w.candidates[ci].packs if within(f, r))
         rerun = list(range(frame.first_op, max(frame.first_op, min(last_pack, frame.last_op)) + 1))
     regenerated = []

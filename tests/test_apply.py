@@ -429,6 +429,26 @@ def test_replays_at_one_op_hold_their_temporaries_one_after_another(
     _planned_to_the_byte(build, w, vec, x_shape[0])
 
 
+@pytest.mark.parametrize("nodes", [False, True], ids=["checkpoint", "node"])
+def test_a_checkpointed_region_recomputes_where_a_node_of_it_first_unpacks(nodes: bool) -> None:
+    """Rule 11 / R10: torch.utils.checkpoint re-runs the call at the first unpack of a tensor saved inside it, and
+    a backward node unpacks what it saved when it starts, before its first op: the output projection's node
+    starts with a product that reads no saved tensor. Both simulators placed the recompute at the first op that
+    reads one, after that product's output: 39,076 bytes planned against 37,028 measured (5.5% over). Now to the
+    byte; as one node the region runs before its call's first backward op, as before."""
+    from tests.fixtures_models import AttentionNet
+
+    build = classifier(AttentionNet, (4, 8, 8), 5)
+    w = capture(build, name="attention", batch_size=4, fake=False)
+    vec = np.array(
+        [RECOMPUTE if c.key.startswith("att") and c.key != "att.ln#0.0:View" else KEEP for c in w.candidates], np.int8
+    )
+    policy = Policy.from_vector(w, vec, hardware="cpu", options=PolicyOptions(region_nodes=nodes))
+    assert policy.schedule is not None and [r.module for r in policy.schedule.regions] == ["att"]
+    planned, measured, _ = planned_and_measured(build, w, policy, 4)
+    assert measured == [planned] * 2, (planned, measured)
+
+
 @pytest.mark.parametrize(
     "make, x_shape, own",
     [("PooledChain", (8, 3, 12, 12), "<root>#0.2:nograd"), ("TwoLayerLSTM", (4, 5, 8), "rnn#0.10:nograd")],
