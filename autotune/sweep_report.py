@@ -182,20 +182,8 @@ def _pareto(cells: Sequence[CellResult], trials: dict[str, list[dict[str, Any]]]
         if not pts:
             continue
         any_point = True
-        fig.add_trace(
-            go.Scatter(
-                x=[p[0] for p in pts],
-                y=[p[1] for p in pts],
-                mode="markers",
-                text=[p[2] for p in pts],
-                name="trials",
-                legendgroup="trials",
-                showlegend=col == 1,
-                marker={"size": 5, "color": COLORS["optuna"], "opacity": 0.35},
-            ),
-            row=1,
-            col=col,
-        )
+        marker = {"size": 5, "color": COLORS["optuna"], "opacity": 0.35}
+        fig.add_trace(_markers(pts, "trials", marker, legend=col == 1), row=1, col=col)
         front = pareto_front([(saved, slow) for saved, slow, _ in pts])
         fig.add_trace(
             go.Scatter(
@@ -211,26 +199,30 @@ def _pareto(cells: Sequence[CellResult], trials: dict[str, list[dict[str, Any]]]
             col=col,
         )
         if answers:
-            fig.add_trace(
-                go.Scatter(
-                    x=[p[0] for p in answers],
-                    y=[p[1] for p in answers],
-                    mode="markers",
-                    text=[p[2] for p in answers],
-                    name="each cell's answer",
-                    legendgroup="answers",
-                    showlegend=col == 1,
-                    marker={"size": 11, "symbol": "star", "color": "#2ca02c"},
-                ),
-                row=1,
-                col=col,
-            )
+            star = {"size": 11, "symbol": "star", "color": "#2ca02c"}
+            fig.add_trace(_markers(answers, "each cell's answer", star, legend=col == 1), row=1, col=col)
         fig.update_xaxes(title_text="memory saved (% of the no-policy peak)", row=1, col=col)
     if not any_point:
         return None
     fig.update_yaxes(title_text="slowdown against no policy (%)", row=1, col=1)
     fig.update_layout(template="plotly_white", height=420, legend={"orientation": "h", "y": -0.25})
     return fig
+
+
+def _markers(points: Sequence[tuple[float, float, str]], name: str, marker: dict[str, Any], legend: bool) -> Any:
+    """(memory saved, slowdown, hover text) points as one scatter of markers, in the legend once (``legend``)."""
+    import plotly.graph_objects as go
+
+    return go.Scatter(
+        x=[p[0] for p in points],
+        y=[p[1] for p in points],
+        mode="markers",
+        text=[p[2] for p in points],
+        name=name,
+        legendgroup=name,
+        showlegend=legend,
+        marker=marker,
+    )
 
 
 def _saved_and_slowdown(c: CellResult, found: dict[str, Any]) -> tuple[float, float]:
