@@ -260,11 +260,12 @@ def check_structure(policy: Policy, req: TraceRequest, *, source: str) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from runtime.apply import check_model
+    from runtime.trace import fake_deepcopy
 
     if policy.parameter_fingerprint is None:
         return
     try:
-        with FakeTensorMode():
+        with FakeTensorMode(), fake_deepcopy():
             entry = build_model(req.model, batch_size=req.batch_size, seq_len=req.seq_len, image_size=req.image_size)
     except AutotuneError:
         # A factory that fake tensors cannot build (one that reads values while it builds, as an orthogonal

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -564,9 +565,40 @@ def _fake_conversions() -> Iterator[None]:
 
     torch.utils.swap_tensors = swap_or_set
     try:
-        yield
+        with fake_deepcopy():
+            yield
     finally:
         torch.utils.swap_tensors = swap
+
+
+@contextlib.contextmanager
+def fake_deepcopy() -> Iterator[None]:
+    """``copy.deepcopy`` of a fake tensor (``nn.TransformerEncoder`` copies its layer) as a new fake tensor of the
+    same shape, strides, dtype and device in the active fake mode. torch's copies a tensor whose data pointer
+    reads non-zero through its storage's bytes: after a factory wrote into a fake tensor by indexing
+    (``pad[1, 6:] = True``, a padding mask) that read memory that is not there, and the process died later
+    ("corrupted double-linked list", a segmentation fault). A fake tensor has no values to copy."""
+    own = FakeTensor.__dict__.get("__deepcopy__")  # (torch 2.14's is Tensor's, inherited)
+
+    def deepcopy(self: FakeTensor, memo: dict[int, Any]) -> torch.Tensor:
+        if id(self) in memo:
+            return cast(torch.Tensor, memo[id(self)])
+        with detect_fake_mode() or self.fake_mode:
+            new = torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device=self.device)
+        new.requires_grad_(self.requires_grad)
+        if isinstance(self, torch.nn.Parameter) or getattr(self, "_is_param", False):
+            new = torch.nn.Parameter(new, requires_grad=self.requires_grad)
+        memo[id(self)] = new
+        return new
+
+    FakeTensor.__deepcopy__ = deepcopy  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        if own is None:
+            del FakeTensor.__deepcopy__
+        else:
+            FakeTensor.__deepcopy__ = own  # type: ignore[method-assign,assignment]
 
 
 def _own_fakes(model: torch.nn.Module, mode: FakeTensorMode) -> None:

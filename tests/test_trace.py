@@ -151,6 +151,34 @@ def test_a_model_that_deep_copies_its_layers_traces_in_fake_mode() -> None:
     assert fake.fingerprint == real.fingerprint
 
 
+def test_a_padding_mask_written_by_indexing_before_the_model_is_built_traces_in_fake_mode() -> None:
+    """A factory that writes its padding mask by indexing (``pad[1, 4:] = True``), then builds an
+    ``nn.TransformerEncoder``: torch's deep copy of the layer's fake parameters then read their storage's bytes,
+    which a fake tensor does not have, and the process died (a segmentation fault in `autotune profile` and
+    `autotune train` of such a model, a QA run). A fake tensor is now copied as a new one of its shape."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+        def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+            return self.enc(x, src_key_padding_mask=pad)
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        x, pad = torch.randn(4, 8, 32), torch.zeros(4, 8, dtype=torch.bool)
+        pad[1, 6:] = True
+        return Net(), (x, pad), lambda m, b: m(*b).square().mean()
+
+    from runtime.hardware import get_profile
+
+    fake = capture(build, name="padded", batch_size=4, fake=True, target=get_profile("a100-40gb"))
+    real = capture(build, name="padded", batch_size=4, fake=False)
+    assert fake.fingerprint == real.fingerprint and len(fake.candidates) > 20
+
+
 def test_a_factory_that_converts_its_model_to_channels_last_traces_in_fake_mode() -> None:
     """``model.to(memory_format=torch.channels_last)`` in a factory failed under FakeTensorMode ("_apply():
     Couldn't swap Conv2d.weight", blamed on the factory: a QA run). Now the fake trace runs, with the real
