@@ -637,7 +637,9 @@ def _warm_up(
     if full or step.scaler is not None:  # the scaler makes its state at its first scale()
         step.backward(step.loss(model, batch, loss_fn))
     else:
-        trained = _reached(step.loss(model, batch, loss_fn))  # NOTE [ Steady state ]
+        loss = step.loss(model, batch, loss_fn)
+        _check_loss(loss)
+        trained = _reached(loss)  # NOTE [ Steady state ]
         for p in model.parameters():
             if p.requires_grad and id(p) in trained:
                 p.grad = torch.zeros_like(p)
@@ -645,6 +647,19 @@ def _warm_up(
         return
     step.step(opt)
     opt.zero_grad(set_to_none=True)
+
+
+def _check_loss(loss: Any) -> None:
+    """What ``loss.backward()`` refuses, said as it says it, where the fake warm-up runs no backward (its first
+    backward came in the recorded step, after autotune's hooks, and the error read as autotune's own)."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"the loss is a {type(loss).__name__}, not a tensor: backward needs a tensor")
+    if loss.numel() != 1:
+        raise RuntimeError(
+            f"grad can be implicitly created only for scalar outputs (the loss has shape {tuple(loss.shape)})"
+        )
+    if not loss.requires_grad:
+        raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
 
 
 def _reached(loss: torch.Tensor) -> set[int]:

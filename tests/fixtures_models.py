@@ -5,6 +5,8 @@ Referenced by path, e.g. ``build_model("tests.fixtures_models:make_pair", batch_
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -171,6 +173,20 @@ def make_item_in_init(batch_size: int) -> tuple[nn.Module, torch.Tensor]:
     rates = [x.item() for x in torch.linspace(0, 0.1, 2)]
     model = nn.Sequential(nn.Linear(IN_FEATURES, 16), nn.Dropout(rates[1]), nn.Linear(16, OUT_FEATURES))
     return model, torch.randn(batch_size, IN_FEATURES)
+
+
+def make_per_sample_loss(batch_size: int) -> tuple[nn.Module, Any, Any]:
+    """A loss left per sample (``reduction="none"``): backward needs a scalar."""
+    model = nn.Sequential(nn.Linear(IN_FEATURES, 16), nn.ReLU(), nn.Linear(16, OUT_FEATURES))
+    batch = (torch.randn(batch_size, IN_FEATURES), torch.randint(0, OUT_FEATURES, (batch_size,)))
+    return model, batch, lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")
+
+
+def make_detached_loss(batch_size: int) -> tuple[nn.Module, Any, Any]:
+    """A loss cut from its graph (``.detach()``): nothing to differentiate."""
+    model = nn.Sequential(nn.Linear(IN_FEATURES, 16), nn.ReLU(), nn.Linear(16, OUT_FEATURES))
+    batch = (torch.randn(batch_size, IN_FEATURES), torch.randint(0, OUT_FEATURES, (batch_size,)))
+    return model, batch, lambda m, b: F.cross_entropy(m(b[0]), b[1]).detach()
 
 
 class _GroupedExperts(nn.Module):

@@ -261,6 +261,15 @@ BAD_INPUTS = [
         ["profile", "--model", "tests.fixtures_models:make_mismatched", "--gpu", "cpu"],
         "raised in its first training step, run before any of autotune's hooks: RuntimeError: mat1 and mat2 shapes",
     ),
+    # ... and on a fake trace (a GPU profile) a loss backward cannot take was one too (a QA run)
+    (
+        ["profile", "--model", "tests.fixtures_models:make_per_sample_loss", "--gpu", "a100-40gb"],
+        "raised in its first training step, run before any of autotune's hooks: RuntimeError: grad can be implicitly",
+    ),
+    (
+        ["profile", "--model", "tests.fixtures_models:make_detached_loss", "--gpu", "a100-40gb"],
+        "its first training step, run before any of autotune's hooks: RuntimeError: element 0 of tensors does not",
+    ),
     (["search", "--model", "resnet18", "--budget", "1GB", "--reserve", "-1"], "--reserve: invalid size '-1'"),
     # 6 bytes of reserve, searched for (a QA run): a unit left out, as --budget 6
     (["search", "--model", "resnet18", "--budget", "1GB", "--reserve", "6"], "invalid --reserve '6'"),
