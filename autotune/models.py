@@ -436,6 +436,13 @@ def _build_custom(
             f"returned a batch of {found}: give the factory a batch_size parameter, or request "
             f"batch_size={found} (or none)"
         )
+    elif found is not None and found != batch_size:  # a sequence-first batch can be right; samples/s count batch_size
+        warnings.warn(
+            f"autotune: the factory {path} was given batch_size={batch_size} and returned a batch whose first "
+            f"tensor has {found} rows; samples/s count {batch_size} a step: if the first dimension is the batch, "
+            "the factory does not use its batch_size parameter",
+            stacklevel=2,
+        )
     return ModelEntry(path, "custom", module, batch, loss_fn, batch_size, seq_len, image_size)
 
 

@@ -175,6 +175,11 @@ def make_item_in_init(batch_size: int) -> tuple[nn.Module, torch.Tensor]:
     return model, torch.randn(batch_size, IN_FEATURES)
 
 
+def make_ignoring_batch_size(batch_size: int = 8) -> tuple[nn.Module, torch.Tensor]:
+    """A factory that takes ``batch_size`` and builds a batch of 4 whatever it is given."""
+    return nn.Sequential(nn.Linear(IN_FEATURES, OUT_FEATURES)), torch.randn(4, IN_FEATURES)
+
+
 def make_per_sample_loss(batch_size: int) -> tuple[nn.Module, Any, Any]:
     """A loss left per sample (``reduction="none"``): backward needs a scalar."""
     model = nn.Sequential(nn.Linear(IN_FEATURES, 16), nn.ReLU(), nn.Linear(16, OUT_FEATURES))

@@ -301,6 +301,15 @@ def test_factory_without_batch_size_decides_the_batch_size() -> None:
         assert entry.batch_size == fixtures_models.FIXED_BATCH_SIZE
 
 
+def test_a_factory_that_ignores_its_batch_size_is_warned_of() -> None:
+    """A factory with a batch_size parameter that returned a batch of another size was taken at its word: the
+    trace ran 4 samples, samples/s counted 16 (4x over, a QA run). It may be right (a sequence-first batch), so a
+    warning says it."""
+    with pytest.warns(UserWarning, match="given batch_size=16 and returned a batch whose first tensor has 4 rows"):
+        entry = build_model(f"{FIXTURES}:make_ignoring_batch_size", batch_size=16)
+    assert entry.batch_size == 16 and entry.batch[0].shape[0] == 4
+
+
 def test_factory_gets_seq_len_and_config_overrides_as_keywords() -> None:
     entry = build_model(f"{FIXTURES}:make_sequence", batch_size=2, seq_len=7)
     assert entry.batch[0].shape == (2, 7, fixtures_models.IN_FEATURES) and entry.seq_len == 7
