@@ -50,7 +50,7 @@ import numpy as np
 import envs.problem
 from agents.finalists import Finalists
 from envs.simulator import SimResult
-from runtime.errors import AutotuneError, note_sigint
+from runtime.errors import AutotuneError, note_sigint, sigint_arrived
 from runtime.policy import Policy, PolicyOptions, Prediction
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP
 
@@ -124,12 +124,17 @@ class SearchContext:
         and a Ctrl-C that lands there would leave the search running to its end; inside, that traceback is not
         printed either; nor is what SQLAlchemy logs when the interrupt lands inside one of Optuna's queries (its
         cursor's cleanup then fails with a traceback, "Error closing cursor"). Only in the main thread, and only
-        where SIGINT has Python's default handler (a caller's own handler is left alone)."""
+        where SIGINT has Python's default handler or one that notes it as this one does (the command line's,
+        :func:`runtime.errors.noting_sigint`: a Ctrl-C that a finalizer swallowed before the search, while the
+        model was traced, is raised at the search's first report); a caller's own handler is left alone."""
+        previous = signal.getsignal(signal.SIGINT)
         if threading.current_thread() is not threading.main_thread() or (
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+            previous is not signal.default_int_handler and not getattr(previous, "notes_sigint", False)
         ):
             yield
             return
+        if sigint_arrived():
+            self.state.sigint_pending = True
 
         sqlalchemy = logging.getLogger("sqlalchemy")
         level = sqlalchemy.level
@@ -150,7 +155,7 @@ class SearchContext:
         try:
             yield
         finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGINT, previous)
             sys.unraisablehook = hook
             sqlalchemy.setLevel(level)
 

@@ -30,7 +30,7 @@ from rich.markup import escape
 
 from autotune import __version__
 from autotune.units import file_stem
-from runtime.errors import AutotuneError, from_interrupt, note_sigint, sigint_arrived
+from runtime.errors import AutotuneError, from_interrupt, note_sigint, noting_sigint, sigint_arrived
 from runtime.fileio import check_folder, check_writable
 
 app = typer.Typer(
@@ -1441,7 +1441,7 @@ def main(argv: list[str] | None = None) -> None:
     _DEBUG = "--debug" in args
     args = [a for a in args if a != "--debug"]
     note_sigint(False)  # this command's own Ctrl-C only (tests run several commands in one process)
-    with _sigterm_as_interrupt():
+    with _sigterm_as_interrupt(), noting_sigint():
         _main(args)
 
 

@@ -8,6 +8,12 @@ The CLI prints the message on one line and exits with code 2; a traceback is sho
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
 
 class AutotuneError(Exception):
     """An error caused by the user's input, with a message fit to print as is."""
@@ -31,6 +37,30 @@ def note_sigint(arrived: bool = True) -> None:
     """Say that a Ctrl-C has arrived in this process (agents.base's ``noting_sigint``), or forget it (a
     command's start)."""
     _SIGINT[0] = arrived
+
+
+@contextlib.contextmanager
+def noting_sigint() -> Iterator[None]:
+    """While inside (a command's whole run, in the main thread where SIGINT has Python's default handler), a
+    Ctrl-C is noted (:func:`note_sigint`) before its KeyboardInterrupt is raised: one that lands in a finalizer
+    (a ``__del__`` while a model is built or traced) is dropped by Python, and the search that follows raises it
+    again (agents.base ``SearchContext.noting_sigint``) instead of running to its end."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+
+    def noted(signum: int, frame: Any) -> None:
+        note_sigint()
+        signal.default_int_handler(signum, frame)
+
+    noted.notes_sigint = True  # type: ignore[attr-defined]
+    signal.signal(signal.SIGINT, noted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def sigint_arrived() -> bool:
