@@ -217,15 +217,15 @@ class MaxBatch:
 
     def reached(self) -> str:
         """The sizes searched so far and what each gave, in one line (what a Ctrl-C leaves the user)."""
-        done = [self.results[b] for b in sorted(self.results) if self.results[b].searched]
+        done = self.searched()
         if not done:
             return "no batch size searched yet"
-        said = []
-        for r in done:
-            if r.fits and r.found is not None:
-                said.append(f"{r.batch_size} fits ({r.found.result.samples_per_s:,.1f} samples/s)")
-            else:
-                said.append(f"{r.batch_size} does not")
+        said = [
+            f"{s['batch_size']} fits ({s['samples_per_s']:,.1f} samples/s)"
+            if s["fits"]
+            else f"{s['batch_size']} does not"
+            for s in done
+        ]
         return "searched " + ", ".join(said)
 
     def no_policy_fits(self, b: int) -> bool:
