@@ -111,12 +111,17 @@ def plan_budget(text: str, reserve: str | None, hw: HardwareProfile) -> Budget:
 def parse_budget(text: str) -> int:
     """``--budget`` in bytes; a plain number below 1 MiB is refused as a unit left out."""
     given = parse_size(text)
-    if given < 2**20 and text.strip().isdigit():  # a number alone is bytes: a unit left out, surely
+    refuse_unit_left_out("--budget", text, given)
+    return given
+
+
+def refuse_unit_left_out(option: str, text: str, n: int) -> None:
+    """A size of ``option`` given as a number alone (bytes) below 1 MiB: a unit left out, surely."""
+    if n < 2**20 and text.strip().isdigit():
         raise AutotuneError(
-            f"invalid --budget '{text}': without a unit that is {given} bytes, most likely a unit left out; write "
+            f"invalid {option} '{text}': without a unit that is {n} bytes, most likely a unit left out; write "
             f"the unit, e.g. {text.strip()}GB or {text.strip()}GiB, or {text.strip()}B if you mean bytes"
         )
-    return given
 
 
 def budget_of(given_bytes: int, reserve: str | None, hw: HardwareProfile, text: str | None = None) -> Budget:

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from agents.base import Problem, SearchContext, SearchResult, Status, baseline_names, best_of, better, get_searcher
 from agents.finalists import Finalists
-from autotune.budget import Budget, record_budget
+from autotune.budget import Budget, record_budget, refuse_unit_left_out
 from autotune.measured import ANSWER, MeasuredSearch, answer_policy
 from autotune.reserved import ROUNDS, ReservedFit, as_result, fit_one, new_pool, scaled_budget
 from autotune.units import format_bytes, format_size_echo, parse_size
@@ -105,11 +105,7 @@ def parse_host_memory(text: str) -> int:
         n = parse_size(text)
     except AutotuneError as e:
         raise AutotuneError(f"--host-memory: {e}") from None
-    if n < 2**20 and text.strip().isdigit():
-        raise AutotuneError(
-            f"invalid --host-memory '{text}': without a unit that is {n} bytes, most likely a unit left out; write "
-            f"the unit, e.g. {text.strip()}GB or {text.strip()}GiB, or {text.strip()}B if you mean bytes"
-        )
+    refuse_unit_left_out("--host-memory", text, n)
     return n
 
 
@@ -340,11 +336,10 @@ def run_search(
         # The model as it is fits: keeping everything is the fastest policy there is (every other action adds
         # work, Rules 4-8), so a search would spend its time to find it again; but for --measure, whose finalists
         # come from the search (a plan that fits can run out when trained).
-        kept = [b for b in baselines if b.feasible and not b.policy.to_vector(problem.workload).any()]
-        kept = kept if problem.finalists is None else []
-        if no_policy.feasible and kept and not ctx.interrupted:
-            milp = False
-        if milp and not ctx.interrupted:
+        kept_all = None
+        if no_policy.feasible and problem.finalists is None and not ctx.interrupted:
+            kept_all = best_of(b for b in baselines if b.feasible and not b.policy.to_vector(problem.workload).any())
+        if milp and kept_all is None and not ctx.interrupted:
             report("milp (exact, coarsened)", None)
             try:
                 milp_result = get_searcher("milp").search(problem, ctx.derive(time_limit_s=milp_time_s))
@@ -352,9 +347,8 @@ def run_search(
                 ctx.interrupt()
         left_s = None if limit is None else max(1.0, limit - (time.perf_counter() - started))
         found = best_of(baselines) if ctx.interrupted else None
-        fastest_kept = best_of(kept)
-        if found is None and no_policy.feasible and fastest_kept is not None:
-            found = dataclasses.replace(fastest_kept, searcher=searcher)
+        if found is None and kept_all is not None:
+            found = dataclasses.replace(kept_all, searcher=searcher)
         if found is None:
             try:
                 found = get_searcher(searcher).search(problem, ctx.derive(seeds=tuple(baselines), time_limit_s=left_s))
