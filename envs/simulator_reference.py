@@ -269,6 +269,14 @@ def simulate_reference(
         overhead += hc.swap_s
         block(hc.swap_s, 0.0)
 
+    def pack_copy(ci: int) -> None:
+        """What the pack makes: a compressed candidate's packed form (Rule 8), a CPU swap's copy (Rule 4: the copy
+        is device memory there)."""
+        if act[ci] == COMPRESS:
+            live[("p", ci)] = packed[ci]
+        if act[ci] == SWAP and not gpu:
+            add("c", ci, size[cands[ci].tensor], free_keep[ci])
+
     def materialize(ci: int, i: int) -> None:
         nonlocal held, overhead, held_parts, replay_peak
         if ci in materialized:
@@ -375,12 +383,8 @@ def simulate_reference(
             if w.tensors[tid].alloc_op == i and tid not in in_place:
                 live[("t", tid)] = size[tid]
         for ci, c in enumerate(cands):
-            if c.packed_in_op or c.save_op + 1 != i:
-                continue
-            if act[ci] == COMPRESS:  # Rule 8: cast once op save_op has ended
-                live[("p", ci)] = packed[ci]
-            if act[ci] == SWAP and not gpu:  # Rule 4: the copy is device memory
-                add("c", ci, size[c.tensor], free_keep[ci])
+            if not c.packed_in_op and c.save_op + 1 == i:  # Rules 4, 8: once op save_op has ended
+                pack_copy(ci)
         # Op i on the clocks (Rule 1), after the fixed insertions before it.
         clock["busy"] += host_at[i] + host_op[i]
         if gpu:
@@ -397,10 +401,7 @@ def simulate_reference(
             allocations += [Allocation(i, -2 - n - i, op.workspace_bytes), Allocation(i, -2 - n - i, None)]
         packing = packed_in.get(i, [])
         for ci in packing:  # Rules 4, 8: op i packs its own output, its inputs still alive, its workspace gone
-            if act[ci] == COMPRESS:
-                live[("p", ci)] = packed[ci]
-            if act[ci] == SWAP and not gpu:
-                add("c", ci, size[cands[ci].tensor], free_keep[ci])
+            pack_copy(ci)
         if packing:
             timeline[-1] = max(timeline[-1], sum(live.values()))
 
