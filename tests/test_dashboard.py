@@ -3,6 +3,7 @@ sweep's studies."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import subprocess
@@ -92,7 +93,7 @@ def test_the_dashboard_stops_on_sigterm_while_it_serves_requests(tmp_path: Path)
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/studies", timeout=5) as r:
                     r.read()
                 served[0] += 1
-            except OSError:
+            except (OSError, http.client.HTTPException):  # (the server ends mid-answer: IncompleteRead)
                 time.sleep(0.05)
 
     clients = [threading.Thread(target=hammer, daemon=True) for _ in range(4)]
@@ -110,5 +111,7 @@ def test_the_dashboard_stops_on_sigterm_while_it_serves_requests(tmp_path: Path)
         if server.poll() is None:
             server.kill()
             server.communicate()
+        for c in clients:  # not left running into the next test
+            c.join(timeout=10)
     assert server.returncode == 143, err
     assert "Traceback" not in err, err
