@@ -80,6 +80,8 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from runtime.shared_grads import graphless
+
 _TENSOR = object()  # a tensor's place among a call's outputs
 # What a call's arguments and outputs may hold besides tensors once pytree has opened them (N4).
 _PLAIN = (torch.Tensor, type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
@@ -179,7 +181,8 @@ class _Region(torch.autograd.Function):
             # graph, a later use of the same parameter outside the call would get no gradient through it.
             torch.set_autocast_cache_enabled(False)
         try:
-            out = call.forward(*args, **kwargs)  # autograd records nothing inside Function.forward (N1)
+            with graphless():  # autograd records nothing inside Function.forward (N1)
+                out = call.forward(*args, **kwargs)
         finally:
             torch.set_autocast_cache_enabled(cache)
         flat, call.out_spec = tree_flatten(out)

@@ -33,8 +33,14 @@ NOTE [ Shared parameters' gradients ]
         (the last edge produced no gradient) is added to ``.grad`` by a callback queued with the engine;
         edges the walk did not find go through the engine's buffer as before (a use inside a region run as one
         node, whose call runs without a graph: simulator Rule 15 plans that sum as PyTorch makes it); under
-        ``create_graph`` nothing is taken. A parameter with tensor hooks of its own is left alone: they run before node
-        pre-hooks, and must see the whole gradient.
+        ``create_graph`` nothing is taken. Where a holder was called inside a region node's forward (such a use:
+        :func:`graphless`) and a gradient is held, the last edge hands its gradient over too, so that the node's
+        gradient, which reaches the engine's buffer after it, is added last, by AccumulateGrad's pre-hook, as
+        PyTorch adds the terms in order of arrival (T5's shared embedding: the LM head's, the decoder's, then the
+        encoder's run as one node; passed on, the decoder's was added to the encoder's first, and the gradient
+        differed from plain training's by rounding, 2e-9). A node's gradient that arrives before the last edge's is
+        still added out of PyTorch's order. A parameter with tensor hooks of its own is left alone: they run before
+        node pre-hooks, and must see the whole gradient.
     S4. A trace (runtime/trace.py) runs the same hooks doing what PyTorch does (``in_place=False``) and
         marks each sum made in a new tensor that the runtime makes in place: ``OpInfo.in_place_into`` names
         the tensor written (only where the sum, too, has the parameter's layout, so that AccumulateGrad
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -53,6 +60,7 @@ from torch.utils._pytree import tree_leaves
 from runtime.step_only import StepHook
 
 _WALK = 64  # nodes at most per module call (S1)
+_GRAPHLESS = [0]  # forwards of regions run as one node under way (runtime/regions.py): their calls make no graph
 
 # In-place sums the trace records: (the tensor written, the sum PyTorch made instead); S4.
 Marker = Callable[[torch.Tensor, torch.Tensor], None]
@@ -77,6 +85,16 @@ def _storage_uses(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1  # less the handle asked for here
 
 
+@contextlib.contextmanager
+def graphless() -> Iterator[None]:
+    """A region node's forward (runtime/regions.py): a holder called inside makes no edge to be found (S3)."""
+    _GRAPHLESS[0] += 1
+    try:
+        yield
+    finally:
+        _GRAPHLESS[0] -= 1
+
+
 def _alone(t: torch.Tensor, holders: int) -> bool:
     """Nothing but ``holders`` references to the tensor holds it or its storage."""
     return t._base is None and t._use_count() <= holders and _storage_uses(t) == 1  # type: ignore[attr-defined]
@@ -95,12 +113,15 @@ def _like(t: torch.Tensor, p: torch.Tensor) -> bool:
 class _Sum:
     """One parameter's gradients in one backward (S2, S3)."""
 
-    def __init__(self, param: torch.nn.Parameter, in_place: bool, mark: Marker | None) -> None:
+    def __init__(
+        self, param: torch.nn.Parameter, in_place: bool, mark: Marker | None, graphless: AbstractSet[int]
+    ) -> None:
         # No reference to the AccumulateGrad node: its pre-hook holds this object, and a cycle would keep the
         # node (and every pre-hook of later steps) alive until the garbage collector runs.
         self.param = param
         self.in_place = in_place
         self.mark = mark
+        self.graphless = graphless  # ids of the parameters a holder used inside a region node's call (S3)
         self.nodes: list[Any] = []  # the edges' nodes, until a backward begins (then let go: no cycle stays)
         self.found: set[tuple[Any, int]] = set()  # ... with their input index: an edge two holders find, once
         self.edges = 0
@@ -147,8 +168,11 @@ class _Sum:
 
         def hook(grad_inputs: tuple[Any, ...], _grad_outputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
             g = grad_inputs[j]
-            if self._arrive() or g is None or g.requires_grad:  # passed on (create_graph: summed as always)
+            last = self._arrive()
+            if g is None or g.requires_grad:  # passed on (create_graph: summed as always)
                 return None
+            if last and (self.held is None or id(self.param) not in self.graphless):  # S3
+                return None  # (with a gradient held and a region node's still to come, held as the others)
             others = grad_inputs[:j] + grad_inputs[j + 1 :]
             self.held = g if self.held is None else self.add(self.held, g, 2, others)  # the node's outputs hold g
             out = list(grad_inputs)
@@ -180,6 +204,7 @@ class SharedGradients:
                 by_module.setdefault(id(m), (m, []))[1].append(p)
         self._modules = list(by_module.values())
         self._sums: dict[int, _Sum] = {}  # id(AccumulateGrad node) -> its sum, for the forward under way
+        self._graphless: set[int] = set()  # parameters a holder used inside a region node's call, this step (S3)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -198,10 +223,13 @@ class SharedGradients:
                 first = start.pop() if start else None
                 if first is not None and torch.is_grad_enabled() and torch._C._current_autograd_node() is None:
                     self._find(out, first, params)
+                elif _GRAPHLESS[0] and torch._C._current_autograd_node() is None:
+                    self._graphless.update(id(p) for p in params)
 
             handles.append(mod.register_forward_pre_hook(StepHook(pre)))
             handles.append(mod.register_forward_hook(StepHook(post)))
         self._sums = {}
+        self._graphless.clear()
         try:
             yield
         finally:
@@ -235,7 +263,7 @@ class SharedGradients:
     def _edge(self, acc: Any, param: torch.nn.Parameter, node: Any, j: int) -> None:
         s = self._sums.get(id(acc))
         if s is None or s.done or s.left > 0:  # this forward's first edge, or a backward has begun
-            s = self._sums[id(acc)] = _Sum(param, self.in_place, self.mark)
+            s = self._sums[id(acc)] = _Sum(param, self.in_place, self.mark, self._graphless)
             acc.register_prehook(s.pre_hook)
         if (node, j) in s.found:  # found again by another module that holds the parameter (S1)
             return
