@@ -49,6 +49,10 @@ class Problem:
         # every policy for it carries allow_partition, whoever makes it.
         if self.workload.meta.get("partitions") and not self.options.allow_partition:
             self.options = dataclasses.replace(self.options, allow_partition=True)
+        # Compression allowed is lossy compression allowed: the policies its searchers export say so (a
+        # compressing policy without ``lossy`` is refused when it is made).
+        if self.allow_compress and not self.options.lossy:
+            self.options = dataclasses.replace(self.options, lossy=True)
         if not self.hardware.is_gpu:
             self.allow_swap = False
 
@@ -84,8 +88,14 @@ class Problem:
         return result
 
     def allowed(self, actions: Sequence[int] | np.ndarray) -> np.ndarray:
-        """``actions`` as int8 codes, a swap as the keep it becomes where swaps are not allowed."""
-        vec = np.asarray(actions, dtype=np.int8)
+        """``actions`` as int8 codes, a swap as the keep it becomes where swaps are not allowed; a vector of
+        another length or with codes outside 0..3 is refused (the simulator would score them as a drop)."""
+        codes = np.asarray(actions)
+        if codes.shape != (self.n,):
+            raise ValueError(f"action vector of shape {codes.shape}: expected one code per candidate, ({self.n},)")
+        if self.n and not (np.issubdtype(codes.dtype, np.integer) and 0 <= codes.min() <= codes.max() < 4):
+            raise ValueError(f"action codes {np.unique(codes).tolist()} are not all integers in 0..3 (keep..compress)")
+        vec = codes.astype(np.int8, copy=False)
         if not self.allow_swap and np.any(vec == SWAP):
             vec = np.where(vec == SWAP, KEEP, vec).astype(np.int8)
         return vec

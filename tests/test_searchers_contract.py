@@ -81,6 +81,30 @@ def test_rule_4_no_compression_unless_allowed(name: str) -> None:
         assert not np.any(searched(name, f)[1].policy.to_vector(_W) == COMPRESS)
 
 
+@pytest.mark.parametrize("name", ["ppo-onepass", "portfolio"])
+def test_rule_4_compression_allowed_on_the_problem_is_allowed_in_the_answer(name: str) -> None:
+    """A problem made with ``allow_compress`` (as the gym environment's default one is) lets the searchers
+    compress: the RL agent proposed compressed tensors, and the answer's policy, made without ``lossy``, was
+    refused when made, after the whole search (the portfolio, which the agent seeds, too)."""
+    p = Problem(_W, _HW, budget_bytes=int(_PEAK * 0.9), allow_compress=True)
+    assert p.options.lossy
+    r = get_searcher(name).search(p, SearchContext(time_limit_s=2, seed=0, trials=3))
+    assert r.status == Status.FEASIBLE and r.policy.options.lossy
+    if name == "ppo-onepass":
+        assert (r.policy.to_vector(_W) == COMPRESS).any()  # what was refused before
+
+
+def test_an_action_code_outside_the_vocabulary_is_refused() -> None:
+    """``Problem.evaluate`` scored a code outside 0..3 (7, -1, or 257 wrapped to a swap by int8) as a drop with no
+    legal meaning, below every legal policy's peak, and kept it as the best seen; ``Policy.from_vector`` refuses
+    the same vectors."""
+    p = problem(0.7)
+    for bad in ([7] * p.n, [-1] * p.n, [257] * p.n, [2.9] * p.n, [0] * (p.n + 1)):
+        with pytest.raises(ValueError, match="action"):
+            p.evaluate(bad)
+    assert p.evaluations == 5 and p.evaluate([0] * p.n).peak_bytes == _PEAK
+
+
 def test_rule_4_no_swap_on_a_profile_without_copy_engines() -> None:
     """Simulator Rule 4: on the CPU a swapped tensor's copy is the same memory, so a swap never lowers the peak
     and adds a copy; swap-based heuristics answered swaps there all the same (and where a tensor's own op saves
