@@ -7,9 +7,12 @@ NOTE [ Sweep storage ]
     parametric rule, seeded with the heuristics, ``--trials`` in all); its user attributes hold the rest:
     ``baselines`` (every published heuristic's status, peak and samples/s), ``no_policy``, ``ppo`` (the RL
     agent's best episode), ``per_method`` (each method's best fitting samples/s), ``best`` (the fastest
-    fitting policy of the cell and which method found it, as an action vector), and ``done`` (baselines and
-    ppo, once finished). Running the sweep again with the same storage skips what is done and continues each
-    study until it holds ``--trials`` completed trials (so a larger ``--trials`` goes on). With
+    fitting policy of the cell and which method found it, as an action vector), ``done`` (baselines and
+    ppo, once finished) and ``optuna_trials`` (the ``--trials`` of the last Optuna search that ran to its end,
+    by its trials or its ``--timeout``). Running the sweep again with the same storage skips what is done: a
+    study is searched again only where it holds fewer than ``--trials`` completed trials and no search for
+    that many or more ran to its end (so a larger ``--trials`` goes on; the same command recomputes nothing,
+    where a cell stopped by its ``--timeout`` was searched again on every run, with another answer). With
     ``--heartbeat``, a killed worker's trial is failed and retried (NOTE [ Distributed search ] in
     agents/optuna_search.py), so several `autotune sweep` processes can share one PostgreSQL storage.
     Ctrl-C stops the whole sweep: the cell being searched keeps what its study stored (its Optuna trials,
@@ -216,11 +219,11 @@ def run_cell(
         _mark_done(study, done, methods)
         cell.wall_s = time.perf_counter() - started
         return cell
-    # The optuna method is done when its study holds --trials completed trials (raise --trials to go on).
-    # The heuristics are cheap and seed the search: re-run them when it still has work, even if their
-    # summary is stored (their policies are not).
+    # The optuna method is done when its study holds --trials completed trials, or a search for at least as
+    # many ran to its end (its --timeout): raise --trials to go on. The heuristics are cheap and seed the
+    # search: re-run them when it still has work, even if their summary is stored (their policies are not).
     complete = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
-    need_optuna = "optuna" in methods and complete < trials
+    need_optuna = "optuna" in methods and complete < trials and int(attrs.get("optuna_trials", 0)) < trials
     if "optuna" in methods and not need_optuna:
         cell.resumed.append("optuna")
     seeds: list[SearchResult] = []
@@ -238,6 +241,8 @@ def run_cell(
         found = get_searcher("optuna-tpe").search(problem, ctx.derive(seeds=tuple(seeds)))
         try:
             _offer(study, "optuna", found, w)
+            if not ctx.interrupted:
+                study.set_user_attr("optuna_trials", trials)
         except Exception:
             if not ctx.interrupted:
                 raise  # after a Ctrl-C the storage's connection may be broken: the cell keeps what it stored
@@ -459,6 +464,8 @@ def render(out: Console, outcome: SweepOutcome, storage: str, report: Path | Non
             f(j["ppo_samples_per_s"]),
             cell.floor_text()
             if cell.below_floor
+            else "none fits"
+            if cell.best is None
             else f"{f(j['samples_per_s'])} {j['best_method'] or ''}"
             + (f" on {cell.slices}" if cell.partitions else "")
             + (" (interrupted)" if cell.interrupted else ""),
@@ -468,6 +475,16 @@ def render(out: Console, outcome: SweepOutcome, storage: str, report: Path | Non
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more (--json names each cell's)" if len(names) > 3 else "")
     resumed = sum(1 for cell in outcome.cells if cell.resumed)  # a run that found its cells done says so
     again = f" ({resumed} of {n} resumed from the storage)" if resumed else ""
+    unmet = [c for c in outcome.cells if c.best is None and not c.below_floor and not c.interrupted]
+    if unmet:  # above the floor, yet no method of the sweep's found a policy that fits: say so, and what may
+        out.print(  # (search's portfolio refines the heuristics' policies per tensor; the sweep's methods do not)
+            f"{len(unmet)} cell{'' if len(unmet) == 1 else 's'} found no fitting policy ("
+            + ", ".join(f"{c.model} {c.profile} {format_bytes(c.budget_bytes + c.reserve_bytes)}" for c in unmet[:3])
+            + (f" and {len(unmet) - 3} more" if len(unmet) > 3 else "")
+            + "), above what no policy can go below: `autotune search` at such a budget refines the heuristics'"
+            " policies tensor by tensor, which the sweep's methods do not",
+            highlight=False,
+        )
     out.print(
         f"{outcome.wall_s:.0f} s{again}; one study per cell in {storage} ({shown}): "
         f"`autotune dashboard --storage {storage}` opens them" + (f"; report: {report}" if report else "")

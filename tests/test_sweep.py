@@ -135,6 +135,53 @@ def test_running_again_recomputes_nothing(sweep_run: SweepRun) -> None:
     assert "(3of3resumedfromthestorage)" in table and "━" not in shown.stderr
 
 
+def test_a_cell_its_timeout_stopped_is_not_searched_again(tmp_path: Path) -> None:
+    """A cell whose Optuna search ended on --timeout before --trials was searched again, for another --timeout, on
+    every run of the same command (its trials 12 -> 23 -> 34, and one answer changed: 1,870.2 -> 1,884.5 samples/s,
+    its file rewritten). Now the same command recomputes nothing; a larger --trials goes on."""
+    storage = f"sqlite:///{tmp_path / 't.db'}"
+    args = [*SWEEP_ARGS[:5], "--budgets", "235MB", "--gpu", "a100-40gb", "--timeout", "2", "--reserve", "0",
+            "--methods", "optuna", "--storage", storage, "--json"]  # fmt: skip
+    first = json.loads(autotune(*args, "--trials", "100000").stdout)["cells"][0]
+    n = len(_study(storage, first["study"]).trials)
+    assert 0 < n < 100000 and first["resumed"] == []
+    again = json.loads(autotune(*args, "--trials", "100000").stdout)["cells"][0]
+    assert again["resumed"] == ["optuna"] and again["samples_per_s"] == first["samples_per_s"]
+    assert len(_study(storage, first["study"]).trials) == n
+    json.loads(autotune(*args, "--trials", "200000").stdout)
+    assert len(_study(storage, first["study"]).trials) > n
+
+
+def test_a_cell_no_method_fits_says_so() -> None:
+    """Above the floor, with no method of the sweep's finding a policy that fits (a QA run: the GroupNorm CNN with
+    Adam at 65 MiB on a100-40gb, where `autotune search` answers 4,047.5 samples/s), the row read "—" in every
+    column, as if the cell had not run, and no line said why. A cell below its floor and one that fits are as
+    before."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from autotune.sweep import CellResult, SweepOutcome, render
+
+    def cell(budget: int, **kw: object) -> CellResult:
+        return CellResult(model="m", batch_size=8, profile="p", budget_bytes=budget, study_name=f"s{budget}",
+                          no_policy={"peak_bytes": 1000, "samples_per_s": 100.0}, **kw)  # type: ignore[arg-type]  # fmt: skip
+
+    cells = [cell(500), cell(100, below_floor=True, floor_bytes=300),
+             cell(900, best={"method": "optuna", "samples_per_s": 90.0, "peak_bytes": 600})]  # fmt: skip
+    buf = StringIO()
+    render(Console(file=buf, width=300), SweepOutcome(cells, {}, {}, 1.0), "sqlite:///x.db", None)
+    rows = [line for line in buf.getvalue().splitlines() if line.startswith("│ m")]
+    assert [r.split("│")[-2].strip() for r in rows] == [
+        "none fits",
+        "below the floor: no policy under 300 B",
+        "90.0 optuna",
+    ]
+    assert "1 cell found no fitting policy (m p 500 B), above what no policy can go below: `autotune search`" in (
+        buf.getvalue()
+    )
+
+
 @pytest.mark.slow
 def test_a_killed_worker_loses_no_trial(tmp_path: Path) -> None:
     """SIGKILL mid-search (after 10 of 50 trials); the next run fails the dead trial (its heartbeat stopped),
