@@ -367,8 +367,9 @@ class Policy:
             if mine == theirs:  # the file's batch size and its shape fingerprint disagree (an edited file)
                 raise AutotuneError(
                     f"{source}: policy was made for {self.model} at {mine} (its batch_size, seq_len and image_size "
-                    "fields) "
-                    f"but its shape fingerprint {self.shape_fingerprint} is not that of {mine} "
+                    f"fields; with {self.optimizer or 'sgd'} and {_n(self.grad_accum, 'micro-batch')} a step, whose "
+                    "state and gradients the fingerprint counts too) "
+                    f"but its shape fingerprint {self.shape_fingerprint} is not that of such a run "
                     f"({workload.shape_fingerprint}): the file's fields disagree (edited by hand?); search again "
                     f"with `autotune search --model {workload.model} --batch-size {workload.batch_size}{seq} ...`"
                 )

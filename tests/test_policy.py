@@ -260,6 +260,18 @@ def test_other_batch_size(tmp_path: Path, cnn: Workload) -> None:
     assert p.batch_size == 2 and p.to_vector(bigger).tolist() == [0] * len(bigger.candidates)
 
 
+def test_an_optimizer_edited_by_hand_is_named_in_the_refusal(tmp_path: Path, cnn: Workload) -> None:
+    """A file whose optimizer was edited (sgd -> adam) is refused by its shape fingerprint, which counts Adam's
+    state; the message blamed the batch_size, seq_len and image_size fields alone (a QA run)."""
+    make(cnn, [0] * len(cnn.candidates)).save(tmp_path / "p.json")
+    d = json.loads((tmp_path / "p.json").read_text())
+    (tmp_path / "p.json").write_text(json.dumps({**d, "optimizer": "adam"}))
+    adam = capture(tiny_cnn_build(), name="cnn", batch_size=2, fake=True, optimizer="adam")
+    msg = r"at batch size 2 \(its batch_size, seq_len and image_size fields; with adam and 1 micro-batch a step, "
+    with pytest.raises(AutotuneError, match=msg + r".*the file's fields disagree"):
+        load_policy(tmp_path / "p.json", adam)
+
+
 def test_schema_is_valid() -> None:
     import jsonschema
 
