@@ -216,8 +216,8 @@ class Searcher(abc.ABC):
 
     def study_names(self, name: str) -> list[str]:
         """The Optuna studies this searcher keeps under the study name ``name`` (each of a composite's phases
-        may have its own)."""
-        return [name]
+        may have its own; none for one that runs no Optuna study: nothing of it to resume)."""
+        return []
 
     def search(self, problem: Problem, ctx: SearchContext | None = None) -> SearchResult:
         """Run the search (with ``ctx``'s settings; the defaults when None) and package its proposal as a

@@ -245,6 +245,9 @@ class OptunaSearcher(Searcher):
     composite = True
     multi_objective: ClassVar[bool] = False
 
+    def study_names(self, name: str) -> list[str]:
+        return [name]
+
     def _sampler(self, ctx: SearchContext) -> Any:
         raise NotImplementedError
 

@@ -823,7 +823,10 @@ def search(
         )
     if outcome.interrupted:
         where = f"the best policy so far is in {path}" if outcome.written else "no policy fits yet"
-        err.print(f"{_stopped()}: {where}; resume with --storage {storage} --study {name}")
+        # Only an Optuna study is resumed; another searcher's run keeps nothing in the storage (one named a
+        # study to resume that did not exist).
+        again = f"; resume with --storage {storage} --study {name}" if get_searcher(searcher).study_names(name) else ""
+        err.print(f"{_stopped()}: {where}{again}")
         raise SystemExit(_stop_code())
     if not outcome.written:
         err.print(f"[bold red]error:[/] {sr.no_answer(outcome)}", highlight=False)

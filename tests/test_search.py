@@ -478,6 +478,32 @@ def test_ctrl_c_keeps_the_best_policy_and_says_how_to_resume(
     assert kept.predicted is not None and kept.predicted.peak_bytes <= 200_000_000 - 8 * 2**20
 
 
+def test_ctrl_c_of_a_searcher_without_a_study_names_none_to_resume(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--searcher refine`` (as ppo, ppo-onepass and the baselines) keeps no Optuna study: Ctrl-C said "resume
+    with --storage ... --study ..." all the same, naming a study the storage did not hold (a QA run)."""
+    import optuna
+
+    from envs.problem import Problem
+
+    calls = {"n": 0}
+    real = Problem.evaluate
+
+    def interrupted_later(self, *a, **k):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 400:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Problem, "evaluate", interrupted_later)
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    args = [*SEARCH, "--budget", "200MB", "--searcher", "refine", "--out", str(tmp_path / "p.json"), "--storage", url]
+    code, _, err = run(capsys, *args)
+    assert code == 130 and calls["n"] >= 400 and "interrupted" in err
+    assert "resume with" not in err and optuna.get_all_study_names(url) == []
+
+
 def test_a_budget_below_the_default_reserve_names_a_budget_that_works(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
