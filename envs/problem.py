@@ -93,7 +93,10 @@ class Problem:
         codes = np.asarray(actions)
         if codes.shape != (self.n,):
             raise ValueError(f"action vector of shape {codes.shape}: expected one code per candidate, ({self.n},)")
-        if self.n and not (np.issubdtype(codes.dtype, np.integer) and 0 <= codes.min() <= codes.max() < 4):
+        whole = np.issubdtype(codes.dtype, np.integer) or (  # an exact solver's 2.0 is a whole code
+            np.issubdtype(codes.dtype, np.floating) and bool(np.all(codes == np.floor(codes)))
+        )
+        if self.n and not (whole and 0 <= codes.min() <= codes.max() < 4):
             raise ValueError(f"action codes {np.unique(codes).tolist()} are not all integers in 0..3 (keep..compress)")
         vec = codes.astype(np.int8, copy=False)
         if not self.allow_swap and np.any(vec == SWAP):

@@ -103,6 +103,7 @@ def test_an_action_code_outside_the_vocabulary_is_refused() -> None:
         with pytest.raises(ValueError, match="action"):
             p.evaluate(bad)
     assert p.evaluations == 5 and p.evaluate([0] * p.n).peak_bytes == _PEAK
+    assert p.evaluate(np.full(p.n, 2.0)) == p.evaluate(np.full(p.n, 2))  # an exact solver's whole floats
 
 
 def test_rule_4_no_swap_on_a_profile_without_copy_engines() -> None:
