@@ -252,7 +252,9 @@ class _RegionCost:
     forward_host_s: float  # the region's own cost and its packs', in forward
     transient: int  # bytes above the regenerated candidates at the recompute's peak
     regenerated: list[tuple[int, int]]  # (candidate, last op of its regenerated copy; -1 for its free_op)
-    held: list[tuple[int, int, int]]  # (first op, last op, bytes): arguments and gradients the node holds longer
+    # (tensor, first op, last op, bytes): arguments and gradients the call holds longer; a tensor two regions
+    # hold (one argument of two calls, q_proj's and v_proj's) is held once, to the later end (_region_view)
+    held: list[tuple[int, int, int, int]]
     intervals: tuple[np.ndarray, np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0), np.zeros(0))  # Rule 2
     out_of_place: tuple[int, ...] = ()  # Rule 15's sums with a term the node makes: in a new tensor, as traced
 
@@ -679,11 +681,11 @@ class Simulator:
             live -= temps.pop(op, 0)
         packs = int(sum(w.frames[x].packs for x in range(f, end + 1)))
         last_bwd = max(module_ops, default=-1)
-        held = []
+        held: list[tuple[int, int, int, int]] = []
         for tid in sorted(set(frame.args) - {-1} - set(self._cand_of_tensor)):
             t = w.tensors[tid]
             if t.free_op is not None and t.free_op < last_bwd:
-                held.append((t.free_op + 1, last_bwd, rounded(t.nbytes, g)))
+                held.append((tid, t.free_op + 1, last_bwd, rounded(t.nbytes, g)))
         # Gradients that cross the node's boundary live until its backward is done: what comes in (the
         # outputs' gradients, held by the node's caller) and what goes out to be freed by an op outside it or
         # by an accumulation into an existing gradient (which runs once the node returns).
@@ -703,7 +705,7 @@ class Simulator:
         for tid in sorted(crossing):
             t = w.tensors[tid]
             if t.free_op is not None and t.free_op < last_bwd:
-                held.append((t.free_op + 1, last_bwd, rounded(t.nbytes, g)))
+                held.append((tid, t.free_op + 1, last_bwd, rounded(t.nbytes, g)))
         hc = self.hw.host
         own_s = hc.region_s + (0.0 if nodes else hc.region_pack_s * packs)  # the node runs nothing per pack
         cost = _RegionCost(
@@ -720,9 +722,9 @@ class Simulator:
         ends = [int(self.free_keep[ci]) if last < 0 else last for ci, last in regenerated] if cost.use < n else []
         sizes = [int(self.size[ci]) for ci, _ in regenerated] if cost.use < n else []
         cost.intervals = (
-            np.array(starts + [a for a, _, _ in held + released], dtype=np.int64),
-            np.array(ends + [b for _, b, _ in held + released], dtype=np.int64),
-            np.array(sizes + [z for _, _, z in held + released], dtype=np.int64),
+            np.array(starts + [a for a, _, _ in released], dtype=np.int64),
+            np.array(ends + [b for _, b, _ in released], dtype=np.int64),
+            np.array(sizes + [z for _, _, z in released], dtype=np.int64),
         )
         self._regions[(f, nodes)] = cost
         return cost
@@ -738,8 +740,14 @@ class Simulator:
             costs = [self.region_cost(f, nodes) for f in regions]
             at_l: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
             w_l: list[np.ndarray] = [np.zeros(0)]
-            for rc in costs:  # +size at each start, -size one past each end (or at the start: none)
-                s0, e0, z0 = rc.intervals
+            held: dict[int, tuple[int, int, int]] = {}  # Rule 11: each tensor held once, to its latest end
+            for rc in costs:
+                for tid, a, b, z in rc.held:
+                    held[tid] = (a, max(b, held[tid][1]) if tid in held else b, z)
+            h = list(held.values())
+            kept = (np.array([a for a, _, _ in h], np.int64), np.array([b for _, b, _ in h], np.int64),
+                    np.array([z for _, _, z in h], np.int64))  # fmt: skip
+            for s0, e0, z0 in [rc.intervals for rc in costs] + [kept]:  # +size at each start, -size past each end
                 at_l += [s0, np.maximum(e0, s0 - 1) + 1]
                 w_l += [z0, -z0]
             undone = np.array(sorted({j for rc in costs for j in rc.out_of_place}), dtype=np.int64)

@@ -482,3 +482,18 @@ class AttentionNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.att(self.emb(x)).mean(1))
+
+
+class TwoReaders(nn.Module):
+    """Two calls (``a``, ``b``) that read one tensor no op saves (``h``, a sum): as regions each holds it, as
+    an argument, until its backward is done; wide logits put the peak at the loss's backward, before both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(32, 512), nn.Linear(16, 4096)
+        self.a = nn.Sequential(nn.ReLU(), nn.Linear(512, 16))
+        self.b = nn.Sequential(nn.Tanh(), nn.Linear(512, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x) + 1.0
+        return self.out(self.a(h) * self.b(h))
