@@ -94,7 +94,12 @@ Rule 11 (regions). A module call that runtime.plan's NOTE [ Recompute mechanisms
     outputs, as in Rule 7. Held until the module's last backward op: the call's tensor arguments that are not
     candidates (the node or the checkpoint saves them); under a node also the gradients its backward reads that a
     backward op outside it made (its outputs' gradients, which the node's caller holds), and those it makes that an
-    op outside it or an accumulation into an existing gradient frees (they leave the node when it returns).
+    op outside it or an accumulation into an existing gradient frees (they leave the node when it returns). Under a
+    node also its candidate arguments (kept: runtime/plan.py P4), which it saves until its backward returns (under
+    autocast after their last use: the weights' gradients are cast after it); a tensor that two regions hold is held
+    once, to the later end. A node runs the call's forward with autocast's cache off: a recomputed cast of a weight
+    made inside it lives only to its last forward reader there (runtime.plan.node_forward_end), not to the end of
+    autocast's region as the trace's cache held it.
 Rule 12 (host costs). h_i is 0 on a profile without copy engines (op times are wall times there); on a GPU
     it is the op's measured host time, scaled to the plain iteration's, when the trace ran on that device,
     and ``host.op_s`` otherwise. The runtime's own work costs the host (``HardwareProfile.host``): each
@@ -160,6 +165,7 @@ from runtime.plan import (
     forward_writers,
     held_outside,
     nested_closures,
+    node_forward_end,
     reads_csr,
     replay_copies,
     replay_inputs_kept,
@@ -651,6 +657,9 @@ class Simulator:
                 continue  # an input (P4)
             if ci in internal:
                 regenerated.append((ci, -1))
+                gone = node_forward_end(w, ci, frame.last_op) if nodes else c.free_if_dropped_op
+                if gone < c.free_if_dropped_op:  # a weight's cast, which the node's forward does not cache
+                    released.append((gone + 1, c.free_if_dropped_op, -int(self.size[ci])))
             else:  # a kept output packed inside: its copy until the call's module is done with it
                 own = [b for b in c.bwd_uses if in_module(b)]
                 regenerated.append((ci, max(own) if own else use))
@@ -686,6 +695,12 @@ class Simulator:
             t = w.tensors[tid]
             if t.free_op is not None and t.free_op < last_bwd:
                 held.append((tid, t.free_op + 1, last_bwd, rounded(t.nbytes, g)))
+        # A node saves its candidate arguments too (kept: runtime/plan.py P4) until its backward returns, which
+        # may be after their last backward use (under autocast the weights' gradients are cast after it).
+        for tid in sorted(set(frame.args) & set(self._cand_of_tensor)) if nodes else ():
+            ci = self._cand_of_tensor[tid]
+            if int(self.free_keep[ci]) < last_bwd:
+                held.append((tid, int(self.free_keep[ci]) + 1, last_bwd, int(self.size[ci])))
         # Gradients that cross the node's boundary live until its backward is done: what comes in (the
         # outputs' gradients, held by the node's caller) and what goes out to be freed by an op outside it or
         # by an accumulation into an existing gradient (which runs once the node returns).

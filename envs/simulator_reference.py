@@ -18,7 +18,7 @@ import numpy as np
 
 from runtime.hardware import HardwareProfile, host_times_s, op_times_s
 from runtime.keys import runs_in
-from runtime.plan import RegionPlanner, as_run, held_outside, replay_copies
+from runtime.plan import RegionPlanner, as_run, held_outside, node_forward_end, replay_copies
 from runtime.policy import PolicyOptions
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, compressible, itemsize
 from runtime.workload import Phase, TensorKind, Workload, rounded
@@ -318,9 +318,15 @@ def simulate_reference(
     for info in region_info:
         info["ends"] = {ci: (free_keep[ci] if last < 0 else last) for ci, last in info["regenerated"]}
     kept_end = list(free_keep)  # Rule 11: a kept output of a region, freed once nothing outside it reads it
+    dropped_end = [c.free_if_dropped_op for c in cands]  # ... and a recomputed cast, by a node's forward
     for info in region_info:
         for ci, last in info["freed"].items():
             kept_end[ci] = min(kept_end[ci], last)
+        for ci, last in info["uncached"].items():
+            dropped_end[ci] = min(dropped_end[ci], last)
+    for info in region_info:  # after every region's own: a node saves its arguments to its backward's end
+        for ci, last in info["saved_args"].items():
+            kept_end[ci] = max(kept_end[ci], last)
 
     extended: dict[int, int] = {}  # Rule 11: arguments a region holds, to their last op
     for info in region_info:
@@ -418,7 +424,7 @@ def simulate_reference(
                 live.pop(("t", c.tensor), None)
             if a == COMPRESS and materialized.get(ci) == i:
                 live.pop(("p", ci), None)
-            if a in (RECOMPUTE, COMPRESS) and c.free_if_dropped_op == i:
+            if a in (RECOMPUTE, COMPRESS) and dropped_end[ci] == i:
                 live.pop(("t", c.tensor), None)
             if a == SWAP and i == (max(c.free_if_dropped_op, release_after[ci]) if gpu else c.free_if_dropped_op):
                 live.pop(("t", c.tensor), None)
@@ -577,12 +583,15 @@ def _region(w, r, mine, within, size, op_s, host_op, hc, nodes):  # type: ignore
         rerun = list(range(frame.first_op, max(frame.first_op, min(last_pack, frame.last_op)) + 1))
     regenerated = []
     freed = {}  # kept outputs: the original's last op, the call's own uses left out (they read the copy)
+    uncached = {}  # recomputed ones a node's forward lets go earlier than traced (a weight's cast)
     for ci in inside:
         c = w.candidates[ci]
         if not frame.first_op <= c.producer <= frame.last_op:
             continue
         if ci in mine:
             regenerated.append((ci, -1))
+            if nodes and node_forward_end(w, ci, frame.last_op) < c.free_if_dropped_op:
+                uncached[ci] = node_forward_end(w, ci, frame.last_op)
         else:
             own = [b for b in c.bwd_uses if b in owned]
             regenerated.append((ci, max(own) if own else use))
@@ -617,6 +626,8 @@ def _region(w, r, mine, within, size, op_s, host_op, hc, nodes):  # type: ignore
         for tid in sorted(set(frame.args) - {-1} - cand_tensors)
         if w.tensors[tid].free_op is not None and w.tensors[tid].free_op < last_bwd
     ]
+    # A node saves its candidate arguments (kept: plan P4) until its backward returns.
+    saved_args = {ci: last_bwd for ci, c in enumerate(w.candidates) if nodes and c.tensor in frame.args}
 
     # Gradients into the call's backward (from a backward op outside it) and out of it to an op that frees
     # them outside it or adds them into an existing gradient live until it is done.
@@ -645,6 +656,8 @@ def _region(w, r, mine, within, size, op_s, host_op, hc, nodes):  # type: ignore
         "transient_parts": _parts(at_peak[1], max(0, peak - total)),
         "regenerated": regenerated,
         "freed": freed,
+        "uncached": uncached,
+        "saved_args": saved_args,
         "held": held,
         "out_of_place": out_of_place,
     }

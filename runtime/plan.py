@@ -511,6 +511,25 @@ def replay_inputs_kept(act: np.ndarray, deps_ptr: np.ndarray, deps_idx: np.ndarr
     return np.where(read & compressed, KEEP, act).astype(act.dtype)
 
 
+def node_forward_end(w: Workload, ci: int, call_last_op: int) -> int:
+    """The op where candidate ``ci``, made inside a region's call run as one node and recomputed, first goes
+    (simulator Rule 11). The node runs the call's forward with autocast's cache off (runtime/regions.py: a cast
+    cached without a graph would reach a later use outside the call without one), so a weight's cast made
+    there (``_to_copy`` of a parameter, which the trace's cache held to the end of autocast's region) goes after
+    its last forward reader inside the call; every other one at ``free_if_dropped_op``, as traced (a QA run: the
+    plan 328,192 bytes over the measured peak on a tiny Llama in bf16, its MLP one node)."""
+    c = w.candidates[ci]
+    p = w.ops[c.producer]
+    if (
+        c.last_fwd_use < c.free_if_dropped_op
+        and c.last_fwd_use <= call_last_op
+        and p.name == "aten._to_copy.default"
+        and any(w.tensors[t].kind == TensorKind.PARAMETER for t in p.inputs)
+    ):
+        return c.last_fwd_use
+    return c.free_if_dropped_op
+
+
 def held_outside(w: Workload) -> np.ndarray:
     """P11: per candidate, whether something other than autograd holds its storage until its first backward use."""
     n = len(w.ops)
