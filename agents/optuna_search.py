@@ -166,6 +166,31 @@ def storage_for(url: str | None, heartbeat_s: float | None) -> Any:
         )
 
 
+def best_fitting_first(storage: Any) -> Any:
+    """``storage`` (an Optuna storage object) with ``get_best_trial`` picking the best completed trial whose
+    peak fits the budget (the trial's ``constraint`` user attribute, set with every objective value here), as
+    ``Study.best_trial`` picks it under constraints; where none fits, the one nearest the budget. optuna-dashboard
+    shows the storage's best trial, which the storage picks by value alone: a keep-everything trial 27 MiB over
+    a sweep cell's budget was its "best" (a QA run). A study without the attribute is left as it is."""
+    import optuna
+
+    by_value = storage.get_best_trial
+
+    def get_best_trial(study_id: int) -> Any:
+        trials = storage.get_all_trials(study_id, deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        if not trials or any("constraint" not in t.user_attrs for t in trials):
+            return by_value(study_id)
+        sign = 1 if storage.get_study_directions(study_id)[0] == optuna.study.StudyDirection.MAXIMIZE else -1
+        excess = {t.number: max(t.user_attrs["constraint"]) for t in trials}
+        fits = [t for t in trials if excess[t.number] <= 0]
+        if not fits:
+            return min(trials, key=lambda t: excess[t.number])
+        return max(fits, key=lambda t: sign * t.value)
+
+    storage.get_best_trial = get_best_trial
+    return storage
+
+
 def retried_trial_number(trial: Any) -> int | None:
     """The number of the failed trial that ``trial`` retries (None: not a retry), on any Optuna version."""
     import optuna

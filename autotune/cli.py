@@ -1293,7 +1293,11 @@ def dashboard(
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _end_now)
         signal.signal(signal.SIGTERM, _end_now)
-    optuna_dashboard.run_server(storage, host=host, port=port)
+    import optuna
+
+    from agents.optuna_search import best_fitting_first
+
+    optuna_dashboard.run_server(best_fitting_first(optuna.storages.get_storage(storage)), host=host, port=port)
 
 
 def _end_now(signum: int, frame: Any) -> None:

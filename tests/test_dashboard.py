@@ -115,3 +115,52 @@ def test_the_dashboard_stops_on_sigterm_while_it_serves_requests(tmp_path: Path)
             c.join(timeout=10)
     assert server.returncode == 143, err
     assert "Traceback" not in err, err
+
+
+def test_the_best_trial_shown_is_the_best_that_fits(tmp_path: Path) -> None:
+    """optuna-dashboard shows the storage's best trial, which it picked by value alone: a keep-everything trial
+    27 MiB over a sweep cell's budget was shown as its best (a QA run). Served now: the fastest that fits, or the
+    one nearest the budget where none fits; a study without the budget constraint as before."""
+    import optuna
+
+    from agents.optuna_search import best_fitting_first
+
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    for name, trials in {
+        "cell": [(100.0, 0.3), (50.0, -0.1), (60.0, -0.2), (70.0, 0.05)],  # (samples/s, budget excess)
+        "none-fits": [(100.0, 0.3), (90.0, 0.1)],
+    }.items():
+        study = optuna.create_study(study_name=name, storage=url, direction="maximize")
+        for value, excess in trials:
+            t = study.ask()
+            t.set_user_attr("constraint", [excess])
+            study.tell(t, value)
+    plain = optuna.create_study(study_name="plain", storage=url, direction="maximize")
+    plain.add_trial(optuna.trial.create_trial(value=3.0))
+    plain.add_trial(optuna.trial.create_trial(value=4.0))
+    storage = best_fitting_first(optuna.storages.get_storage(url))
+    ids = {s.study_name: s._study_id for s in storage.get_all_studies()}
+    assert storage.get_best_trial(ids["cell"]).number == 2  # 60 samples/s, the fastest that fits
+    assert storage.get_best_trial(ids["none-fits"]).number == 1  # nearest the budget
+    assert storage.get_best_trial(ids["plain"]).number == 1
+
+    port = _free_port()
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "autotune.cli", "dashboard", "--storage", url, "--port", str(port)]
+    server = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    api = f"http://127.0.0.1:{port}/api/studies/{ids['cell']}?after=0"
+    try:
+        best: list[int] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(api, timeout=5) as r:
+                    best = [t["number"] for t in json.load(r)["best_trials"]]
+                break
+            except OSError:
+                assert server.poll() is None, server.stderr.read() if server.stderr else ""
+                time.sleep(0.5)
+        assert best == [2]
+    finally:
+        server.terminate()
+        server.communicate(timeout=30)
