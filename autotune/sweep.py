@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agents.base import Problem, RunState, SearchContext, SearchResult, baseline_names, best_of, get_searcher
-from agents.optuna_search import storage_for
+from agents.optuna_search import create_study, storage_for
 from autotune.budget import budget_of, record_budget
 from autotune.search import budget_floor, format_bytes, plain_no_policy
 from envs.simulator import SimResult
@@ -173,7 +173,7 @@ def run_cell(
     say = progress or (lambda _m: None)
     started = time.perf_counter()
     name = cell_study_name(w, hw, budget_bytes)
-    study = optuna.create_study(
+    study = create_study(
         storage=storage_for(storage, heartbeat_s), study_name=name, direction="maximize", load_if_exists=True
     )
     attrs = study.user_attrs
