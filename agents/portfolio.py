@@ -130,14 +130,16 @@ class Portfolio(Searcher):
         optuna_found = False
         if watch is not None:  # the stale time counts from here (NOTE [ Restarts ])
             watch.rearm()
-        for share, phase_seeds, suffix, searcher in self._phases(seeds):
+        phases = self._phases(seeds)
+        for share, phase_seeds, suffix, searcher in phases:
             if ctx.interrupted or remaining(deadline) == 0 or (watch is not None and watch.converged()):
                 break
             phase = ctx.derive(
                 seeds=phase_seeds,
                 study_name=name + suffix,
                 time_limit_s=(remaining(deadline) or 0.0) * OPTUNA_SHARE * share,
-                trials=None if ctx.trials is None else (ctx.trials + 1) // 2,
+                # --trials in all, shared by the phases (ppo-pretrained's one phase ran half of them)
+                trials=None if ctx.trials is None else -(-ctx.trials // len(phases)),
             )
             before = best.result
             searcher.optimize(problem, phase, best, stop=watch)

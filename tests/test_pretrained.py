@@ -288,6 +288,12 @@ def test_search_command_with_the_pretrained_agent(capsys: pytest.CaptureFixture[
     assert got["searcher"] == "ppo-pretrained" and out.exists()
     # where a baseline's policy won, the note names it, as the portfolio's does
     assert got["samples_per_s"] > got["best_heuristic_samples_per_s"] or got["note"].startswith("won by ")
+    # --trials is its Optuna phase's total (it ran half of them: a QA run)
+    import optuna
+
+    (seeded,) = [n for n in optuna.get_all_study_names(f"sqlite:///{db}") if n.endswith(".seeded")]
+    study = optuna.load_study(study_name=seeded, storage=f"sqlite:///{db}")
+    assert len(study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) == 6
 
 
 def test_the_portfolio_takes_the_one_pass_among_its_seeds() -> None:
