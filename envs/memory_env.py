@@ -115,12 +115,13 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
 
     ``Discrete(4)``: 0 keep, 1 swap, 2 recompute, 3 compress (``envs.simulator.KEEP`` ... ``COMPRESS``).
     :meth:`action_masks` returns the legal actions for the current candidate as a bool array of length 4
-    (sb3-contrib's ``MaskablePPO`` convention); the same mask is in ``info["action_mask"]`` after ``reset``
-    and every ``step``. Keep and swap are always legal. Recompute is legal when the candidate has a finite
-    recompute closure time (always, for traced workloads). Compress is legal only with ``allow_compress``
-    and a floating-point tensor wider than ``options.compress_dtype`` (float32 or float64 for the default
-    bfloat16). **An illegal action, or a value outside 0..3, is replaced by keep** (never an error); the
-    action actually applied is ``info["applied_action"]``.
+    (sb3-contrib's ``MaskablePPO`` convention); the same mask is in ``info["action_mask"]`` after ``reset`` and
+    every ``step``. Keep is always legal, swap where the problem allows it (``Problem.allow_swap``: not on a profile
+    without copy engines, the CPU, nor for compiled training). Recompute is legal when the candidate has a finite
+    recompute closure time (always, for traced workloads). Compress is legal only with ``allow_compress`` and a
+    floating-point tensor wider than ``options.compress_dtype`` (float32 or float64 for the default bfloat16). **An
+    illegal action, or a value outside 0..3, is replaced by keep** (never an error); the action actually applied is
+    ``info["applied_action"]``.
 
     ## Observation Space
 
@@ -169,7 +170,8 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
 
     The episode terminates after one action per candidate (``len(workload.candidates)`` steps); it is never
     truncated. The last step's ``info`` holds ``peak_bytes``, ``iter_s``, ``samples_per_s``, ``feasible``,
-    ``reward`` and ``actions`` (the finished action vector, illegal choices already replaced by keep), and,
+    ``reward`` and ``actions`` (the codes scored: illegal choices replaced by keep, and so is a compressed
+    tensor that a recomputed one's replay reads, as the runtime runs it: runtime/plan.py P12), and,
     with the real backend, ``sim_peak_bytes`` and ``sim_samples_per_s``. The best feasible policy over all
     episodes is kept in ``env.best`` (:class:`BestPolicy`, ``None`` until one fits).
 
@@ -302,7 +304,10 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
         w, problem = self.problem.workload, self.problem
         feats = problem.simulator.features
         masks = np.zeros((self.k, N_ACTIONS), dtype=bool)
-        masks[:, KEEP] = masks[:, SWAP] = True
+        masks[:, KEEP] = True
+        # Not where the problem plans a swap as the keep it becomes (the CPU, compiled training): the episode
+        # said swap was applied where keep was scored (a QA run).
+        masks[:, SWAP] = problem.allow_swap
         masks[:, RECOMPUTE] = np.isfinite(feats.recompute_s)
         if problem.allow_compress:
             # A cast to a dtype as wide saves nothing (Rule 8: the size ratio is at least 1).
@@ -430,7 +435,9 @@ class MemoryPolicyEnv(gym.Env[np.ndarray, np.int64]):
             "samples_per_s": float(samples_per_s),
             "feasible": bool(feasible),
             "reward": reward,
-            "actions": actions,
+            # What was scored: a compressed tensor a replay reads runs kept (plan P12), as a swap where the problem
+            # plans it as keep (the env said compress where keep ran: a QA run).
+            "actions": self.problem.simulator.as_run(self.problem.allowed(actions), self.problem.options),
             "is_best": bool(improved),
         }
         if self.backend == "real":

@@ -460,6 +460,12 @@ class Simulator:
             self._triggers[lookahead] = up[np.maximum(0, pos - lookahead)]
         return self._triggers[lookahead]
 
+    def as_run(self, policy: Policy | Sequence[int] | np.ndarray, options: PolicyOptions) -> np.ndarray:
+        """The action codes :meth:`run` simulates for ``policy``: a recomputed tensor something outside autograd
+        holds kept (P11), a compressed one that cannot be or that a replay reads kept (R8, P12)."""
+        act = as_run(_as_vector(self.w, policy), self._held_outside)
+        return replay_inputs_kept(self._as_compressed(act, options.compress_dtype), self._reads_ptr, self._reads_idx)
+
     def _as_compressed(self, act: np.ndarray, dtype: str) -> np.ndarray:
         """Rule 8 / runtime R8: a compressed candidate that is not a floating-point tensor wider than ``dtype``
         (an int64 index, a bfloat16 activation) is kept (one a replay reads is kept too, by ``replay_inputs_kept``:
@@ -800,10 +806,9 @@ class Simulator:
     ) -> SimResult:
         w, n, k, hw = self.w, self.n_ops, self.k, self.hw
         hc = hw.host
-        act = as_run(_as_vector(w, policy), self._held_outside)
         if options is None:
             options = policy.options if isinstance(policy, Policy) else PolicyOptions()
-        act = replay_inputs_kept(self._as_compressed(act, options.compress_dtype), self._reads_ptr, self._reads_idx)
+        act = self.as_run(policy, options)
         lookahead = max(0, int(options.prefetch_lookahead))
         release_after = max(1, int(options.release_after))
         packed, pack_s = self.compression(options.compress_dtype)

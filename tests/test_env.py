@@ -163,6 +163,44 @@ def test_every_simulation_is_counted_on_the_problem() -> None:
 
 
 # -- masks ------------------------------------------------------------------------------------------------------
+def test_the_actions_reported_are_the_ones_scored() -> None:
+    """A compressed tensor that a recomputed one's replay reads runs kept (plan P12); the episode's
+    ``info["actions"]`` said compress, unlike the policy that ``Policy.from_vector`` makes of them (30 of 30 random
+    episodes on resnet18, a QA run). Now the codes scored, which simulate to the episode's figures."""
+    from runtime.policy import Policy, PolicyOptions
+    from runtime.trace import capture
+    from tests.test_trace import tiny_cnn_build
+
+    w = capture(tiny_cnn_build(batch=4), name="cnn", batch_size=4)
+    hw = get_profile("a100-40gb")
+    env = MemoryPolicyEnv(workload=w, hardware=hw, budget_bytes=10**12, allow_compress=True)
+    rng = np.random.default_rng(0)
+    differed = 0
+    for _ in range(20):
+        asked = rng.choice([RECOMPUTE, COMPRESS], env.k).astype(np.int8)
+        _, info = run_episode(env, asked)
+        ran = Policy.from_vector(w, info["actions"], hardware=hw.name, options=PolicyOptions(lossy=True))
+        assert np.array_equal(ran.to_vector(w), info["actions"])
+        sim = Simulator(w, hw).run(info["actions"], options=env.problem.options)
+        assert (sim.peak_bytes, sim.samples_per_s) == (info["peak_bytes"], info["samples_per_s"])
+        differed += int(not np.array_equal(info["actions"], asked))
+    assert differed  # some asked compressions ran kept
+
+
+def test_swap_is_masked_where_the_problem_plans_it_as_keep() -> None:
+    """On the cpu profile a swap is planned as the keep it becomes (simulator Rule 4): the mask offered it and
+    the episode said swap was applied where keep was scored (its samples/s not ``Simulator.run``'s of
+    ``info["actions"]`` in 20 of 20 random episodes on resnet18, a QA run)."""
+    cpu = get_profile("cpu")
+    env = MemoryPolicyEnv(workload=synthetic_workload(), hardware=cpu, budget_bytes=10**12)
+    _, info = env.reset()
+    assert not info["action_mask"][SWAP]
+    _, info = run_episode(env, [SWAP] * env.k)
+    assert info["applied_action"] == KEEP and not np.any(info["actions"] == SWAP)
+    sim = Simulator(env.problem.workload, cpu).run(info["actions"])
+    assert info["samples_per_s"] == sim.samples_per_s
+
+
 def test_compress_is_masked_without_allow_compress_and_replaced_by_keep() -> None:
     env = MemoryPolicyEnv(workload=synthetic_workload())
     _, info = env.reset()
