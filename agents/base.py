@@ -224,7 +224,10 @@ class Searcher(abc.ABC):
         policy with its simulated result."""
         start_evals = problem.evaluations
         started = time.perf_counter()
-        proposal = self._search(problem, SearchContext() if ctx is None else ctx)
+        if problem.budget_bytes <= 0:  # no policy meets it: answered, not raised (the RL agents' env refused it)
+            proposal = Proposal(problem.keep_all(), note=f"a budget of {problem.budget_bytes} bytes: nothing fits")
+        else:
+            proposal = self._search(problem, SearchContext() if ctx is None else ctx)
         wall_s = time.perf_counter() - started
         actions = problem.allowed(proposal.actions)  # a disallowed swap was simulated as keep: answered so
         if not problem.allow_compress and np.any(actions == COMPRESS):

@@ -53,6 +53,14 @@ def test_rule_1_an_impossible_budget_is_reported_not_raised(name: str) -> None:
     assert r.result.peak_bytes > p.budget_bytes and r.evaluations >= 1
 
 
+@pytest.mark.parametrize("name", ["ppo", "ppo-onepass", "ppo-pretrained", "portfolio", "capuchin"])
+def test_rule_1_a_budget_of_nothing_is_reported_not_raised(name: str) -> None:
+    """The RL agents (and the portfolio, which runs the agent's one pass) raised ValueError from their
+    environment for a budget of 0 bytes through the Python API (a QA run); the heuristics answered INFEASIBLE."""
+    r = get_searcher(name).search(Problem(_W, _HW, budget_bytes=0), SearchContext(time_limit_s=2, trials=2))
+    assert r.status == Status.INFEASIBLE and not r.feasible
+
+
 @pytest.mark.parametrize("name", list_searchers())
 @pytest.mark.parametrize("fraction", [1.0, 0.7])
 def test_rule_2_the_status_and_the_figures_are_the_policys(name: str, fraction: float) -> None:
