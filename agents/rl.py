@@ -9,8 +9,9 @@ rollout, then decoding with the simulator) of the actor before and after trainin
 of 64), one torch thread (fastest for networks this small), episodic returns (gamma 1: the only reward is
 at the end). When keep-all fits the budget, that is the answer at once.
 
-Deterministic for a seed when ``Problem.trials`` episodes (default ``DEFAULT_EPISODES``) end before the
-time limit.
+``SearchContext.trials`` episodes at most; without them it trains until the time limit (``DEFAULT_EPISODES``
+where there is none; it stopped there whatever the time limit, 6 s of a 10 s search). Deterministic for a seed
+when the episodes end before the time limit.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ class MaskablePPOSearcher(Searcher):
         if env.baseline.feasible:  # no policy fits: nothing to learn (and nothing is faster)
             return Proposal(problem.keep_all(), note="keeping everything fits the budget")
         k = env.k
-        episodes = ctx.trials if ctx.trials else DEFAULT_EPISODES
         deadline = None if ctx.time_limit_s is None else time.perf_counter() + ctx.time_limit_s
+        episodes = ctx.trials if ctx.trials else (DEFAULT_EPISODES if deadline is None else 10**9)  # to the limit
         n_steps = max(64, min(2048, 4 * k))
 
         class Stop(BaseCallback):  # type: ignore[misc]
@@ -81,15 +82,12 @@ class MaskablePPOSearcher(Searcher):
             start = "pretrained actor" if warm else "fresh actor"
             # The trained actor's one pass (agents/pretrained.py: its rollout, decoded with the simulator).
             decoded = one_pass(from_sb3(model.policy), problem)
+            how = f"the trained actor's one pass, after {env.episodes} episodes ({start})"
             if first is not None and better(first.result, decoded.result):
-                decoded, start = first, "pretrained actor, its one pass before training"
+                decoded, how = first, f"the pretrained actor's one pass, before {env.episodes} episodes of training"
             if env.best is not None and not better(decoded.result, env.best.result):
                 return Proposal(env.best.actions.copy(), note=f"best of {env.episodes} episodes ({start})")
-            return Proposal(
-                decoded.actions,
-                options=decoded.options,
-                note=f"the trained actor's one pass, after {env.episodes} episodes ({start})",
-            )
+            return Proposal(decoded.actions, options=decoded.options, note=how)
         finally:
             torch.set_num_threads(threads)
 

@@ -33,6 +33,7 @@ from rich.table import Table
 
 from agents.base import Problem, RunState, SearchContext, SearchResult, baseline_names, best_of, get_searcher
 from agents.optuna_search import create_study, storage_for
+from agents.rl import DEFAULT_EPISODES
 from autotune.budget import budget_of, record_budget
 from autotune.search import budget_floor, format_bytes, plain_no_policy
 from envs.simulator import SimResult
@@ -248,7 +249,8 @@ def run_cell(
                 raise  # after a Ctrl-C the storage's connection may be broken: the cell keeps what it stored
     if "ppo" in methods and "ppo" not in done and not ctx.interrupted:
         say("ppo")
-        found = get_searcher("ppo").search(problem, SearchContext(time_limit_s=timeout_s, seed=seed, state=ctx.state))
+        agent = SearchContext(time_limit_s=timeout_s, seed=seed, state=ctx.state, trials=DEFAULT_EPISODES)
+        found = get_searcher("ppo").search(problem, agent)
         before = study.user_attrs.get("ppo")  # a resumed agent's episode does not replace a better one
         if (
             before is None
