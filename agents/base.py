@@ -107,6 +107,14 @@ class SearchContext:
     progress: Callable[[str, SimResult | None], None] | None = field(default=None, repr=False)  # (phase, best)
     state: RunState = field(default_factory=RunState, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        # Checked here, in one line: numpy's seeding said it twelve frames into a search (a QA run).
+        whole = (int, np.integer)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, whole) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed={self.seed!r}: expected a whole number from 0 to 2**32 - 1, e.g. seed=0")
+        if self.trials is not None and (not isinstance(self.trials, whole) or self.trials < 0):
+            raise ValueError(f"trials={self.trials!r}: expected a whole number, 0 or more (None: the default)")
+
     @property
     def interrupted(self) -> bool:
         return self.state.interrupted
@@ -222,6 +230,12 @@ class Searcher(abc.ABC):
     def search(self, problem: Problem, ctx: SearchContext | None = None) -> SearchResult:
         """Run the search (with ``ctx``'s settings; the defaults when None) and package its proposal as a
         policy with its simulated result."""
+        if not isinstance(problem, Problem) or not (ctx is None or isinstance(ctx, SearchContext)):
+            raise TypeError(
+                f"{self.name}.search(problem, ctx) takes an agents.base.Problem and a SearchContext (or None), not "
+                f"{type(problem).__name__} and {type(ctx).__name__}: e.g. search(Problem(w, hw, budget_bytes=...), "
+                "SearchContext(time_limit_s=10))"
+            )
         start_evals = problem.evaluations
         started = time.perf_counter()
         if problem.budget_bytes <= 0:  # no policy meets it: answered, not raised (the RL agents' env refused it)

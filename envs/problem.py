@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from envs.simulator import SimResult, Simulator
-from runtime.hardware import HardwareProfile
+from runtime.hardware import HardwareProfile, get_profile
 from runtime.policy import PolicyOptions
 from runtime.vocab import KEEP, SWAP
 from runtime.workload import Workload
@@ -45,6 +45,13 @@ class Problem:
     _results: dict[tuple[object, ...], SimResult] = field(default_factory=dict, repr=False, kw_only=True)
 
     def __post_init__(self) -> None:
+        if isinstance(self.hardware, str):  # a profile's name, as the CLI's --gpu takes it
+            self.hardware = get_profile(self.hardware)
+        if isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, (int, np.integer)):
+            raise TypeError(
+                f"budget_bytes={self.budget_bytes!r}: expected a whole number of bytes (autotune.budget.parse_budget "
+                "reads '6GB')"
+            )
         # A workload traced with partitions (runtime/partition.py) was traced so with the user's consent:
         # every policy for it carries allow_partition, whoever makes it.
         if self.workload.meta.get("partitions") and not self.options.allow_partition:

@@ -154,7 +154,7 @@ import numpy as np
 
 from envs import walk
 from envs.walk import USE
-from runtime.hardware import HardwareProfile, host_times_s, op_times_s
+from runtime.hardware import HardwareProfile, get_profile, host_times_s, op_times_s
 from runtime.keys import runs_in
 from runtime.plan import (
     Closure,
@@ -294,7 +294,8 @@ class _RegionView:
 class Simulator:
     """Scores policies for one workload on one hardware profile (NOTE [ Simulator semantics ])."""
 
-    def __init__(self, w: Workload, hw: HardwareProfile) -> None:
+    def __init__(self, w: Workload, hw: HardwareProfile | str) -> None:
+        hw = get_profile(hw) if isinstance(hw, str) else hw  # a profile's name, as the CLI's --gpu takes it
         self.w, self.hw = w, hw
         n = self.n_ops = len(w.ops)
         g = hw.alloc_granularity_bytes

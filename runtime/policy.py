@@ -550,6 +550,11 @@ def load_policy(
     path: str | os.PathLike[str], workload: Workload | None = None, *, allow_other_shapes: bool = False
 ) -> Policy:
     """Read and validate a policy file; with ``workload``, also check that it was made for it."""
+    if not isinstance(path, (str, os.PathLike)) or not (workload is None or isinstance(workload, Workload)):
+        raise TypeError(
+            f"load_policy(path, workload=None) takes a file's path and a traced Workload (or None), not "
+            f"{type(path).__name__} and {type(workload).__name__}: e.g. load_policy('resnet18.policy.json')"
+        )
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")

@@ -102,6 +102,29 @@ def test_rule_4_compression_allowed_on_the_problem_is_allowed_in_the_answer(name
         assert (r.policy.to_vector(_W) == COMPRESS).any()  # what was refused before
 
 
+def test_the_python_api_says_a_wrong_argument_in_one_line(tmp_path: Any) -> None:
+    """A QA run through the API: a profile's name, a budget as text, a seed numpy refuses, a dict for the
+    context and a model's name for the workload failed deep inside (AttributeError, TypeError in a comparison,
+    numpy's seeding twelve frames down). A profile's name now works; the rest are one-line errors."""
+    from envs.simulator import Simulator
+    from runtime.policy import load_policy
+
+    by_name = Problem(_W, "v100-16gb", budget_bytes=_PEAK)  # type: ignore[arg-type]
+    assert by_name.hardware == _HW and Simulator(_W, "v100-16gb").run(by_name.keep_all()).peak_bytes == _PEAK
+    with pytest.raises(TypeError, match=r"budget_bytes='6GB': expected a whole number of bytes"):
+        Problem(_W, _HW, budget_bytes="6GB")  # type: ignore[arg-type]
+    for seed in (-1, 2**32, 1.5):
+        with pytest.raises(ValueError, match=r"seed=.*expected a whole number from 0 to 2\*\*32 - 1"):
+            SearchContext(seed=seed)  # type: ignore[arg-type]
+    assert SearchContext(seed=np.int64(3)).seed == 3
+    with pytest.raises(TypeError, match=r"takes an agents.base.Problem and a SearchContext"):
+        get_searcher("capuchin").search(problem(0.7), {"time_limit_s": 1})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"load_policy\(path, workload=None\) takes"):
+        load_policy(tmp_path / "p.json", "resnet18")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"load_policy\(path, workload=None\) takes"):
+        load_policy(5)  # type: ignore[arg-type]
+
+
 def test_an_action_code_outside_the_vocabulary_is_refused() -> None:
     """``Problem.evaluate`` scored a code outside 0..3 (7, -1, or 257 wrapped to a swap by int8) as a drop with no
     legal meaning, below every legal policy's peak, and kept it as the best seen; ``Policy.from_vector`` refuses
