@@ -272,6 +272,16 @@ def test_an_optimizer_edited_by_hand_is_named_in_the_refusal(tmp_path: Path, cnn
         load_policy(tmp_path / "p.json", adam)
 
 
+def test_a_batch_size_no_tensor_can_have_is_refused_by_the_schema(tmp_path: Path, cnn: Workload) -> None:
+    """A batch size of 1e23 passed the schema and came out as PyTorch's C++ error text with its frames (a QA run)."""
+    make(cnn, [0] * len(cnn.candidates)).save(tmp_path / "p.json")
+    d = json.loads((tmp_path / "p.json").read_text())
+    (tmp_path / "p.json").write_text(json.dumps({**d, "batch_size": 99999999999999999999999}))
+    with pytest.raises(AutotuneError, match="batch_size") as e:
+        load_policy(tmp_path / "p.json")
+    assert "\n" not in str(e.value) and "c10" not in str(e.value)
+
+
 def test_schema_is_valid() -> None:
     import jsonschema
 
