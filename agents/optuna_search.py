@@ -121,8 +121,9 @@ def check_storage(url: str) -> None:
         ) from None
 
 
-def _new_sqlite_file(url: str) -> str | None:
-    """The file of a SQLite URL that names one not there yet (None otherwise)."""
+def sqlite_file(url: str) -> str | None:
+    """The file a SQLite URL names, as SQLAlchemy reads it (``%20`` decoded); None for another URL, one in
+    memory or one SQLAlchemy does not read."""
     if not url.startswith("sqlite:"):
         return None
     try:
@@ -131,9 +132,15 @@ def _new_sqlite_file(url: str) -> str | None:
         database = make_url(url).database
     except Exception:  # not a URL SQLAlchemy reads: get_storage says so
         return None
-    if not database or database == ":memory:" or database.startswith("file:") or os.path.exists(database):
+    if not database or database == ":memory:" or database.startswith("file:"):
         return None
     return database
+
+
+def _new_sqlite_file(url: str) -> str | None:
+    """The file of a SQLite URL that names one not there yet (None otherwise)."""
+    database = sqlite_file(url)
+    return None if database is None or os.path.exists(database) else database
 
 
 def existing_trials(url: str, name: str) -> int:

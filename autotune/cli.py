@@ -1280,7 +1280,9 @@ def dashboard(
             f"--storage {storage}: an in-memory database holds nothing between processes; give the storage "
             "`autotune search` or `autotune sweep` wrote (by default sqlite:///autotune.db in the folder they ran in)"
         )
-    if storage.startswith("sqlite:///") and not Path(storage.removeprefix("sqlite:///")).is_file():
+    from agents.optuna_search import sqlite_file
+
+    if (db := sqlite_file(storage)) is not None and not Path(db).is_file():
         raise AutotuneError(
             f"--storage {storage}: no such file; give the storage `autotune search` or `autotune sweep` wrote "
             "(by default sqlite:///autotune.db in the folder they ran in)"

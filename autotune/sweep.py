@@ -22,6 +22,7 @@ NOTE [ Sweep storage ]
 
 from __future__ import annotations
 
+import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -489,5 +490,5 @@ def render(out: Console, outcome: SweepOutcome, storage: str, report: Path | Non
         )
     out.print(
         f"{outcome.wall_s:.0f} s{again}; one study per cell in {storage} ({shown}): "
-        f"`autotune dashboard --storage {storage}` opens them" + (f"; report: {report}" if report else "")
+        f"`autotune dashboard --storage {shlex.quote(storage)}` opens them" + (f"; report: {report}" if report else "")
     )

@@ -65,6 +65,17 @@ def test_a_busy_port_or_an_unknown_host_is_a_one_line_error(capsys: pytest.Captu
     assert f"cannot listen on 127.0.0.1:{port}" in line and "--port" in line
     line = user_error(capsys, "dashboard", "--storage", storage, "--host", "nosuchhost.invalid", "--port", "18999")
     assert "cannot listen on nosuchhost.invalid:18999" in line
+    # A storage URL with %20 for a space names the file SQLAlchemy opens (the sweep wrote "d x/d.db"): it was
+    # "no such file"; here it passes that check and meets the busy port.
+    (tmp_path / "d x").mkdir()
+    optuna.create_study(storage=f"sqlite:///{tmp_path / 'd x' / 'd.db'}", study_name="s")
+    encoded = f"sqlite:///{tmp_path}/d%20x/d.db"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = user_error(capsys, "dashboard", "--storage", encoded, "--port", str(port))
+    assert f"cannot listen on 127.0.0.1:{port}" in line
 
 
 def test_the_dashboard_stops_on_sigterm_while_it_serves_requests(tmp_path: Path) -> None:

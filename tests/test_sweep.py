@@ -180,6 +180,10 @@ def test_a_cell_no_method_fits_says_so() -> None:
     assert "1 cell found no fitting policy (m p 500 B), above what no policy can go below: `autotune search`" in (
         buf.getvalue()
     )
+    # The dashboard's command as printed runs as pasted: a storage path with a space is quoted.
+    buf = StringIO()
+    render(Console(file=buf, width=300), SweepOutcome(cells, {}, {}, 1.0), "sqlite:///a b/x.db", None)
+    assert "`autotune dashboard --storage 'sqlite:///a b/x.db'` opens them" in buf.getvalue()
 
 
 @pytest.mark.slow
