@@ -45,6 +45,10 @@ class TrainReport:
     compiled: str | None = None  # --compile: the backend the policy ran under (runtime/compiled.py)
     compile_report: dict[str, int] | None = None  # applied / changed / dropped decisions under compile
     budget_bytes: int | None = None  # the policy's budget (CUDA: the device is capped at it; the CPU: checked)
+    # The profile the policy was searched on and what it planned there, where it is not this run's (a GPU's
+    # plan trained on the CPU: the run said only "cpu profile", a QA run)
+    planned_for: str | None = None
+    planned: dict[str, float] | None = None
 
     def medians(self) -> dict[str, float]:
         if not self.steps:
@@ -85,6 +89,8 @@ class TrainReport:
             "compiled": self.compiled,
             "compile_report": self.compile_report,
             "budget_bytes": self.budget_bytes,
+            "planned_for": self.planned_for,
+            "planned": self.planned,
             "within_budget": (
                 measured["peak_bytes"] <= self.budget_bytes if measured and self.budget_bytes is not None else None
             ),
@@ -313,6 +319,11 @@ def run_policy(
         expandable_segments=expandable_segments,
         budget_bytes=policy.budget_bytes,
     )
+    if policy.hardware != hw.name:
+        report.planned_for = policy.hardware
+        if policy.predicted is not None:
+            pp = policy.predicted
+            report.planned = {"peak_bytes": pp.peak_bytes, "iter_s": pp.iter_s, "samples_per_s": pp.samples_per_s}
     if device.startswith("cuda") and hw.is_gpu:  # the caching allocator's model (NOTE [ Reserved budget ])
         from envs.allocator import policy_stats
 
@@ -402,6 +413,17 @@ def render(out: Console, report: TrainReport) -> None:
         row = (f"{e['peak_bytes']:+.1%}", f"{e['iter_s']:+.1%}", f"{e['samples_per_s']:+.1%}")
         table.add_row("prediction error", *row)
     out.print(table)
+    if report.planned_for is not None:
+        there = (
+            f" ({format_bytes(report.planned['peak_bytes'])} at {report.planned['samples_per_s']:,.1f} samples/s there)"
+            if report.planned
+            else ""
+        )
+        out.print(
+            f"the policy was planned for {report.planned_for}{there}; this run is on {report.device}, so its "
+            f"prediction is the {report.profile} profile's for the same decisions",
+            highlight=False,
+        )
     if d["within_budget"] is not None:
         budget, peak = report.budget_bytes or 0, m["peak_bytes"]
         if d["within_budget"]:

@@ -552,6 +552,33 @@ def test_train_says_in_which_iteration_it_ran_out_of_memory(
     assert "grad" in user_error(capsys, "train", "--policy", str(path), "--grad-accum", "0")
 
 
+def test_train_says_which_profile_the_policy_was_planned_for(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A GPU's plan trained on the CPU: the run said "cpu profile" and the CPU's prediction, not that the file was
+    planned for another device nor what it planned there (a QA run)."""
+    import numpy as np
+
+    from autotune.workloads import TraceRequest, trace_model
+    from runtime.policy import Policy, Prediction
+
+    w, _ = trace_model(TraceRequest(model="tests.test_env:deep_mlp", batch_size=64))
+    path = tmp_path / "mlp.policy.json"
+    there = Prediction(peak_bytes=12_345_678, iter_s=0.002, samples_per_s=32_000.0)
+    vec = np.zeros(len(w.candidates), dtype=np.int8)
+    Policy.from_vector(w, vec, hardware="a100-40gb", predicted=there).save(path)
+    code, out, err = run(capsys, "train", "--policy", str(path), "--steps", "1", "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["profile"] == "cpu" and got["planned_for"] == "a100-40gb"
+    assert got["planned"] == {"peak_bytes": 12_345_678, "iter_s": 0.002, "samples_per_s": 32_000.0}
+    code, out, err = run(capsys, "train", "--policy", str(path), "--steps", "1")
+    assert code == 0, err
+    assert "the policy was planned for a100-40gb (11.77 MiB at 32,000.0 samples/s there); this run is on cpu" in (
+        " ".join(out.split())
+    )
+
+
 def test_a_plan_for_this_machines_gpu_takes_this_hosts_costs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the plan is for this machine's GPU (the planned device a CUDA one), the runtime's host costs are
     measured here (runtime/host_costs.py) in place of the profile's, which one H200 host measured, and so in
