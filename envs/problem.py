@@ -100,10 +100,14 @@ class Problem:
         codes = np.asarray(actions)
         if codes.shape != (self.n,):
             raise ValueError(f"action vector of shape {codes.shape}: expected one code per candidate, ({self.n},)")
-        whole = np.issubdtype(codes.dtype, np.integer) or (  # an exact solver's 2.0 is a whole code
-            np.issubdtype(codes.dtype, np.floating) and bool(np.all(codes == np.floor(codes)))
-        )
-        if self.n and not (whole and 0 <= codes.min() <= codes.max() < 4):
+        if codes.dtype == np.int8:  # the searchers' own: one pass (a negative code is 128 or more as uint8)
+            valid = not self.n or int(codes.view(np.uint8).max()) < 4
+        else:
+            whole = np.issubdtype(codes.dtype, np.integer) or (  # an exact solver's 2.0 is a whole code
+                np.issubdtype(codes.dtype, np.floating) and bool(np.all(codes == np.floor(codes)))
+            )
+            valid = not self.n or (whole and 0 <= codes.min() <= codes.max() < 4)
+        if not valid:
             raise ValueError(f"action codes {np.unique(codes).tolist()} are not all integers in 0..3 (keep..compress)")
         vec = codes.astype(np.int8, copy=False)
         if not self.allow_swap and np.any(vec == SWAP):
