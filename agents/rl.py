@@ -9,9 +9,9 @@ rollout, then decoding with the simulator) of the actor before and after trainin
 of 64), one torch thread (fastest for networks this small), episodic returns (gamma 1: the only reward is
 at the end). When keep-all fits the budget, that is the answer at once.
 
-``SearchContext.trials`` episodes at most; without them it trains until the time limit (``DEFAULT_EPISODES``
-where there is none; it stopped there whatever the time limit, 6 s of a 10 s search). Deterministic for a seed
-when the episodes end before the time limit.
+``SearchContext.trials`` episodes at most: ``DEFAULT_EPISODES`` for None, and for 0 (the CLI without
+``--trials``) until the time limit (it stopped at ``DEFAULT_EPISODES`` whatever the time limit, 6 s of a 10 s
+search). Deterministic for a seed when the episodes end before the time limit.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class MaskablePPOSearcher(Searcher):
             return Proposal(problem.keep_all(), note="keeping everything fits the budget")
         k = env.k
         deadline = None if ctx.time_limit_s is None else time.perf_counter() + ctx.time_limit_s
-        episodes = ctx.trials if ctx.trials else (DEFAULT_EPISODES if deadline is None else 10**9)  # to the limit
+        # SearchContext.trials: None the default (reproducible), 0 no bound but the time limit (the CLI's default)
+        episodes = ctx.trials or (10**9 if ctx.trials == 0 and deadline is not None else DEFAULT_EPISODES)
         n_steps = max(64, min(2048, 4 * k))
 
         class Stop(BaseCallback):  # type: ignore[misc]

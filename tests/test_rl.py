@@ -81,11 +81,11 @@ def test_greedy_rollout_honours_the_masks() -> None:
 
 def test_without_trials_it_trains_until_the_time_limit() -> None:
     """`--searcher ppo` without --trials stopped after 40 episodes whatever --timeout said (6.1 s of a 10 s search,
-    a QA run); --trials [default: until --timeout]. With trials, that many episodes."""
+    a QA run); --trials [default: until --timeout] (trials 0). With trials, that many episodes; None, 40."""
     import re
 
     bounded = get_searcher("ppo").search(problem(), SearchContext(time_limit_s=60, trials=5, seed=0))
     assert re.search(r"\b5 episodes", bounded.note), bounded.note
-    r = get_searcher("ppo").search(problem(), SearchContext(time_limit_s=3, seed=0))
+    r = get_searcher("ppo").search(problem(), SearchContext(time_limit_s=3, seed=0, trials=0))  # the CLI's default
     episodes = int(re.search(r"(\d+) episodes", r.note).group(1))  # type: ignore[union-attr]
     assert r.wall_s >= 2.5 and episodes > 40, (r.wall_s, r.note)
