@@ -196,6 +196,13 @@ def train(
     if expandable_segments and device is not None:  # before anything else: the file need not be read for this
         enable_expandable_segments(device)
     policy = load_policy(policy_path)
+    if policy.hardware.strip().lower() != "cpu":  # a name no profile has (edited by hand): simulate refuses it too
+        from runtime.hardware import get_profile
+
+        try:
+            get_profile(policy.hardware)
+        except AutotuneError as e:
+            raise AutotuneError(f"{policy_path}: hardware: {e}") from None
     if device is None:
         device = default_device(policy)
         if expandable_segments:

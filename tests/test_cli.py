@@ -577,6 +577,11 @@ def test_train_says_which_profile_the_policy_was_planned_for(
     assert "the policy was planned for a100-40gb (11.77 MiB at 32,000.0 samples/s there); this run is on cpu" in (
         " ".join(out.split())
     )
+    # A profile's name that no profile has (edited by hand) is refused, as simulate refuses it; train ran it.
+    d = json.loads(path.read_text())
+    path.write_text(json.dumps({**d, "hardware": "h900"}))
+    line = user_error(capsys, "train", "--policy", str(path), "--steps", "1")
+    assert "hardware: unknown hardware profile 'h900'" in line
 
 
 def test_a_plan_for_this_machines_gpu_takes_this_hosts_costs(monkeypatch: pytest.MonkeyPatch) -> None:
