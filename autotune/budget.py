@@ -108,10 +108,11 @@ def plan_budget(text: str, reserve: str | None, hw: HardwareProfile) -> Budget:
     return budget_of(parse_budget(text), reserve, hw, text)
 
 
-def parse_budget(text: str) -> int:
-    """``--budget`` in bytes; a plain number below 1 MiB is refused as a unit left out."""
+def parse_budget(text: str, option: str = "--budget") -> int:
+    """``--budget`` (or ``option``: sweep's ``--budgets``) in bytes; a plain number below 1 MiB is refused as a
+    unit left out."""
     given = parse_size(text)
-    refuse_unit_left_out("--budget", text, given)
+    refuse_unit_left_out(option, text, given)
     return given
 
 

@@ -1122,7 +1122,7 @@ def sweep(
 
     method_list = sw.check_methods(methods)
     # Each model and budget once, in the order given (400MiB and 419430400 are one budget: one cell, one file).
-    budget_list = list(dict.fromkeys(parse_budget(b) for b in budgets.split(",") if b.strip()))
+    budget_list = list(dict.fromkeys(parse_budget(b, "--budgets") for b in budgets.split(",") if b.strip()))
     names = list(dict.fromkeys(m.strip() for m in models.split(",") if m.strip()))
     if not names or not budget_list:
         raise AutotuneError("give at least one model and one budget, e.g. --models resnet50 --budgets 4GB,6GB")

@@ -236,6 +236,7 @@ def test_report_is_self_contained(sweep_run: SweepRun) -> None:
     [
         (["--methods", "baselines,magic"], "unknown method 'magic' in --methods 'baselines,magic'"),
         (["--budgets", "lots"], "lots"),
+        (["--budgets", "300MiB,6"], "invalid --budgets '6': without a unit"),  # it named --budget
     ],
 )
 def test_bad_input_is_a_one_line_error(args: list[str], message: str) -> None:
