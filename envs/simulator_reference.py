@@ -590,8 +590,8 @@ def _region(w, r, mine, within, size, op_s, host_op, hc, nodes):  # type: ignore
             continue
         if ci in mine:
             regenerated.append((ci, -1))
-            if nodes and node_forward_end(w, ci, frame.last_op) < c.free_if_dropped_op:
-                uncached[ci] = node_forward_end(w, ci, frame.last_op)
+            if nodes and (gone := node_forward_end(w, ci, frame.last_op)) < c.free_if_dropped_op:
+                uncached[ci] = gone
         else:
             own = [b for b in c.bwd_uses if b in owned]
             regenerated.append((ci, max(own) if own else use))
