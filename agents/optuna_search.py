@@ -204,14 +204,14 @@ def create_study(**kwargs: Any) -> Any:
     already exists" in 3 of 8 pairs, a QA run)."""
     import optuna
 
-    for attempt in range(4):
+    for attempt in range(3):
         try:
             return optuna.create_study(**kwargs)
         except Exception as e:
-            if attempt == 3 or "already exists" not in str(e):
+            if "already exists" not in str(e):
                 raise
             time.sleep(0.1 * (attempt + 1))
-    raise AssertionError("unreachable")
+    return optuna.create_study(**kwargs)  # the fourth try's error is the caller's
 
 
 def retried_trial_number(trial: Any) -> int | None:
