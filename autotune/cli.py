@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -319,15 +320,21 @@ def parse_partition_option(text: str | None) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _choose_partition(w: Any, hw: Any, budget_bytes: int, req: Any, trace: Any = None) -> list[Any]:
+def _choose_partition(
+    w: Any, hw: Any, budget_bytes: int, req: Any, trace: Any = None, *, others: bool = True
+) -> list[Any]:
     """--allow-partition: NOTE [ Choosing a partition ] in autotune/partitions.py, said on stderr. The
-    workloads to search: the chosen one, then the unpartitioned one where the budget is above its floor.
-    ``trace``: how a partitioned variant is traced (default: ``req`` again with the partitions)."""
+    workloads to search (C1, C4): the rule's choice, the other candidates' (``others``), then the unpartitioned
+    one where the budget is above its floor. ``trace``: how a partitioned variant is traced (default: ``req``
+    again with the partitions)."""
     from autotune import search as sr
     from autotune.partitions import choose, retracer
+    from runtime.partition import parse_partitions
 
     with err.status("choosing a partition…", spinner="dots") as status:
-        choice = choose(w, hw, budget_bytes, trace or retracer(req), progress=lambda msg: status.update(msg))
+        choice = choose(
+            w, hw, budget_bytes, trace or retracer(req), progress=lambda msg: status.update(msg), others=others
+        )
     tried = "; ".join(
         f"{p}: floor {sr.format_bytes(f)}, frugal policy {sr.format_bytes(g)}" for p, f, g in choice.tried
     )
@@ -341,8 +348,14 @@ def _choose_partition(w: Any, hw: Any, budget_bytes: int, req: Any, trace: Any =
     elif choice.tried:
         err.print(f"partition: none lowers the floor (tried {tried})", highlight=False)
     rivals = choice.searched(w, budget_bytes)
-    if len(rivals) > 1:
-        err.print("searching both, each for half the time: the budget is above the unpartitioned floor too")
+    if len(rivals) > 1 and others:  # C4: the search chooses among them
+        names = [", ".join(str(p) for p in parse_partitions(r.meta.get("partitions"))) or "none" for r in rivals]
+        above = "; the budget is above the unpartitioned floor too" if rivals[-1] is w else ""
+        err.print(
+            f"searching {len(rivals)} partitions in turn ({', '.join(names)}), each for its share of the time left, "
+            f"the fastest answer taken{above}",
+            highlight=False,
+        )
     return rivals
 
 
@@ -351,7 +364,8 @@ def _partitioner(hw: Any, budget_bytes: int, req: Any) -> Any:
     from autotune.partitions import choose, retracer
 
     def partition(w: Any) -> Any:
-        return choose(w, hw, budget_bytes, retracer(dataclasses.replace(req, batch_size=w.batch_size))).workload
+        trace = retracer(dataclasses.replace(req, batch_size=w.batch_size))
+        return choose(w, hw, budget_bytes, trace, others=False).workload
 
     return partition
 
@@ -521,7 +535,7 @@ def baselines(
     w, _ = _trace(req)
     if allow_partition and not parts:
         # The methods compare on one model: the unpartitioned one where the budget is above its floor.
-        w = _choose_partition(w, hw, plan.planned_bytes, req)[-1]
+        w = _choose_partition(w, hw, plan.planned_bytes, req, others=False)[-1]
     problem = sr.planned_problem(w, hw, plan, allow_compress=allow_compress, partitioning=allow_partition)
     results = bl.run_baselines(problem, SearchContext(time_limit_s=time_limit), methods, err)
     # No policy is the model without slices, whatever the methods partition (as search says).
@@ -738,7 +752,10 @@ def search(
     reserved = budget_kind == "reserved" and hw.is_gpu and not k  # NOTE [ Reserved budget ]
     path = out_path or Path(f"{file_stem(w.model)}.policy.json")
     outcome: Any = None
-    for wi in rivals:
+    from autotune.partitions import partition_tag
+
+    searching, answers = time.perf_counter(), []
+    for i, wi in enumerate(rivals):
         finalists = Finalists(plan.planned_bytes, capacity=4 * k) if k else None
         finalists = new_pool(plan.planned_bytes) if reserved else finalists
         problem = sr.planned_problem(
@@ -749,9 +766,12 @@ def search(
         # searchers on one problem never share a study (their trials' parameters can differ).
         name = study or study_name(problem, "optuna-tpe" if searcher == "portfolio" else searcher)
         if study and len(rivals) > 1 and wi.meta.get("partitions"):
-            name = f"{study}.partitioned"  # its candidates are the slices' tensors: a study of its own
+            # Its candidates are the slices' tensors: a study of its own (the rule's choice's name as it was).
+            name = f"{study}.partitioned" + ("" if i == 0 else partition_tag(wi))
+        # C4: each its share of the time left (a search that converged early leaves the rest to the others).
+        left = max(1.0, timeout - (time.perf_counter() - searching))
         ctx = SearchContext(
-            time_limit_s=timeout / len(rivals),
+            time_limit_s=left / (len(rivals) - i),
             seed=seed,
             trials=trials if trials is not None else 0,
             storage=storage,
@@ -786,11 +806,19 @@ def search(
             shown = ", ".join(str(p) for p in got.found.policy.partitions) or "no partition"
             fits = "fits" if got.found.feasible else "does not fit"
             err.print(f"{shown}: {got.found.result.samples_per_s:,.1f} samples/s ({fits})", highlight=False)
+            answers.append({
+                "partitions": [dataclasses.asdict(p) for p in got.found.policy.partitions],
+                "samples_per_s": got.found.result.samples_per_s,
+                "peak_bytes": got.found.result.peak_bytes,
+                "feasible": got.found.feasible,
+                "study_name": got.ctx.study_name,
+            })  # fmt: skip
         if outcome is None or better(got.found.result, outcome.found.result):
             outcome = got
         if got.interrupted:
             break
     problem, name = outcome.problem, outcome.ctx.study_name
+    outcome.searched = answers
     backend = backends.pop(outcome.found.policy.partitions, None) if k else None
     backends.clear()  # the model not taken goes before anything is measured: a device's peak counts all
     if backend is not None and outcome.found.feasible and not outcome.interrupted:

@@ -5,8 +5,8 @@ NOTE [ Choosing a partition ]
     C1. When. Only with the user's consent (``--allow-partition``), and only where the budget is below 1.1x
         the unpartitioned floor (``envs.simulator.peak_floor``): above it a policy of keep, swap, recompute
         and compress has room, and slices cost time (smaller kernels, the concatenation). Where the budget is
-        at or above that floor, the chosen partition and the unpartitioned model are both searched, each
-        for half the time, and the faster answer is taken (autotune search): on VGG-16 b64 (a100-40gb) at
+        at or above that floor, the unpartitioned model is searched too, beside the partitions (C4), and
+        the fastest answer is taken (autotune search): on VGG-16 b64 (a100-40gb) at
         72% and 69% of its peak the unpartitioned answer was 0.2-0.5% faster than 2 slices', 1.4-2.5% than
         4 slices'.
     C2. Where. The floor is set at one op; the submodule calls that run it (its frame and the frames
@@ -17,11 +17,22 @@ NOTE [ Choosing a partition ]
     C3. How many. For each candidate, outermost first, 2, 4 and 8 slices (at most the batch size): the
         model is traced with that partition, and the first one where a frugal uniform policy (recompute
         everything, every block's inside, swap everything: ``envs.simulator.frugal_starts``) fits the budget
-        is chosen: the fewest slices that a policy certainly fits in. The floor is no guide (admissible, not
-        reachable: a residual CNN's two slices lowered it 30% while no policy came within 10% of the budget).
-        None fits: among those whose floor is within the budget (a search may still find a policy there), the
-        one whose frugal policy holds least; with none within it, the lowest floor, so that the budget check
-        names the least budget a partition reaches.
+        is that candidate's: the fewest slices that a policy certainly fits in (more slices run smaller
+        kernels and more concatenations: VGG-16 b64 at 45%, features/4 answered 887.9 samples/s and
+        features/8 854.1). The floor is no guide (admissible, not reachable: a residual CNN's two slices
+        lowered it 30% while no policy came within 10% of the budget). The outermost candidate's is the
+        rule's choice (``Choice.partitions``): what maxbatch (a short search per size) and baselines (the
+        methods compared on one model) plan on, without tracing the other candidates. No candidate has
+        one: among those whose floor is within the budget (a search may still find a policy there), the one
+        whose frugal policy holds least is the choice, alone; with none within it, the lowest floor, so that
+        the budget check names the least budget a partition reaches.
+    C4. Which: the search chooses. Every candidate's partition of C3 is searched, the rule's first, each for
+        its share of the time left (one that converges early leaves the rest to the next), and the fastest
+        answer is taken (with the unpartitioned model's where C1 says): which call to slice is not the rule's
+        to guess. On the GroupNorm CNN of experiments/user_models.py (b64, a100-40gb, 350 MiB), the rule's
+        ``blocks/2`` answered 7,421.4 samples/s and ``blocks.0/4`` (the first block alone, on 4 slices)
+        9,073.4, +22%. Within one search the partition is fixed: a searcher decides the tensors of one
+        traced model, and another partition is another trace.
     Traces are fake (seconds each); at most 3 per candidate, 2 candidates.
 """
 
@@ -51,17 +62,18 @@ class Choice:
     """What :func:`choose` traced and took (``partitions`` empty: none was needed or none helped)."""
 
     workload: Workload
-    partitions: tuple[Partition, ...]
+    partitions: tuple[Partition, ...]  # the rule's choice (C3; empty: none was needed or none helped)
     tried: list[tuple[Partition, int, int]]  # (partition, its floor, its frugal peak: bytes), in the order traced
     floor_bytes: int  # the unpartitioned floor
     frugal_bytes: int  # the unpartitioned frugal peak (C3)
+    others: list[Workload] = dataclasses.field(default_factory=list)  # C4: the other candidates' C3 partitions
 
     def searched(self, unpartitioned: Workload, budget_bytes: int) -> list[Workload]:
-        """C1: the workloads to search, the faster answer taken: the chosen one, then the unpartitioned model
-        where the budget is at or above its floor too (search, sweep)."""
+        """C1, C4: the workloads to search, the fastest answer taken: the rule's choice, the other candidates'
+        and the unpartitioned model where the budget is at or above its floor too (search, sweep)."""
         if self.partitions and budget_bytes >= self.floor_bytes:
-            return [self.workload, unpartitioned]
-        return [self.workload]
+            return [self.workload, *self.others, unpartitioned]
+        return [self.workload, *self.others]
 
 
 def candidate_frames(w: Workload, op: int) -> list[Frame]:
@@ -100,13 +112,17 @@ def choose(
     budget_bytes: int,
     trace: Callable[[tuple[Partition, ...]], Workload],
     progress: Callable[[str], None] = lambda _msg: None,
+    others: bool = True,
 ) -> Choice:
-    """NOTE [ Choosing a partition ]: ``w`` unpartitioned, ``trace`` traces the same model with partitions."""
+    """NOTE [ Choosing a partition ]: ``w`` unpartitioned, ``trace`` traces the same model with partitions.
+    ``others``: trace the other candidates' partitions too, for a search to choose among (C4); without, the
+    rule's choice alone (maxbatch and baselines plan on one model)."""
     floor = peak_floor(w, hw)
     choice = Choice(w, (), [], floor.bytes, frugal_bytes(w, hw))
     if budget_bytes >= WHEN_BELOW * floor.bytes:
         return choice
     traced: list[tuple[int, int, Workload, Partition]] = []  # (floor, frugal peak, workload, partition)
+    certain: list[tuple[Workload, Partition]] = []  # C3: each candidate's fewest slices a frugal policy fits in
     for frame in candidate_frames(w, floor.op)[:CANDIDATES]:
         for k in SLICES:
             if k > w.batch_size:
@@ -118,8 +134,14 @@ def choose(
             choice.tried.append((p, pfloor, frugal))
             traced.append((pfloor, frugal, pw, p))
             if frugal <= budget_bytes:
-                choice.workload, choice.partitions = pw, (p,)
-                return choice
+                certain.append((pw, p))
+                break
+        if certain and not others:
+            break
+    if certain:  # C4: the outermost candidate's first, the others searched beside it
+        (choice.workload, first), choice.others = certain[0], [cw for cw, _ in certain[1:]]
+        choice.partitions = (first,)
+        return choice
     within = [t for t in traced if t[0] <= budget_bytes]
     pick = min(within, key=lambda t: t[1]) if within else min(traced, key=lambda t: t[0], default=None)
     if pick is not None and pick[0] < floor.bytes:
@@ -132,6 +154,11 @@ def retracer(req: TraceRequest) -> Callable[[tuple[Partition, ...]], Workload]:
     from autotune.workloads import trace_model
 
     return lambda parts: trace_model(dataclasses.replace(req, partitions=parts))[0]
+
+
+def partition_tag(w: Workload) -> str:
+    """The partitions a workload was traced with, for study names (``.featuresx4``; empty: none)."""
+    return "".join(f".{p['module']}x{p['chunks']}" for p in w.meta.get("partitions", ()))
 
 
 def frugal_bytes(w: Workload, hw: HardwareProfile) -> int:

@@ -47,6 +47,8 @@ class SearchOutcome:
     measured: MeasuredSearch | None = None  # --measure: the finalists as trained (NOTE [ Measured search ])
     written: bool = False  # the answer is in policy_path (write_answer)
     reserved: ReservedFit | None = None  # --budget-kind reserved on a GPU profile (NOTE [ Reserved budget ])
+    # --allow-partition with more than one model searched (NOTE [ Choosing a partition ] C4): each one's answer
+    searched: list[dict[str, Any]] = field(default_factory=list)
 
 
 # -- the device the plan is for ------------------------------------------------------------------------------
@@ -569,6 +571,7 @@ def to_json(outcome: SearchOutcome) -> dict[str, Any]:
         "finalists": outcome.measured.to_dict() if outcome.measured is not None else None,
         "budget_kind": "reserved" if outcome.reserved is not None and outcome.reserved.enforced else "allocated",
         "reserved": outcome.reserved.to_dict() if outcome.reserved is not None else None,
+        "partitions_searched": outcome.searched,
     }
 
 

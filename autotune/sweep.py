@@ -36,6 +36,7 @@ from agents.base import Problem, RunState, SearchContext, SearchResult, baseline
 from agents.optuna_search import create_study, storage_for
 from agents.rl import DEFAULT_EPISODES
 from autotune.budget import budget_of, record_budget
+from autotune.partitions import partition_tag
 from autotune.search import budget_floor, format_bytes, plain_no_policy
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError
@@ -73,8 +74,7 @@ def problem_tag(w: Workload) -> str:
     optimizer = f".{w.optimizer}" if w.optimizer != "sgd" else ""
     accum = f".ga{w.grad_accum}" if w.grad_accum > 1 else ""
     # A partitioned trace's candidates are the slices' tensors: a study of its own (--allow-partition).
-    sliced = "".join(f".{p['module']}x{p['chunks']}" for p in w.meta.get("partitions", ()))
-    return f"b{w.batch_size}{seq}{precision}{optimizer}{accum}{sliced}"
+    return f"b{w.batch_size}{seq}{precision}{optimizer}{accum}{partition_tag(w)}"
 
 
 @dataclass
@@ -370,9 +370,10 @@ def run_sweep(
     runtime/target.py), one model per position, in the same order for every profile. Each budget is planned
     for less ``reserve`` on GPU profiles (``--reserve``; NOTE [ Budget and reserve ] in autotune.budget).
     ``partition(i, w, hw, budget)``: the workloads to plan cell (model i, profile, budget) on, partitioned or
-    ``w`` itself (``--allow-partition``: NOTE [ Choosing a partition ] in autotune/partitions.py); with two
-    (a partition where the budget is above the unpartitioned floor too), each is searched in a study of its
-    own, with half the cell's time and trials, and the cell is the faster, as search answers.
+    ``w`` itself (``--allow-partition``: NOTE [ Choosing a partition ] in autotune/partitions.py); with more
+    than one (each candidate's partition, C4, and ``w`` where the budget is above the unpartitioned floor too),
+    each is searched in a study of its own, with its share of the cell's time and trials, and the cell is the
+    fastest, as search answers.
     (A sweep that planned the partition alone there answered a GroupNorm CNN at 60 MiB with 2,357 samples/s
     on slices, where search answered 3,146 without them.)
     Ctrl-C stops the sweep (NOTE [ Sweep storage ]): the outcome holds the cells reached and says so."""

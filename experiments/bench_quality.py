@@ -131,7 +131,7 @@ def main() -> None:
                 on = w
                 if args.allow_partition:
                     retrace = functools.partial(_trace, model, kw, batch, args.precision, hw)
-                    on = choose(w, hw, budget, retrace).workload
+                    on = choose(w, hw, budget, retrace, others=False).workload
                 row = cell(on, hw, budget, alone, args, skip)
                 if on is not w:  # the unpartitioned model's no-policy speed
                     plain = Problem(w, hw, budget)

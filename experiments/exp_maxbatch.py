@@ -127,7 +127,7 @@ def run_cell(model: str, hw, planned: int, args: argparse.Namespace) -> dict[str
     started = time.perf_counter()
 
     def partition(w):  # type: ignore[no-untyped-def]
-        return choose(w, hw, planned, lambda ps: trace(model, hw, w.batch_size, ps)).workload
+        return choose(w, hw, planned, lambda ps: trace(model, hw, w.batch_size, ps), others=False).workload
 
     search = MaxBatch(
         lambda b: trace(model, hw, b),

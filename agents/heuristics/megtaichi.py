@@ -15,10 +15,11 @@ Our reading, beside DTR (agents/heuristics/dtr.py), which is MegTaiChi's own bas
   staleness instead); among equally distant ones the one with the least recompute time per byte. Evicted
   tensors become ``recompute`` (MegTaiChi rematerializes; it does not swap). The same static adaptation as
   DTR's: only tensors past their last forward use and not yet needed in backward are evictable.
-- Partition is not this searcher's choice: a policy decides per tensor of one traced model, and slices
-  change the model's trace. autotune chooses the partition from the same access pattern (the op where the
-  floor lies, NOTE [ Choosing a partition ] in autotune/partitions.py) before any searcher runs, so with
-  ``--allow-partition`` this searcher plans the slices' tensors like every other one.
+- Partition is not this searcher's choice within one run: a policy decides per tensor of one traced model,
+  and slices change the model's trace. autotune finds the candidate partitions from the same access pattern
+  (the calls that run the op where the floor lies, NOTE [ Choosing a partition ] in autotune/partitions.py),
+  traces each, and the search runs on each and takes the fastest answer (C4), so with ``--allow-partition``
+  this searcher plans the slices' tensors like every other one.
 """
 
 from __future__ import annotations
