@@ -41,15 +41,17 @@ Rule 6 (stall). Before its first backward use u, the compute stream waits until 
 Rule 7 (replay). A recomputed candidate that no region serves lives [producer, free_if_dropped_op]. Just before its
     first backward use u, the compute stream re-runs its closure (runtime.plan.closures_of): its producer chain
     (producer and in-place writers) and, recursively, the chains of its inputs that are not resident at u, where
-    resident means persistent or live at u as traced (a candidate whose last backward use is before u is gone,
-    whatever its action: the runtime re-makes it as a temporary, R6, R9); an input that a forward op writes in place
-    after the closure's op that reads it is not resident there (its value has changed): its producer and the writers
-    before that read are re-run too. Candidate inputs that are swapped, recomputed or compressed are materialized
-    first (Rules 6-8, in candidate order), at u, so their memory starts at u and lasts to their own free_op (they
-    are not recomputed twice); a recomputed one re-runs its closure as of u, not as of its own first use
-    (runtime.plan.nested_closures: what is live at u is read as it is, R6). The regenerated tensor lives [u,
-    free_op]. Every other storage the closure's ops write (regenerated temporaries, other outputs of multi-output
-    ops, copies of arguments an op would mutate) is held during the recompute only: nested recomputations hold
+    resident means persistent, live at u as traced (a candidate whose last backward use is before u is gone,
+    whatever its action: the runtime re-makes it as a temporary, R6, R9), or held there by a region past its
+    traced end (Rule 11: a call's arguments, to its backward; the runtime's replay reads what is live, R6); an
+    input that a forward op writes in place after the closure's op that reads it is not resident there (its value
+    has changed): its producer and the writers before that read are re-run too. Candidate inputs that are
+    swapped, recomputed or compressed are materialized first (Rules 6-8, in candidate order), at u, so their
+    memory starts at u and lasts to their own free_op (they are not recomputed twice); a recomputed one re-runs
+    its closure as of u, not as of its own first use (runtime.plan.nested_closures: what is live at u is read as
+    it is, R6). The regenerated tensor lives [u, free_op]. Every other storage the closure's ops write
+    (regenerated temporaries, other outputs of multi-output ops, copies of arguments an op would mutate) is held
+    during the recompute only: nested recomputations hold
     theirs until the outermost one is done, a storage that two of them write once (the runtime's replay makes it
     once and reads it again: R6), and an op that two of them run runs once; separate ones at the same op run one
     after another, in the order backward first unpacks them (``Candidate.unpack_seq``: a multiplication's gradient
@@ -147,7 +149,7 @@ from __future__ import annotations
 import bisect
 import functools
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -176,6 +178,8 @@ from runtime.workload import Phase, TensorKind, Workload, in_place_bytes, memory
 
 if TYPE_CHECKING:
     from envs.features import CandidateFeatures
+
+POOL_ROWS = 8  # Rule 7: the rows kept for regions that hold what closures read, at most this times the simulator's
 
 
 @dataclass
@@ -266,6 +270,41 @@ class _RegionCost:
 
 
 @dataclass
+class _Rows:
+    """Rule 7's closures per row, as the walk reads them (:meth:`Simulator._rows_of`)."""
+
+    bounds: np.ndarray  # two per candidate: its rows are bounds[2 ci]:bounds[2 ci + 1], the last its own closure
+    row_from: np.ndarray
+    deps_ptr: np.ndarray
+    deps_idx: np.ndarray
+    rec_device: np.ndarray
+    rec_transient: np.ndarray
+    temp_ptr: np.ndarray
+    temp_idx: np.ndarray
+    temp_bytes: np.ndarray
+    ops_ptr: np.ndarray
+    ops_idx: np.ndarray
+    rec_own: np.ndarray
+    rec_host: np.ndarray
+
+    def appended(self, other: _Rows) -> tuple[_Rows, int]:
+        """These rows and ``other``'s after them (their candidates' bounds still these), and where ``other``'s
+        start."""
+        at = len(self.row_from)
+        per_row = ("row_from", "rec_device", "rec_transient", "rec_own", "rec_host")
+        csr = {"deps_ptr": ("deps_idx",), "temp_ptr": ("temp_idx", "temp_bytes"), "ops_ptr": ("ops_idx",)}
+        out: dict[str, np.ndarray] = {"bounds": self.bounds}
+        for name in per_row:
+            out[name] = np.concatenate([getattr(self, name), getattr(other, name)])
+        for ptr, data in csr.items():
+            mine = getattr(self, ptr)
+            out[ptr] = np.concatenate([mine, getattr(other, ptr)[1:] + mine[-1]])
+            for name in data:
+                out[name] = np.concatenate([getattr(self, name), getattr(other, name)])
+        return _Rows(**out), at
+
+
+@dataclass
 class _RegionView:
     """What a set of regions fixes, whatever else the policy does (Rules 5, 11, 13)."""
 
@@ -278,6 +317,7 @@ class _RegionView:
     interval_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # Rule 2, in run's form
     interval_w: np.ndarray = field(default_factory=lambda: np.zeros(0))
     alloc_ws: np.ndarray | None = None  # what each op allocates, where a sum of Rule 15 is made as traced
+    rows: _Rows | None = None  # Rule 7's closures where a region holds what one reads (None: the simulator's)
     _triggers: dict[int, np.ndarray] = field(default_factory=dict)
     _up_pos: tuple[np.ndarray, np.ndarray] | None = None  # the points and the end; each first use's position
 
@@ -347,35 +387,17 @@ class Simulator:
         closures = closures_of(w)
         self.closure_ops: list[frozenset[int]] = [cl.ops for cl in closures]  # Rule 7: the ops re-run
         # Rule 7 for the walk (envs/walk.py), per *row*: a candidate's closure as of the ops from where it holds
-        # (runtime.plan.nested_closures: a replay nested in an earlier one's runs it as of that one's use; rows
-        # of ci are _row_ptr[ci]:_row_ptr[ci + 1], from ops _row_from, the last its own closure).
-        nested = nested_closures(w, closures)
-        rows = [cl for entries in nested for _, cl in entries]
-        row_cand = [ci for ci, entries in enumerate(nested) for _ in entries]
-        self._row_ptr = np.concatenate([[0], np.cumsum([len(e) for e in nested])]).astype(np.int64)
-        self._row_from = np.array([start for entries in nested for start, _ in entries], dtype=np.int64)
-        temps = [self._temporaries(cl, cands[ci].tensor) for cl, ci in zip(rows, row_cand, strict=True)]
-        costs = [self._closure_cost(cl.ops, cl.deps, t) for cl, t in zip(rows, temps, strict=True)]
-        row_len = [len(cl.ops) for cl in rows]
+        # (_rows_of; regions that hold a tensor a closure reads change those rows: _held_rows).
+        self._closures = closures
+        self._nested = nested_closures(w, closures)
+        self._pieces: dict[tuple[Closure, int], tuple[list[int], tuple[float, int, tuple[int, ...]], float]] = {}
+        self._rows = self._rows_of(self._nested)
         # Rule 7, per candidate: (recompute seconds, transient bytes, candidate dependencies), its last row's
-        self.closures = [costs[last] for last in self._row_ptr[1:] - 1]
-        # ... as arrays: seconds, bytes, the candidate inputs (CSR: those of row r are
-        # _deps_idx[_deps_ptr[r]:_deps_ptr[r + 1]]), the host's seconds (h_i and the replay's own per op,
-        # Rule 12) and their runtime part.
-        self._rec_device = np.array([device for device, _, _ in costs], dtype=np.float64)
-        self._rec_transient = np.array([transient for _, transient, _ in costs], dtype=np.int64)
-        # ... and those bytes storage by storage (CSR: tensor ids and rounded sizes), for nested recomputations
-        # that write the same storage (counted once, Rule 7).
-        self._temp_ptr = np.concatenate([[0], np.cumsum([len(t) for t in temps])]).astype(np.int64)
-        self._temp_idx = np.array([tid for t in temps for tid in t], dtype=np.int64)
-        self._temp_bytes = np.array([rounded(w.tensors[tid].nbytes, g) for tid in self._temp_idx], dtype=np.int64)
-        # ... and the ops they run (CSR), for nested recomputations that run the same op (run once, Rule 7).
-        self._ops_ptr = np.concatenate([[0], np.cumsum(row_len)]).astype(np.int64)
-        self._ops_idx = np.array([op for cl in rows for op in sorted(cl.ops)], dtype=np.int64)
-        self._deps_ptr, self._deps_idx = deps_csr(rows)
-        self._rec_own = np.array([length * hw.host.replay_op_s for length in row_len], dtype=np.float64)
-        self._rec_host = np.array([self.host_op_s[sorted(cl.ops)].sum() for cl in rows], dtype=np.float64)
-        self._rec_host += self._rec_own
+        self.closures = [self._pieces[(self._nested[ci][-1][1], c.tensor)][1] for ci, c in enumerate(cands)]
+        self._readers: dict[int, list[int]] | None = None  # tensor id -> the candidates whose closures read it
+        # _held_rows: each candidate's rows where regions hold what it reads, appended to the rows as they come
+        self._pool = self._rows
+        self._held_at: dict[tuple[int, frozenset[tuple[int, int]]], tuple[int, int] | None] = {}
         # P12 (Rule 8): the candidates each candidate's closure reads, kept where compressed and it recomputed.
         self._reads_ptr, self._reads_idx = reads_csr(closures)
         self._no_floors = np.empty((0, 3))
@@ -443,6 +465,80 @@ class Simulator:
         """Rule 7: the storages (tensor ids) a closure's replayed ops write, but the target's own."""
         w = self.w
         return sorted({t for op in cl.ops for t in (*w.ops[op].outputs, *replay_copies(w, op))} - {target})
+
+    def _rows_of(self, nested: list[list[tuple[int, Closure]]], cis: Sequence[int] | None = None) -> _Rows:
+        """Rule 7 for the walk (envs/walk.py), per *row*: a candidate's closure as of the ops from where it holds
+        (runtime.plan.nested_closures: a replay nested in an earlier one's runs it as of that one's use; rows of
+        ci are ``bounds[2 ci]:bounds[2 ci + 1]``, from ops ``row_from``, the last its own closure), as arrays:
+        seconds, bytes, the candidate inputs (CSR: those of row r are ``deps_idx[deps_ptr[r]:deps_ptr[r + 1]]``),
+        the host's seconds (h_i and the replay's own per op, Rule 12) and their runtime part; the bytes storage by
+        storage (CSR: tensor ids and rounded sizes), for nested recomputations that write the same storage
+        (counted once), and the ops they run (CSR), for nested recomputations that run the same op (run once).
+        ``cis``: the candidates ``nested`` holds the rows of (default: every one, in order)."""
+        w, g, cands = self.w, self.hw.alloc_granularity_bytes, self.w.candidates
+        rows = [cl for entries in nested for _, cl in entries]
+        pieces = []
+        for ci, entries in zip(range(len(nested)) if cis is None else cis, nested, strict=True):
+            for _, cl in entries:
+                key = (cl, cands[ci].tensor)
+                if key not in self._pieces:
+                    temps = self._temporaries(cl, cands[ci].tensor)
+                    self._pieces[key] = (
+                        temps,
+                        self._closure_cost(cl.ops, cl.deps, temps),
+                        self.host_op_s[sorted(cl.ops)].sum(),
+                    )
+                pieces.append(self._pieces[key])
+        row_len = [len(cl.ops) for cl in rows]
+        temp_idx = np.array([tid for temps, _, _ in pieces for tid in temps], dtype=np.int64)
+        deps_ptr, deps_idx = deps_csr(rows)
+        rec_own = np.array([length * self.hw.host.replay_op_s for length in row_len], dtype=np.float64)
+        return _Rows(
+            bounds=np.repeat(np.concatenate([[0], np.cumsum([len(e) for e in nested])]), 2)[1:-1].astype(np.int64),
+            row_from=np.array([start for entries in nested for start, _ in entries], dtype=np.int64),
+            deps_ptr=deps_ptr,
+            deps_idx=deps_idx,
+            rec_device=np.array([cost[0] for _, cost, _ in pieces], dtype=np.float64),
+            rec_transient=np.array([cost[1] for _, cost, _ in pieces], dtype=np.int64),
+            temp_ptr=np.concatenate([[0], np.cumsum([len(temps) for temps, _, _ in pieces])]).astype(np.int64),
+            temp_idx=temp_idx,
+            temp_bytes=np.array([rounded(w.tensors[tid].nbytes, g) for tid in temp_idx], dtype=np.int64),
+            ops_ptr=np.concatenate([[0], np.cumsum(row_len)]).astype(np.int64),
+            ops_idx=np.array([op for cl in rows for op in sorted(cl.ops)], dtype=np.int64),
+            rec_own=rec_own,
+            rec_host=np.array([host for _, _, host in pieces], dtype=np.float64) + rec_own,
+        )
+
+    def _held_rows(self, held: dict[int, int]) -> _Rows | None:
+        """Rule 7 under regions that hold tensors past their traced end (Rule 11's arguments): the closures that
+        read one re-made where it is still held read it as it is instead (runtime R6). None: no closure changes."""
+        w = self.w
+        if self._readers is None:
+            self._readers = {}
+            for ci, entries in enumerate(self._nested):
+                for tid in {t for op in entries[-1][1].ops for t in w.ops[op].inputs}:
+                    self._readers.setdefault(tid, []).append(ci)
+        longer = {tid: end for tid, end in held.items() if (f := w.tensors[tid].free_op) is not None and end > f}
+        mine: dict[int, list[tuple[int, int]]] = {}  # candidate -> the held tensors its closure reads
+        for tid in longer:
+            for ci in self._readers.get(tid, ()):
+                mine.setdefault(ci, []).append((tid, longer[tid]))
+        if len(self._pool.row_from) > POOL_ROWS * len(self._rows.row_from):  # views keep the rows they read
+            self._pool, self._held_at = self._rows, {}
+        bounds = None
+        for ci in sorted(mine):
+            key = (ci, frozenset(mine[ci]))
+            if key not in self._held_at:  # per candidate and what it reads held, across region sets: pooled
+                (entries,) = nested_closures(w, self._closures, dict(mine[ci]), [ci])
+                if entries == self._nested[ci]:
+                    self._held_at[key] = None
+                else:
+                    self._pool, at = self._pool.appended(self._rows_of([entries], [ci]))
+                    self._held_at[key] = (at, at + len(entries))
+            if (span := self._held_at[key]) is not None:
+                bounds = self._pool.bounds.copy() if bounds is None else bounds
+                bounds[2 * ci : 2 * ci + 2] = span
+        return None if bounds is None else replace(self._pool, bounds=bounds)
 
     def _closure_cost(
         self, ops: frozenset[int], deps: tuple[int, ...], temporaries: list[int]
@@ -792,6 +888,7 @@ class Simulator:
                 interval_at=np.concatenate(at_l),
                 interval_w=np.concatenate(w_l),
                 alloc_ws=alloc_ws,
+                rows=self._held_rows({tid: b for tid, (_, b, _) in held.items()}),
             )
             self._views[(regions, nodes)] = view
         return view
@@ -960,6 +1057,7 @@ class Simulator:
         # The clocks are read at the start, each op with events and the end; between each two, a segment of ops
         # with no event inside (Hc, Dc at its ends, the largest reach inside), walked in turn.
         at_start = (sorted_pos[0] if len(sorted_pos) else n) == begin_at  # events at the start: walked first
+        rows = view.rows if regions and view.rows is not None else self._rows  # Rule 7, where regions hold inputs
         extra = np.zeros(n, dtype=np.int64)  # Rule 7: what recomputes hold before each op, above what they make
         moved = np.empty(2 * k, dtype=np.int64)  # made again in backward: candidate, op, ...
         floors = np.empty((n + 1, 3)) if timeline else self._no_floors  # the clocks after the events at an op
@@ -980,23 +1078,23 @@ class Simulator:
             sync,
             timeline,
             act,
-            self._row_ptr,
-            self._row_from,
-            self._deps_ptr,
-            self._deps_idx,
-            self._rec_device,
-            self._rec_transient,
-            self._temp_ptr,
-            self._temp_idx,
-            self._temp_bytes,
+            rows.bounds,
+            rows.row_from,
+            rows.deps_ptr,
+            rows.deps_idx,
+            rows.rec_device,
+            rows.rec_transient,
+            rows.temp_ptr,
+            rows.temp_idx,
+            rows.temp_bytes,
             len(w.tensors),
-            self._ops_ptr,
-            self._ops_idx,
+            rows.ops_ptr,
+            rows.ops_idx,
             self.op_s,
             self.host_op_s,
             hw.host.replay_op_s,
-            self._rec_own,
-            self._rec_host,
+            rows.rec_own,
+            rows.rec_host,
             pack_s,
             self.h2d_s,
             self.d2h_s,

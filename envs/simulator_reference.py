@@ -296,7 +296,8 @@ def simulate_reference(
             replay_peak = max(replay_peak, sum(live.values()) + held)  # the packed form until the kernel is done
             live.pop(("p", ci), None)
         elif act[ci] == RECOMPUTE:  # Rule 7, walking the inputs now
-            closure, needed, _ = _closure(w, ci, cand_of, i, writers)  # as of now: maybe nested, before its use
+            # As of now: maybe nested, before its use; what a region holds past its traced end is read as it is.
+            closure, needed, _ = _closure(w, ci, cand_of, i, writers, extended)
             for dep in sorted(needed):
                 if act[dep] != KEEP:
                     materialize(dep, i)
@@ -496,9 +497,10 @@ class _Live(dict[tuple[str, int], int]):
         return super().pop(key, default)
 
 
-def _closure(w, ci, cand_of, at, writers):  # type: ignore[no-untyped-def]
+def _closure(w, ci, cand_of, at, writers, held=None):  # type: ignore[no-untyped-def]
     """Rule 7: the ops re-run for candidate ``ci`` replayed just before op ``at``, its candidate inputs live there
-    and those it re-makes, walking its inputs now."""
+    and those it re-makes, walking its inputs now. ``held``: tensor id -> the last op it is held to past its traced
+    end (a region's arguments, Rule 11), resident until then."""
     c = w.candidates[ci]
     ran: set[int] = set(c.recompute_ops)
     pending = [(op, tid) for op in sorted(ran) for tid in w.ops[op].inputs]  # (reading op, tensor read)
@@ -517,7 +519,7 @@ def _closure(w, ci, cand_of, at, writers):  # type: ignore[no-untyped-def]
             if tid in seen:
                 continue
             seen.add(tid)
-            if info.alloc_op < 0 or info.free_op is None or info.free_op >= at:
+            if info.alloc_op < 0 or info.free_op is None or info.free_op >= at or (held or {}).get(tid, -1) >= at:
                 if tid in cand_of:  # live at the use: materialized as its action says
                     needed.add(cand_of[tid])
                 continue

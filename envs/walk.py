@@ -47,7 +47,7 @@ def walk(
     sync: bool,
     timeline: bool,
     act: np.ndarray,
-    row_ptr: np.ndarray,
+    row_bounds: np.ndarray,
     row_from: np.ndarray,
     deps_ptr: np.ndarray,
     deps_idx: np.ndarray,
@@ -89,7 +89,7 @@ def walk(
     events there first where ``at_start``; ``compress_s`` and ``recompute_s`` are those before the walk,
     added to in order. ``d2h_end`` holds each swapped candidate's copy-out end where forward was settled
     before the walk, and receives those the walk issues. A recomputed candidate's closure is a *row*
-    (``row_ptr``, ``row_from``: :func:`_row`), and the closures' arrays (``deps_ptr`` to ``rec_host``) are
+    (``row_bounds``, ``row_from``: :func:`_row`), and the closures' arrays (``deps_ptr`` to ``rec_host``) are
     per row. Writes, per op, what its recomputes hold above the candidates made there (``extra``, Rule 7:
     replays one after another, each holding its temporaries with what the ones before made, less all that the
     op's replays make, ``cand_size`` bytes each; Rule 8: an unpack holds its packed form, ``packed_size``, until
@@ -164,7 +164,7 @@ def walk(
             r = -1
             if not ready:  # recomputed: ready when its candidate inputs are kept or there already
                 ready = True
-                r = _row(ci, x, row_ptr, row_from)
+                r = _row(ci, x, row_bounds, row_from)
                 for j in range(deps_ptr[r], deps_ptr[r + 1]):
                     d = deps_idx[j]
                     if not mat_op[d] and act[d] != keep:
@@ -177,7 +177,7 @@ def walk(
                 n_items = 1
             else:
                 n_items = _expand(
-                    ci, x, act, row_ptr, row_from, deps_ptr, deps_idx, keep, recompute, mat_op, items, item_rows,
+                    ci, x, act, row_bounds, row_from, deps_ptr, deps_idx, keep, recompute, mat_op, items, item_rows,
                     stack, stack_row, stack_at,
                 )  # fmt: skip
             held = 0  # nested recomputations hold theirs until the outer one is done
@@ -293,11 +293,11 @@ def _copy_back(
 
 
 @register_jitable
-def _row(ci: int, x: int, row_ptr: np.ndarray, row_from: np.ndarray) -> int:
+def _row(ci: int, x: int, row_bounds: np.ndarray, row_from: np.ndarray) -> int:
     """Rule 7: the row of candidate ``ci``'s closure as of a replay just before op ``x``: the last of its rows
-    (runtime.plan.nested_closures) that holds from ``x`` or before."""
-    r = row_ptr[ci + 1] - 1
-    while r > row_ptr[ci] and row_from[r] > x:
+    (runtime.plan.nested_closures; ``row_bounds[2 ci]:row_bounds[2 ci + 1]``) that holds from ``x`` or before."""
+    r = row_bounds[2 * ci + 1] - 1
+    while r > row_bounds[2 * ci] and row_from[r] > x:
         r -= 1
     return r
 
@@ -307,7 +307,7 @@ def _expand(
     ci: int,
     x: int,
     act: np.ndarray,
-    row_ptr: np.ndarray,
+    row_bounds: np.ndarray,
     row_from: np.ndarray,
     deps_ptr: np.ndarray,
     deps_idx: np.ndarray,
@@ -326,7 +326,7 @@ def _expand(
     n_items = 0
     mat_op[ci] = True  # first, so that a cycle through in-place writers cannot recurse forever
     stack[0] = ci
-    stack_row[0] = _row(ci, x, row_ptr, row_from)
+    stack_row[0] = _row(ci, x, row_bounds, row_from)
     stack_at[0] = deps_ptr[stack_row[0]]
     depth = 1
     while depth:
@@ -345,7 +345,7 @@ def _expand(
             mat_op[d] = True
             if act[d] == recompute:
                 stack[depth] = d
-                stack_row[depth] = _row(d, x, row_ptr, row_from)
+                stack_row[depth] = _row(d, x, row_bounds, row_from)
                 stack_at[depth] = deps_ptr[stack_row[depth]]
                 depth += 1
             else:

@@ -71,7 +71,7 @@ NOTE [ Recompute mechanisms ]
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -401,9 +401,18 @@ def forward_writers(w: Workload) -> dict[int, list[int]]:
     return writers
 
 
-def closure_at(w: Workload, ci: int, u: int, writers: dict[int, list[int]], cand_of: dict[int, int]) -> Closure:
+def closure_at(
+    w: Workload,
+    ci: int,
+    u: int,
+    writers: dict[int, list[int]],
+    cand_of: dict[int, int],
+    held: Mapping[int, int] | None = None,
+) -> Closure:
     """Rule 7's closure of candidate ``ci`` replayed just before op ``u`` (``writers``: :func:`forward_writers`;
-    ``cand_of``: tensor id -> candidate index)."""
+    ``cand_of``: tensor id -> candidate index; ``held``: tensor id -> the last op something holds it to past its
+    traced end, a region's arguments (Rule 11): live until then, so read as it is, R6)."""
+    held = held or {}
     c = w.candidates[ci]
     ops: set[int] = set(c.recompute_ops)
     deps: set[int] = set()
@@ -425,7 +434,7 @@ def closure_at(w: Workload, ci: int, u: int, writers: dict[int, list[int]], cand
                 chain = [t.alloc_op, *(j for j in writers.get(tid, ()) if j < at)]  # re-made as of the read
             elif tid in made:
                 continue
-            elif t.alloc_op < 0 or t.free_op is None or t.free_op >= u:
+            elif t.alloc_op < 0 or t.free_op is None or t.free_op >= u or held.get(tid, -1) >= u:
                 if tid in cand_of:  # live at u: the policy's action says how it is there (Rules 6-8)
                     deps.add(cand_of[tid])
                 continue  # resident: persistent, or still live at u as traced
@@ -447,24 +456,37 @@ def closures_of(w: Workload) -> list[Closure]:
     return [closure_at(w, ci, c.first_use(n), writers, cand_of) for ci, c in enumerate(w.candidates)]
 
 
-def nested_closures(w: Workload, closures: Sequence[Closure]) -> list[list[tuple[int, Closure]]]:
+def nested_closures(
+    w: Workload,
+    closures: Sequence[Closure],
+    held: Mapping[int, int] | None = None,
+    only: Sequence[int] | None = None,
+) -> list[list[tuple[int, Closure]]]:
     """Rule 7's closures of each candidate as of the ops where a replay may run it nested in another's, before
     its own first use: ``[(from_op, closure), ...]`` ascending, each closure the one as of every op from
     ``from_op`` up to the next entry's (the first from op 0), the last one its own (``closures``, as of its
     first use). Earlier, fewer of the tensors its chain reads are gone: a tensor freed at op f is re-made by
-    the replays from op f + 1 on and read as it is before, so those ops are where the closure can change."""
+    the replays from op f + 1 on and read as it is before, so those ops are where the closure can change.
+    ``held`` (:func:`closure_at`): a tensor held past its traced end is gone, and re-made, from the op after
+    that. ``only``: those candidates' rows alone, in that order (``closures`` still indexed by candidate)."""
     n = len(w.ops)
     cand_of = {c.tensor: i for i, c in enumerate(w.candidates)}
     writers = forward_writers(w)
+    held = held or {}
     out: list[list[tuple[int, Closure]]] = []
-    for ci, (c, own) in enumerate(zip(w.candidates, closures, strict=True)):
+    for ci in range(len(w.candidates)) if only is None else only:
+        c = w.candidates[ci]
         u = c.first_use(n)
+        own = closure_at(w, ci, u, writers, cand_of, held) if held else closures[ci]
         changes = sorted(
             {
                 f + 1
                 for op in own.ops
                 for tid in w.ops[op].inputs
-                if (t := w.tensors[tid]).alloc_op >= 0 and (f := t.free_op) is not None and f < u and tid != c.tensor
+                if (t := w.tensors[tid]).alloc_op >= 0
+                and t.free_op is not None
+                and (f := max(t.free_op, held.get(tid, -1))) < u
+                and tid != c.tensor
             }
         )
         if not changes:
@@ -473,7 +495,8 @@ def nested_closures(w: Workload, closures: Sequence[Closure]) -> list[list[tuple
         rows: list[tuple[int, Closure]] = []
         for i, start in enumerate([0, *changes]):
             # the same closure from ``start`` up to the next change; from the last one on, its own
-            cl = own if i == len(changes) else closure_at(w, ci, changes[0] - 1 if i == 0 else start, writers, cand_of)
+            at = changes[0] - 1 if i == 0 else start
+            cl = own if i == len(changes) else closure_at(w, ci, at, writers, cand_of, held)
             if not rows or rows[-1][1] != cl:
                 rows.append((start, cl))
         out.append(rows)

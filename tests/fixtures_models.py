@@ -484,6 +484,22 @@ class AttentionNet(nn.Module):
         return self.head(self.att(self.emb(x)).mean(1))
 
 
+class HeldReader(nn.Module):
+    """A call (``a``) reads a tensor no op saves (``h``, a sum over a wide product): as a region it holds it, as an
+    argument, until its backward is done. ``exp`` outside it reads ``h`` too, and its output, recomputed, is
+    replayed at the product's backward, before ``a``'s: ``h`` is held there, so the replay reads it as it is
+    instead of re-making it from the wide product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(32, 16 * 128), nn.Linear(128, 10)
+        self.a = nn.Sequential(nn.ReLU(), nn.Linear(128, 128))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).view(-1, 16, 128).sum(1)
+        return self.out(self.a(h) * torch.exp(h))
+
+
 class TwoReaders(nn.Module):
     """Two calls (``a``, ``b``) that read one tensor no op saves (``h``, a sum): as regions each holds it, as
     an argument, until its backward is done; wide logits put the peak at the loss's backward, before both."""
