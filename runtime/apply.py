@@ -189,7 +189,7 @@ from runtime.partition import partitioned
 from runtime.plan import Region
 from runtime.policy import Action, Policy, some_keys
 from runtime.precision import check_active
-from runtime.regions import Learning, parameter_places, substituted
+from runtime.regions import Learning, parameter_places, sequence_mark, substituted
 from runtime.regions import run as run_region
 from runtime.replay import Frame, Recorder, Replayer, view_of
 from runtime.shared_grads import SharedGradients
@@ -387,8 +387,9 @@ class PolicyRuntime:
         self._region_calls: dict[str, int] = {}
         self._leaves: dict[Frame, list[torch.Tensor] | None] = {}  # R10: learnt in a region's first step
         self._places: dict[Frame, list[list[tuple[dict[str, Any], str]]]] = {}  # R10: where the leaves are held
-        # R10: the views a region's first step returned, with their versions, until the model's forward ends
-        self._views: list[tuple[Frame, list[tuple[weakref.ref[torch.Tensor], int]]]] = []
+        # R10: per region call, its output views (a weakref, the version, its node, the node it was taken from), and
+        # the sequence number the nodes made after the call start from
+        self._views: list[tuple[Frame, list[tuple[weakref.ref[torch.Tensor], int, Any, Any]], int]] = []
         self._views_hook: torch.utils.hooks.RemovableHandle | None = None
         self._double = False  # a backward with create_graph=True reached a node (R10: checkpoint from then on)
         self._parameters: frozenset[int] = frozenset()  # the trainable parameters the leaves were learnt with
@@ -753,18 +754,42 @@ class PolicyRuntime:
 
     def _watch_views(self, frame: Frame, out: Any) -> None:
         """R10: the views a region's first step returned, checked when the model's forward ends: one written in
-        place after the call keeps the call under checkpoint (regions N4, plan P10)."""
+        place after the call keeps the call under checkpoint (regions N4, plan P10). A view still alive then says
+        so by its version; one gone by then (nothing saved it: a Linear's output on a 3-D input, which dropout
+        reads) by the graph: an in-place write into a view makes a node (``CopySlices``) that reads the node the
+        view was taken from, which no later node reads otherwise (its other readers read the view's own node).
+        The nodes are held to the check, not the view (their saved tensors are checkpoint's, in this step)."""
         views = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o._is_view()]
         if not views:
             return
-        self._views.append((frame, [(weakref.ref(v), v._version) for v in views]))
+        after = sequence_mark()  # the nodes the forward makes after the call are numbered from here
+        watched = []
+        for v in views:
+            node = v.grad_fn
+            base = node.next_functions[0][0] if node is not None and node.next_functions else None
+            watched.append((weakref.ref(v), v._version, node, base))
+        self._views.append((frame, watched, after))
         if self._views_hook is None:
             self._views_hook = self.model.register_forward_hook(StepHook(self._views_checked), always_call=True)
 
-    def _views_checked(self, *_: Any) -> None:
-        for frame, views in self._views:
-            if any((v := ref()) is None or v._version != version for ref, version in views):
-                self._leaves[frame] = None  # written in place after the call (or gone: not known), under checkpoint
+    def _views_checked(self, *hook: Any) -> None:
+        output = hook[2] if len(hook) > 2 else None  # (module, args, output); none where the forward raised
+        readers: dict[Any, list[Any]] | None = None  # the graph from the forward's outputs: node -> nodes reading it
+        for frame, views, after in self._views:
+            for ref, version, node, base in views:
+                v = ref()
+                if v is not None:
+                    written = v._version != version
+                elif base is None or output is None:
+                    written = True  # gone, and no graph to tell: not known
+                else:
+                    readers = _readers_of(output) if readers is None else readers
+                    # Not reached from the outputs: not known. Else a node made after the call reads its base.
+                    written = base not in readers or any(
+                        r is not node and r._sequence_nr() >= after for r in readers[base]
+                    )
+                if written:
+                    self._leaves[frame] = None  # written in place after the call (or not known): under checkpoint
         self._views.clear()
         if self._views_hook is not None:
             self._views_hook.remove()
@@ -1435,6 +1460,24 @@ def applied(policy: Policy, model: torch.nn.Module, *, strict: bool = True) -> I
         rt = per_model[id(policy)] = PolicyRuntime(policy, model, strict=strict)
     with rt.step() as stats:
         yield stats
+
+
+def _readers_of(output: Any) -> dict[Any, list[Any]]:
+    """R10: the autograd graph reached from ``output``'s tensors, as each node and the nodes that read it."""
+    readers: dict[Any, list[Any]] = {}
+    todo = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    for node in todo:
+        readers.setdefault(node, [])
+    while todo:
+        node = todo.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            if nxt not in readers:
+                readers[nxt] = []
+                todo.append(nxt)
+            readers[nxt].append(node)
+    return readers
 
 
 def _held(leaves: Sequence[torch.Tensor], places: Sequence[Sequence[tuple[dict[str, Any], str]]]) -> bool:

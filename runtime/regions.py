@@ -56,7 +56,11 @@ NOTE [ Regions without a graph ]
         step, whose gradient a node carrying the first call's leaves would drop. Nor, found when the model's
         forward ends, an output that is a view of a tensor the call made (InstanceNorm's) and that the forward
         wrote in place after the call (a ``ReLU(inplace=True)``; as a node's output, "Output 0 of _Region is a
-        view and is being modified inplace", from the second step on): runtime/apply.py R10, plan P10.
+        view and is being modified inplace", from the second step on): runtime/apply.py R10, plan P10. A view
+        still alive then says so by its version; one gone by then (a Linear's output on a 3-D input, which only
+        dropout or a sum read) by the graph reached from the forward's outputs, where a write into it is a node
+        made after the call that reads the node the view was taken from; a view gone and not reached is not
+        known, and the call stays under checkpoint.
     N5. When the model's trainable parameters change between steps (one replaced, as ``load_state_dict(...,
         assign=True)`` does, or frozen, or unfrozen as fine-tuning schedules do), every call learns its leaves
         again. Limit: the leaves are those of the first step; a later step whose call reads a parameter that is
