@@ -20,8 +20,8 @@ NOTE [ Choosing a partition ]
         is that candidate's: the fewest slices that a policy certainly fits in (more slices run smaller
         kernels and more concatenations: VGG-16 b64 at 45%, features/4 answered 887.9 samples/s and
         features/8 854.1). The floor is no guide (admissible, not reachable: a residual CNN's two slices
-        lowered it 30% while no policy came within 10% of the budget). The outermost candidate's is the
-        rule's choice (``Choice.partitions``): what maxbatch (a short search per size) and baselines (the
+        lowered it 30% while no policy came within 10% of the budget). The outermost candidate's that has one
+        is the rule's choice (``Choice.partitions``): what maxbatch (a short search per size) and baselines (the
         methods compared on one model) plan on, without tracing the other candidates. No candidate has
         one: among those whose floor is within the budget (a search may still find a policy there), the one
         whose frugal policy holds least is the choice, alone; with none within it, the lowest floor, so that
