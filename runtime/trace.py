@@ -801,13 +801,16 @@ def _record(
         rec.frame_of = lambda: log.current
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             # The fp16 loss scaling saves the scale: inside the hooks, so it is known (and ignored) by key.
-            loss = step.scaled(step.loss(model, batch, loss_fn))
+            # The loss as computed lives through backward, as the caller's ``loss`` does beside the scaled one
+            # (``scaler.scale(loss).backward()``; 4 bytes under the measured peak in fp16 when it did not).
+            unscaled = step.loss(model, batch, loss_fn)
+            loss = step.scaled(unscaled)
         log.end_forward()
         _tag_graph(loss, OUTSIDE)
         rec.phase = Phase.BACKWARD
         rec.module_of = _backward_module
         loss.backward()
-        del loss
+        del loss, unscaled
         rec.phase = Phase.OPTIMIZER
         rec.module_of = lambda: "<optimizer>"
         step.step(opt)

@@ -333,3 +333,28 @@ def test_a_node_whose_output_view_is_gone_runs_as_one(inplace: bool) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain = train_steps(build, None, 3)
     assert same_bits(got, plain)
+
+
+def test_the_fp16_loss_lives_through_backward_beside_the_scaled_one() -> None:
+    """The trace: under fp16 the loss as computed lives through backward, as the caller's ``loss`` does in
+    ``scaler.scale(loss).backward()``; the trace had kept the scaled loss alone, and every fp16 plan was 4 bytes
+    (one float32 scalar) under the measured peak where that peak is in backward (a QA run on tiny BERT and GPT-2)."""
+    from envs.simulator import Simulator
+    from runtime.hardware import get_profile
+    from runtime.measure import run_iterations
+    from runtime.trace import make_optimizer
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        x, y = torch.randn(32, 16), torch.randint(0, 512, (32,))
+        return _MLPBlock(), (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    w = capture(build, name="mlp-block", batch_size=32, precision="fp16", fake=False)
+    policy = Policy.from_vector(w, [0] * len(w.candidates), hardware="cpu", precision="fp16")  # keep all
+    planned = Simulator(w, get_profile("cpu")).run(policy)
+    assert w.ops[planned.peak_op].phase.name == "BACKWARD"
+    model, batch, loss_fn = build()
+    opt = make_optimizer("sgd", model.parameters())
+    step = PolicyRuntime(policy, model).step
+    measured = run_iterations(model, batch, loss_fn, opt, steps=2, batch_size=32, precision="fp16", around_step=step)
+    assert [m.peak_bytes for m in measured] == [planned.peak_bytes] * 2
