@@ -51,12 +51,12 @@ Rule 7 (replay). A recomputed candidate that no region serves lives [producer, f
     its closure as of u, not as of its own first use (runtime.plan.nested_closures: what is live at u is read as
     it is, R6). The regenerated tensor lives [u, free_op]. Every other storage the closure's ops write
     (regenerated temporaries, other outputs of multi-output ops, copies of arguments an op would mutate) is held
-    during the recompute only: nested recomputations hold
-    theirs until the outermost one is done, a storage that two of them write once (the runtime's replay makes it
-    once and reads it again: R6), and an op that two of them run runs once; separate ones at the same op run one
-    after another, in the order backward first unpacks them (``Candidate.unpack_seq``: a multiplication's gradient
-    unpacks its second factor first; where that one's closure reads the first factor, the first's replay runs nested
-    in it), each dropping what it holds before the next starts. The recomputes run before op u allocates its own
+    during the recompute only: nested recomputations hold theirs until the outermost one is done, a storage that
+    two of them write once (the runtime's replay makes it once and reads it again: R6), and an op that two of them
+    run runs once; separate ones at the same op run one after another, in the order backward first unpacks them
+    (``Candidate.unpack_seq``: a multiplication's gradient unpacks its second factor first; where that one's
+    closure reads the first factor, the first's replay runs nested in it), each dropping what it holds before the
+    next starts. The recomputes run before op u allocates its own
     outputs, so the live bytes of op u are the larger of (live during u) and, for each recompute there, (live during
     u, less u's own allocations and the candidates that the recomputes after it make, plus its held bytes). Its time
     is the sum of the closure's op times (``recompute_s``), issued by the host as one block (Rule 12) after which
@@ -179,7 +179,7 @@ from runtime.workload import Phase, TensorKind, Workload, in_place_bytes, memory
 if TYPE_CHECKING:
     from envs.features import CandidateFeatures
 
-POOL_ROWS = 8  # Rule 7: the rows kept for regions that hold what closures read, at most this times the simulator's
+POOL_ROWS = 8  # Rule 7: rows kept for regions that hold what closures read, at most this times the base rows
 
 
 @dataclass
