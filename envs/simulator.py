@@ -101,7 +101,8 @@ Rule 11 (regions). A module call that runtime.plan's NOTE [ Recompute mechanisms
     autocast after their last use: the weights' gradients are cast after it); a tensor that two regions hold is held
     once, to the later end. A node runs the call's forward with autocast's cache off: a recomputed cast of a weight
     made inside it lives only to its last forward reader there (runtime.plan.node_forward_end), not to the end of
-    autocast's region as the trace's cache held it.
+    autocast's region as the trace's cache held it, and so does a cast of a parameter that no op saves (a bias's:
+    runtime.plan.node_uncached_casts).
 Rule 12 (host costs). h_i is 0 on a profile without copy engines (op times are wall times there); on a GPU
     it is the op's measured host time, scaled to the plain iteration's, when the trace ran on that device,
     and ``host.op_s`` otherwise. The runtime's own work costs the host (``HardwareProfile.host``): each
@@ -168,6 +169,7 @@ from runtime.plan import (
     held_outside,
     nested_closures,
     node_forward_end,
+    node_uncached_casts,
     reads_csr,
     replay_copies,
     replay_inputs_kept,
@@ -771,6 +773,10 @@ class Simulator:
                     last = max(c.free_if_dropped_op, use - 1)
                     if last < self.free_keep[ci]:
                         released.append((last + 1, int(self.free_keep[ci]), -int(self.size[ci])))
+        if nodes:  # the casts a node's forward lets go after their product that no op saves (a bias's)
+            for tid, last in node_uncached_casts(w, first, frame.last_op).items():
+                t = w.tensors[tid]
+                released.append((last + 1, int(t.free_op if t.free_op is not None else n), -rounded(t.nbytes, g)))
         regen = {w.candidates[ci].tensor for ci, _ in regenerated}
         transient = 0
         live = 0

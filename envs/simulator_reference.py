@@ -18,7 +18,7 @@ import numpy as np
 
 from runtime.hardware import HardwareProfile, host_times_s, op_times_s
 from runtime.keys import runs_in
-from runtime.plan import RegionPlanner, as_run, held_outside, node_forward_end, replay_copies
+from runtime.plan import RegionPlanner, as_run, held_outside, node_forward_end, node_uncached_casts, replay_copies
 from runtime.policy import PolicyOptions
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, compressible, itemsize
 from runtime.workload import Phase, TensorKind, Workload, rounded
@@ -329,6 +329,7 @@ def simulate_reference(
         for ci, last in info["saved_args"].items():
             kept_end[ci] = max(kept_end[ci], last)
 
+    uncached_plain = {tid: last for info in region_info for tid, last in info["uncached_plain"].items()}  # Rule 11
     extended: dict[int, int] = {}  # Rule 11: arguments a region holds, to their last op
     for info in region_info:
         for tid, last in info["held"]:
@@ -414,7 +415,8 @@ def simulate_reference(
 
         # Releases after op i.
         for t in w.tensors:
-            if t.id not in cand_of and max(t.free_op if t.free_op is not None else n, extended.get(t.id, -1)) == i:
+            traced = uncached_plain.get(t.id, t.free_op if t.free_op is not None else n)
+            if t.id not in cand_of and max(traced, extended.get(t.id, -1)) == i:
                 live.pop(("t", t.id), None)
         for key in [key for key, last in ends.items() if last == i]:
             live.pop(key, None)
@@ -586,6 +588,8 @@ def _region(w, r, mine, within, size, op_s, host_op, hc, nodes):  # type: ignore
     regenerated = []
     freed = {}  # kept outputs: the original's last op, the call's own uses left out (they read the copy)
     uncached = {}  # recomputed ones a node's forward lets go earlier than traced (a weight's cast)
+    # ... and casts no op saves (a bias's): tensor id -> the last op it lives to
+    uncached_plain = node_uncached_casts(w, frame.first_op, frame.last_op) if nodes else {}
     for ci in inside:
         c = w.candidates[ci]
         if not frame.first_op <= c.producer <= frame.last_op:
@@ -659,6 +663,7 @@ def _region(w, r, mine, within, size, op_s, host_op, hc, nodes):  # type: ignore
         "regenerated": regenerated,
         "freed": freed,
         "uncached": uncached,
+        "uncached_plain": uncached_plain,
         "saved_args": saved_args,
         "held": held,
         "out_of_place": out_of_place,

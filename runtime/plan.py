@@ -553,6 +553,31 @@ def node_forward_end(w: Workload, ci: int, call_last_op: int) -> int:
     return c.free_if_dropped_op
 
 
+def node_uncached_casts(w: Workload, first_op: int, last_op: int) -> dict[int, int]:
+    """Rule 11 as one node: the casts of parameters that a call (its forward ops ``first_op`` to ``last_op``) makes
+    and no op saves (a bias's, which autocast casts for the product alone), which the trace's cache held past their
+    last forward reader, all inside the call: tensor id -> that reader. The node runs the call's forward with the
+    cache off (runtime/regions.py), so they go after it (:func:`node_forward_end` says the same of the saved ones)."""
+    saved = {c.tensor for c in w.candidates}
+    made = {
+        t
+        for op in w.ops[first_op : last_op + 1]
+        if op.name == "aten._to_copy.default" and any(w.tensors[x].kind == TensorKind.PARAMETER for x in op.inputs)
+        for t in op.outputs
+        if w.tensors[t].alloc_op == op.index and t not in saved
+    }
+    if not made:
+        return {}
+    last: dict[int, int] = {}
+    for op in w.ops:
+        if op.phase != Phase.FORWARD:
+            break
+        for t in op.inputs:
+            if t in made:
+                last[t] = op.index
+    return {t: r for t, r in last.items() if r <= last_op and (free := w.tensors[t].free_op) is not None and free > r}
+
+
 def held_outside(w: Workload) -> np.ndarray:
     """P11: per candidate, whether something other than autograd holds its storage until its first backward use."""
     n = len(w.ops)

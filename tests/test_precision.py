@@ -358,3 +358,54 @@ def test_the_fp16_loss_lives_through_backward_beside_the_scaled_one() -> None:
     step = PolicyRuntime(policy, model).step
     measured = run_iterations(model, batch, loss_fn, opt, steps=2, batch_size=32, precision="fp16", around_step=step)
     assert [m.peak_bytes for m in measured] == [planned.peak_bytes] * 2
+
+
+class _WideProbe(_MLPBlock):
+    """The MLP block with a statistic of a wide projection of the MLP's output, computed without grad: the peak is
+    there, in the forward, after the MLP's call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide = torch.nn.Linear(64, 16384)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mlp(self.emb(x))
+        with torch.no_grad():
+            s = self.wide(y).float().abs().amax()
+        return self.head(y) * (s / s)
+
+
+def test_a_node_lets_the_casts_no_op_saves_go_after_their_product() -> None:
+    """Simulator Rule 11 as one node under autocast: the node runs the call's forward with autocast's cache off, so
+    the casts of its biases (which no op saves: a bias's gradient is a sum of the output's) go after their product
+    too, where the trace's cache held them to the end of the forward. Both simulators held them: 640 bytes (two
+    bf16 biases) over the measured peak here, 128 on a tiny BERT's attention output (a QA run). Now to the byte."""
+    import numpy as np
+
+    from envs.simulator import Simulator
+    from envs.simulator_reference import simulate_reference
+    from runtime.hardware import get_profile
+    from runtime.measure import run_iterations
+    from runtime.policy import PolicyOptions
+    from runtime.trace import make_optimizer
+    from runtime.vocab import KEEP, RECOMPUTE
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        x, y = torch.randn(32, 16), torch.randint(0, 512, (32,))
+        return _WideProbe(), (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    w = capture(build, name="wide-probe", batch_size=32, precision="bf16", fake=False)
+    inside = [c.key.startswith("mlp") and w.ops[c.producer].module.startswith("mlp") for c in w.candidates]
+    vec = np.array([RECOMPUTE if i else KEEP for i in inside], np.int8)
+    policy = Policy.from_vector(w, vec, hardware="cpu", precision="bf16", options=PolicyOptions(region_nodes=True))
+    assert policy.schedule is not None and [r.module for r in policy.schedule.regions] == ["mlp"]
+    hw = get_profile("cpu")
+    planned = Simulator(w, hw).run(policy)
+    assert w.ops[planned.peak_op].phase.name == "FORWARD" and w.ops[planned.peak_op].frame != -1
+    assert simulate_reference(w, hw, vec, options=policy.options).peak_bytes == planned.peak_bytes
+    model, batch, loss_fn = build()
+    opt = make_optimizer("sgd", model.parameters())
+    step = PolicyRuntime(policy, model).step
+    measured = run_iterations(model, batch, loss_fn, opt, steps=2, batch_size=32, precision="bf16", around_step=step)
+    assert [m.peak_bytes for m in measured] == [planned.peak_bytes] * 2
