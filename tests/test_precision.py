@@ -226,30 +226,37 @@ class _MLPBlock(torch.nn.Module):
         return self.head(self.mlp(self.emb(x)))
 
 
+def _mlp_region(make: type[_MLPBlock], name: str, precision: str = "bf16"):  # type: ignore[no-untyped-def]
+    """``make``'s build (a batch of 32, 512 classes), its real-mode trace under ``precision`` and the action codes that
+    recompute what its ``mlp`` call makes (a region)."""
+    import numpy as np
+
+    from runtime.vocab import KEEP, RECOMPUTE
+
+    def build():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        x, y = torch.randn(32, 16), torch.randint(0, 512, (32,))
+        return make(), (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    w = capture(build, name=name, batch_size=32, precision=precision, fake=False)
+    inside = [c.key.startswith("mlp") and w.ops[c.producer].module.startswith("mlp") for c in w.candidates]
+    return build, w, np.array([RECOMPUTE if i else KEEP for i in inside], np.int8)
+
+
 @pytest.mark.parametrize("nodes", [False, True], ids=["checkpoint", "node"])
 def test_a_node_region_lets_its_weights_casts_go_as_the_runtime_does(nodes: bool) -> None:
     """Simulator Rule 11 as one node under autocast: the node runs the call's forward with autocast's cache off,
     so the casts of the MLP's weights go after their product, where the trace's cache held them to the end of
     forward. Both simulators held them (a QA run: 18,747,928 bytes planned against 18,419,736 measured on a tiny
     Llama in bf16, its MLP one node; under checkpoint exact). Now to the byte both ways."""
-    import numpy as np
-
     from envs.simulator import Simulator
     from envs.simulator_reference import simulate_reference
     from runtime.hardware import get_profile
     from runtime.measure import run_iterations
     from runtime.policy import PolicyOptions
     from runtime.trace import make_optimizer
-    from runtime.vocab import KEEP, RECOMPUTE
 
-    def build():  # type: ignore[no-untyped-def]
-        torch.manual_seed(0)
-        x, y = torch.randn(32, 16), torch.randint(0, 512, (32,))
-        return _MLPBlock(), (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
-
-    w = capture(build, name="mlp-block", batch_size=32, precision="bf16", fake=False)
-    inside = [c.key.startswith("mlp") and w.ops[c.producer].module.startswith("mlp") for c in w.candidates]
-    vec = np.array([RECOMPUTE if i else KEEP for i in inside], np.int8)  # what the call makes: a region
+    build, w, vec = _mlp_region(_MLPBlock, "mlp-block")
     policy = Policy.from_vector(w, vec, hardware="cpu", precision="bf16", options=PolicyOptions(region_nodes=nodes))
     assert policy.schedule is not None and [r.module for r in policy.schedule.regions] == ["mlp"]
     hw = get_profile("cpu")
@@ -380,24 +387,14 @@ def test_a_node_lets_the_casts_no_op_saves_go_after_their_product() -> None:
     the casts of its biases (which no op saves: a bias's gradient is a sum of the output's) go after their product
     too, where the trace's cache held them to the end of the forward. Both simulators held them: 640 bytes (two
     bf16 biases) over the measured peak here, 128 on a tiny BERT's attention output (a QA run). Now to the byte."""
-    import numpy as np
-
     from envs.simulator import Simulator
     from envs.simulator_reference import simulate_reference
     from runtime.hardware import get_profile
     from runtime.measure import run_iterations
     from runtime.policy import PolicyOptions
     from runtime.trace import make_optimizer
-    from runtime.vocab import KEEP, RECOMPUTE
 
-    def build():  # type: ignore[no-untyped-def]
-        torch.manual_seed(0)
-        x, y = torch.randn(32, 16), torch.randint(0, 512, (32,))
-        return _WideProbe(), (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
-
-    w = capture(build, name="wide-probe", batch_size=32, precision="bf16", fake=False)
-    inside = [c.key.startswith("mlp") and w.ops[c.producer].module.startswith("mlp") for c in w.candidates]
-    vec = np.array([RECOMPUTE if i else KEEP for i in inside], np.int8)
+    build, w, vec = _mlp_region(_WideProbe, "wide-probe")
     policy = Policy.from_vector(w, vec, hardware="cpu", precision="bf16", options=PolicyOptions(region_nodes=True))
     assert policy.schedule is not None and [r.module for r in policy.schedule.regions] == ["mlp"]
     hw = get_profile("cpu")
