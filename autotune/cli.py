@@ -657,6 +657,7 @@ def search(
     from agents.optuna_search import check_storage, check_study, existing_trials, study_name
     from autotune import search as sr
     from autotune.budget import plan_budget
+    from autotune.partitions import partition_tag
     from autotune.workloads import TraceRequest
     from runtime.hardware import resolve_profile
 
@@ -752,8 +753,6 @@ def search(
     reserved = budget_kind == "reserved" and hw.is_gpu and not k  # NOTE [ Reserved budget ]
     path = out_path or Path(f"{file_stem(w.model)}.policy.json")
     outcome: Any = None
-    from autotune.partitions import partition_tag
-
     searching, answers = time.perf_counter(), []
     for i, wi in enumerate(rivals):
         finalists = Finalists(plan.planned_bytes, capacity=4 * k) if k else None
@@ -807,7 +806,7 @@ def search(
             fits = "fits" if got.found.feasible else "does not fit"
             err.print(f"{shown}: {got.found.result.samples_per_s:,.1f} samples/s ({fits})", highlight=False)
             answers.append({
-                "partitions": [dataclasses.asdict(p) for p in got.found.policy.partitions],
+                "partitions": [p.to_dict() for p in got.found.policy.partitions],
                 "samples_per_s": got.found.result.samples_per_s,
                 "peak_bytes": got.found.result.peak_bytes,
                 "feasible": got.found.feasible,

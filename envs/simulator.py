@@ -56,12 +56,12 @@ Rule 7 (replay). A recomputed candidate that no region serves lives [producer, f
     run runs once; separate ones at the same op run one after another, in the order backward first unpacks them
     (``Candidate.unpack_seq``: a multiplication's gradient unpacks its second factor first; where that one's
     closure reads the first factor, the first's replay runs nested in it), each dropping what it holds before the
-    next starts. The recomputes run before op u allocates its own
-    outputs, so the live bytes of op u are the larger of (live during u) and, for each recompute there, (live during
-    u, less u's own allocations and the candidates that the recomputes after it make, plus its held bytes). Its time
-    is the sum of the closure's op times (``recompute_s``), issued by the host as one block (Rule 12) after which
-    the device runs it. A recomputed candidate whose storage something other than autograd holds until u (a custom
-    Function's ``ctx`` attribute: runtime/plan.py P11) is planned as kept, everywhere (regions included).
+    next starts. The recomputes run before op u allocates its own outputs, so the live bytes of op u are the larger
+    of (live during u) and, for each recompute there, (live during u, less u's own allocations and the candidates
+    that the recomputes after it make, plus its held bytes). Its time is the sum of the closure's op times
+    (``recompute_s``), issued by the host as one block (Rule 12) after which the device runs it. A recomputed
+    candidate whose storage something other than autograd holds until u (a custom Function's ``ctx`` attribute:
+    runtime/plan.py P11) is planned as kept, everywhere (regions included).
 Rule 8 (compress). A compressed candidate is cast to ``compress_dtype`` when ``save_op`` ends, by a kernel on the
     compute stream that reads n bytes and writes n / r (r = element size ratio, at least 1). The full storage lives
     [producer, free_if_dropped_op], the packed one [save_op + 1, u - 1] (and during op save_op where it packs its
