@@ -465,6 +465,6 @@ def render(out: Console, report: TrainReport) -> None:
         )
         if report.device == "cpu":
             out.print(
-                "the CPU peak of compiled code comes from the allocator's events: kernel scratch included, which "
-                "the plan leaves out (runtime.measure, NOTE [ Device memory on the CPU ])"
+                "the CPU peak of compiled code comes from the allocator's events between ops (kernel scratch left "
+                "out, as the plan leaves it: runtime.measure, NOTE [ Device memory on the CPU ])"
             )

@@ -76,7 +76,8 @@ class Variant:
 
     def peak(self) -> int:
         self.opt.zero_grad(set_to_none=True)
-        return profiler_peak_bytes(self.step, held_bytes(training_state(self.entry.module, self.entry.batch, self.opt)))
+        state = held_bytes(training_state(self.entry.module, self.entry.batch, self.opt))
+        return profiler_peak_bytes(self.step, state, scratch=True)
 
 
 def side_by_side(a: Variant, b: Variant, steps: int) -> tuple[float, float, float]:
