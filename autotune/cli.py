@@ -625,9 +625,13 @@ def search(
         typer.Option(
             "--compile",
             help="Plan for training under torch.compile (policy.compiled, autotune train --compile): keep and "
-            "recompute only.",
+            "recompute only; --measure trains the finalists compiled.",
         ),
     ] = False,
+    backend: Annotated[
+        str | None,
+        typer.Option(help="torch.compile's backend that --compile --measure trains under (default: inductor)."),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the samplers.")] = 0,
     optimizer: Annotated[str, typer.Option(help="sgd (momentum 0.9), adam or adamw.")] = "sgd",
     precision: PrecisionOpt = "fp32",
@@ -643,7 +647,8 @@ def search(
         int | None,
         typer.Option(
             help="Train the K best distinct policies for real on the planned device and answer with the fastest "
-            "whose measured peak fits \\[default: 5 where the plan is for this machine's GPU, else 0]."
+            "whose measured peak fits \\[default: 5 where the plan is for this machine's GPU (2 with --compile), "
+            "else 0]."
         ),
     ] = None,
     device: Annotated[
@@ -681,11 +686,15 @@ def search(
             f"--compile with {what}: under torch.compile a policy can only keep and recompute (NOTE [ Compiled "
             f"policies ] C5 in runtime/compiled.py); drop {what} or --compile"
         )
-    if compile_ and measure:
+    if backend is not None and not compile_:
         raise AutotuneError(
-            f"--compile with --measure {measure}: measured searches train eagerly; drop --measure (the plan is "
-            "simulated; autotune train --compile measures it)"
+            f"--backend {backend} without --compile: the backend is torch.compile's; add --compile to plan for "
+            "it, or leave --backend out"
         )
+    if backend is not None:
+        from runtime.compiled import check_backend
+
+        check_backend(backend)
     _check_seed(seed)
     _early_checks(
         model, budget, reserve, batch_size=batch_size, seq_len=seq_len, image_size=image_size, optimizer=optimizer,
@@ -701,7 +710,7 @@ def search(
     hw, note = resolve_profile(gpu)
     here = sr.plan_device(hw, device)
     hw, host_note = sr.with_host_memory(hw, host_memory, here)
-    k = 0 if compile_ else sr.measure_count(measure, here, hw)
+    k = sr.measure_count(measure, here, hw, compiled=compile_)
     plan = plan_budget(budget, reserve, hw)
     req = TraceRequest(
         model=model,
@@ -735,6 +744,7 @@ def search(
                 backends[partitions] = real_backend(
                     model, batch_size, here or "cpu", steps=3, seq_len=seq_len, image_size=image_size,
                     optimizer=req.optimizer, precision=req.precision, grad_accum=grad_accum, partitions=partitions,
+                    compile_backend=(backend or "inductor") if compile_ else None,
                 )  # fmt: skip
         return backends[partitions]
 

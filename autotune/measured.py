@@ -19,7 +19,13 @@ NOTE [ Measured search ]
     command says so. The measured times also recalibrate the plan: the median ratio of measured to predicted
     time is the simulator's time scale on this device, and the errors before and after it is applied say how far
     the plan was off and how much of that a single scale explains (what it does not is the simulator ranking
-    policies wrongly).
+    policies wrongly). A search for torch.compile (``--compile``) trains each finalist under ``policy.compiled``
+    with the search's backend, a compile per finalist (``DEFAULT_COMPILED_MEASURE`` of them by default on the
+    GPU): the compiled graph's memory is not the simulator's (on the CPU, inductor keeps channels-last copies
+    of the convolutions' weights and input from forward to backward; docs/results.md), so its answer is one
+    that ran compiled within the budget. On ResNet-18 b8 within 240 MiB under inductor on the CPU the
+    simulated answer (239.93 MiB planned) held 253.00 MiB; a finalist planned at 215.43 MiB held 234.88 MiB
+    and is the answer.
 """
 
 from __future__ import annotations

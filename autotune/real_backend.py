@@ -29,7 +29,8 @@ class RealBackend:
     Made by :func:`real_backend`. ``workload`` is the model traced (real mode, on ``device``): build the
     environment on it, so that the action vector's candidates are the ones the runtime sees. The model and
     its optimizer are built once; each call applies the policy with :class:`runtime.apply.PolicyRuntime`
-    and runs ``runtime.measure.run_iterations`` (one warm-up, then ``steps`` timed iterations): the peak is
+    (``compile_backend``: through ``policy.compiled`` under that ``torch.compile`` backend instead, a compile
+    per policy) and runs ``runtime.measure.run_iterations`` (one warm-up, then ``steps`` timed iterations): the peak is
     the largest measured, the time the median. With ``cap_bytes`` on CUDA the device is capped there as
     ``autotune train`` caps it under a policy's budget (the caching allocator's reserved bytes, its cached
     blocks and split ends, must stay within it: what runs out of memory), from an empty cache and with the
@@ -43,6 +44,7 @@ class RealBackend:
     options: PolicyOptions
     _entry: Any = field(repr=False)
     _optimizer: Any = field(repr=False)
+    compile_backend: str | None = None  # search --compile: each policy trained under torch.compile
 
     def __call__(
         self, actions: np.ndarray, options: PolicyOptions | None = None, cap_bytes: int | None = None
@@ -84,19 +86,28 @@ class RealBackend:
             # The environment proposes compress only when its problem allows it: that is the user's consent.
             options = dataclasses.replace(options, lossy=True)
         policy = Policy.from_vector(self.workload, actions, hardware=self.device, options=options)
-        rt = PolicyRuntime(policy, self._entry.module)
         entry = self._entry
+        loss_fn, around_step = entry.loss_fn, None
+        if self.compile_backend is None:
+            around_step = PolicyRuntime(policy, entry.module).step
+        else:  # the compiled model shares the module's parameters: the optimizer steps them
+            cm = policy.compiled(entry.module, backend=self.compile_backend)
+
+            def loss_fn(_model: Any, b: Any) -> Any:
+                return entry.loss_fn(cm, b)
+
         try:
             steps = run_iterations(
                 entry.module,
                 entry.batch,
-                entry.loss_fn,
+                loss_fn,
                 self._optimizer,
                 steps=self.steps,
                 batch_size=entry.batch_size,
-                around_step=rt.step,
+                around_step=around_step,
                 precision=self.workload.precision,
                 grad_accum=self.workload.grad_accum,
+                cpu_peak="tracker" if self.compile_backend is None else "profiler",
             )
         except torch.OutOfMemoryError:
             self._optimizer.zero_grad(set_to_none=True)
@@ -125,13 +136,15 @@ def real_backend(
     precision: str = "fp32",
     grad_accum: int = 1,
     partitions: tuple[Any, ...] = (),
+    compile_backend: str | None = None,
 ) -> RealBackend:
     """A ``real`` callable for :class:`MemoryPolicyEnv` that trains ``model_name`` (any name
     :func:`autotune.models.build_model` accepts, with its ``image_size``, ``seq_len`` and
     ``config_overrides``) at ``batch_size`` (None: the model's default) on ``device``, ``steps`` timed
     iterations per policy, with ``optimizer``, ``precision`` and ``grad_accum`` as ``autotune train`` takes
     them; ``partitions`` (runtime.partition.Partition), submodules run on slices of the batch: traced so, and
-    applied by every policy the backend makes (runtime R13).
+    applied by every policy the backend makes (runtime R13); ``compile_backend``, each policy trained under
+    ``torch.compile`` with that backend (``policy.compiled``, NOTE [ Compiled policies ]).
 
     The model is traced here in real mode on ``device`` (as ``autotune train`` does: some models, GPT-2's
     attention mask for one, take another path under fake tensors); pass ``backend.workload`` to the
@@ -168,7 +181,7 @@ def real_backend(
     w.compute_fingerprints()  # with the image size: the policies it makes are for it
     w.meta["device_profile"] = device_profile(device)
     opt = make_optimizer(w.optimizer, entry.module.parameters())
-    return RealBackend(w, device, steps, options or PolicyOptions(), entry, opt)
+    return RealBackend(w, device, steps, options or PolicyOptions(), entry, opt, compile_backend)
 
 
 __all__ = ["RealBackend", "real_backend"]

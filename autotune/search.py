@@ -53,6 +53,8 @@ class SearchOutcome:
 
 # -- the device the plan is for ------------------------------------------------------------------------------
 DEFAULT_GPU_MEASURE = 5  # finalists measured by default where the planned profile is this machine's GPU
+# Under --compile each finalist is a compile of its own (tens of seconds for a ResNet-18 on the CPU's inductor).
+DEFAULT_COMPILED_MEASURE = 2
 
 
 def check_device(device: str | None) -> None:
@@ -147,9 +149,10 @@ def with_local_host_costs(hw: HardwareProfile, here: str | None, seconds: float 
     )
 
 
-def measure_count(measure: int | None, device: str | None, hw: HardwareProfile) -> int:
-    """``--measure``: as given, else DEFAULT_GPU_MEASURE where the plan is for this machine's GPU, else 0;
-    an error when asked for where the planned device is not here."""
+def measure_count(measure: int | None, device: str | None, hw: HardwareProfile, compiled: bool = False) -> int:
+    """``--measure``: as given, else DEFAULT_GPU_MEASURE (DEFAULT_COMPILED_MEASURE for ``compiled``, a
+    search for torch.compile) where the plan is for this machine's GPU, else 0; an error when asked for where
+    the planned device is not here."""
     check_measure(measure)
     if measure and device is None:
         raise AutotuneError(
@@ -159,7 +162,9 @@ def measure_count(measure: int | None, device: str | None, hw: HardwareProfile) 
         )
     if measure is not None:
         return measure
-    return DEFAULT_GPU_MEASURE if device is not None and device.startswith("cuda") else 0
+    if device is None or not device.startswith("cuda"):
+        return 0
+    return DEFAULT_COMPILED_MEASURE if compiled else DEFAULT_GPU_MEASURE
 
 
 # -- impossible budgets ----------------------------------------------------------------------------------------

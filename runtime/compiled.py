@@ -47,7 +47,8 @@ NOTE [ Compiled policies ] -- the eager twin is NOTE [ Runtime mechanics ] in ru
         are kept and reported changed. Decisions on tensors saved outside the model (the loss's) are not
         the compiled graph's: autograd keeps them, reported changed where the policy said otherwise.
     C6. The report (``CompiledModel.report``, after the first call): per key, applied, changed (with why) or
-        dropped. A search for compiled training proposes only keep and recompute (``--compile``).
+        dropped. A search for compiled training proposes only keep and recompute (``--compile``); with
+        ``--measure`` it trains its finalists compiled (NOTE [ Measured search ] in autotune/measured.py).
     C7. Training calls. The plan is made at the first call that trains (grad mode on, the model in training
         mode), and the report is settled by calls that train: a validation pass first (under ``torch.no_grad``
         or ``model.eval()``, Lightning's sanity check) saves nothing, so a plan made there named no op and
