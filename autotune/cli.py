@@ -711,6 +711,12 @@ def search(
     here = sr.plan_device(hw, device)
     hw, host_note = sr.with_host_memory(hw, host_memory, here)
     k = sr.measure_count(measure, here, hw, compiled=compile_)
+    if backend is not None and not k:
+        raise AutotuneError(
+            f"--backend {backend} without --measure: nothing is compiled in a simulated search; add --measure K to "
+            "train the finalists compiled on the planned device (--gpu cpu, or this machine's GPU), or leave "
+            "--backend out"
+        )
     plan = plan_budget(budget, reserve, hw)
     req = TraceRequest(
         model=model,

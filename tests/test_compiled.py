@@ -316,6 +316,7 @@ def test_compile_refusals_are_one_line(
     search = ("search", "--model", CNN, "--budget", "1GB", "--gpu", "cpu")
     assert "--backend aot_eager without --compile" in user_error(capsys, *search, "--backend", "aot_eager")
     assert "unknown torch.compile backend 'nope'" in user_error(capsys, *search, "--compile", "--backend", "nope")
+    assert "--backend eager without --measure" in user_error(capsys, *search, "--compile", "--backend", "eager")
     swapping = tmp_path / "swap.json"
     w, _ = trace_model(TraceRequest(model=CNN))
     Policy.uniform(w, Action.SWAP, hardware="a100-40gb").save(swapping)
