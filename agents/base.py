@@ -72,6 +72,23 @@ class Problem(envs.problem.Problem):
     # The fastest fitting policy any evaluation saw, whoever made it (a heuristic's trial it did not keep,
     # an Optuna rule's prefix): the portfolio's answer is never below it.
     best_seen: tuple[np.ndarray, PolicyOptions, SimResult] | None = field(default=None, repr=False, kw_only=True)
+    # The same model traced with another partition, or none (NOTE [ Choosing a partition ] C5 in
+    # autotune/partitions.py): a searcher that takes them (``Searcher.chooses_partition``) decides among
+    # them too, and its proposal says which (``Proposal.rival``).
+    rivals: tuple[Problem, ...] = field(default=(), repr=False, kw_only=True)
+
+    def member(self, rival: int) -> Problem:
+        """This problem (``rival`` -1) or one of its rivals."""
+        return self if rival < 0 else self.rivals[rival]
+
+    @property
+    def members(self) -> tuple[Problem, ...]:
+        """This problem, then its rivals."""
+        return (self, *self.rivals)
+
+    @property
+    def all_evaluations(self) -> int:
+        return sum(p.evaluations for p in self.members)
 
     def _evaluated(self, actions: np.ndarray, options: PolicyOptions, result: SimResult) -> None:
         faster = self.best_seen is None or result.samples_per_s > self.best_seen[2].samples_per_s
@@ -188,6 +205,7 @@ class Proposal:
     status: Status | None = None  # None: FEASIBLE or INFEASIBLE from the simulated peak
     gap: float | None = None  # exact solvers: relative optimality gap of the proof
     note: str = ""
+    rival: int = -1  # the actions are for ``problem.rivals[rival]`` (-1: the problem itself)
 
 
 @dataclass
@@ -202,6 +220,7 @@ class SearchResult:
     evaluations: int
     gap: float | None = None
     note: str = ""
+    rival: int = -1  # the policy is for ``problem.rivals[rival]`` (-1: the problem itself; Proposal.rival)
 
     @property
     def feasible(self) -> bool:
@@ -221,6 +240,9 @@ class Searcher(abc.ABC):
     summary: ClassVar[str] = ""
     exact: ClassVar[bool] = False
     composite: ClassVar[bool] = False
+    # Decides among ``problem.rivals`` too (NOTE [ Choosing a partition ] C5): the partition is one of its
+    # decisions. Others solve the problem alone and leave its rivals to the caller.
+    chooses_partition: ClassVar[bool] = False
 
     def study_names(self, name: str) -> list[str]:
         """The Optuna studies this searcher keeps under the study name ``name`` (each of a composite's phases
@@ -236,13 +258,17 @@ class Searcher(abc.ABC):
                 f"{type(problem).__name__} and {type(ctx).__name__}: e.g. search(Problem(w, hw, budget_bytes=...), "
                 "SearchContext(time_limit_s=10))"
             )
-        start_evals = problem.evaluations
+        family = problem
+        start_evals = family.all_evaluations
         started = time.perf_counter()
         if problem.budget_bytes <= 0:  # no policy meets it: answered, not raised (the RL agents' env refused it)
             proposal = Proposal(problem.keep_all(), note=f"a budget of {problem.budget_bytes} bytes: nothing fits")
         else:
             proposal = self._search(problem, SearchContext() if ctx is None else ctx)
         wall_s = time.perf_counter() - started
+        if proposal.rival >= 0 and not self.chooses_partition:
+            raise AssertionError(f"{self.name} answered for a rival partition without choosing partitions")
+        problem = problem.member(proposal.rival)  # the partition the proposal chose (NOTE [ Choosing ... ] C5)
         actions = problem.allowed(proposal.actions)  # a disallowed swap was simulated as keep: answered so
         if not problem.allow_compress and np.any(actions == COMPRESS):
             raise AssertionError(f"{self.name} proposed compression without allow_compress")
@@ -262,12 +288,13 @@ class Searcher(abc.ABC):
             budget_bytes=problem.budget_bytes,
             options=options,
             searcher=self.name,
-            trials=problem.evaluations - start_evals,
+            trials=family.all_evaluations - start_evals,
             predicted=Prediction(result.peak_bytes, result.iter_s, result.samples_per_s),
             wall_s=wall_s,
         )
+        evaluations = family.all_evaluations - start_evals
         return SearchResult(
-            self.name, policy, result, status, wall_s, problem.evaluations - start_evals, proposal.gap, proposal.note
+            self.name, policy, result, status, wall_s, evaluations, proposal.gap, proposal.note, proposal.rival
         )
 
     @abc.abstractmethod

@@ -58,6 +58,7 @@ from agents.base import Problem, Proposal, SearchContext, Searcher, best_of, bet
 from agents.rule import CLASS_MODES, LOOKAHEADS, params_from_dict, present_classes, rule_actions
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError, from_interrupt
+from runtime.partition import partition_label
 from runtime.policy import PolicyOptions
 
 DEFAULT_TRIALS = 150
@@ -275,22 +276,25 @@ def study_name(problem: Problem, searcher: str) -> str:
 
 
 class _Best:
-    """The fastest feasible policy seen (or, while none fits, the one with the lowest peak)."""
+    """The fastest feasible policy seen (or, while none fits, the one with the lowest peak), and for which of
+    the problem's partitions (``rival``: -1 the problem itself, else the index of one of its rivals)."""
 
     def __init__(self) -> None:
         self.actions: np.ndarray | None = None
         self.options: PolicyOptions | None = None
         self.result: SimResult | None = None
+        self.rival = -1
 
-    def offer(self, actions: np.ndarray, options: PolicyOptions, result: SimResult) -> bool:
+    def offer(self, actions: np.ndarray, options: PolicyOptions, result: SimResult, rival: int = -1) -> bool:
         if not better(result, self.result):
             return False
-        self.actions, self.options, self.result = actions.copy(), options, result
+        self.actions, self.options, self.result, self.rival = actions.copy(), options, result, rival
         return True
 
 
 class OptunaSearcher(Searcher):
     composite = True
+    chooses_partition = True  # a ``partition`` parameter where the problem has rivals (module docstring)
     multi_objective: ClassVar[bool] = False
 
     def study_names(self, name: str) -> list[str]:
@@ -303,14 +307,16 @@ class OptunaSearcher(Searcher):
         best = _Best()
         for seed in ctx.seeds:  # the floor (module docstring, warm start)
             if seed.feasible:
-                best.offer(seed.policy.to_vector(problem.workload), seed.policy.options, seed.result)
-        self.optimize(problem, ctx, best)
+                w = problem.member(seed.rival).workload
+                best.offer(seed.policy.to_vector(w), seed.policy.options, seed.result, seed.rival)
+        self.optimize(problem, ctx, best, family=True)
         if best.actions is None:  # a Ctrl-C before the first trial's policy: the best seed, else keep-all
             top = best_of(ctx.seeds)
             if top is None:
                 return Proposal(problem.keep_all(), options=problem.options, note="interrupted before its first trial")
-            return Proposal(top.policy.to_vector(problem.workload), options=top.policy.options)
-        return Proposal(best.actions, options=best.options)
+            w = problem.member(top.rival).workload
+            return Proposal(top.policy.to_vector(w), options=top.policy.options, rival=top.rival)
+        return Proposal(best.actions, options=best.options, rival=best.rival)
 
     def optimize(
         self,
@@ -319,19 +325,28 @@ class OptunaSearcher(Searcher):
         best: _Best,
         *,
         stop: Callable[[Any, Any], None] | None = None,
+        family: bool = False,
     ) -> Any:
         """Run (or resume) the study of ``ctx`` (its name, storage, seeds, time limit and trials); every
         trial's policy is offered to ``best``. ``stop``: an Optuna callback, e.g. one that stops the study
-        once it stagnates. Returns the study."""
+        once it stagnates. ``family``: the problem's rivals too, a ``partition`` parameter choosing among
+        them (module docstring). Returns the study."""
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         _quiet_interrupts()
-        w = problem.workload
-        classes = present_classes(problem)
-        seeds = {r.searcher: r.policy.to_vector(w) for r in ctx.seeds if r.feasible}
-        seed_options = {r.searcher: r.policy.options for r in ctx.seeds if r.feasible}
-        starts = ["keep", *sorted(seeds)]
+        members = problem.members if family else (problem,)
+        labels = [partition_label(m.workload.meta.get("partitions")) for m in members]
+        member_classes = [present_classes(m) for m in members]
+        classes = [c for c in dict.fromkeys(c for cs in member_classes for c in cs)]  # each member's, in order
+        # Seeds by (member, searcher): the problem's are member 0, a rival's (SearchResult.rival) 1 + its index.
+        seeds = {
+            (r.rival + 1, r.searcher): r.policy.to_vector(problem.member(r.rival).workload)
+            for r in ctx.seeds
+            if r.feasible and r.rival + 1 < len(members)
+        }
+        seed_options = {(r.rival + 1, r.searcher): r.policy.options for r in ctx.seeds if r.feasible}
+        starts = ["keep", *sorted({name for _, name in seeds})]
         directions: list[Any] = ["maximize", "minimize"] if self.multi_objective else ["maximize"]
         storage = storage_for(ctx.storage, ctx.heartbeat_s)
         study = create_study(
@@ -355,12 +370,21 @@ class OptunaSearcher(Searcher):
         use_set_constraint = hasattr(optuna.trial.Trial, "set_constraint")
         seen: set[int] = set()
 
+        def member_of(params: dict[str, Any]) -> int | None:
+            """Which member a trial's parameters are for (None: a partition this search does not have)."""
+            label = params.get("partition", labels[0])
+            return labels.index(label) if label in labels else None
+
+        def evaluate(i: int, values: dict[str, Any]) -> SimResult:
+            return self._evaluate(members[i], values, member_classes[i], seeds, seed_options, best, member=i)
+
         def absorb() -> None:
             """Offer every completed trial not seen yet (a resumed study's, other workers') to ``best``."""
             for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-                if t.number not in seen and t.params.get("start", "keep") in starts:
+                i = member_of(t.params)
+                if t.number not in seen and t.params.get("start", "keep") in starts and i is not None:
                     seen.add(t.number)
-                    self._evaluate(problem, t.params, classes, seeds, seed_options, best)
+                    evaluate(i, t.params)
 
         def warm_start(trials: int) -> None:
             """A resumed study's trials offered, or a new study's first trials enqueued: the seeds, then three
@@ -370,18 +394,22 @@ class OptunaSearcher(Searcher):
             if study.trials:
                 return
             warm: list[dict[str, Any]] = []
-            for s in starts[1:]:
-                lookahead = min(LOOKAHEADS, key=lambda x: abs(x - seed_options[s].prefetch_lookahead))
-                warm.append({"start": s, "lookahead": lookahead, "revert": 0.0})
-            warm += [
-                {"start": "keep", "swap_bias": 0.1, "recompute_bias": 10.0, "lookahead": 8},
-                {"start": "keep", "swap_bias": 10.0, "recompute_bias": 0.1},
-                {"start": "keep"},
-            ]
+            for i, s in sorted(seeds):
+                lookahead = min(LOOKAHEADS, key=lambda x: abs(x - seed_options[i, s].prefetch_lookahead))
+                warm.append({"start": s, "lookahead": lookahead, "revert": 0.0, "partition": labels[i]})
+            for label in labels:
+                warm += [
+                    {"start": "keep", "swap_bias": 0.1, "recompute_bias": 10.0, "lookahead": 8, "partition": label},
+                    {"start": "keep", "swap_bias": 10.0, "recompute_bias": 0.1, "partition": label},
+                    {"start": "keep", "partition": label},
+                ]
+            if len(members) == 1:  # no partition parameter: the studies of one model keep their parameters
+                warm = [{k: v for k, v in params.items() if k != "partition"} for params in warm]
             for params in warm[:trials] if trials else warm:
                 study.enqueue_trial(params, skip_if_exists=True)
 
         def objective(trial: Any) -> Any:
+            i = labels.index(trial.suggest_categorical("partition", labels)) if len(members) > 1 else 0
             values: dict[str, Any] = {
                 "start": trial.suggest_categorical("start", starts),
                 "lookahead": trial.suggest_categorical("lookahead", LOOKAHEADS),
@@ -395,7 +423,7 @@ class OptunaSearcher(Searcher):
             }
             for c in classes:
                 values[f"class_{c}"] = trial.suggest_categorical(f"class_{c}", CLASS_MODES)
-            result = self._evaluate(problem, values, classes, seeds, seed_options, best)
+            result = evaluate(i, values)
             seen.add(trial.number)
             excess = (result.peak_bytes - problem.budget_bytes) / problem.budget_bytes
             if use_set_constraint:
@@ -460,14 +488,17 @@ class OptunaSearcher(Searcher):
         problem: Problem,
         values: dict[str, Any],
         classes: list[str],
-        seeds: dict[str, np.ndarray],
-        seed_options: dict[str, PolicyOptions],
+        seeds: dict[tuple[int, str], np.ndarray],
+        seed_options: dict[tuple[int, str], PolicyOptions],
         best: _Best,
+        member: int = 0,
     ) -> SimResult:
+        """The rule's policy for ``values`` on ``problem``, member ``member`` of the search (0: the problem
+        itself, else its rival ``member - 1``); a start that member has no seed for starts from keep."""
         start = values.get("start", "keep")
         params = params_from_dict(values, classes)
-        actions, options, result = rule_actions(problem, params, start=seeds.get(start))
-        best.offer(actions, options, result)
+        actions, options, result = rule_actions(problem, params, start=seeds.get((member, start)))
+        best.offer(actions, options, result, member - 1)
         return result
 
 

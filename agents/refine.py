@@ -33,6 +33,7 @@ from agents.rule import LOOKAHEADS, RuleParams, ranked_moves
 from envs.simulator import SimResult
 from runtime.policy import PolicyOptions
 from runtime.vocab import KEEP, RECOMPUTE, SWAP
+from runtime.workload import Workload
 
 CHEAP_PASSES = 16  # passes of cheap moves in a row at most before the costly ones run
 
@@ -283,18 +284,65 @@ def _windows(
 
 @register
 class Refine(Searcher):
+    """Where the problem has rivals (the same model traced with other partitions: NOTE [ Choosing a partition ]
+    C5 in autotune/partitions.py), the partition is a move too: refinement starts on the partition whose best
+    heuristic is fastest (half the time), then carries its policy to each other partition (a candidate of the
+    same key keeps its action, the others start from that partition's best heuristic) and refines it there; the
+    fastest wins."""
+
     name = "refine"
     composite = True
+    chooses_partition = True
     summary = "per-tensor local search from the best heuristic's policy (DTR, Capuchin, checkpoint-sqrt)"
 
     def _search(self, problem: Problem, ctx: SearchContext) -> Proposal:
-        from agents.base import get_searcher
+        from agents.base import better
 
-        start, start_options, start_result = problem.keep_all(), problem.options, None
-        for name in ("capuchin", "dtr", "checkpoint-sqrt"):
-            r = get_searcher(name).search(problem, ctx)
-            if r.feasible and (start_result is None or r.result.samples_per_s > start_result.samples_per_s):
-                start, start_options, start_result = r.policy.to_vector(problem.workload), r.policy.options, r.result
-        deadline = None if ctx.time_limit_s is None else time.perf_counter() + ctx.time_limit_s
-        actions, options, _ = refine(problem, start, start_options, deadline=deadline)
-        return Proposal(actions, options=options)
+        members = problem.members
+        started = time.perf_counter()
+        starts = [_best_heuristic(m, ctx) for m in members]
+        order = sorted(range(len(members)), key=lambda i: _rank(starts[i][2]))
+        first = order[0]
+
+        def deadline(share: float) -> float | None:
+            if ctx.time_limit_s is None:
+                return None
+            now = time.perf_counter()
+            return now + share * max(0.0, ctx.time_limit_s - (now - started))
+
+        actions, options, result = refine(members[first], *starts[first][:2], deadline=deadline(0.5))
+        chosen = first
+        for n, j in enumerate(order[1:]):
+            carried = carry(members[chosen].workload, actions, members[j].workload, starts[j][0])
+            a, o, r = refine(members[j], carried, options, deadline=deadline(1.0 / (len(order) - 1 - n)))
+            if better(r, result):
+                chosen, actions, options, result = j, a, o, r
+        return Proposal(actions, options=options, rival=chosen - 1)
+
+
+def _best_heuristic(problem: Problem, ctx: SearchContext) -> tuple[np.ndarray, PolicyOptions, SimResult | None]:
+    """The fastest fitting policy of DTR, Capuchin and checkpoint-sqrt (keep-all and no result where none fits)."""
+    from agents.base import get_searcher
+
+    start, start_options, start_result = problem.keep_all(), problem.options, None
+    for name in ("capuchin", "dtr", "checkpoint-sqrt"):
+        r = get_searcher(name).search(problem, ctx)
+        if r.feasible and (start_result is None or r.result.samples_per_s > start_result.samples_per_s):
+            start, start_options, start_result = r.policy.to_vector(problem.workload), r.policy.options, r.result
+    return start, start_options, start_result
+
+
+def _rank(result: SimResult | None) -> float:
+    """Sort key of a start: the fastest fitting first, then those without one."""
+    return -result.samples_per_s if result is not None else float("inf")
+
+
+def carry(src: Workload, actions: np.ndarray, dst: Workload, default: np.ndarray) -> np.ndarray:
+    """``actions`` (over ``src``'s candidates) on ``dst``, the same model traced with another partition: each
+    candidate of a key ``src`` has takes its action, the others ``default``'s (over ``dst``'s candidates)."""
+    by_key = {c.key: int(a) for c, a in zip(src.candidates, actions, strict=True)}
+    out = np.asarray(default, dtype=np.int8).copy()
+    for i, c in enumerate(dst.candidates):
+        if c.key in by_key:
+            out[i] = by_key[c.key]
+    return out

@@ -321,12 +321,12 @@ def parse_partition_option(text: str | None) -> tuple[Any, ...]:
 
 
 def _choose_partition(
-    w: Any, hw: Any, budget_bytes: int, req: Any, trace: Any = None, *, others: bool = True
+    w: Any, hw: Any, budget_bytes: int, req: Any, trace: Any = None, *, others: bool = True, together: str = ""
 ) -> list[Any]:
     """--allow-partition: NOTE [ Choosing a partition ] in autotune/partitions.py, said on stderr. The
     workloads to search (C1, C4): the rule's choice, the other candidates' (``others``), then the unpartitioned
     one where the budget is above its floor. ``trace``: how a partitioned variant is traced (default: ``req``
-    again with the partitions)."""
+    again with the partitions). ``together``: the searcher that chooses among them itself (C5), if it does."""
     from autotune import search as sr
     from autotune.partitions import choose, retracer
     from runtime.partition import parse_partitions
@@ -351,11 +351,12 @@ def _choose_partition(
     if len(rivals) > 1 and others:  # C4: the search chooses among them
         names = [", ".join(str(p) for p in parse_partitions(r.meta.get("partitions"))) or "none" for r in rivals]
         above = "; the budget is above the unpartitioned floor too" if rivals[-1] is w else ""
-        err.print(
-            f"searching {len(rivals)} partitions in turn ({', '.join(names)}), each for its share of the time left, "
-            f"the fastest answer taken{above}",
-            highlight=False,
+        how = (
+            f"together ({', '.join(names)}): {together} chooses the partition among its own decisions"
+            if together
+            else f"in turn ({', '.join(names)}), each for its share of the time left, the fastest answer taken"
         )
+        err.print(f"searching {len(rivals)} partitions {how}{above}", highlight=False)
     return rivals
 
 
@@ -758,35 +759,47 @@ def search(
     rivals = [w]
     # No policy is the unpartitioned model's, whatever the answer partitions.
     plain = _trace(dataclasses.replace(req, partitions=()))[0] if parts else w
-    if allow_partition and not parts:  # NOTE [ Choosing a partition ]: one workload, or two searched in turn
+    reserved = budget_kind == "reserved" and hw.is_gpu and not k  # NOTE [ Reserved budget ]
+    # C5: a searcher that chooses the partition among its own decisions searches them together (its finalists,
+    # measured or checked on the allocator's model, are one partition's: there they are searched in turn).
+    chooser = searcher if get_searcher(searcher).chooses_partition and not k and not reserved else ""
+    if allow_partition and not parts:  # NOTE [ Choosing a partition ]: one workload, or more searched (C4, C5)
         trace = (lambda ps: backend_for(ps).workload) if k else None
-        rivals = _choose_partition(w, hw, plan.planned_bytes, req, trace)
+        rivals = _choose_partition(w, hw, plan.planned_bytes, req, trace, together=chooser)
         from runtime.partition import parse_partitions
 
         searched = {parse_partitions(r.meta.get("partitions")) for r in rivals}
         for key in [key for key in backends if key not in searched]:
             del backends[key]  # the models of the partitions not taken, on the device no longer
-    reserved = budget_kind == "reserved" and hw.is_gpu and not k  # NOTE [ Reserved budget ]
     path = out_path or Path(f"{file_stem(w.model)}.policy.json")
     outcome: Any = None
     searching, answers = time.perf_counter(), []
-    for i, wi in enumerate(rivals):
+    groups = [rivals] if chooser and len(rivals) > 1 else [[r] for r in rivals]
+    for i, group in enumerate(groups):
+        wi = group[0]
         finalists = Finalists(plan.planned_bytes, capacity=4 * k) if k else None
         finalists = new_pool(plan.planned_bytes) if reserved else finalists
         problem = sr.planned_problem(
             wi, hw, plan, allow_compress=allow_compress, finalists=finalists, allow_swap=not compile_,
             partitioning=allow_partition,
         )  # fmt: skip
+        problem.rivals = tuple(
+            sr.planned_problem(r, hw, plan, allow_compress=allow_compress, allow_swap=not compile_,
+                               partitioning=allow_partition)
+            for r in group[1:]
+        )  # fmt: skip
         # The portfolio keeps the name its studies always had; another searcher gets its own, so that two
         # searchers on one problem never share a study (their trials' parameters can differ).
         name = study or study_name(problem, "optuna-tpe" if searcher == "portfolio" else searcher)
-        if study and len(rivals) > 1 and wi.meta.get("partitions"):
+        if len(group) > 1:  # C5: one study over the partitions, with a partition parameter
+            name = f"{name}.partitions"
+        elif study and len(rivals) > 1 and wi.meta.get("partitions"):
             # Its candidates are the slices' tensors: a study of its own (the rule's choice's name as it was).
             name = f"{study}.partitioned" + ("" if i == 0 else partition_tag(wi))
         # C4: each its share of the time left (a search that converged early leaves the rest to the others).
         left = max(1.0, timeout - (time.perf_counter() - searching))
         ctx = SearchContext(
-            time_limit_s=left / (len(rivals) - i),
+            time_limit_s=left / (len(groups) - i),
             seed=seed,
             trials=trials if trials is not None else 0,
             storage=storage,
@@ -818,15 +831,20 @@ def search(
             plain=plain,
         )
         if len(rivals) > 1:
+            from runtime.partition import parse_partitions
+
             shown = ", ".join(str(p) for p in got.found.policy.partitions) or "no partition"
             fits = "fits" if got.found.feasible else "does not fit"
-            err.print(f"{shown}: {got.found.result.samples_per_s:,.1f} samples/s ({fits})", highlight=False)
+            chose = f" ({searcher}'s choice of {len(group)})" if len(group) > 1 else ""
+            err.print(f"{shown}{chose}: {got.found.result.samples_per_s:,.1f} samples/s ({fits})", highlight=False)
             answers.append({
                 "partitions": [p.to_dict() for p in got.found.policy.partitions],
                 "samples_per_s": got.found.result.samples_per_s,
                 "peak_bytes": got.found.result.peak_bytes,
                 "feasible": got.found.feasible,
                 "study_name": got.ctx.study_name,
+                "chosen_among": [[p.to_dict() for p in parse_partitions(g.meta.get("partitions"))] for g in group]
+                if len(group) > 1 else None,
             })  # fmt: skip
         if outcome is None or better(got.found.result, outcome.found.result):
             outcome = got

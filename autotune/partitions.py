@@ -31,8 +31,20 @@ NOTE [ Choosing a partition ]
         answer is taken (with the unpartitioned model's where C1 says): which call to slice is not the rule's
         to guess. On the GroupNorm CNN of experiments/user_models.py (b64, a100-40gb, 350 MiB), the rule's
         ``blocks/2`` answered 7,421.4 samples/s and ``blocks.0/4`` (the first block alone, on 4 slices)
-        9,073.4, +22%. Within one search the partition is fixed: a searcher decides the tensors of one
-        traced model, and another partition is another trace.
+        9,073.4, +22%. The portfolio (the default searcher) searches them so, in turn.
+    C5. Which, among a searcher's own decisions. A searcher that can (``Searcher.chooses_partition``: Optuna's
+        TPE and NSGA-II, refinement, the RL agent) gets C4's workloads at once, as one problem and its rivals
+        (``agents.base.Problem.rivals``), the baselines of each as its seeds, and all the time: Optuna draws a
+        ``partition`` parameter in each trial (one study, ``NAME.partitions``), the RL agent's first action
+        takes a partition (``envs.memory_env.PartitionChoiceEnv``: its mask, those whose floor is within the
+        budget), and refinement starts on the partition whose best heuristic is fastest and carries its policy
+        to the others (same key, same action), keeping the fastest. Its answer says which
+        (``Proposal.rival``). The exact solver (MILP) is exact per partition: C4's turns take the best of
+        them. Where the answer is measured (``--measure``) or checked on the allocator's model (``--budget-kind
+        reserved``) the finalists are one partition's, and the partitions are searched in turn. On the
+        GroupNorm CNN above, together against in turn at equal time: optuna-tpe 7,304.9 against 7,140.8
+        samples/s in 10 s and 7,379.7 against 7,508.4 in 20 s, ppo 8,435.9 against 8,677.0 and 8,262.6 both,
+        all on ``blocks.0/4``.
     Traces are fake (seconds each); at most 3 per candidate, 2 candidates.
 """
 

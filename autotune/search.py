@@ -337,6 +337,9 @@ def run_search(
             for name in baseline_names():
                 report(f"baseline {name}", None)
                 baselines.append(get_searcher(name).search(problem, ctx))
+                # NOTE [ Choosing a partition ] C5: each rival partition's too, seeds of the searcher choosing.
+                for i, rival in enumerate(problem.rivals):
+                    baselines.append(dataclasses.replace(get_searcher(name).search(rival, ctx), rival=i))
         except KeyboardInterrupt:
             ctx.interrupt()
         milp_result = None
@@ -345,7 +348,9 @@ def run_search(
         # come from the search (a plan that fits can run out when trained).
         kept_all = None
         if no_policy.feasible and problem.finalists is None and not ctx.interrupted:
-            kept_all = best_of(b for b in baselines if b.feasible and not b.policy.to_vector(problem.workload).any())
+            kept_all = best_of(
+                b for b in baselines if b.feasible and not b.policy.to_vector(problem.member(b.rival).workload).any()
+            )
         if milp and kept_all is None and not ctx.interrupted:
             report("milp (exact, coarsened)", None)
             try:
@@ -369,7 +374,7 @@ def run_search(
         # portfolio says whose policy won (the searcher is the one run; the policy file's provenance the seed).
         if top is not None and better(top.result, found.result):
             found = dataclasses.replace(top, searcher=found.searcher, note=f"won by {top.searcher}")
-        if found.feasible and not found.policy.to_vector(problem.workload).any():
+        if found.feasible and not found.policy.to_vector(problem.member(found.rival).workload).any():
             # The budget holds the model as it is: "won by capuchin" named a heuristic for keeping everything.
             found = dataclasses.replace(found, note="keeping everything fits the budget: no policy needed")
         if not found.feasible:  # the nearest miss won nothing: "won by delta" stood beside "fits: no" (a QA run)
@@ -380,8 +385,12 @@ def run_search(
             ctx.interrupt()
     if user_budget_bytes is not None:  # the budget as typed, and the reserve kept back of it
         record_budget(found.policy, user_budget_bytes, user_budget_bytes - problem.budget_bytes)
+    chosen = problem.member(found.rival)  # the partition the answer chose (C5), whose model the policy is for
+    for other in (m for m in problem.members if m is not chosen):  # the run's evaluations are every partition's
+        chosen.evaluations += other.evaluations
+        chosen.cached += other.cached
     return SearchOutcome(
-        problem,
+        chosen,
         ctx,
         found,
         baselines,

@@ -473,6 +473,107 @@ def _as_code(action: Any) -> int | None:
     return code if 0 <= code < N_ACTIONS else None
 
 
+class PartitionChoiceEnv(gym.Env[np.ndarray, np.int64]):
+    """
+    ## Description
+
+    :class:`MemoryPolicyEnv` over the same model traced with different partitions (runtime/partition.py; one
+    may be none): NOTE [ Choosing a partition ] C5 in autotune/partitions.py. An episode's first step chooses
+    the partition; the steps after it decide that partition's candidates, one each, as
+    :class:`MemoryPolicyEnv` does, and the last is scored by the simulator.
+
+    ## Action Space
+
+    ``Discrete(4)``, as :class:`MemoryPolicyEnv`. At the first step, action ``i`` takes ``problems[i]``:
+    :meth:`action_masks` allows those whose floor (``envs.simulator.peak_floor``, what no policy of that
+    partition goes below) is within the budget, every one where none is; an illegal choice takes the first legal
+    one. After it, the chosen environment's actions and masks.
+
+    ## Observation Space
+
+    :class:`MemoryPolicyEnv`'s. At the first step every field is zero (a candidate's are never all zero: its
+    bytes are not), then the chosen environment's observations.
+
+    ## Rewards
+
+    0 on every step but the last. The last: the chosen environment's, its throughput taken relative to the
+    fastest of the problems' no-policy iterations (a partition's keep-all is slower than another's: each
+    environment's own reference would make their rewards incomparable); the over-budget penalty as it is.
+
+    ## Episode End
+
+    After the chosen problem's last candidate. ``info["rival"]``: the problem chosen, as
+    :class:`agents.base.Proposal` names it (-1 the first, else the index among the others). ``best`` and
+    ``best_rival``: the fastest feasible policy over every episode and its problem.
+
+    ## Arguments
+
+    * ``problems``: at most 4, one model's each (the same budget, hardware and options), the first the one a
+      caller calls its own.
+    """
+
+    metadata = {"render_modes": [], "render_fps": 4}  # noqa: RUF012
+
+    def __init__(self, problems: list[Problem]) -> None:
+        super().__init__()
+        from envs.simulator import peak_floor
+
+        if not 1 <= len(problems) <= N_ACTIONS:
+            raise ValueError(f"{len(problems)} problems: expected 1 to {N_ACTIONS}, one per action of the first step")
+        self.envs = [MemoryPolicyEnv(p, allow_compress=p.allow_compress) for p in problems]
+        self.action_space = spaces.Discrete(N_ACTIONS)
+        self.observation_space = spaces.Box(OBS_LOW, OBS_HIGH, dtype=np.float32)
+        within = [peak_floor(p.workload, p.hardware).bytes <= p.budget_bytes for p in problems]
+        self._choices = np.zeros(N_ACTIONS, dtype=bool)
+        self._choices[: len(problems)] = within if any(within) else True
+        self._fastest = max(e.baseline.samples_per_s for e in self.envs)
+        self.chosen: int | None = None
+        self.best: BestPolicy | None = None
+        self.best_rival = -1
+        self.episodes = 0
+
+    @property
+    def k(self) -> int:
+        """The most steps an episode takes: the first, then the largest problem's candidates."""
+        return 1 + max(e.k for e in self.envs)
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        """A new episode, at the partition's choice. ``seed`` seeds ``self.np_random`` only; ``options`` ignored."""
+        super().reset(seed=seed)
+        self.chosen = None
+        return np.zeros(OBS_SIZE, dtype=np.float32), {"action_mask": self.action_masks(), "candidate": -1}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        if self.chosen is None:
+            requested = _as_code(action)
+            legal = requested is not None and self._choices[requested]
+            self.chosen = requested if legal and requested is not None else int(np.argmax(self._choices))
+            obs, info = self.envs[self.chosen].reset()
+            info = {**info, "requested_action": -1 if requested is None else requested,
+                    "applied_action": self.chosen, "rival": self.chosen - 1}  # fmt: skip
+            return obs, 0.0, False, False, info
+        env = self.envs[self.chosen]
+        obs, reward, terminated, truncated, info = env.step(action)
+        info["rival"] = self.chosen - 1
+        if terminated:
+            self.episodes += 1
+            if info["feasible"]:  # relative to the fastest keep-all of all the problems
+                reward = float(info["samples_per_s"] / self._fastest) if self._fastest > 0 else reward
+                info["reward"] = reward
+            last = env.best  # feasible, as every best is: the faster one is better
+            top = 0.0 if self.best is None else self.best.result.samples_per_s
+            faster = last is not None and (self.best is None or last.result.samples_per_s > top)
+            if info.get("is_best") and faster:
+                self.best, self.best_rival = last, self.chosen - 1
+        return obs, reward, terminated, truncated, info
+
+    def action_masks(self) -> np.ndarray:
+        """At the first step, the problems that can be chosen; then the chosen environment's legal actions."""
+        return self._choices.copy() if self.chosen is None else self.envs[self.chosen].action_masks()
+
+
 # -- the default problem --------------------------------------------------------------------------------------
 def _default_problem(
     workload: Workload | None, hardware: HardwareProfile | None, budget_bytes: int | None, allow_compress: bool
@@ -491,5 +592,6 @@ __all__ = [
     "OBS_SIZE",
     "BestPolicy",
     "MemoryPolicyEnv",
+    "PartitionChoiceEnv",
     "RealMeasure",
 ]

@@ -80,6 +80,12 @@ def parse_partitions(items: Sequence[Any] | None) -> tuple[Partition, ...]:
     return tuple(p if isinstance(p, Partition) else Partition.from_dict(p) for p in items or ())
 
 
+def partition_label(items: Sequence[Any] | None) -> str:
+    """How a search names the partitions a workload was traced with (``blocks.0/4``, several comma-separated;
+    ``none``): an Optuna choice, a line of the search's output."""
+    return ",".join(str(p) for p in parse_partitions(items)) or "none"
+
+
 def batch_coupled(module: torch.nn.Module) -> str | None:
     """The path below ``module`` ("" for itself) of a submodule whose output couples the samples of a batch
     in training (Q3), or None."""

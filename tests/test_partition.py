@@ -6,6 +6,7 @@ main flow from the CLI (search --allow-partition, simulate, train, policy.applie
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -478,3 +479,87 @@ def test_a_search_on_slices_timed_apart_from_no_policy_says_so_where_it_plans_fa
                          "--storage", f"sqlite:///{tmp_path / 's.db'}")  # fmt: skip
     assert code == 0, err
     assert "faster than no policy without them: the two models were traced apart" in err
+
+
+# -- NOTE [ Choosing a partition ] C5: searchers that choose the partition among their own decisions -------------
+@pytest.fixture(scope="module")
+def family() -> list[Problem]:
+    """The GroupNorm CNN at batch 64 on a100-40gb within 222 MiB (what `search --budget 350MiB` plans for there),
+    unpartitioned and on the two partitions C3 finds (``blocks/2``, ``blocks.0/4``), fake traces. The
+    unpartitioned floor (282.75 MiB) is above the budget, the partitions' (186.95 and 194.82) below it."""
+    from autotune.workloads import TraceRequest, trace_model
+
+    hw = get_profile("a100-40gb")
+    req = TraceRequest(model=CNN, batch_size=64, target=hw)
+    parts = [(), (Partition("blocks", 2),), (Partition("blocks.0", 4),)]
+    budget = 222 * 2**20
+    return [Problem(trace_model(dataclasses.replace(req, partitions=p))[0], hw, budget) for p in parts]
+
+
+def _with_rivals(members: list[Problem]) -> Problem:
+    return dataclasses.replace(members[0], rivals=tuple(members[1:]))
+
+
+def test_the_rl_environments_first_action_chooses_the_partition(family: list[Problem]) -> None:
+    """PartitionChoiceEnv: the first action's mask holds the partitions whose floor is within the budget (not the
+    unpartitioned model's: nothing of it fits), an illegal choice takes the first legal one, and the episode
+    then decides that partition's candidates; its reward is relative to the fastest keep-all of the three."""
+    from gymnasium.utils.env_checker import check_env
+
+    from envs.memory_env import PartitionChoiceEnv
+
+    assert [peak_floor(p.workload, p.hardware).bytes <= p.budget_bytes for p in family] == [False, True, True]
+    env = PartitionChoiceEnv(family)
+    check_env(env, skip_render_check=True)
+    obs, info = env.reset(seed=0)
+    assert not obs.any() and info["action_mask"].tolist() == [False, True, True, False]
+    obs, reward, done, _, info = env.step(0)  # the unpartitioned model: not legal
+    assert (info["applied_action"], info["rival"], reward, done) == (1, 0, 0.0, False)
+    env.reset()
+    obs, reward, done, _, info = env.step(2)  # blocks.0/4
+    assert (info["applied_action"], info["rival"], done) == (2, 1, False)
+    steps = 0
+    while not done:
+        obs, reward, done, _, info = env.step(1)  # swap everything: 218.96 MiB there
+        steps += 1
+    assert steps == family[2].n and info["rival"] == 1 and info["feasible"]
+    fastest = max(Simulator(p.workload, p.hardware).no_policy().samples_per_s for p in family)
+    assert reward == pytest.approx(info["samples_per_s"] / fastest) and reward < 1
+    assert env.best is not None and env.best_rival == 1
+
+
+@pytest.mark.parametrize("name", ["optuna-tpe", "ppo", "refine"])
+def test_a_searcher_that_chooses_the_partition_answers_for_one_that_fits(family: list[Problem], name: str) -> None:
+    """Optuna's ``partition`` parameter, the RL agent's first action and refinement's move to another partition:
+    the answer is for a partition (the unpartitioned model cannot fit), its policy names it, and simulated again
+    on that partition's model it gives the searcher's result (the contract)."""
+    main = _with_rivals(family)
+    r = get_searcher(name).search(main, SearchContext(time_limit_s=20, trials=30 if name != "ppo" else 4, seed=0))
+    assert r.rival in (0, 1) and r.feasible, (r.rival, r.result)
+    member = main.member(r.rival)
+    assert r.policy.partitions == tuple(Partition.from_dict(p) for p in member.workload.meta["partitions"])
+    assert member.evaluate(r.policy.to_vector(member.workload), r.policy.options) == r.result
+
+
+def test_optuna_chooses_the_partition_as_one_of_its_parameters(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """C5 from the command line: `--searcher optuna-tpe` searches both partitions in one study whose trials draw a
+    ``partition`` parameter (before: each partition in turn, a study each, the fastest answer taken); the answer
+    names the partition chosen, and its policy file slices that call."""
+    import optuna
+
+    path, store = tmp_path / "p.json", f"sqlite:///{tmp_path / 's.db'}"
+    code, out, err = run(capsys, "search", "--model", CNN, "--batch-size", "64", "--gpu", "a100-40gb", "--budget",
+                         "350MiB", "--allow-partition", "--searcher", "optuna-tpe", "--trials", "40", "--timeout", "60",
+                         "--out", str(path), "--storage", store, "--json")  # fmt: skip
+    assert code == 0, err
+    assert "searching 2 partitions together (blocks/2, blocks.0/4): optuna-tpe chooses the partition among its" in err
+    found = json.loads(out)
+    (entry,) = found["partitions_searched"]
+    assert entry["chosen_among"] == [[{"module": "blocks", "chunks": 2}], [{"module": "blocks.0", "chunks": 4}]]
+    trials = optuna.load_study(study_name=entry["study_name"], storage=store).trials
+    assert len(trials) == 40 and {t.params["partition"] for t in trials} == {"blocks/2", "blocks.0/4"}
+    chosen = tuple(Partition.from_dict(p) for p in entry["partitions"])
+    assert found["feasible"] and load_policy(path).partitions == chosen
+    assert f"(optuna-tpe's choice of 2): {found['samples_per_s']:,.1f} samples/s (fits)" in err
