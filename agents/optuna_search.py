@@ -39,6 +39,11 @@ NOTE [ Distributed search ]
     to propose one trial (well under a second for TPE here; 10 s in the README's recipe).
 - Ctrl-C ends the optimisation; the best trial so far is the answer, and ``SearchContext.interrupted`` is
   set.
+- Partitions (NOTE [ Choosing a partition ] C5 in autotune/partitions.py): where the problem has rivals (the
+  same model traced with other partitions), each trial first draws a ``partition`` parameter (``blocks.0/4``,
+  ``none``) and the rule runs on that partition's model, starting from that partition's seed of the name drawn
+  (keep where it has none); the warm start enqueues every partition's seeds and keep's neighbours on each.
+  The answer says which partition (``Proposal.rival``). A study of one model has no such parameter.
 """
 
 from __future__ import annotations

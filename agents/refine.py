@@ -310,7 +310,9 @@ class Refine(Searcher):
             now = time.perf_counter()
             return now + share * max(0.0, ctx.time_limit_s - (now - started))
 
-        actions, options, result = refine(members[first], *starts[first][:2], deadline=deadline(0.5))
+        actions, options, result = refine(
+            members[first], *starts[first][:2], deadline=deadline(0.5 if len(members) > 1 else 1.0)
+        )
         chosen = first
         for n, j in enumerate(order[1:]):
             carried = carry(members[chosen].workload, actions, members[j].workload, starts[j][0])
