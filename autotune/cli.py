@@ -791,9 +791,9 @@ def search(
         # The portfolio keeps the name its studies always had; another searcher gets its own, so that two
         # searchers on one problem never share a study (their trials' parameters can differ).
         name = study or study_name(problem, "optuna-tpe" if searcher == "portfolio" else searcher)
-        if len(group) > 1:  # C5: one study over the partitions, with a partition parameter
+        if len(group) > 1 and not study:  # C5: one study over the partitions, with a partition parameter
             name = f"{name}.partitions"
-        elif study and len(rivals) > 1 and wi.meta.get("partitions"):
+        elif len(group) == 1 and study and len(rivals) > 1 and wi.meta.get("partitions"):
             # Its candidates are the slices' tensors: a study of its own (the rule's choice's name as it was).
             name = f"{study}.partitioned" + ("" if i == 0 else partition_tag(wi))
         # C4: each its share of the time left (a search that converged early leaves the rest to the others).
@@ -886,7 +886,13 @@ def search(
         where = f"the best policy so far is in {path}" if outcome.written else "no policy fits yet"
         # Only an Optuna study is resumed; another searcher's run keeps nothing in the storage (one named a
         # study to resume that did not exist).
-        again = f"; resume with --storage {storage} --study {name}" if get_searcher(searcher).study_names(name) else ""
+        again = ""
+        if get_searcher(searcher).study_names(name):
+            # One study: its name; several (partitions in turn), named from --study or the problem: the same command.
+            if study or len(groups) == 1:
+                again = f"; resume with --storage {storage} --study {study or name}"
+            else:
+                again = f"; resume by running the same command with --storage {storage} (its studies are named from it)"
         err.print(f"{_stopped()}: {where}{again}")
         raise SystemExit(_stop_code())
     if not outcome.written:

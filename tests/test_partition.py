@@ -563,3 +563,22 @@ def test_optuna_chooses_the_partition_as_one_of_its_parameters(
     chosen = tuple(Partition.from_dict(p) for p in entry["partitions"])
     assert found["feasible"] and load_policy(path).partitions == chosen
     assert f"(optuna-tpe's choice of 2): {found['samples_per_s']:,.1f} samples/s (fits)" in err
+
+
+def test_a_studys_name_resumes_the_search_that_chose_among_partitions(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The name a C5 search's study got (what an interrupted search says to resume with) resumes it when passed
+    as --study (before, it was suffixed again, ``.partitions.partitions``: a new study, nothing resumed)."""
+    path, store = tmp_path / "p.json", f"sqlite:///{tmp_path / 's.db'}"
+    args = ["search", "--model", CNN, "--batch-size", "64", "--gpu", "a100-40gb", "--budget", "350MiB",
+            "--allow-partition", "--searcher", "optuna-tpe", "--timeout", "60", "--out", str(path), "--storage", store,
+            "--json"]  # fmt: skip
+    code, out, err = run(capsys, *args, "--trials", "6")
+    assert code == 0, err
+    name = json.loads(out)["study_name"]
+    assert name.endswith(".optuna-tpe.partitions")
+    code, out, err = run(capsys, *args, "--trials", "10", "--study", name)
+    assert code == 0, err
+    assert f"resuming study {name} in {store}: 6 trials found, running up to 4 more" in err
+    assert json.loads(out)["study_name"] == name
