@@ -628,7 +628,10 @@ def render(out: Console, outcome: SearchOutcome) -> None:
 
     row(f"found ({f.searcher}{', ' + f.note if f.note else ''})", f.result, "bold green" if f.feasible else "red")
     if top is not None:
-        row(f"best baseline ({top.searcher})", top.result)
+        # Searched among partitions (NOTE [ Choosing a partition ] C5): the baseline's, where not the answer's.
+        other = top.policy.partitions != f.policy.partitions
+        sliced = f", on {', '.join(str(p) for p in top.policy.partitions) or 'no partition'}" if other else ""
+        row(f"best baseline ({top.searcher}{sliced})", top.result)
     else:
         t.add_row("best baseline", "none fits", "", "", "", "")
     if outcome.milp is not None:
