@@ -343,7 +343,7 @@ class OptunaSearcher(Searcher):
         members = problem.members if family else (problem,)
         labels = [partition_label(m.workload.meta.get("partitions")) for m in members]
         member_classes = [present_classes(m) for m in members]
-        classes = [c for c in dict.fromkeys(c for cs in member_classes for c in cs)]  # each member's, in order
+        classes = list(dict.fromkeys(c for cs in member_classes for c in cs))  # each member's, in order
         # Seeds by (member, searcher): the problem's are member 0, a rival's (SearchResult.rival) 1 + its index.
         seeds = {
             (r.rival + 1, r.searcher): r.policy.to_vector(problem.member(r.rival).workload)

@@ -329,7 +329,7 @@ def _choose_partition(
     again with the partitions). ``together``: the searcher that chooses among them itself (C5), if it does."""
     from autotune import search as sr
     from autotune.partitions import choose, retracer
-    from runtime.partition import parse_partitions
+    from runtime.partition import partition_label
 
     with err.status("choosing a partition…", spinner="dots") as status:
         choice = choose(
@@ -349,7 +349,7 @@ def _choose_partition(
         err.print(f"partition: none lowers the floor (tried {tried})", highlight=False)
     rivals = choice.searched(w, budget_bytes)
     if len(rivals) > 1 and others:  # C4: the search chooses among them
-        names = [", ".join(str(p) for p in parse_partitions(r.meta.get("partitions"))) or "none" for r in rivals]
+        names = [partition_label(r.meta.get("partitions")) for r in rivals]
         above = "; the budget is above the unpartitioned floor too" if rivals[-1] is w else ""
         how = (
             f"together ({', '.join(names)}): {together} chooses the partition among its own decisions"
@@ -666,6 +666,7 @@ def search(
     from autotune.partitions import partition_tag
     from autotune.workloads import TraceRequest
     from runtime.hardware import resolve_profile
+    from runtime.partition import parse_partitions
 
     if not _positive(timeout):
         raise AutotuneError(f"invalid --timeout {timeout}: expected a positive number of seconds, e.g. --timeout 60")
@@ -766,8 +767,6 @@ def search(
     if allow_partition and not parts:  # NOTE [ Choosing a partition ]: one workload, or more searched (C4, C5)
         trace = (lambda ps: backend_for(ps).workload) if k else None
         rivals = _choose_partition(w, hw, plan.planned_bytes, req, trace, together=chooser)
-        from runtime.partition import parse_partitions
-
         searched = {parse_partitions(r.meta.get("partitions")) for r in rivals}
         for key in [key for key in backends if key not in searched]:
             del backends[key]  # the models of the partitions not taken, on the device no longer
@@ -831,8 +830,6 @@ def search(
             plain=plain,
         )
         if len(rivals) > 1:
-            from runtime.partition import parse_partitions
-
             shown = ", ".join(str(p) for p in got.found.policy.partitions) or "no partition"
             fits = "fits" if got.found.feasible else "does not fit"
             chose = f" ({searcher}'s choice of {len(group)})" if len(group) > 1 else ""

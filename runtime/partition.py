@@ -83,7 +83,7 @@ def parse_partitions(items: Sequence[Any] | None) -> tuple[Partition, ...]:
 def partition_label(items: Sequence[Any] | None) -> str:
     """How a search names the partitions a workload was traced with (``blocks.0/4``, several comma-separated;
     ``none``): an Optuna choice, a line of the search's output."""
-    return ",".join(str(p) for p in parse_partitions(items)) or "none"
+    return ", ".join(str(p) for p in parse_partitions(items)) or "none"
 
 
 def batch_coupled(module: torch.nn.Module) -> str | None:
