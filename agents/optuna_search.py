@@ -237,6 +237,7 @@ def made_for(problem: Problem) -> str:
     w = problem.workload
     accum = f" x {w.grad_accum} micro-batches" if w.grad_accum > 1 else ""
     swap = "" if problem.allow_swap or not problem.hardware.is_gpu else ", keep and recompute only"
+    swap = f", under torch.compile ({problem.compiled})" if problem.compiled else swap
     return (
         f"{w.model} batch {w.batch_size} {w.precision}{accum} (shape {w.shape_fingerprint or 'unknown'}) on "
         f"{problem.hardware.name} within {problem.budget_bytes} bytes{swap}"
@@ -275,8 +276,8 @@ def study_name(problem: Problem, searcher: str) -> str:
     fp = w.shape_fingerprint or "nofp"
     precision = f".{w.precision}" if w.precision != "fp32" else ""  # fp32 studies keep their old names
     precision += f".ga{w.grad_accum}" if w.grad_accum > 1 else ""
-    # A search for torch.compile: its trials differ (on the CPU, where no search swaps, the names stay).
-    precision += "" if problem.allow_swap or not problem.hardware.is_gpu else ".noswap"
+    # A search for torch.compile: its trials are scored on the compiled step's twin (simulator Rule 16).
+    precision += f".compiled-{problem.compiled}" if problem.compiled else ""
     return f"{w.model}.b{w.batch_size}{precision}.{fp}.{problem.hardware.name}.{problem.budget_bytes}.{searcher}"
 
 

@@ -757,6 +757,7 @@ def search(
         return backends[partitions]
 
     w = backend_for(parts).workload if k else _trace(req)[0]
+    compiled = (backend or "inductor") if compile_ else None  # simulated as its twin (simulator Rule 16)
     rivals = [w]
     # No policy is the unpartitioned model's, whatever the answer partitions.
     plain = _trace(dataclasses.replace(req, partitions=()))[0] if parts else w
@@ -779,12 +780,12 @@ def search(
         finalists = Finalists(plan.planned_bytes, capacity=4 * k) if k else None
         finalists = new_pool(plan.planned_bytes) if reserved else finalists
         problem = sr.planned_problem(
-            wi, hw, plan, allow_compress=allow_compress, finalists=finalists, allow_swap=not compile_,
-            partitioning=allow_partition,
+            wi, hw, plan, allow_compress=allow_compress, finalists=finalists, partitioning=allow_partition,
+            compiled=compiled,
         )  # fmt: skip
         problem.rivals = tuple(
-            sr.planned_problem(r, hw, plan, allow_compress=allow_compress, allow_swap=not compile_,
-                               partitioning=allow_partition)
+            sr.planned_problem(r, hw, plan, allow_compress=allow_compress, partitioning=allow_partition,
+                               compiled=compiled)
             for r in group[1:]
         )  # fmt: skip
         # The portfolio keeps the name its studies always had; another searcher gets its own, so that two

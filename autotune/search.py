@@ -256,9 +256,11 @@ def planned_problem(
     finalists: Finalists | None = None,
     allow_swap: bool = True,
     partitioning: bool = False,
+    compiled: str | None = None,
 ) -> Problem:
     """The problem a planning command solves: ``w`` on ``hw`` within ``budget`` as planned for (its reserve
-    kept back, NOTE [ Budget and reserve ]), compression (lossy) only where allowed; checked at once
+    kept back, NOTE [ Budget and reserve ]), compression (lossy) only where allowed, under torch.compile with
+    backend ``compiled`` (simulator Rule 16) where given; checked at once
     (:func:`check_budget`; ``partitioning``: --allow-partition given), before any search."""
     problem = Problem(
         w,
@@ -268,6 +270,7 @@ def planned_problem(
         allow_compress=allow_compress,
         allow_swap=allow_swap,
         finalists=finalists,
+        compiled=compiled,
     )
     check_budget(problem, budget, partitioning=partitioning)
     return problem
@@ -444,7 +447,7 @@ def fit_reserved(
         )
         p = current.problem
         tighter = Problem(p.workload, p.hardware, nxt, options=p.options, allow_compress=p.allow_compress,
-                          allow_swap=p.allow_swap, finalists=new_pool(nxt))  # fmt: skip
+                          allow_swap=p.allow_swap, finalists=new_pool(nxt), compiled=p.compiled)  # fmt: skip
         ctx = outcome.ctx.derive(storage=None, study_name=None)  # the user's study keeps its own budget
         again = run_search(tighter, ctx, searcher, out=outcome.policy_path, milp=False, milp_time_s=0.0, err=err,
                            quiet=quiet, user_budget_bytes=outcome.found.policy.budget_bytes)  # fmt: skip

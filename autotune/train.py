@@ -17,7 +17,7 @@ from rich.table import Table
 from autotune.models import build_model
 from autotune.units import format_bytes
 from autotune.workloads import TraceRequest, check_sizes, trace_model
-from envs.simulator import Simulator
+from envs.simulator import Simulator, compiled_twin
 from runtime.apply import PolicyRuntime
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile, calibrate_cpu, detect
@@ -303,7 +303,9 @@ def run_policy(
     expandable_segments: bool = False,
     compile_backend: str | None = None,
 ) -> TrainReport:
-    predicted = Simulator(w, hw).run(policy)
+    # Under torch.compile the simulator's twin of the compiled step (Rule 16): no regions, no runtime host costs.
+    sim_w, sim_hw = (w, hw) if compile_backend is None else compiled_twin(w, hw, compile_backend)
+    predicted = Simulator(sim_w, sim_hw).run(policy)
     if device.startswith("cuda"):
         torch.cuda.empty_cache()  # what the trace left cached: the reserved bytes measured are the training's
         allocate_library_workspaces(torch.device(device))  # runtime R15, before the model: segments of their own
@@ -335,7 +337,7 @@ def run_policy(
         from envs.allocator import policy_stats
 
         vec = policy.to_vector(w)
-        stats = policy_stats(w, hw, vec, policy.options, expandable_segments=expandable_segments)
+        stats = policy_stats(sim_w, hw, vec, policy.options, expandable_segments=expandable_segments)
         report.predicted["reserved_bytes"] = stats.peak_reserved
     if expandable_segments:
         report.expandable_in_effect = expandable_in_effect()
@@ -379,7 +381,7 @@ def run_policy(
             actions = dict(policy.actions)
             actions.update({k: got for k, (_, got, _) in r.changed.items()})
             effective = dataclasses.replace(policy, actions=actions)
-            sim = Simulator(w, hw).run(effective)
+            sim = Simulator(sim_w, sim_hw).run(effective)
             report.predicted.update(
                 {"peak_bytes": sim.peak_bytes, "iter_s": sim.iter_s, "samples_per_s": sim.samples_per_s}
             )

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from envs.simulator import SimResult, Simulator
+from envs.simulator import SimResult, Simulator, compiled_twin
 from runtime.hardware import HardwareProfile, get_profile
 from runtime.policy import PolicyOptions
 from runtime.vocab import KEEP, SWAP
@@ -39,6 +39,10 @@ class Problem:
     # swap never lowers the peak and adds a copy): a swap is simulated as the keep it would become, and
     # Searcher.search answers keep for it.
     allow_swap: bool = True
+    # The torch.compile backend the policy will run under (``search --compile``), else None: the problem's
+    # workload and profile are then the simulator's twin of the compiled step (envs/simulator.py Rule 16), and
+    # it swaps nothing.
+    compiled: str | None = None
     evaluations: int = field(default=0, repr=False, kw_only=True)  # ``evaluate`` calls
     cached: int = field(default=0, repr=False, kw_only=True)  # evaluations answered from the cache
     _sim: Simulator | None = field(default=None, repr=False, kw_only=True)
@@ -62,6 +66,9 @@ class Problem:
             self.options = dataclasses.replace(self.options, lossy=True)
         if not self.hardware.is_gpu:
             self.allow_swap = False
+        if self.compiled is not None:
+            self.allow_swap = False
+            self.workload, self.hardware = compiled_twin(self.workload, self.hardware, self.compiled)
 
     @property
     def simulator(self) -> Simulator:

@@ -139,6 +139,15 @@ Rule 15 (shared parameters' gradients). Where the trace marks an op as a sum PyT
     sum with a term that a region run as a node makes (Rule 11; the node's call runs without a graph, where the
     runtime's hooks see no use: R14's S1), which autograd makes once the node has returned: it is not one of the
     node's backward ops (what the node holds to its last one has gone by then).
+Rule 16 (a compiled step). A policy applied under ``torch.compile`` (runtime/compiled.py, NOTE [ Compiled
+    policies ] C8) is simulated on :func:`compiled_twin` of the workload and profile, with Rules 1-15 as they
+    stand: the whole model is one selective-checkpoint region whose recomputed ops the partitioner places
+    before their first backward use, so no module call is a region (Rule 11: the workload without frames) and
+    every recomputed candidate is re-made by Rule 7; nothing of autotune runs per op, so the runtime's host
+    costs of Rule 12 (packs, unpacks, hooked calls, regions, the recorder, replays, copies) are 0 (an op's
+    own issue cost h_i stays: the compiled code still launches its kernels); and a shared parameter's
+    gradients are summed in place (Rule 15) only under inductor, whose buffer reuse writes the sum into a
+    term's storage, while aot_eager and every other backend run PyTorch's sum, in a new tensor, as traced.
 
 Two implementations share these rules: :class:`Simulator` (vectorised where it can be, an event walk where it
 cannot, for search) and :func:`simulate_reference` (op by op with explicit clocks and a live set, for tests).
@@ -164,6 +173,7 @@ from runtime.plan import (
     RegionPlanner,
     as_run,
     closures_of,
+    compiled_replay_peak,
     deps_csr,
     forward_writers,
     held_outside,
@@ -339,6 +349,7 @@ class Simulator:
     def __init__(self, w: Workload, hw: HardwareProfile | str) -> None:
         hw = get_profile(hw) if isinstance(hw, str) else hw  # a profile's name, as the CLI's --gpu takes it
         self.w, self.hw = w, hw
+        self.compiled = bool(w.meta.get("compiled"))  # Rule 16: the twin of a compiled step (compiled_twin)
         n = self.n_ops = len(w.ops)
         g = hw.alloc_granularity_bytes
         self.op_s = np.asarray(op_times_s(w, hw), dtype=np.float64)
@@ -487,7 +498,7 @@ class Simulator:
                     temps = self._temporaries(cl, cands[ci].tensor)
                     self._pieces[key] = (
                         temps,
-                        self._closure_cost(cl.ops, cl.deps, temps),
+                        self._closure_cost(cl.ops, cl.deps, temps, cands[ci].tensor),
                         self.host_op_s[sorted(cl.ops)].sum(),
                     )
                 pieces.append(self._pieces[key])
@@ -543,12 +554,16 @@ class Simulator:
         return None if bounds is None else replace(self._pool, bounds=bounds)
 
     def _closure_cost(
-        self, ops: frozenset[int], deps: tuple[int, ...], temporaries: list[int]
+        self, ops: frozenset[int], deps: tuple[int, ...], temporaries: list[int], target: int
     ) -> tuple[float, int, tuple[int, ...]]:
         """Rule 7: (recompute seconds, transient bytes, candidate dependencies) of one candidate's closure:
-        ``temporaries``, every storage the replayed ops write but the target, are held during the recompute."""
+        ``temporaries``, every storage the replayed ops write but the target, are held during the recompute
+        (Rule 16, a compiled step: each to its last reader in the closure, the most live at once)."""
         w, g = self.w, self.hw.alloc_granularity_bytes
-        transient = sum(rounded(w.tensors[tid].nbytes, g) for tid in temporaries)
+        if self.compiled:
+            transient = compiled_replay_peak(w, ops, target, g)[0]
+        else:
+            transient = sum(rounded(w.tensors[tid].nbytes, g) for tid in temporaries)
         return float(self.op_s[sorted(ops)].sum()), transient, tuple(sorted(deps))
 
     def trigger_ops(self, lookahead: int) -> np.ndarray:
@@ -1094,6 +1109,7 @@ class Simulator:
             rows.temp_idx,
             rows.temp_bytes,
             len(w.tensors),
+            self.compiled,
             rows.ops_ptr,
             rows.ops_idx,
             self.op_s,
@@ -1253,6 +1269,31 @@ def simulate(
 ) -> SimResult:
     """One-off simulation; build a :class:`Simulator` once to score many policies."""
     return Simulator(w, hw).run(policy, budget_bytes=budget_bytes, options=options, timeline=timeline)
+
+
+#: Rule 16: the torch.compile backends whose buffer reuse sums a shared parameter's gradients in place.
+IN_PLACE_BACKENDS = frozenset({"inductor"})
+#: Rule 16: the host costs of the runtime's own work, none of which runs in a compiled step.
+RUNTIME_HOST_COSTS = ("frame_s", "pack_s", "unpack_s", "swap_s", "region_s", "region_pack_s", "record_op_s",
+                      "replay_op_s")  # fmt: skip
+
+
+_COMPILED = "; the runtime's own costs 0 under torch.compile (Rule 16)"
+
+
+def compiled_twin(w: Workload, hw: HardwareProfile, backend: str = "inductor") -> tuple[Workload, HardwareProfile]:
+    """Rule 16: the workload and profile that simulate a step trained under ``torch.compile`` with ``backend``
+    (``policy.compiled``): no frames (no region, every recomputed candidate replayed by Rule 7), the
+    runtime's host costs 0, and Rule 15's sums as traced unless the backend reuses buffers. The candidates,
+    keys, fingerprints and the profile's name are the originals', so a policy made on the twin is the
+    workload's. Idempotent: the twin's twin is the twin."""
+    ops = w.ops
+    if backend not in IN_PLACE_BACKENDS and any(op.in_place_into >= 0 for op in ops):
+        ops = [replace(op, in_place_into=-1) if op.in_place_into >= 0 else op for op in ops]
+    zero = dict.fromkeys(RUNTIME_HOST_COSTS, 0.0)
+    source = hw.host.source if hw.host.source.endswith(_COMPILED) else f"{hw.host.source}{_COMPILED}"
+    host = replace(hw.host, **zero, source=source)
+    return replace(w, ops=ops, frames=[], meta={**w.meta, "compiled": backend}), replace(hw, host=host)
 
 
 def uniform_actions(w: Workload, action: Action) -> np.ndarray:

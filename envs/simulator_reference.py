@@ -18,7 +18,15 @@ import numpy as np
 
 from runtime.hardware import HardwareProfile, host_times_s, op_times_s
 from runtime.keys import runs_in
-from runtime.plan import RegionPlanner, as_run, held_outside, node_forward_end, node_uncached_casts, replay_copies
+from runtime.plan import (
+    RegionPlanner,
+    as_run,
+    compiled_replay_peak,
+    held_outside,
+    node_forward_end,
+    node_uncached_casts,
+    replay_copies,
+)
 from runtime.policy import PolicyOptions
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP, compressible, itemsize
 from runtime.workload import Phase, TensorKind, Workload, rounded
@@ -42,6 +50,7 @@ def simulate_reference(
     op_s = op_times_s(w, hw)
     host_op = host_times_s(w, hw)
     hc, gpu = hw.host, hw.is_gpu
+    compiled = bool(w.meta.get("compiled"))  # Rule 16: the twin of a compiled step
     h_kernel = hc.op_s if gpu else 0.0
     cands = w.candidates
     act = [int(a) for a in as_run(np.asarray(actions, dtype=np.int8), held_outside(w))]  # Rule 7: P11
@@ -303,18 +312,26 @@ def simulate_reference(
                     materialize(dep, i)
             ran = set(closure) - ran_ids
             ran_ids.update(ran)
-            made = {x for j in closure for x in (*w.ops[j].outputs, *replay_copies(w, j))}  # R6: BN's stats copied
-            temporaries = made - {c.tensor} - held_ids
-            held_ids.update(temporaries)
-            parts = [size[x] for x in sorted(temporaries)]
-            held += sum(parts)
-            held_parts = held_parts + parts
             seconds = sum(op_s[j] for j in ran)
             host = sum(host_op[j] for j in ran) + len(ran) * hc.replay_op_s
             overhead += len(ran) * hc.replay_op_s
             block(host, seconds)
             stats["recompute"] += seconds
             add("f", ci, size[c.tensor], free_keep[ci])
+            if compiled:  # Rule 16: its temporaries to their last reader in it, dropped when it is done
+                own, parts = compiled_replay_peak(w, frozenset(closure), c.tensor, g)
+                replay_peak = max(replay_peak, sum(live.values()) + own)
+                if allocations is not None and own:
+                    handles = [-2 - 2 * n - j for j in range(len(parts))]
+                    allocations.extend(Allocation(i, h, z) for h, z in zip(handles, parts, strict=True))
+                    allocations.extend(Allocation(i, h, None) for h in handles)
+            else:  # R6: BN's stats copied; nested recomputations hold theirs until the outer one is done
+                made = {x for j in closure for x in (*w.ops[j].outputs, *replay_copies(w, j))}
+                temporaries = made - {c.tensor} - held_ids
+                held_ids.update(temporaries)
+                parts = [size[x] for x in sorted(temporaries)]
+                held += sum(parts)
+                held_parts = held_parts + parts
 
     for info in region_info:
         info["ends"] = {ci: (free_keep[ci] if last < 0 else last) for ci, last in info["regenerated"]}

@@ -57,6 +57,7 @@ def walk(
     temp_idx: np.ndarray,
     temp_bytes: np.ndarray,
     n_tensors: int,
+    drop_nested: bool,
     ops_ptr: np.ndarray,
     ops_idx: np.ndarray,
     op_s: np.ndarray,
@@ -92,10 +93,11 @@ def walk(
     (``row_bounds``, ``row_from``: :func:`_row`), and the closures' arrays (``deps_ptr`` to ``rec_host``) are
     per row. Writes, per op, what its recomputes hold above the candidates made there (``extra``, Rule 7:
     replays one after another, each holding its temporaries with what the ones before made, less all that the
-    op's replays make, ``cand_size`` bytes each; Rule 8: an unpack holds its packed form, ``packed_size``, until
-    its kernel has made the full one), each candidate made again in backward and where (``moved``:
-    candidate, op, ...)
-    and, with ``timeline``, the clocks after the events at each op (``floors``: op, host, device rows).
+    op's replays make, ``cand_size`` bytes each; nested ones hold theirs until the outer one is done, or with
+    ``drop_nested`` (Rule 16, a compiled step) each its own ``rec_transient`` with what was made before it and
+    itself; Rule 8: an unpack holds its packed form, ``packed_size``, until its kernel has made the full one),
+    each candidate made again in backward and where (``moved``: candidate, op, ...) and, with ``timeline``,
+    the clocks after the events at each op (``floors``: op, host, device rows).
 
     Returns (host clock, compute clock, stall, host's dynamic work, its runtime part, compress seconds,
     recompute seconds, entries written to ``moved``, rows written to ``floors``).
@@ -225,11 +227,15 @@ def walk(
                             host += host_op_s[o] + replay_op_s
                             own_dyn += replay_op_s
                     recompute_s += device
-                    for j in range(temp_ptr[r], temp_ptr[r + 1]):
-                        t = temp_idx[j]
-                        if held_at[t] != e:
-                            held_at[t] = e
-                            held += temp_bytes[j]
+                    if drop_nested:  # Rule 16: each holds its own, with what was made before it and itself
+                        if made_at + cand_size[c] + rec_transient[r] > top_at:
+                            top_at = made_at + cand_size[c] + rec_transient[r]
+                    else:
+                        for j in range(temp_ptr[r], temp_ptr[r + 1]):
+                            t = temp_idx[j]
+                            if held_at[t] != e:
+                                held_at[t] = e
+                                held += temp_bytes[j]
                 moved[n_moved] = c
                 moved[n_moved + 1] = x
                 n_moved += 2

@@ -171,9 +171,9 @@ def main() -> None:
             budget = max(int(peak * scale), floor)
             tries = []
             for _ in range(args.tries):
-                problem = Problem(w, hw, budget_bytes=budget, allow_swap=not args.compiled)
-                found = get_searcher("portfolio").search(problem, SearchContext(time_limit_s=args.search_s))
                 backend = ("inductor" if args.inductor else "aot_eager") if args.compiled else None
+                problem = Problem(w, hw, budget_bytes=budget, compiled=backend)  # compiled: Rule 16's twin
+                found = get_searcher("portfolio").search(problem, SearchContext(time_limit_s=args.search_s))
                 ours = Variant(name, kwargs, None, found.policy, compiled=backend)
                 ours.warm()
                 if ours.cm is not None:

@@ -78,7 +78,7 @@ import numpy as np
 
 from runtime.keys import canonical_key, runs_in
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE
-from runtime.workload import Phase, TensorKind, Workload
+from runtime.workload import Phase, TensorKind, Workload, rounded
 
 # P8: ops whose kernels read grad mode (found by running each with it on and off on the same inputs).
 GRAD_MODE_KERNELS = frozenset({"aten.mkldnn_rnn_layer.default"})
@@ -377,6 +377,29 @@ def replay_copies(w: Workload, op: int) -> list[int]:
     return [t for t in info.inputs if w.tensors[t].kind == TensorKind.BUFFER]
 
 
+def compiled_replay_peak(w: Workload, ops: frozenset[int], target: int, granularity: int) -> tuple[int, list[int]]:
+    """Simulator Rule 16: the temporaries of a replay of ``ops`` (every storage they make or copy but
+    ``target``) as a compiled graph holds them, each from its op to the last of ``ops`` that reads it (one that
+    none reads, during its op alone): the most live at once, and the rounded sizes of those live then, largest
+    first."""
+    order = sorted(ops)
+    born: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for j in order:
+        for t in w.ops[j].inputs:
+            if t in born:
+                last[t] = j
+        for t in (*w.ops[j].outputs, *replay_copies(w, j)):
+            if t != target and t not in born:
+                born[t] = last[t] = j
+    peak, at_peak = 0, []
+    for j in order:
+        sizes = [rounded(w.tensors[t].nbytes, granularity) for t in born if born[t] <= j <= last[t]]
+        if sum(sizes) > peak:
+            peak, at_peak = sum(sizes), sorted(sizes, reverse=True)
+    return peak, at_peak
+
+
 @dataclass(frozen=True)
 class Closure:
     """What replaying one candidate re-runs: its producer chain and, recursively, the chains of the tensors
@@ -505,7 +528,10 @@ def nested_closures(
 
 def regions_for(w: Workload, act: np.ndarray, nodes: bool = True) -> list[Region]:
     """The regions of a policy with action codes ``act`` on ``w``, run as nodes or under checkpoint (one-off;
-    the simulator keeps a planner)."""
+    the simulator keeps a planner). None where ``w`` has no module calls (the simulators' rule: a workload
+    traced without frames, or the twin of a compiled step, simulator Rule 16)."""
+    if not w.frames or not all(c.packs for c in w.candidates):
+        return []
     planner = RegionPlanner(w)
     return [planner.region(f) for f in planner.select(as_run(np.asarray(act), held_outside(w)), nodes)]
 

@@ -116,6 +116,41 @@ def diamond_workload(size: int, op_s: float) -> Workload:
     return _workload(ops, tensors, cands, "diamond")
 
 
+def two_op_chain_workload(n: int, size: int, op_s: float) -> Workload:
+    """n layers of two ops: op 2i makes a temporary t_i from c_{i-1} (op 0 from the input x, persistent),
+    which op 2i + 1 reads to make activation c_i and then frees. Each c_i is saved for backward (a candidate),
+    dropped from the program after the next layer read it (``free_if_dropped_op`` 2i + 2, the last one's at its
+    own op); t_i is saved by nothing. Backward op 2n + j is layer (n - 1 - j)'s backward, as in
+    :func:`chain_workload`: it reads c_{n-1-j}, released there, and makes a gradient g_j that the next backward
+    op consumes. Replaying c_i re-runs ops 2i and 2i + 1 and makes t_i again (simulator Rule 7: a
+    temporary). Every op takes ``op_s``; every tensor is ``size`` bytes. Tensor ids: x 0, t_i 2i + 1, c_i
+    2i + 2, g_j 2n + 1 + j."""
+    k = TensorKind
+    tensors = [TensorInfo(0, size, (size,), "uint8", k.INPUT, -1, None)]
+    ops: list[OpInfo] = []
+    cands: list[Candidate] = []
+    for i in range(n):
+        t, c, prev = 2 * i + 1, 2 * i + 2, 2 * i
+        tensors.append(TensorInfo(t, size, (size,), "uint8", k.TEMPORARY, 2 * i, 2 * i + 1))
+        tensors.append(TensorInfo(c, size, (size,), "uint8", k.ACTIVATION, 2 * i + 1, 3 * n - 1 - i))
+        ops.append(OpInfo(2 * i, "aten.pre.default", Phase.FORWARD, f"layer{i}", 0.0, 2 * size, (prev,), (t,), op_s))
+        ops.append(OpInfo(2 * i + 1, "aten.layer.default", Phase.FORWARD, f"layer{i}", 0.0, 2 * size, (t,), (c,),
+                          op_s))  # fmt: skip
+        dropped = min(2 * i + 2, 2 * n - 1)
+        cands.append(Candidate(
+            key=f"layer{i}#0.0:Layer", tensor=c, nbytes=size, producer=2 * i + 1, writers=(), save_op=2 * i + 1,
+            last_fwd_use=dropped, bwd_uses=(3 * n - 1 - i,), free_if_dropped_op=dropped, recompute_inputs=(t,),
+            block=f"layer{i}", block_input=False,
+        ))  # fmt: skip
+    for j in range(n):
+        layer, gid, op = n - 1 - j, 2 * n + 1 + j, 2 * n + j
+        tensors.append(TensorInfo(gid, size, (size,), "uint8", k.TEMPORARY, op, op if j == n - 1 else op + 1))
+        reads = (2 * layer + 2,) if j == 0 else (2 * layer + 2, gid - 1)
+        ops.append(OpInfo(op, "aten.layer_backward.default", Phase.BACKWARD, f"layer{layer}", 0.0, 3 * size, reads,
+                          (gid,), op_s))  # fmt: skip
+    return _workload(ops, tensors, cands, f"twochain{n}")
+
+
 def framed_chain_workload(n: int, size: int, op_s: float, block: int) -> Workload:
     """:func:`chain_workload` with module calls (NOTE [ Frames ]): layer i is the module ``b<j>.l<i>``, a
     child of block ``b<j>`` (j = i // ``block``), the blocks children of the model. Each layer packs its

@@ -373,3 +373,24 @@ def test_a_policy_for_another_precision_is_refused_as_policy_applied_refuses_it(
         loss_fn(cm, batch)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         cm(batch[0])  # inference saves nothing: any precision
+
+
+def test_a_compiled_steps_peak_is_its_twins_plan() -> None:
+    """The GroupNorm CNN of experiments/user_models.py with every tensor in the model recomputed, trained one
+    step compiled under aot_eager (``autotune train --compile``'s path): its peak between ops is the plan of
+    the simulator's twin of the compiled step (Rule 16: each replay's temporaries freed at their last reader;
+    within 0.01%, 3 KB measured at batch 8), where the eager runtime's replays, which hold theirs until the
+    outermost is done, hold about a quarter more (Rule 7)."""
+    from autotune.train import run_policy
+    from envs.simulator import Simulator
+    from runtime.hardware import get_profile
+
+    name = "experiments.user_models:groupnorm_cnn"
+    w, _ = trace_model(TraceRequest(model=name, batch_size=8, image_size=64, mode="fake", device="cpu"))
+    hw = get_profile("cpu")
+    vec = np.full(len(w.candidates), Action.RECOMPUTE.code, dtype=np.int8)
+    policy = Policy.from_vector(w, vec, hardware="cpu")
+    r = run_policy(policy, w, hw, name=name, batch=8, steps=1, device="cpu", compile_backend=BACKEND)
+    measured, planned = r.steps[0].peak_bytes, int(r.predicted["peak_bytes"])
+    assert abs(measured - planned) <= 1e-4 * planned, (measured, planned)
+    assert Simulator(w, hw).run(policy).peak_bytes > 1.2 * measured  # the eager runtime's plan

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from envs.simulator import Simulator, peak_floor, uniform_actions
+from envs.simulator import Simulator, compiled_twin, peak_floor, uniform_actions
 from envs.simulator_reference import simulate_reference
 from runtime.apply import PolicyRuntime
 from runtime.hardware import get_profile
-from runtime.measure import run_iterations
+from runtime.measure import profiler_peak_bytes, run_iterations, training_state
 from runtime.policy import Action, Policy
 from runtime.shared_grads import SharedGradients, _Sum, shared_parameters
 from runtime.trace import capture, make_optimizer
@@ -125,6 +125,12 @@ def test_the_trace_marks_the_sum_and_the_simulators_agree() -> None:
     for vec in [uniform_actions(w, Action.KEEP), *(rng.integers(0, 3, len(w.candidates)) for _ in range(4))]:
         vec = np.asarray(vec, dtype=np.int8)
         assert sim.run(vec).peak_bytes == simulate_reference(w, hw, vec).peak_bytes
+    # Rule 16: under torch.compile the sum is PyTorch's (aot_eager: a new tensor, as traced) unless inductor's
+    # buffer reuse makes it in place (R14's saving).
+    for backend, peak in (("aot_eager", plain.peak_bytes), ("inductor", keep.peak_bytes)):
+        tw, th = compiled_twin(w, hw, backend)
+        vec = uniform_actions(w, Action.KEEP)
+        assert Simulator(tw, th).run(vec).peak_bytes == simulate_reference(tw, th, vec).peak_bytes == peak
 
 
 def test_the_runtime_measures_what_the_simulator_plans() -> None:
@@ -143,6 +149,21 @@ def test_the_runtime_measures_what_the_simulator_plans() -> None:
     plain, applied = measured(False), measured(True)
     assert plain == sim.no_policy().peak_bytes
     assert applied == sim.run(policy).peak_bytes == plain - W + B * D * 4
+    # Compiled under aot_eager the sum is PyTorch's again: the step holds plain training's peak, which the
+    # simulator's twin of it plans (Rule 16), not the runtime's.
+    model, batch, loss_fn = _build()
+    opt = make_optimizer("sgd", model.parameters())
+    cm = policy.compiled(model, backend="aot_eager")
+
+    def step() -> None:
+        loss_fn(cm, batch).backward()
+        opt.step()
+
+    step()
+    opt.zero_grad(set_to_none=True)
+    base = sum(t.untyped_storage().nbytes() for t in training_state(model, batch, opt))
+    twin = Simulator(*compiled_twin(w, get_profile("cpu"), "aot_eager")).run(policy).peak_bytes
+    assert profiler_peak_bytes(step, base) == twin == plain
 
 
 def test_nothing_outlives_the_step() -> None:

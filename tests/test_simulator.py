@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from agents.base import Problem, SearchContext, get_searcher
-from envs.simulator import Floor, Simulator, peak_floor, simulate, uniform_actions
+from envs.simulator import Floor, Simulator, compiled_twin, peak_floor, simulate, uniform_actions
 from envs.simulator_reference import simulate_reference
 from runtime.hardware import get_profile
 from runtime.plan import regions_for
@@ -17,7 +17,13 @@ from runtime.policy import Action, Policy, PolicyOptions
 from runtime.trace import capture
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP
 from runtime.workload import OpInfo, Phase, Workload, peak_report
-from tests.synthetic import chain_workload, diamond_workload, fixed_profile, framed_chain_workload
+from tests.synthetic import (
+    chain_workload,
+    diamond_workload,
+    fixed_profile,
+    framed_chain_workload,
+    two_op_chain_workload,
+)
 from tests.test_trace import mlp_build, tiny_cnn_build
 
 S = 1000  # bytes per tensor
@@ -409,3 +415,29 @@ def test_swapped_bytes_beyond_the_host_memory_do_not_fit() -> None:
     budget = Simulator(w, hw).run([SWAP] * 5 + [RECOMPUTE] * 3, budget_bytes=10**9).peak_bytes
     found = get_searcher("portfolio").search(Problem(w, hw, budget), SearchContext(time_limit_s=3))
     assert found.feasible and found.result.d2h_bytes <= 5000 and found.result.peak_bytes <= budget
+
+
+def test_rule_16_a_compiled_step_drops_each_replays_temporaries_and_costs_the_host_nothing() -> None:
+    """Three layers of two ops (tests/synthetic.py: t_i, then c_i), everything recomputed. At the first
+    backward op every c_i is re-made, nested, each replay making t_i again. The eager runtime's replays hold
+    their temporaries until the outermost one is done (Rule 7): x, the three c_i and the three t_i, 7 S. A
+    compiled graph frees t_i once c_i is made (Rule 16): at most x, the three c_i and one t_i, 5 S, keep-all's
+    peak. The runtime's host costs are gone, so the step is its compute and the recompute alone: 9 ops and 6
+    replayed, 15 op times, where the eager runtime's 6 replayed ops cost the host 1 ms each. Both simulators
+    agree."""
+    s, n, tau = 1000, 3, 1e-4
+    w = two_op_chain_workload(n, s, tau)
+    hw = fixed_profile(replay_op_s=1e-3)
+    tw, th = compiled_twin(w, hw, "aot_eager")
+    assert th.name == hw.name and th.host.replay_op_s == 0.0 and tw.candidates == w.candidates
+    assert compiled_twin(tw, th, "aot_eager") == (tw, th)  # the twin's twin is the twin
+    everything = uniform_actions(w, Action.RECOMPUTE)
+    eager, compiled = Simulator(w, hw).run(everything), Simulator(tw, th).run(everything)
+    assert eager.peak_bytes == (2 * n + 1) * s
+    assert compiled.peak_bytes == (n + 2) * s == Simulator(tw, th).run(uniform_actions(w, Action.KEEP)).peak_bytes
+    assert compiled.iter_s == pytest.approx(5 * n * tau, rel=1e-12)
+    assert eager.iter_s > 2 * n * 1e-3
+    for ww, hh in ((w, hw), (tw, th)):
+        for vec in (everything, np.array([RECOMPUTE, KEEP, RECOMPUTE], dtype=np.int8)):
+            r, ref = Simulator(ww, hh).run(vec), simulate_reference(ww, hh, vec)
+            assert (r.peak_bytes, r.iter_s) == (ref.peak_bytes, pytest.approx(ref.iter_s, rel=1e-12))
