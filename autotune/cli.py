@@ -1093,7 +1093,10 @@ def train(
         ),
     ] = False,
     backend: Annotated[
-        str | None, typer.Option(help="torch.compile's backend with --compile (default: inductor).")
+        str | None,
+        typer.Option(
+            help="torch.compile's backend with --compile (default: the one the policy was planned for, else inductor)."
+        ),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -1118,7 +1121,8 @@ def train(
             grad_accum=grad_accum,
             optimizer=optimizer,
             expandable_segments=expandable_segments,
-            compile_backend=(backend or "inductor") if compile_ else None,
+            compile_backend=backend,
+            compiled=compile_,
         )
     d = report.to_dict()
     if as_json:

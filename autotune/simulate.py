@@ -17,7 +17,7 @@ from autotune.models import check_model_name, given_image_size
 from autotune.search import traced_here
 from autotune.units import format_bytes, format_size_echo
 from autotune.workloads import TraceRequest, check_sizes
-from envs.simulator import SimResult, Simulator, uniform_actions
+from envs.simulator import SimResult, Simulator, compiled_twin, uniform_actions
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile, resolve_profile
 from runtime.policy import ACTIONS, Action, Policy, PolicyOptions, Prediction, Provenance, load_policy
@@ -161,6 +161,11 @@ def run_simulate(
             searcher=f"uniform-{act.value}",
         )
 
+    compiled = policy.compile_backend
+    if compiled is not None:  # planned for torch.compile: scored on the twin of a compiled step, as it was searched
+        w, hw = compiled_twin(w, hw, compiled)
+        if not as_json:
+            err.print(f"planned for torch.compile ({compiled}): simulated as a compiled step (simulator Rule 16)")
     sim = Simulator(w, hw)
     started = time.perf_counter()
     result = sim.run(policy, budget_bytes=budget_bytes, timeline=timeline is not None)
@@ -186,6 +191,7 @@ def run_simulate(
             batch_size=w.batch_size,
             gpu=hw.name,
             fingerprint=w.fingerprint,
+            compile_backend=compiled,
             peak_op_name=w.ops[result.peak_op].name,
             actions={a.value: n for a, n in policy.counts().items()},
             no_policy={

@@ -49,6 +49,9 @@ class TrainReport:
     # plan trained on the CPU: the run said only "cpu profile", a QA run)
     planned_for: str | None = None
     planned: dict[str, float] | None = None
+    # The torch.compile backend the policy was planned for (its ``compiled`` field) where this run trained it
+    # eagerly: the prediction is the eager runtime's, which is not what the search scored
+    planned_compiled: str | None = None
 
     def medians(self) -> dict[str, float]:
         if not self.steps:
@@ -91,6 +94,7 @@ class TrainReport:
             "budget_bytes": self.budget_bytes,
             "planned_for": self.planned_for,
             "planned": self.planned,
+            "planned_compiled": self.planned_compiled,
             "within_budget": (
                 measured["peak_bytes"] <= self.budget_bytes if measured and self.budget_bytes is not None else None
             ),
@@ -183,14 +187,16 @@ def train(
     optimizer: str | None = None,
     expandable_segments: bool = False,
     compile_backend: str | None = None,
+    compiled: bool = False,
 ) -> TrainReport:
     """``precision``, ``grad_accum`` and ``optimizer`` None: the policy's (sgd for a file without an optimizer);
     other ones are refused by the policy check.
     ``expandable_segments``: the caching allocator runs with ``expandable_segments:True`` (set here, before
     CUDA initialises) and the reserved bytes are predicted with the matching model (A8-A11).
     ``compile_backend``: the model runs under ``torch.compile`` with that backend and the policy through
-    ``policy.compiled`` (NOTE [ Compiled policies ]); the prediction is the simulator's for the decisions
-    the compiled graph applies."""
+    ``policy.compiled`` (NOTE [ Compiled policies ]); the prediction is the simulator's twin of the compiled
+    step (Rule 16) for the decisions the compiled graph applies. ``compiled`` without a backend (``--compile``
+    alone): the one the policy was planned for, else inductor."""
     if steps <= 0:
         raise AutotuneError(f"invalid --steps {steps}: expected a positive number of iterations, e.g. --steps 3")
     if expandable_segments and device is not None:  # before anything else: the file need not be read for this
@@ -207,6 +213,8 @@ def train(
         device = default_device(policy)
         if expandable_segments:
             enable_expandable_segments(device)
+    if compiled and compile_backend is None:
+        compile_backend = policy.compile_backend or "inductor"
     if compile_backend is not None:
         from runtime.compiled import check_backend
 
@@ -374,6 +382,8 @@ def run_policy(
         report.out_of_memory = str(e).splitlines()[0]
         report.out_of_memory_iteration = (max(calls, 1) - 1) // w.grad_accum + 1
     report.unknown_keys = list(rt.stats.unknown_keys) if rt is not None else []
+    if cm is None and policy.compile_backend is not None:
+        report.planned_compiled = policy.compile_backend
     if cm is not None:  # predict what the compiled graph applies: the changed decisions, as changed
         r = cm.report
         report.compile_report = {"applied": len(r.applied), "changed": len(r.changed), "dropped": len(r.dropped)}
@@ -459,6 +469,11 @@ def render(out: Console, report: TrainReport) -> None:
         out.print("[yellow]the caching allocator reports expandable_segments off: this torch or platform ignored it[/]")
     if report.unknown_keys:
         out.print(f"[yellow]{len(report.unknown_keys)} saved tensors not in the policy were kept[/]")
+    if report.planned_compiled is not None:
+        out.print(
+            f"[yellow]the policy was planned for torch.compile ({report.planned_compiled}) and trained eagerly "
+            "here, as the eager runtime runs it (predicted so): add --compile to train it as planned[/]"
+        )
     if report.compiled is not None and report.compile_report is not None:
         c = report.compile_report
         out.print(

@@ -208,6 +208,9 @@ class Policy:
     schedule: Schedule | None = None
     # Submodules run on slices of the batch (runtime/partition.py); the workload was traced with them.
     partitions: tuple[Partition, ...] = ()
+    # The torch.compile backend it was planned for (``search --compile``: simulator Rule 16, the twin of a compiled
+    # step), None for the eager runtime; files without it were planned for the eager runtime.
+    compile_backend: str | None = None
 
     def __post_init__(self) -> None:
         self.precision = check_precision(self.precision)
@@ -292,6 +295,7 @@ class Policy:
             provenance=Provenance.now(searcher, trials, wall_s),
             schedule=Schedule.of(workload, codes, options.region_nodes),
             partitions=parse_partitions(workload.meta.get("partitions")),
+            compile_backend=workload.meta.get("compiled"),
         )
 
     @classmethod
@@ -487,6 +491,8 @@ class Policy:
             del d["reserve_bytes"]  # files without a budget stay as they were
         if self.image_size is None:
             del d["image_size"]  # files at the model's default image size stay as they were
+        if self.compile_backend is None:
+            del d["compile_backend"]  # files for the eager runtime stay as they were
         d["format"] = FORMAT
         return d
 
@@ -536,6 +542,7 @@ class Policy:
                 provenance=Provenance(**d["provenance"]),
                 schedule=_schedule(d["schedule"]) if d.get("schedule") is not None else None,
                 partitions=parse_partitions(d.get("partitions")),
+                compile_backend=d.get("compile_backend"),
             )
         except AutotuneError as e:  # the lossy check: say which file
             raise AutotuneError(f"{source}: {e}") from None

@@ -264,10 +264,11 @@ CNN = "experiments.user_models:groupnorm_cnn"
 
 @pytest.mark.slow
 def test_search_train_compiled_from_the_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """`search --compile --measure 1` -> `train --compile` -> ``policy.compiled`` in a plain loop: the search
-    trains its finalists compiled (before, `--compile` refused `--measure`), its answer's measured peak is
-    `train --compile`'s, within the budget and the plan's, and the losses are bit-identical to the same compiled
-    loop without a policy."""
+    """`search --compile --measure 1` -> `simulate` -> `train --compile` -> ``policy.compiled`` in a plain loop:
+    the search trains its finalists compiled (before, `--compile` refused `--measure`), the file says which
+    backend it was planned for, which `simulate` scores it for and `train --compile` trains it under; its
+    measured peak is `train --compile`'s, within the budget and the plan's, and the losses are bit-identical to
+    the same compiled loop without a policy."""
     code, out, err = run(capsys, "profile", "--model", CNN, "--gpu", "cpu", "--json")
     assert code == 0, err
     budget = str(int(json.loads(out)["peak_bytes"] * 0.8))
@@ -280,10 +281,15 @@ def test_search_train_compiled_from_the_cli(capsys: pytest.CaptureFixture[str], 
     policy = load_policy(path)
     counts = policy.counts()
     assert counts[Action.SWAP] == counts[Action.COMPRESS] == 0 and counts[Action.RECOMPUTE] > 0
-    code, out, err = run(capsys, "train", "--policy", str(path), "--steps", "1", "--compile", "--backend", BACKEND,
-                         "--json")  # fmt: skip
+    assert policy.compile_backend == BACKEND and json.loads(path.read_text())["compile_backend"] == BACKEND
+    code, out, err = run(capsys, "simulate", "--policy", str(path), "--json")
     assert code == 0, err
-    trained = json.loads(out)
+    simulated = json.loads(out)
+    assert simulated["compile_backend"] == BACKEND and policy.predicted is not None
+    assert simulated["peak_bytes"] == policy.predicted.peak_bytes  # the search's score, on the twin (Rule 16)
+    code, out, err = run(capsys, "train", "--policy", str(path), "--steps", "1", "--compile", "--json")
+    assert code == 0, err
+    trained = json.loads(out)  # --compile alone: the backend the policy was planned for
     assert trained["compiled"] == BACKEND and trained["compile_report"]["dropped"] == 0
     # On the CPU a compiled step's peak comes from the allocator's events between ops (dynamo does not compile
     # under the storage tracker; NOTE [ Device memory on the CPU ]): the search measured what train measures,

@@ -396,3 +396,24 @@ def test_a_figure_that_is_no_number_is_refused(tmp_path: Path, mlp: Workload, va
     path.write_text(json.dumps(data))
     with pytest.raises(AutotuneError, match=r"samples_per_s=.*expected a finite number"):
         load_policy(path)
+
+
+def test_a_policy_says_which_compiled_step_it_was_planned_for(tmp_path: Path) -> None:
+    """Made on the simulator's twin of a compiled step (Rule 16), a policy records the backend; the file keeps
+    it (and the schema admits it); a policy for the eager runtime writes no such field, as files always were."""
+    from envs.simulator import compiled_twin
+    from tests.synthetic import fixed_profile, two_op_chain_workload
+
+    w = two_op_chain_workload(3, 1000, 1e-4)
+    tw, _ = compiled_twin(w, fixed_profile(), "aot_eager")
+    eager = Policy.from_vector(w, np.zeros(3, dtype=np.int8), hardware="fixed")
+    compiled = Policy.from_vector(tw, np.full(3, 2, dtype=np.int8), hardware="fixed")
+    assert eager.compile_backend is None and "compile_backend" not in eager.to_dict()
+    assert compiled.compile_backend == "aot_eager" and compiled.actions.keys() == eager.actions.keys()
+    compiled.save(tmp_path / "p.json")
+    assert json.loads((tmp_path / "p.json").read_text())["compile_backend"] == "aot_eager"
+    assert load_policy(tmp_path / "p.json").compile_backend == "aot_eager"
+    d = compiled.to_dict()
+    d["compile_backend"] = ""
+    with pytest.raises(AutotuneError, match="compile_backend"):
+        Policy.from_dict(d)
