@@ -143,7 +143,11 @@ Rule 16 (a compiled step). A policy applied under ``torch.compile`` (runtime/com
     policies ] C8) is simulated on :func:`compiled_twin` of the workload and profile, with Rules 1-15 as they
     stand: the whole model is one selective-checkpoint region whose recomputed ops the partitioner places
     before their first backward use, so no module call is a region (Rule 11: the workload without frames) and
-    every recomputed candidate is re-made by Rule 7; nothing of autotune runs per op, so the runtime's host
+    every recomputed candidate is re-made by Rule 7, except that a replay's temporaries (the storages its
+    closure makes but its target) live each from its op to the closure's last op that reads it, nested
+    replays included (the graph frees a value after its last use; the eager runtime's replays hold theirs
+    until the outermost is done), so each replay holds the most of its own live at once, with what the
+    replays before it at that op made and its target; nothing of autotune runs per op, so the runtime's host
     costs of Rule 12 (packs, unpacks, hooked calls, regions, the recorder, replays, copies) are 0 (an op's
     own issue cost h_i stays: the compiled code still launches its kernels); and a shared parameter's
     gradients are summed in place (Rule 15) only under inductor, whose buffer reuse writes the sum into a
