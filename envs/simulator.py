@@ -142,7 +142,7 @@ Rule 15 (shared parameters' gradients). Where the trace marks an op as a sum PyT
 Rule 16 (a compiled step). A policy applied under ``torch.compile`` (runtime/compiled.py, NOTE [ Compiled
     policies ] C8) is simulated on :func:`compiled_twin` of the workload and profile, with Rules 1-15 as they
     stand: the whole model is one selective-checkpoint region whose recomputed ops the partitioner places
-    before their first backward use, so no module call is a region (Rule 11: the workload without frames) and
+    before their first backward use, so no module call is a region (Rule 11; nor are packs observed, Rule 13) and
     every recomputed candidate is re-made by Rule 7, except that a replay's temporaries (the storages its
     closure makes but its target) live each from its op to the closure's last op that reads it, nested
     replays included (the graph frees a value after its last use; the eager runtime's replays hold theirs
@@ -617,7 +617,8 @@ class Simulator:
     def _observation_setup(self, closures: list[Any]) -> None:
         w, n = self.w, self.n_ops
         frames = w.frames
-        self.has_frames = bool(frames) and all(c.packs for c in w.candidates)
+        # Rule 16: a compiled step's module calls are never regions (its recomputes are the partitioner's)
+        self.has_frames = bool(frames) and all(c.packs for c in w.candidates) and not self.compiled
         self.planner = RegionPlanner(w, closures) if self.has_frames else None
         self._regions: dict[tuple[int, bool], _RegionCost] = {}
         first_bwd = next((op.index for op in w.ops if op.phase == Phase.BACKWARD), n)
@@ -1287,17 +1288,18 @@ _COMPILED = "; the runtime's own costs 0 under torch.compile (Rule 16)"
 
 def compiled_twin(w: Workload, hw: HardwareProfile, backend: str = "inductor") -> tuple[Workload, HardwareProfile]:
     """Rule 16: the workload and profile that simulate a step trained under ``torch.compile`` with ``backend``
-    (``policy.compiled``): no frames (no region, every recomputed candidate replayed by Rule 7), the
-    runtime's host costs 0, and Rule 15's sums as traced unless the backend reuses buffers. The candidates,
-    keys, fingerprints and the profile's name are the originals', so a policy made on the twin is the
-    workload's. Idempotent: the twin's twin is the twin."""
+    (``policy.compiled``): marked ``meta["compiled"]`` (both simulators then plan no region and free each
+    replay's temporaries at their last reader), the runtime's host costs 0, and Rule 15's sums as traced
+    unless the backend reuses buffers. The candidates, keys, frames, fingerprints and the profile's name are
+    the originals', so a policy made on the twin is the workload's, its schedule's regions included (the
+    eager runtime's, where the file is applied eagerly). Idempotent: the twin's twin is the twin."""
     ops = w.ops
     if backend not in IN_PLACE_BACKENDS and any(op.in_place_into >= 0 for op in ops):
         ops = [replace(op, in_place_into=-1) if op.in_place_into >= 0 else op for op in ops]
     zero = dict.fromkeys(RUNTIME_HOST_COSTS, 0.0)
     source = hw.host.source if hw.host.source.endswith(_COMPILED) else f"{hw.host.source}{_COMPILED}"
     host = replace(hw.host, **zero, source=source)
-    return replace(w, ops=ops, frames=[], meta={**w.meta, "compiled": backend}), replace(hw, host=host)
+    return replace(w, ops=ops, meta={**w.meta, "compiled": backend}), replace(hw, host=host)
 
 
 def uniform_actions(w: Workload, action: Action) -> np.ndarray:

@@ -79,7 +79,7 @@ def simulate_reference(
                 _, needed, remade = _closure(w, ci, cand_of, first_use[ci], writers)
                 read |= needed | remade  # remade: live where a replay nested in an earlier one runs it
         act = [KEEP if a == COMPRESS and ci in read else a for ci, a in enumerate(act)]
-    framed = bool(w.frames) and all(c.packs for c in cands)
+    framed = bool(w.frames) and all(c.packs for c in cands) and not compiled  # Rule 16: no region compiled
 
     # Rule 11: regions, the candidates they serve, and what each one re-runs and holds.
     planner = RegionPlanner(w) if framed else None

@@ -528,10 +528,7 @@ def nested_closures(
 
 def regions_for(w: Workload, act: np.ndarray, nodes: bool = True) -> list[Region]:
     """The regions of a policy with action codes ``act`` on ``w``, run as nodes or under checkpoint (one-off;
-    the simulator keeps a planner). None where ``w`` has no module calls (the simulators' rule: a workload
-    traced without frames, or the twin of a compiled step, simulator Rule 16)."""
-    if not w.frames or not all(c.packs for c in w.candidates):
-        return []
+    the simulator keeps a planner)."""
     planner = RegionPlanner(w)
     return [planner.region(f) for f in planner.select(as_run(np.asarray(act), held_outside(w)), nodes)]
 

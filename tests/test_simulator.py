@@ -425,7 +425,7 @@ def test_rule_16_a_compiled_step_drops_each_replays_temporaries_and_costs_the_ho
     peak. The runtime's host costs are gone, so the step is its compute and the recompute alone: 9 ops and 6
     replayed, 15 op times, where the eager runtime's 6 replayed ops cost the host 1 ms each. Both simulators
     agree."""
-    s, n, tau = 1000, 3, 1e-4
+    s, n, tau = S, 3, TAU / 10  # the host behind: 1 ms a replayed op, 0.1 ms an op
     w = two_op_chain_workload(n, s, tau)
     hw = fixed_profile(replay_op_s=1e-3)
     tw, th = compiled_twin(w, hw, "aot_eager")
@@ -436,8 +436,22 @@ def test_rule_16_a_compiled_step_drops_each_replays_temporaries_and_costs_the_ho
     assert eager.peak_bytes == (2 * n + 1) * s
     assert compiled.peak_bytes == (n + 2) * s == Simulator(tw, th).run(uniform_actions(w, Action.KEEP)).peak_bytes
     assert compiled.iter_s == pytest.approx(5 * n * tau, rel=1e-12)
-    assert eager.iter_s > 2 * n * 1e-3
+    assert eager.iter_s > 2 * n * 1e-3 > 3 * compiled.iter_s
     for ww, hh in ((w, hw), (tw, th)):
         for vec in (everything, np.array([RECOMPUTE, KEEP, RECOMPUTE], dtype=np.int8)):
             r, ref = Simulator(ww, hh).run(vec), simulate_reference(ww, hh, vec)
             assert (r.peak_bytes, r.iter_s) == (ref.peak_bytes, pytest.approx(ref.iter_s, rel=1e-12))
+    # No module call is a region in a compiled step: the block the eager runtime recomputes as one (Rule 11:
+    # 24 op times, 20 of them the region's host costs) is two replays there, 8 ops and 2 re-run. A policy made
+    # on the twin still carries the eager runtime's regions in its schedule, for a file applied eagerly.
+    fw = framed_chain_workload(4, S, TAU, block=2)
+    acts = np.array([RECOMPUTE, RECOMPUTE, KEEP, KEEP], dtype=np.int8)
+    fh = fixed_profile(region_s=10 * TAU)
+    ftw, fth = compiled_twin(fw, fh, "aot_eager")
+    eager, compiled = Simulator(fw, fh).run(acts), Simulator(ftw, fth).run(acts)
+    assert (eager.regions, eager.iter_s) == (1, pytest.approx(24 * TAU))
+    assert (compiled.regions, compiled.iter_s) == (0, pytest.approx(10 * TAU))
+    assert compiled.iter_s == pytest.approx(simulate_reference(ftw, fth, acts).iter_s, rel=1e-12)
+    made = Policy.from_vector(ftw, acts, hardware="fixed").schedule
+    assert made is not None and len(made.regions) == 1
+    assert made == Policy.from_vector(fw, acts, hardware="fixed").schedule
