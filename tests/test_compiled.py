@@ -402,10 +402,13 @@ def test_a_compiled_steps_peak_is_its_twins_plan() -> None:
     assert Simulator(w, hw).run(policy).peak_bytes > 1.2 * measured  # the eager runtime's plan
 
 
-def test_a_simulated_search_for_inductor_says_its_memory_is_not_modelled(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_simulated_search_for_inductor_says_its_memory_is_not_modelled(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rule 16 is aot_eager's memory; inductor's fusion and buffers are not modelled (the GroupNorm CNN's
     plans were off by -20% to +17% under inductor on the CPU): a search that checks nothing compiled says so,
     and how to check it."""
+    monkeypatch.chdir(tmp_path)  # its policy file and study storage, by their defaults
     code, _, err = run(capsys, "search", "--model", CNN, "--batch-size", "2", "--gpu", "a100-40gb", "--budget",
                        "1GB", "--compile", "--timeout", "1")  # fmt: skip
     assert code == 0, err
