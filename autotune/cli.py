@@ -739,7 +739,8 @@ def search(
     err.print(note)
     if host_note:
         err.print(host_note, highlight=False)
-    if compile_ and (backend or "inductor") == "inductor" and not k:  # Rule 16: aot_eager's memory, not inductor's
+    compiled = (backend or "inductor") if compile_ else None  # simulated as its twin (simulator Rule 16)
+    if compiled == "inductor" and not k:  # Rule 16 is aot_eager's memory, not inductor's
         check = "--measure K trains the finalists compiled" if here is not None else "search with --measure on the GPU"
         err.print(
             "note: the plan is the simulator's twin of a compiled step (Rule 16), exact to 0.004% under aot_eager on "
@@ -760,12 +761,11 @@ def search(
                 backends[partitions] = real_backend(
                     model, batch_size, here or "cpu", steps=3, seq_len=seq_len, image_size=image_size,
                     optimizer=req.optimizer, precision=req.precision, grad_accum=grad_accum, partitions=partitions,
-                    compile_backend=(backend or "inductor") if compile_ else None,
+                    compile_backend=compiled,
                 )  # fmt: skip
         return backends[partitions]
 
     w = backend_for(parts).workload if k else _trace(req)[0]
-    compiled = (backend or "inductor") if compile_ else None  # simulated as its twin (simulator Rule 16)
     rivals = [w]
     # No policy is the unpartitioned model's, whatever the answer partitions.
     plain = _trace(dataclasses.replace(req, partitions=()))[0] if parts else w

@@ -49,7 +49,7 @@ class TrainReport:
     # plan trained on the CPU: the run said only "cpu profile", a QA run)
     planned_for: str | None = None
     planned: dict[str, float] | None = None
-    # The torch.compile backend the policy was planned for (its ``compiled`` field) where this run trained it
+    # The torch.compile backend the policy was planned for (its ``compile_backend`` field) where this run trained it
     # eagerly: the prediction is the eager runtime's, which is not what the search scored
     planned_compiled: str | None = None
 

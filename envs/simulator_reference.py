@@ -286,6 +286,14 @@ def simulate_reference(
         if act[ci] == SWAP and not gpu:
             add("c", ci, size[cands[ci].tensor], free_keep[ci])
 
+    def instant(i: int, parts: list[int]) -> None:
+        """Storages of ``parts`` bytes allocated and freed at once before op i, for the allocations' record (a
+        recompute's temporaries: reused by the next op)."""
+        if allocations is not None:
+            handles = [-2 - 2 * n - j for j in range(len(parts))]
+            allocations.extend(Allocation(i, h, z) for h, z in zip(handles, parts, strict=True))
+            allocations.extend(Allocation(i, h, None) for h in handles)
+
     def materialize(ci: int, i: int) -> None:
         nonlocal held, overhead, held_parts, replay_peak
         if ci in materialized:
@@ -321,10 +329,8 @@ def simulate_reference(
             if compiled:  # Rule 16: its temporaries to their last reader in it, dropped when it is done
                 own, parts = compiled_replay_peak(w, frozenset(closure), c.tensor, g)
                 replay_peak = max(replay_peak, sum(live.values()) + own)
-                if allocations is not None and own:
-                    handles = [-2 - 2 * n - j for j in range(len(parts))]
-                    allocations.extend(Allocation(i, h, z) for h, z in zip(handles, parts, strict=True))
-                    allocations.extend(Allocation(i, h, None) for h in handles)
+                if own:
+                    instant(i, parts)
             else:  # R6: BN's stats copied; nested recomputations hold theirs until the outer one is done
                 made = {x for j in closure for x in (*w.ops[j].outputs, *replay_copies(w, j))}
                 temporaries = made - {c.tensor} - held_ids
@@ -389,10 +395,8 @@ def simulate_reference(
             ran_ids.clear()
             materialize(ci, i)
             replay_peak = max(replay_peak, sum(live.values()) + held)
-            if allocations is not None and held:  # held during this replay, given back before the next one
-                handles = [-2 - 2 * n - j for j in range(len(held_parts))]
-                allocations += [Allocation(i, h, z) for h, z in zip(handles, held_parts, strict=True)]
-                allocations += [Allocation(i, h, None) for h in handles]
+            if held:  # held during this replay, given back before the next one
+                instant(i, held_parts)
         if i == 0:
             cur[0] = -1  # what exists before the iteration
             for t in w.tensors:
@@ -400,10 +404,8 @@ def simulate_reference(
                     live[("t", t.id)] = size[t.id]
             cur[0] = 0
         recomputing = max(sum(live.values()) + transient, replay_peak)  # Rules 7, 11: before op i allocates outputs
-        if allocations is not None and transient:  # held during the region's recompute, given back before op i
-            handles = [-2 - 2 * n - j for j in range(len(transient_parts))]  # freed at once: reused next op
-            allocations += [Allocation(i, h, z) for h, z in zip(handles, transient_parts, strict=True)]
-            allocations += [Allocation(i, h, None) for h in handles]
+        if transient:  # held during the region's recompute, given back before op i
+            instant(i, transient_parts)
         for tid in op.outputs:
             if w.tensors[tid].alloc_op == i and tid not in in_place:
                 live[("t", tid)] = size[tid]
