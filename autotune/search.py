@@ -20,7 +20,7 @@ from agents.base import Problem, SearchContext, SearchResult, Status, baseline_n
 from agents.finalists import Finalists
 from autotune.budget import Budget, record_budget, refuse_unit_left_out
 from autotune.measured import ANSWER, MeasuredSearch, answer_policy
-from autotune.reserved import ROUNDS, ReservedFit, as_result, fit_one, new_pool, scaled_budget
+from autotune.reserved import ROUNDS, ReservedFit, as_result, fit_one, new_pool, reserved_stats, scaled_budget
 from autotune.units import format_bytes, format_size_echo, parse_size
 from envs.simulator import Floor, SimResult, Simulator, frugal_starts, peak_floor
 from runtime.errors import AutotuneError
@@ -47,6 +47,8 @@ class SearchOutcome:
     measured: MeasuredSearch | None = None  # --measure: the finalists as trained (NOTE [ Measured search ])
     written: bool = False  # the answer is in policy_path (write_answer)
     reserved: ReservedFit | None = None  # --budget-kind reserved on a GPU profile (NOTE [ Reserved budget ])
+    # --budget-kind reserved: the best baseline's reserved peak on the allocator's model (step 4)
+    baseline_reserved_bytes: int | None = None
     # --allow-partition with more than one model searched (NOTE [ Choosing a partition ] C4): each one's answer
     searched: list[dict[str, Any]] = field(default_factory=list)
 
@@ -405,6 +407,9 @@ def run_search(
     )
 
 
+_OVER = "reserved bytes over budget"  # the note of a policy that runs out on the allocator's model
+
+
 def fit_reserved(
     outcome: SearchOutcome,
     searcher: str,
@@ -433,6 +438,7 @@ def fit_reserved(
             fit.source = fit.source if n == 1 else f"{fit.source} of search {n}"
             fit.checked, fit.planned = checked, planned
             current.reserved, current.wall_s = fit, wall
+            reserved_baselines(current, budget, expandable_segments)
             return current
         if lowest is None or fit.lowest_peak_bytes < lowest.lowest_peak_bytes:
             lowest = fit
@@ -459,8 +465,26 @@ def fit_reserved(
     assert lowest is not None
     lowest.checked, lowest.planned, lowest.fits = checked, planned, False
     outcome.reserved, outcome.wall_s = lowest, wall
-    outcome.found = dataclasses.replace(outcome.found, status=Status.INFEASIBLE, note="reserved bytes over budget")
+    outcome.found = dataclasses.replace(outcome.found, status=Status.INFEASIBLE, note=_OVER)
+    reserved_baselines(outcome, budget, expandable_segments)
     return outcome
+
+
+def reserved_baselines(outcome: SearchOutcome, budget_bytes: int, expandable_segments: bool = False) -> None:
+    """Step 4 of NOTE [ Reserved budget ]: the baselines held to the answer's budget kind. The feasible ones
+    are checked fastest first on the caching allocator's model with the device capped at ``budget_bytes``; each
+    that runs out there is marked infeasible, up to the first that runs, whose reserved peak is recorded."""
+    ranked = sorted((i for i, b in enumerate(outcome.baselines) if b.feasible),
+                    key=lambda i: -outcome.baselines[i].result.samples_per_s)  # fmt: skip
+    for i in ranked:
+        b = outcome.baselines[i]
+        member = outcome.problem.member(b.rival) if b.rival < len(outcome.problem.rivals) else outcome.problem
+        st = reserved_stats(member, b.policy.to_vector(member.workload), b.policy.options, budget_bytes,
+                            expandable_segments)  # fmt: skip
+        if st is not None:
+            outcome.baseline_reserved_bytes = st.peak_reserved
+            return
+        outcome.baselines[i] = dataclasses.replace(b, status=Status.INFEASIBLE, note=_OVER)
 
 
 def check_reserved(problem: Problem, found: SearchResult, expandable_segments: bool = False) -> ReservedFit:
@@ -588,6 +612,7 @@ def to_json(outcome: SearchOutcome) -> dict[str, Any]:
         "finalists": outcome.measured.to_dict() if outcome.measured is not None else None,
         "budget_kind": "reserved" if outcome.reserved is not None and outcome.reserved.enforced else "allocated",
         "reserved": outcome.reserved.to_dict() if outcome.reserved is not None else None,
+        "best_heuristic_reserved_peak_bytes": outcome.baseline_reserved_bytes,
         "partitions_searched": outcome.searched,
     }
 
@@ -634,7 +659,8 @@ def render(out: Console, outcome: SearchOutcome) -> None:
         # Searched among partitions (NOTE [ Choosing a partition ] C5): the baseline's, where not the answer's.
         other = top.policy.partitions != f.policy.partitions
         sliced = f", on {', '.join(str(p) for p in top.policy.partitions) or 'no partition'}" if other else ""
-        row(f"best baseline ({top.searcher}{sliced})", top.result)
+        held = "; reserved bytes fit" if outcome.baseline_reserved_bytes is not None else ""
+        row(f"best baseline ({top.searcher}{sliced}{held})", top.result)
     else:
         t.add_row("best baseline", "none fits", "", "", "", "")
     if outcome.milp is not None:
@@ -668,9 +694,9 @@ def render(out: Console, outcome: SearchOutcome) -> None:
         given = f", {rf.retries} time(s) giving cached blocks back" if rf.retries else ""
         out.print(
             f"reserved: {how} runs within {format_bytes(rf.planned[0])} on a model of PyTorch's CUDA caching "
-            f"allocator{es}, {format_bytes(rf.reserved_peak_bytes)} reserved at most{given} (the model is not yet "
-            f"checked on a GPU; {_policies(rf.checked)} checked{again}; --budget-kind allocated plans for tensors "
-            "alone)" + ("; train it with autotune train --expandable-segments" if es else ""),
+            f"allocator{es}, {format_bytes(rf.reserved_peak_bytes)} reserved at most{given} ({_policies(rf.checked)} "
+            f"checked{again}; {_baselines_held(outcome)}; --budget-kind allocated plans for tensors alone)"
+            + ("; train it with autotune train --expandable-segments" if es else ""),
             highlight=False,
         )
     if outcome.written:
@@ -680,6 +706,14 @@ def render(out: Console, outcome: SearchOutcome) -> None:
             f"them simulated, the rest found in the cache; {outcome.wall_s:.1f} s"
             f"{converged}); check it with `autotune simulate --policy {outcome.policy_path}`"
         )
+
+
+def _baselines_held(outcome: SearchOutcome) -> str:
+    """What step 4 of NOTE [ Reserved budget ] did to the baselines, for the reserved line."""
+    over = sum(b.note == _OVER for b in outcome.baselines)
+    if outcome.baseline_reserved_bytes is not None:
+        return f"the best baseline is held to it too, {over} faster ones running out there"
+    return f"none of the {_policies(over)} of the baselines runs there"
 
 
 def render_measured(out: Console, m: MeasuredSearch) -> None:

@@ -383,6 +383,50 @@ def test_the_reserved_check_tries_the_finalists_with_room(monkeypatch: pytest.Mo
     assert fit.fits and fit.source == "finalist" and fit.checked == 4
 
 
+def test_the_reserved_budget_holds_the_baselines_to_it_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Reserved budget ] step 4 on hand-made baselines (budget 1000 bytes; an allocator that runs only
+    what is planned at 900 bytes or less): the two fastest feasible baselines (1000 and 960 bytes) run out and
+    are marked so, the third (890) is the best baseline and its reserved peak is reported; the slowest (850) is
+    not checked, nor the infeasible one (1200). Where none runs, none is the best."""
+    from agents.base import Status
+    from autotune import search as sr
+    from envs.allocator import AllocatorStats
+
+    plans = {(1, 0, 0, 0): (1000, 100.0), (1, 1, 1, 0): (960, 90.0), (2, 2, 2, 0): (890, 50.0),
+             (2, 2, 2, 2): (850, 40.0), (0, 0, 0, 0): (1200, 200.0)}  # fmt: skip
+    problem, planned, found = _hand_finalists(plans)
+    tried: list[int] = []
+
+    def on_the_model(problem: Problem, actions: np.ndarray, *_a: object, **_k: object) -> AllocatorStats | None:
+        peak = planned[np.asarray(actions, dtype=np.int8).tobytes()].peak_bytes
+        tried.append(peak)
+        return AllocatorStats(peak, 1000, peak, peak, peak + 7, peak) if peak <= 900 else None
+
+    def baselines() -> list[SearchResult]:
+        out = []
+        for vec, (peak, _) in plans.items():
+            status = Status.FEASIBLE if peak <= 1000 else Status.INFEASIBLE
+            policy = Policy.from_vector(problem.workload, np.array(vec, dtype=np.int8), hardware="fixed")
+            out.append(SearchResult(f"b{peak}", policy, planned[policy.to_vector(problem.workload).tobytes()],
+                                    status, 0.0, 0))  # fmt: skip
+        return out
+
+    monkeypatch.setattr(sr, "reserved_stats", on_the_model)
+    outcome = sr.SearchOutcome(problem, None, found, baselines(), None, _result(2000, 300.0), Path("p.json"), 0.0)  # type: ignore[arg-type]
+    sr.reserved_baselines(outcome, 1000)
+    assert tried == [1000, 960, 890] and outcome.baseline_reserved_bytes == 890 + 7
+    assert [b.note for b in outcome.baselines[:2]] == [sr._OVER] * 2 and not any(b.note for b in outcome.baselines[2:])
+    top = sr.best_heuristic(outcome)
+    assert top is not None and top.searcher == "b890"
+    assert sr._baselines_held(outcome) == "the best baseline is held to it too, 2 faster ones running out there"
+    # an allocator on which nothing runs: no baseline is the best
+    monkeypatch.setattr(sr, "reserved_stats", lambda *_a, **_k: None)
+    outcome = sr.SearchOutcome(problem, None, found, baselines(), None, _result(2000, 300.0), Path("p.json"), 0.0)  # type: ignore[arg-type]
+    sr.reserved_baselines(outcome, 1000)
+    assert sr.best_heuristic(outcome) is None and outcome.baseline_reserved_bytes is None
+    assert sr._baselines_held(outcome) == "none of the 4 policies of the baselines runs there"
+
+
 def test_measure_goes_on_to_more_room_while_finalists_run_out_of_memory_within_the_budget() -> None:
     """NOTE [ Measured search ] with the device capped at the budget (RealBackend's cap_bytes, as `autotune
     train` caps it): a policy planned over 900 bytes runs out of memory there (an infinite time; its uncapped
@@ -923,6 +967,10 @@ def test_budget_kind_reserved_plans_for_what_the_caching_allocator_holds(
     assert r["reserved_peak_bytes"] <= planned[0] and d["peak_bytes"] <= planned[1]
     assert err.count("searching again for") == 1 and (tmp_path / "r.json").exists()
     assert d["samples_per_s"] <= plain["samples_per_s"]
+    # the best baseline is held to the reserved budget too (step 4): one that runs there, or none
+    held = d["best_heuristic_reserved_peak_bytes"]
+    assert (held is None) == (d["best_heuristic"] is None) and (held is None or held <= planned[0])
+    assert plain["best_heuristic_reserved_peak_bytes"] is None
     code, _, err = run(capsys, *common, "--budget-kind", "cached", "--out", str(tmp_path / "x.json"))
     assert code == 2 and "invalid --budget-kind 'cached'" in err and not (tmp_path / "x.json").exists()
 
