@@ -380,8 +380,8 @@ def run_search(
         if top is not None and better(top.result, found.result):
             found = dataclasses.replace(top, searcher=found.searcher, note=f"won by {top.searcher}")
         if found.feasible and not found.policy.to_vector(problem.member(found.rival).workload).any():
-            # The budget holds the model as it is: "won by capuchin" named a heuristic for keeping everything.
-            found = dataclasses.replace(found, note="keeping everything fits the budget: no policy needed")
+            # "won by capuchin" named a heuristic for keeping everything.
+            found = dataclasses.replace(found, note=_keeping_everything(problem.member(found.rival), found, no_policy))
         if not found.feasible:  # the nearest miss won nothing: "won by delta" stood beside "fits: no" (a QA run)
             nearest = found.note.removeprefix("won by ")
             note = "does not fit the budget" + (f"; nearest: {nearest}" if nearest else "")
@@ -405,6 +405,22 @@ def run_search(
         time.perf_counter() - started,
         ctx.interrupted,
     )
+
+
+def _keeping_everything(problem: Problem, found: SearchResult, no_policy: SimResult) -> str:
+    """The note of an answer that keeps every saved tensor. "No policy needed" only where the model as it is
+    fits: keeping everything can fit where plain training does not, on slices (a partition) or with a shared
+    parameter's gradients summed in place (runtime R14, simulator Rule 15: GPT-2's tied embedding, 147 MiB at
+    GPT-2 small), which only the policy applied does."""
+    if no_policy.feasible:
+        return "keeping everything fits the budget: no policy needed"
+    if found.policy.partitions:
+        how = f"on slices ({', '.join(str(p) for p in found.policy.partitions)})"
+    elif any(op.in_place_into >= 0 for op in problem.workload.ops):
+        how = "with the shared parameters' gradients summed in place (runtime R14)"
+    else:
+        how = "as the policy is applied"
+    return f"keeping every tensor fits {how}, not without the policy: train with it applied"
 
 
 _OVER = "reserved bytes over budget"  # the note of a policy that runs out on the allocator's model

@@ -513,3 +513,11 @@ class TwoReaders(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x) + 1.0
         return self.out(self.a(h) * self.b(h))
+
+
+def make_tied(batch_size: int = 2) -> tuple[nn.Module, tuple[torch.Tensor, ...], object]:
+    """TiedEmbedding on 4 tokens a sample: its peak is the end of backward, where plain PyTorch holds the tied
+    weight's two gradients and their sum (runtime R14 sums them in place under any policy)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1024, (batch_size, 4), generator=g)
+    return TiedEmbedding(), (ids, torch.randint(0, 1024, (batch_size * 4,), generator=g)), cross_entropy_loss

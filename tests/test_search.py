@@ -630,4 +630,25 @@ def test_a_budget_that_holds_the_model_as_it_is_says_no_policy_is_needed(
     got = json.loads(out)
     assert got["note"] == "keeping everything fits the budget: no policy needed" and got["slowdown"] == 0
     assert got["searcher"] == "portfolio" and got["evaluations"] < 100, got["evaluations"]
+
+
+def test_keeping_everything_that_fits_only_as_applied_does_not_say_no_policy_is_needed(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A tied embedding (tests.fixtures_models:make_tied, on the CPU): plain training peaks at 2.70 MiB, the end
+    of backward holding the tied weight's two gradients and their sum; keeping every tensor peaks at 2.21 MiB,
+    since the runtime sums them in place (R14). Within 2.5 MiB the answer keeps everything, which fits only with
+    the policy applied: the table said "no policy needed" beside a "no policy" row that does not fit (a QA run on
+    GPT-2, 1.68 GiB against 1.53 within 1.6 GiB)."""
+    code, out, err = run(capsys, "search", "--model", "tests.fixtures_models:make_tied", "--gpu", "cpu", "--budget",
+                         "2.5MiB", "--timeout", "5", "--out", str(tmp_path / "p.json"), "--storage",
+                         f"sqlite:///{tmp_path / 's.db'}", "--json")  # fmt: skip
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["feasible"] and got["no_policy_peak_bytes"] > got["planned_budget_bytes"] >= got["peak_bytes"]
+    assert sum(v for k, v in got["bytes_by_action"].items() if k != "kept") == 0
+    assert got["note"] == (
+        "keeping every tensor fits with the shared parameters' gradients summed in place (runtime R14), not "
+        "without the policy: train with it applied"
+    )
     assert got["bytes_by_action"]["kept"] > 0 == sum(v for k, v in got["bytes_by_action"].items() if k != "kept")
