@@ -348,11 +348,13 @@ def run_search(
         except KeyboardInterrupt:
             ctx.interrupt()
         milp_result = None
-        # The model as it is fits: keeping everything is the fastest policy there is (every other action adds
-        # work, Rules 4-8), so a search would spend its time to find it again; but for --measure, whose finalists
-        # come from the search (a plan that fits can run out when trained).
+        # Keeping everything fits (the model as it is, or with a shared parameter's gradients summed in place,
+        # Rule 15): it is the fastest policy there is (every other action adds work, Rules 4-8), so a search
+        # would spend its time to find it again; but for --measure, whose finalists come from the search (a
+        # plan that fits can run out when trained). Among rival partitions only where the model as it is fits
+        # (else keeping everything on slices can be slower than another policy without them).
         kept_all = None
-        if no_policy.feasible and problem.finalists is None and not ctx.interrupted:
+        if (no_policy.feasible or not problem.rivals) and problem.finalists is None and not ctx.interrupted:
             kept_all = best_of(
                 b for b in baselines if b.feasible and not b.policy.to_vector(problem.member(b.rival).workload).any()
             )
