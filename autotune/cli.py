@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -1539,8 +1540,8 @@ def _main(args: list[str]) -> None:
                 warnings.showwarning = _one_line_warning
             code = app(args, prog_name="autotune", standalone_mode=False)
     except AutotuneError as e:
-        if _DEBUG:
-            raise
+        if _DEBUG:  # the traceback, then the error as without --debug: its exit code and --json object too
+            traceback.print_exc()
         # The message as it is: a key such as ``d1.0#0.0:Cat`` is no emoji code, ``[x]`` no markup.
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True, emoji=False)
         raise _failed(str(e), 2, as_json) from None
@@ -1570,10 +1571,11 @@ def _main(args: list[str]) -> None:
         if _is_click(e, "Abort"):
             raise SystemExit(1) from None
         if _DEBUG:
-            raise
+            traceback.print_exc()
         err.print(
-            f"[bold red]internal error:[/] {type(e).__name__}: {escape(str(e))} (rerun with --debug for the "
-            "traceback, and please report it)",
+            f"[bold red]internal error:[/] {type(e).__name__}: {escape(str(e))} ("
+            + ("" if _DEBUG else "rerun with --debug for the traceback, and ")
+            + "please report it)",
             highlight=False,
             soft_wrap=True,
             emoji=False,

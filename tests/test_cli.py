@@ -314,10 +314,22 @@ def test_bad_workload_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
 
 
 def test_debug_shows_traceback(capsys: pytest.CaptureFixture[str]) -> None:
-    from runtime.errors import AutotuneError
-
-    with pytest.raises(AutotuneError):
-        main(["profile", "--model", "resnet100", "--debug"])
+    """--debug adds the traceback and changes nothing else: exit code 2 and, with --json, the error object (it
+    exited 1 with nothing on stdout, a QA run)."""
+    for args in (
+        ["profile", "--model", "resnet100", "--debug"],
+        ["--debug", "profile", "--model", "resnet100", "--json"],
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert e.value.code == 2
+        out, err = capsys.readouterr()
+        assert "Traceback (most recent call last)" in err and "AutotuneError: unknown model 'resnet100'" in err
+        assert err.strip().splitlines()[-1].startswith("error: unknown model 'resnet100'")
+        if "--json" in args:
+            assert json.loads(out)["exit_code"] == 2 and "resnet100" in json.loads(out)["error"]
+        else:
+            assert out == ""
 
 
 @pytest.mark.parametrize(
