@@ -185,14 +185,22 @@ def build_model(
     # See NOTE [ Building under FakeTensorMode ]. Tensors are created on `dev` in `dtype` (the default
     # dtype for the build), so modules are born where and as they will run, never converted afterwards.
     with _seeded(seed, dev), _fake_mode_fixes(family), torch.device(dev), _default_dtype(dtype):
-        if family == "torchvision":
-            entry = _build_torchvision(canonical, batch_size, image_size, dtype, overrides)
-        elif family == "gpt2":
-            entry = _build_gpt2(canonical, batch_size, seq_len, overrides)
-        elif family == "bert":
-            entry = _build_bert(canonical, batch_size, seq_len, overrides)
-        else:
-            entry = _build_custom(canonical, batch_size, seq_len, image_size, dev, dtype, overrides)
+        try:
+            if family == "torchvision":
+                entry = _build_torchvision(canonical, batch_size, image_size, dtype, overrides)
+            elif family == "gpt2":
+                entry = _build_gpt2(canonical, batch_size, seq_len, overrides)
+            elif family == "bert":
+                entry = _build_bert(canonical, batch_size, seq_len, overrides)
+            else:
+                entry = _build_custom(canonical, batch_size, seq_len, image_size, dev, dtype, overrides)
+        except (RuntimeError, MemoryError) as exc:  # a size the device's memory (or a tensor's size) cannot hold
+            given = (("--batch-size", batch_size), ("--image-size", image_size), ("--seq-len", seq_len))
+            sizes = " ".join(f"{flag} {v}" for flag, v in given if v is not None)
+            raise AutotuneError(
+                f"{canonical} could not be built with its batch{' at ' + sizes if sizes else ''} on {dev.type}: "
+                f"{type(exc).__name__}: {one_line(exc)}; choose smaller sizes"
+            ) from exc
     _move_module(entry, dev, dtype)
     entry.module.train()
     return entry

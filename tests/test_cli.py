@@ -241,6 +241,11 @@ BAD_INPUTS = [
     # an op whose fake kernel refuses fp32 (Mixtral's experts) was an internal error with a logged traceback
     (["profile", "--model", "tests.fixtures_models:make_grouped_mm", "--gpu", "a100-40gb"], "_grouped_mm.default"),
     (["profile", "--model", "resnet18", "--batch-size", "0"], "batch size"),
+    # a batch this machine cannot make was an internal error (exit 1) in a real trace
+    (
+        ["profile", "--model", "resnet18", "-b", "2", "--image-size", "1000000000", "--gpu", "cpu", "--mode", "real"],
+        "could not be built with its batch at --batch-size 2 --image-size 1000000000 on cpu",
+    ),
     (["profile", "--model", "resnet18", "--batch-size", "-3"], "-3"),
     (["profile", "--model", "resnet18", "--budget", "6XB"], "6XB"),
     (["profile", "--model", "resnet18", "--gpu", "a100"], "a100"),
