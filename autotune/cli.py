@@ -1039,7 +1039,8 @@ def maxbatch(
         err.print(
             f"[bold red]error:[/] no batch size trains within {sr.format_bytes(plan.planned_bytes)} (planned)"
             f"{slower}, not even 1; nothing written; raise --budget"
-            + (" or --max-slowdown" if max_slowdown is not None else ""),
+            + (" or --max-slowdown" if max_slowdown is not None else "")
+            + "".join(f" (at batch size {b} {model} does not train: {e})" for b, e in search.untrainable.items()),
             highlight=False,
         )
         raise SystemExit(1)

@@ -37,7 +37,7 @@ from autotune.measured import MeasuredSearch, answer_policy
 from autotune.reserved import ReservedFit
 from autotune.search import budget_floor, check_reserved, plain_no_policy, warn_reserved
 from envs.simulator import SimResult
-from runtime.errors import AutotuneError
+from runtime.errors import AutotuneError, ModelError
 from runtime.hardware import HardwareProfile
 from runtime.policy import Policy
 from runtime.workload import Workload, peak_report
@@ -182,6 +182,9 @@ class MaxBatch:
         self.progress = progress or (lambda _msg: None)
         self.results: dict[int, SizeResult] = {}
         self._workloads: dict[int, Workload] = {}  # what each size is planned on
+        # sizes at which the model raised in its first training step, once another size had traced (BatchNorm
+        # at batch 1: "expected more than 1 value per channel"): they do not fit; the first such error
+        self.untrainable: dict[int, str] = {}
         self._plain: dict[int, Workload] = {}  # unpartitioned: what no policy runs
         self._no_policy: dict[int, SimResult] = {}
         self._problems: dict[int, Problem] = {}
@@ -189,9 +192,17 @@ class MaxBatch:
         self._last_fit: SizeResult | None = None
 
     def workload(self, b: int) -> Workload:
+        if b in self.untrainable:
+            raise _Untrainable(b)
         if b not in self._workloads:
             self.progress(f"tracing batch {b}")
-            self._plain[b] = self._workloads[b] = self.trace(b)
+            try:
+                self._plain[b] = self._workloads[b] = self.trace(b)
+            except ModelError as e:
+                if not self._workloads:  # the first size: the model, or its settings, do not train at all
+                    raise
+                self.untrainable[b] = str(e).split("; does ")[0]
+                raise _Untrainable(b) from None
             if self.partition is not None:
                 self._workloads[b] = self.partition(self._plain[b])
         return self._workloads[b]
@@ -310,9 +321,9 @@ class MaxBatch:
     def run(self, start: int, rel_tol: float = 0.0) -> MaxBatchOutcome:
         """``rel_tol``: stop each bisection once its bounds are within that fraction (0: exact)."""
         started = time.perf_counter()
-        best = _largest(start, lambda b: self.evaluate(b).fits, rel_tol)
-        baseline = _largest(start, self.baseline_fits, rel_tol)
-        no_policy = _largest(start, self.no_policy_fits, rel_tol)
+        best = _largest(start, _trainable(lambda b: self.evaluate(b).fits), rel_tol)
+        baseline = _largest(start, _trainable(self.baseline_fits), rel_tol)
+        no_policy = _largest(start, _trainable(self.no_policy_fits), rel_tol)
         for b in self._workloads:  # sizes not searched (baselines or no policy only): record them too
             if b not in self.results:
                 r = self.no_policy(b)
@@ -405,6 +416,22 @@ def _as_seed(problem: Problem, policy: Policy, name: str) -> SearchResult:
     result = problem.evaluate(actions, policy.options)
     status = Status.FEASIBLE if result.feasible else Status.INFEASIBLE
     return SearchResult(name, policy, result, status, 0.0, 1)
+
+
+class _Untrainable(Exception):
+    """A batch size at which the model does not train (``MaxBatch.untrainable``)."""
+
+
+def _trainable(fits: Callable[[int], bool]) -> Callable[[int], bool]:
+    """``fits``, False at a size where the model does not train."""
+
+    def fits_or_not(b: int) -> bool:
+        try:
+            return fits(b)
+        except _Untrainable:
+            return False
+
+    return fits_or_not
 
 
 def _largest(start: int, fits: Callable[[int], bool], rel_tol: float = 0.0) -> int:

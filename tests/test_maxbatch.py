@@ -78,6 +78,11 @@ def test_a_start_batch_that_does_not_fit_halves_and_nothing_fitting_exits_1(
     code, _, err = run(capsys, *args, "--budget", "40MB", "--start-batch", "2", "--out", str(out), "--json")
     assert code == 1 and "no batch size trains within" in err and "not even 1" in err, err
     assert not out.exists()
+    # At 32 px resnet18's BatchNorm sees one value per channel at batch 1, where its training step raises: that
+    # size does not train, so it does not fit (it was an input error blaming --image-size, exit 2, a QA run).
+    code, _, err = run(capsys, *args, "--budget", "50MB", "--image-size", "32", "--start-batch", "2", "--json")
+    assert code == 1 and "not even 1" in err and "at batch size 1 resnet18 does not train: " in err, err
+    assert "Expected more than 1 value per channel" in err and "--image-size" not in err
 
 
 def test_ctrl_c_in_a_sizes_search_stops_maxbatch(
