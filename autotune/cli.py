@@ -162,6 +162,12 @@ def profile(
     if budget is not None and not as_json:
         err.print(f"budget: {format_size_echo(budget, budget_bytes or 0)}")
     saved = Workload.load(workload) if workload is not None else None
+    if saved is not None and ((mode != "fake" and mode != saved.mode) or device != "cpu"):  # they trace: ignored here
+        flag = f"--device {device}" if device != "cpu" else f"--mode {mode}"
+        raise AutotuneError(
+            f"{flag} with --workload {workload}, a {saved.mode} trace read from the file ({flag.split()[0]} sets how "
+            f"a new trace runs): drop {flag}, or trace again without --workload"
+        )
     traced_for = saved.meta.get("traced_for") if saved is not None and saved.mode == "fake" else None
     # Without --gpu: the profile a fake trace took its kernels from, or the one of the device a real trace ran on
     # (its op times measured, as search plans --gpu cpu): a CPU's trace showed an a100-40gb's roofline times.

@@ -70,7 +70,9 @@ def test_profile_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     # (a QA run asked for resnet34 at batch 8 in bf16, and --model nosuchmodel passed). Refused, naming both.
     for other, said in ((["--model", "resnet34"], "--model resnet34"), (["-b", "8"], "--batch-size 8"),
                         (["--precision", "bf16"], "--precision bf16"),
-                        (["--image-size", "32"], "--image-size 32")):  # fmt: skip
+                        (["--image-size", "32"], "--image-size 32"),
+                        # how a new trace runs: ignored with rc 0 (a QA run)
+                        (["--mode", "real"], "--mode real"), (["--device", "cuda"], "--device cuda")):  # fmt: skip
         assert f"{said} with --workload" in user_error(capsys, "profile", *other, *saved)
     # A fake trace takes its profile's kernels: another GPU's plan from it was accepted (a QA run). Refused where
     # their choices differ; without --gpu the trace's own profile is taken.
