@@ -489,7 +489,9 @@ def baselines(
     image_size: ImageOpt = None,
     gpu: GpuOpt = None,
     only: Annotated[str | None, typer.Option(help="Comma-separated methods \\[default: all].")] = None,
-    save: Annotated[Path | None, typer.Option(help="Write each method's policy file into this folder.")] = None,
+    save: Annotated[
+        Path | None, typer.Option(help="Write each method's policy file into this folder (made if missing).")
+    ] = None,
     allow_compress: Annotated[bool, typer.Option(help="Let methods propose compression (lossy).")] = False,
     time_limit: Annotated[float, typer.Option(help="Seconds each exact solver may take.")] = 30.0,
     reserve: ReserveOpt = None,
@@ -1170,7 +1172,8 @@ def sweep(
     ] = "sqlite:///autotune.db",
     report: Annotated[Path | None, typer.Option(help="Write a self-contained HTML report here.")] = None,
     out_dir: Annotated[
-        Path | None, typer.Option("--out-dir", help="Write each cell's best policy file into this folder.")
+        Path | None,
+        typer.Option("--out-dir", help="Write each cell's best policy file into this folder (made if missing)."),
     ] = None,
     heartbeat: Annotated[
         float | None,

@@ -63,6 +63,13 @@ def run_simulate(
             f"invalid --lookahead {lookahead}: expected 0 (copy back on demand) or more unpack points to prefetch "
             "ahead, e.g. --lookahead 2"
         )
+    # An option the uniform action does not use was ignored with exit 0 (a QA run: --action keep --lossy).
+    for flag, given, used_by in (("--lossy", lossy, Action.COMPRESS), ("--lookahead", lookahead, Action.SWAP)):
+        if act is not None and act != used_by and given is not None and given is not False:
+            raise AutotuneError(
+                f"{flag} applies with --action {used_by.value}, not --action {act.value}, which does not use it: "
+                f"drop {flag}"
+            )
     lookahead = 2 if lookahead is None else lookahead
     lossy, region_nodes = bool(lossy), True if region_nodes is None else region_nodes
     if act == Action.COMPRESS and not lossy:

@@ -255,6 +255,12 @@ BAD_INPUTS = [
     (["simulate", "--model", "resnet18"], "--policy"),
     # refused after the trace, as "prefetch_lookahead=-2 is negative" (a QA run): now before it, with the way out
     (["simulate", "--model", "resnet18", "--action", "swap", "--lookahead", "-2"], "invalid --lookahead -2"),
+    # ignored with exit 0 (a QA run)
+    (["simulate", "--model", "resnet18", "--action", "keep", "--lossy"], "--lossy applies with --action compress"),
+    (
+        ["simulate", "-m", "resnet18", "--action", "recompute", "--lookahead", "3"],
+        "--lookahead applies with --action swap",
+    ),
     (["search", "--model", "resnet18", "--budget", "6"], "e.g. 6GB or 6GiB"),  # a unit left out: refused at once
     (["profile", "--model", "gpt2", "--seq-len", "0"], "invalid --seq-len 0"),
     (["profile", "--model", "resnet18", "--image-size", "0"], "invalid --image-size 0"),
