@@ -108,9 +108,11 @@ def check_partitions(model: torch.nn.Module, partitions: Sequence[Partition]) ->
         try:
             model.get_submodule(p.module)
         except AttributeError:
+            top = [n for n, m in model.named_children() if any(True for _ in m.children())][:4]
+            e_g = f" (its own with submodules: {', '.join(repr(n) for n in top)})" if top else ""
             raise AutotuneError(
                 f"partition of {p.module!r}: the model has no such submodule; name one as in "
-                "`model.named_modules()` (e.g. 'features' or 'layer2')"
+                f"`model.named_modules()`{e_g}"
             ) from None
         outer = [q for q in paths if q != p.module and p.module.startswith(q + ".")]
         if outer:

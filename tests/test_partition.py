@@ -153,7 +153,9 @@ def test_batch_norm_and_bad_partitions_are_refused() -> None:
     model, _, _ = _cnn(norm=True)()
     refused = {
         r"features.*BatchNorm in training mode": (Partition("features", 2),),
-        r"no such submodule": (Partition("stem", 2),),
+        r"no such submodule; name one as in `model.named_modules\(\)` \(its own with submodules: 'features'": (
+            Partition("stem", 2),
+        ),
         r"cannot nest": (Partition("features", 2), Partition("features.0", 2)),
         r"partition a submodule": (Partition("", 2),),
     }
