@@ -82,7 +82,11 @@ ImageOpt = Annotated[
 ]
 GpuOpt = Annotated[
     str | None,
-    typer.Option("--gpu", help="Hardware profile to plan for (see `autotune hardware`); default: the detected GPU."),
+    typer.Option(
+        "--gpu",
+        help="Hardware profile to plan for (see `autotune hardware`; cpu: this machine); default: the detected "
+        "GPU, else a100-40gb.",
+    ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 AccumOpt = Annotated[
