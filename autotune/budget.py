@@ -119,9 +119,12 @@ def parse_budget(text: str, option: str = "--budget") -> int:
 def refuse_unit_left_out(option: str, text: str, n: int) -> None:
     """A size of ``option`` given as a number alone (bytes) below 1 MiB: a unit left out, surely."""
     if n < 2**20 and text.strip().isdigit():
+        t = text.strip()
+        # a unit on a number of thousands (1048575GB: a petabyte) was no likely meaning (a QA run)
+        unit = f"e.g. {t}GB or {t}GiB" if n < 1000 else "e.g. 6GB or 6GiB"
         raise AutotuneError(
             f"invalid {option} '{text}': without a unit that is {n} bytes, most likely a unit left out; write "
-            f"the unit, e.g. {text.strip()}GB or {text.strip()}GiB, or {text.strip()}B if you mean bytes"
+            f"the unit, {unit}, or {t}B if you mean bytes"
         )
 
 

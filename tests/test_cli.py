@@ -262,6 +262,8 @@ BAD_INPUTS = [
         "--lookahead applies with --action swap",
     ),
     (["search", "--model", "resnet18", "--budget", "6"], "e.g. 6GB or 6GiB"),  # a unit left out: refused at once
+    # ... where the number is thousands, not with that unit on it ("1048575GB", a QA run)
+    (["search", "--model", "resnet18", "--budget", "1048575"], "write the unit, e.g. 6GB or 6GiB, or 1048575B"),
     (["profile", "--model", "gpt2", "--seq-len", "0"], "invalid --seq-len 0"),
     (["profile", "--model", "resnet18", "--image-size", "0"], "invalid --image-size 0"),
     (["profile", "--model", "gpt2", "--image-size", "32"], "--image-size 32 given for language model 'gpt2'"),
