@@ -570,6 +570,8 @@ def load_policy(
         fix = (
             "; check the path (`autotune search` writes <model>.policy.json in the folder it runs in, or --out)"
             if isinstance(e, FileNotFoundError)
+            else f"; {_fix()}"
+            if isinstance(e, UnicodeDecodeError)
             else ""
         )
         if path.is_dir():  # a folder given for the file in it

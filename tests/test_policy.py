@@ -144,7 +144,9 @@ def test_unreadable_and_not_json(tmp_path: Path) -> None:
     with pytest.raises(AutotuneError, match=r"dup\.json: key 'a' appears twice in one object"):
         load_policy(tmp_path / "dup.json")
     (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00")
-    with pytest.raises(AutotuneError, match=r"cannot read policy file .*not UTF-8"):
+    with pytest.raises(
+        AutotuneError, match=r"cannot read policy file .*not UTF-8 text; search a new one with `autotune search"
+    ):
         load_policy(tmp_path / "bin.json")
     # A folder: "Is a directory" said nothing of what to give (a QA run); the file in it is named.
     with pytest.raises(AutotuneError, match=r"Is a directory; give a policy file, not a folder$"):
