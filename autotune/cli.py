@@ -722,6 +722,7 @@ def search(
             f"{what} with --gpu cpu: the CPU has no CUDA caching allocator to reserve memory; drop {what}, or plan "
             "for a GPU (--gpu a100-40gb)"
         )
+    check_storage(storage)  # before the profile: --gpu cpu calibrates this CPU first (seconds)
     hw, note = resolve_profile(gpu)
     here = sr.plan_device(hw, device)
     hw, host_note = sr.with_host_memory(hw, host_memory, here)
@@ -747,7 +748,6 @@ def search(
         partitions=parts,
     )
     req.validate()
-    check_storage(storage)
     plan.echo(err, hw)
     err.print(note)
     if host_note:

@@ -614,9 +614,14 @@ def test_storage_errors_are_input_errors_before_tracing(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, url: str, says: str
 ) -> None:
     import autotune.cli as cli
+    from runtime import hardware
 
     monkeypatch.setattr(cli, "_trace", lambda req: pytest.fail("traced before the storage was checked"))
-    code, _, err = run(capsys, "search", "--model", "resnet18", "--budget", "1GB", "--gpu", "a100-40gb", "--storage",
+    # --gpu cpu calibrates this CPU (seconds) when its profile is resolved: after the storage's check too
+    monkeypatch.setattr(
+        hardware, "resolve_profile", lambda gpu: pytest.fail("calibrated before the storage was checked")
+    )
+    code, _, err = run(capsys, "search", "--model", "resnet18", "--budget", "1GB", "--gpu", "cpu", "--storage",
                        url)  # fmt: skip
     assert code == 2 and f"--storage {url}: cannot open it" in err and says in err, err
     assert "internal error" not in err
