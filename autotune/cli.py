@@ -215,6 +215,13 @@ def profile(
             target=hw,
         )
         w, trace_s = _trace(req)
+        measured_on = w.meta.get("device_profile")
+        if mode == "real" and measured_on != hw.name:  # runtime.hardware.op_times_s: measured for their own only
+            err.print(
+                f"note: the times below are {hw.name}'s roofline estimates; the op times this real trace measured "
+                f"are {measured_on}'s (plan with --gpu {measured_on} to use them)",
+                highlight=False,
+            )
     if out_file is not None:
         w.save(out_file)
     report = profile_report(w, hw, trace_s=trace_s, budget_bytes=budget_bytes, top=top,

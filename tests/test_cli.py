@@ -87,6 +87,19 @@ def test_profile_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     assert d["traced_for"] == "a100-40gb" and d["workload_file"] is None
 
 
+def test_a_real_trace_profiled_for_another_device_says_its_times_are_estimates(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A real trace on this CPU profiled for a t4: the times shown are the t4's roofline estimates, the
+    measured ones the CPU's (they were dropped without a word, a QA run); for the CPU itself nothing is said."""
+    args = ["profile", "--model", "resnet18", "--batch-size", "2", "--image-size", "32", "--mode", "real"]
+    code, _, err = run(capsys, *args, "--gpu", "t4")
+    assert code == 0 and "note: the times below are t4's roofline estimates" in err, err
+    assert "(plan with --gpu cpu to use them)" in err
+    code, _, err = run(capsys, *args)
+    assert code == 0 and "roofline" not in err, err
+
+
 def test_profile_for_a_gpu_counts_cublas_workspaces_by_default(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
