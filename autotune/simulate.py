@@ -200,7 +200,7 @@ def run_simulate(
             fingerprint=w.fingerprint,
             compile_backend=compiled,
             peak_op_name=w.ops[result.peak_op].name,
-            actions={a.value: n for a, n in policy.counts().items()},
+            actions={a.value: n for a, n in policy.counts(w).items()},
             no_policy={
                 "peak_bytes": baseline.peak_bytes,
                 "iter_s": baseline.iter_s,
@@ -271,7 +271,7 @@ def _render(
     out: Console, w: Workload, gpu: str, policy: Policy, r: SimResult, base: SimResult, planned: bool = False
 ) -> None:
     """The table of ``r`` against no policy; ``planned``: the budget in ``r`` is the given one less a reserve."""
-    counts = ", ".join(f"{n} {a.value}" for a, n in policy.counts().items() if n)
+    counts = ", ".join(f"{n} {a.value}" for a, n in policy.counts(w).items() if n)
     out.print(f"[bold]{w.model}[/] batch {w.batch_size} on {gpu}: {counts}")
     # Rule 10: with --grad-accum k the times are one micro-batch's and the optimizer step's; the iteration runs k.
     k = w.grad_accum

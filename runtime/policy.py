@@ -323,9 +323,14 @@ class Policy:
         keep = Action.KEEP
         return np.array([self.actions.get(c.key, keep).code for c in workload.candidates], dtype=np.int8)
 
-    def counts(self) -> dict[Action, int]:
-        """Number of candidates per action, every action present (zero included)."""
+    def counts(self, workload: Workload | None = None) -> dict[Action, int]:
+        """Number of candidates per action, every action present (zero included): the file's, or with
+        ``workload`` its candidates' as applied (a key it does not save left out, one the file does not name kept)."""
         out = dict.fromkeys(ACTIONS, 0)
+        if workload is not None:
+            for code in self.to_vector(workload).tolist():
+                out[ACTIONS[code]] += 1
+            return out
         for a in self.actions.values():
             out[a] += 1
         return out

@@ -252,6 +252,16 @@ def test_keys_must_match(tmp_path: Path, mlp: Workload) -> None:
         load_policy(path).to_vector(mlp)
 
 
+def test_counts_over_a_workload_are_the_actions_it_applies(mlp: Workload) -> None:
+    """A file with an action for a tensor the model does not save (tolerated, warned): its own counts hold it,
+    the workload's do not (simulate's summary said "72 recompute" for 71 applied, a QA run)."""
+    d = make(mlp, [2, 0, 0]).to_dict()
+    d["actions"]["ghost#0.0:Relu"] = "recompute"
+    p = Policy.from_dict(d)
+    assert p.counts()[Action.RECOMPUTE] == 2 and p.counts(mlp)[Action.RECOMPUTE] == 1
+    assert sum(p.counts(mlp).values()) == len(mlp.candidates) == p.counts(mlp)[Action.KEEP] + 1
+
+
 def test_other_batch_size(tmp_path: Path, cnn: Workload) -> None:
     make(cnn, [0] * len(cnn.candidates)).save(tmp_path / "p.json")
     bigger = capture(tiny_cnn_build(batch=4), name="cnn", batch_size=4, fake=True)
