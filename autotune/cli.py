@@ -464,7 +464,7 @@ def simulate(
 ) -> None:
     """Simulate one iteration under a policy file or a uniform action and print the SimResult."""
     check_writable(save_policy, "--save-policy")
-    check_writable(timeline, "--timeline")
+    check_writable(timeline, "--timeline", "timeline.html")
     from autotune.simulate import run_simulate
 
     run_simulate(
@@ -1214,7 +1214,7 @@ def sweep(
     from autotune.workloads import TraceRequest
     from runtime.hardware import get_profile, resolve_profile
 
-    check_writable(report, "--report")
+    check_writable(report, "--report", "report.html")
     check_folder(out_dir, "--out-dir")
     _check_heartbeat(heartbeat)
     _check_seed(seed)

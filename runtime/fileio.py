@@ -39,9 +39,10 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
         raise
 
 
-def check_writable(path: str | os.PathLike[str] | None, option: str) -> None:
-    """Refuse, before any long work, an output path that cannot be written: a folder, a file under a folder
-    that does not exist or under a file, a folder this process may not write in."""
+def check_writable(path: str | os.PathLike[str] | None, option: str, example: str = "out.json") -> None:
+    """Refuse, before any long work, an output path that cannot be written: a folder (``example``: a file name
+    to suggest in it), a file under a folder that does not exist or under a file, a folder this process may not
+    write in."""
     if path is None:
         return
     p = Path(os.path.realpath(path))  # a symbolic link is written through (atomic_write)
@@ -52,7 +53,7 @@ def check_writable(path: str | os.PathLike[str] | None, option: str) -> None:
             raise AutotuneError(f"{option} {str(path)!r}: cannot write to it; {how}")
         return
     if p.is_dir():
-        raise AutotuneError(f"{option} {str(path)!r} is a folder: expected a file name in it, e.g. {p / 'out.json'}")
+        raise AutotuneError(f"{option} {str(path)!r} is a folder: expected a file name in it, e.g. {p / example}")
     if not parent.exists():
         raise AutotuneError(f"{option} {str(path)!r}: the folder {str(parent)!r} does not exist: create it or {how}")
     if not parent.is_dir():

@@ -710,6 +710,9 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
     assert "--out" in line and out in line
     assert "--save-policy" in user_error(capsys, "simulate", "--model", "resnet18", "--action", "keep",
                                          "--save-policy", out)  # fmt: skip
+    if where == "folder":  # the file suggested in it is of the output's kind (an HTML report was "out.json")
+        line = user_error(capsys, "simulate", "--model", "resnet18", "--action", "keep", "--timeline", out)
+        assert line.endswith(f"expected a file name in it, e.g. {Path(out).resolve() / 'timeline.html'}"), line
     assert not list(tmp_path.glob("**/*.tmp"))
 
 
