@@ -75,8 +75,10 @@ def run_simulate(
     if act == Action.COMPRESS and not lossy:
         raise AutotuneError("--action compress is lossy (gradients change): add --lossy to allow it")
     loaded: Policy | None = None
+    named_by_file = False
     if policy_file is not None:
         loaded = load_policy(policy_file)  # format and schema now; the workload check after tracing
+        named_by_file = model is None
         model = model or loaded.model
         batch_size = batch_size or loaded.batch_size
         seq_len = seq_len or loaded.seq_len
@@ -87,7 +89,12 @@ def run_simulate(
         optimizer = optimizer or loaded.optimizer  # another one: check_against says why it cannot apply
     if model is None:
         raise AutotuneError("no model: pass --model NAME (see `autotune models`)")
-    check_model_name(model)  # before the profile (--gpu cpu calibrates this CPU: seconds)
+    try:
+        check_model_name(model)  # before the profile (--gpu cpu calibrates this CPU: seconds)
+    except AutotuneError as e:
+        if not named_by_file:
+            raise
+        raise AutotuneError(f"the policy file {policy_file} names its model: {e}") from None
     given_by_file = loaded is not None and (seq_len, image_size) == (loaded.seq_len, loaded.image_size)
     check_sizes(model, seq_len, image_size, source=str(policy_file) if given_by_file else None)
     if loaded is not None:

@@ -212,6 +212,11 @@ def test_simulate_actions_and_policy_roundtrip(capsys: pytest.CaptureFixture[str
     again = json.loads(run(capsys, "simulate", "--policy", str(policy), "--json")[1])
     for key in ("peak_bytes", "iter_s", "stall_s", "budget_bytes", "gpu", "batch_size"):
         assert again[key] == swap[key], key
+    # a model name the file holds that is unknown: said as the file's (it read as a --model typed, a QA run)
+    edited = tmp_path / "edited.json"
+    edited.write_text(policy.read_text().replace('"model": "resnet18"', '"model": "resnet19"'))
+    line = user_error(capsys, "simulate", "--policy", str(edited))
+    assert line.startswith(f"error: the policy file {edited} names its model: unknown model 'resnet19'"), line
     text = html.read_text()
     assert "plotly" in text and "cdn.plot.ly" not in text.split("<body>")[0]  # self-contained
     assert "<title>resnet18, batch 4, on a100-40gb: device memory</title>" in text  # the browser tab's name
