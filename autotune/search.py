@@ -417,12 +417,12 @@ def _keeping_everything(problem: Problem, found: SearchResult, no_policy: SimRes
     if no_policy.feasible:
         return "keeping everything fits the budget: no policy needed"
     if found.policy.partitions:
-        how = f"on slices ({', '.join(str(p) for p in found.policy.partitions)})"
+        how = f": on slices ({', '.join(str(p) for p in found.policy.partitions)})"
     elif any(op.in_place_into >= 0 for op in problem.workload.ops):
-        how = "with the shared parameters' gradients summed in place (runtime R14)"
+        how = ": R14 sums the shared gradients in place"
     else:
-        how = "as the policy is applied"
-    return f"keeping every tensor fits {how}, not without the policy: train with it applied"
+        how = ""
+    return f"keeping everything fits only as applied{how}"
 
 
 _OVER = "reserved bytes over budget"  # the note of a policy that runs out on the allocator's model

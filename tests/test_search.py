@@ -648,8 +648,5 @@ def test_keeping_everything_that_fits_only_as_applied_does_not_say_no_policy_is_
     assert got["feasible"] and got["no_policy_peak_bytes"] > got["planned_budget_bytes"] >= got["peak_bytes"]
     assert sum(v for k, v in got["bytes_by_action"].items() if k != "kept") == 0
     assert got["evaluations"] < 100, got["evaluations"]  # keeping everything is the fastest: no search
-    assert got["note"] == (
-        "keeping every tensor fits with the shared parameters' gradients summed in place (runtime R14), not "
-        "without the policy: train with it applied"
-    )
+    assert got["note"] == "keeping everything fits only as applied: R14 sums the shared gradients in place"
     assert got["bytes_by_action"]["kept"] > 0 == sum(v for k, v in got["bytes_by_action"].items() if k != "kept")
