@@ -1417,6 +1417,9 @@ def _compressible(dtype: torch.dtype, target: torch.dtype) -> bool:
 # The runtimes of a model live on the model (a runtime holds its model: a weak-keyed table would never let
 # go of either), under a name no nn.Module uses; they go with it.
 _RUNTIMES_ATTR = "_autotune_runtimes"
+#: A model's runtimes kept, the most recently applied: each holds its policy, its learnt tables and, on a GPU,
+#: its streams and pinned buffers, and a loop that loads its policy again each epoch made one a load.
+MAX_RUNTIMES = 4
 
 
 class _Runtimes(dict):  # type: ignore[type-arg]
@@ -1455,9 +1458,21 @@ def check_model(policy: Policy, model: torch.nn.Module) -> None:
 def applied(policy: Policy, model: torch.nn.Module, *, strict: bool = True) -> Iterator[RuntimeStats]:
     """``with applied(policy, model):`` one forward and backward under the policy (see the module docs)."""
     per_model: dict[int, PolicyRuntime] = model.__dict__.setdefault(_RUNTIMES_ATTR, _Runtimes())
-    rt = per_model.get(id(policy))
-    if rt is None or rt.policy is not policy:
-        rt = per_model[id(policy)] = PolicyRuntime(policy, model, strict=strict)
+    rt = per_model.pop(id(policy), None)
+    if rt is not None and rt.policy is not policy:  # another object at that id: the one it was made for is gone
+        rt = None
+    if rt is None:  # the same policy loaded again (each epoch, in a helper): its runtime, tables learnt and all
+        again = next((k for k, r in per_model.items() if r.policy == policy), None)
+        if again is not None:
+            if strict:
+                check_model(policy, model)
+            rt = per_model.pop(again)
+            rt.policy = policy
+    if rt is None:
+        rt = PolicyRuntime(policy, model, strict=strict)
+    per_model[id(policy)] = rt  # the most recent last
+    while len(per_model) > MAX_RUNTIMES:
+        del per_model[next(iter(per_model))]
     with rt.step() as stats:
         yield stats
 

@@ -7,6 +7,7 @@ import dataclasses
 import re
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1049,6 +1050,39 @@ def test_a_model_that_ran_under_a_policy_saves_and_copies_without_its_runtime() 
             loss_fn(m, batch).backward()
         loss_fn(model, batch).backward()  # plain, outside the policy
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), model.parameters(), strict=True))
+
+
+def test_a_policy_loaded_again_each_step_reuses_its_runtime_and_the_model_keeps_a_few(tmp_path: Path) -> None:
+    """A loop that loads its policy file again each step (each epoch, in a helper) kept one runtime per load on
+    the model, each with its policy and tables (30 after 30 steps, a QA run). An equal policy now takes the
+    runtime learnt (no step learns again: the same packs as before), and a model keeps its MAX_RUNTIMES most
+    recent runtimes; gradients stay plain training's."""
+    from runtime.apply import MAX_RUNTIMES
+    from runtime.policy import load_policy
+
+    name, kwargs = RESNET
+    w = capture(_build(name, kwargs), name=name, batch_size=2)
+    Policy.from_vector(w, _policies(w)["mixed-1"], hardware="cpu").save(tmp_path / "p.json")
+    model, batch, loss_fn = _build(name, kwargs)()
+    plain, _, _ = _build(name, kwargs)()
+    runtimes, packs = [], []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        with load_policy(tmp_path / "p.json").applied(model) as stats:
+            loss_fn(model, batch).backward()
+        loss_fn(plain, batch).backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+        runtimes.append(list(model.__dict__["_autotune_runtimes"].values()))
+        packs.append(stats.packs)
+    assert [len(r) for r in runtimes] == [1, 1, 1] and runtimes[0][0] is runtimes[2][0]
+    assert packs[0] > packs[1] == packs[2]  # the first step learns (every pack seen), the others apply (R11)
+    rng = np.random.default_rng(3)
+    for _ in range(MAX_RUNTIMES + 2):  # other policies: the oldest runtimes go
+        other = Policy.from_vector(w, rng.integers(0, 3, len(w.candidates)).astype(np.int8), hardware="cpu")
+        with other.applied(model):
+            loss_fn(model, batch).backward()
+    assert len(model.__dict__["_autotune_runtimes"]) == MAX_RUNTIMES
 
 
 def test_a_copy_made_inside_a_step_is_the_models_own_and_pickling_there_is_refused() -> None:
