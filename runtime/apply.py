@@ -396,6 +396,7 @@ class PolicyRuntime:
         self._step_thread = -1  # the thread of its step (R19)
         self._recomputing = 0  # regions recomputing in backward now (R16)
         self.stats = RuntimeStats()
+        self._ran: set[Frame] = set()  # the regions this step ran: their keys are served (said in _say_unknown)
 
     def _usable_regions(self, regions: list[Region]) -> dict[Frame, Region]:
         """The schedule's regions whose keys the actions still recompute (a hand-edited file may not)."""
@@ -446,6 +447,7 @@ class PolicyRuntime:
     @contextlib.contextmanager
     def _step(self, force_hooks: bool) -> Iterator[RuntimeStats]:
         self.stats = RuntimeStats()
+        self._ran = set()
         allocate_library_workspaces(self.device)  # R15
         with self._precision_checked(), partitioned(self.model, self.policy.partitions), self.shared.installed():
             hooks = self.needs_hooks or force_hooks
@@ -713,6 +715,7 @@ class PolicyRuntime:
             self.stats.regions += 1
             self._suspended += 1
             frame = (path, call)
+            self._ran.add(frame)
             try:
                 # Once a backward that builds a graph (create_graph=True: a gradient penalty) has reached a node,
                 # the regions run under checkpoint for good (N2: a node's double backward sums otherwise).
@@ -895,9 +898,13 @@ class PolicyRuntime:
         else:
             return
         # The policy's keys that no tensor of this step had: beside the tensors it does not name, most likely
-        # the same tensors under keys edited by hand (or the policy of another version of the model).
-        seen = {e.key for e in self._log}
-        unmatched = sorted(k for k in self.policy.actions if k not in seen and k not in self.ignored)
+        # the same tensors under keys edited by hand (or the policy of another version of the model). Those a
+        # region served count as had (its saved tensors pass no hook of the runtime's), and a keep is no action
+        # left unused (a region's input, which checkpoint saves: a model called twice listed them).
+        seen = {e.key for e in self._log} | {k for f in self._ran for k in self.regions[f].keys}
+        unmatched = sorted(
+            k for k, a in self.policy.actions.items() if a != Action.KEEP and k not in seen and k not in self.ignored
+        )
         if unmatched:
             n = len(unmatched)
             what += f"; the policy's actions for {n} key{'s' if n > 1 else ''} that this step did not save are unused "

@@ -219,6 +219,25 @@ def test_unknown_keys_are_kept_and_reported_once() -> None:
         loss_fn(model, batch).backward()
 
 
+def test_a_second_call_of_the_model_says_its_tensors_are_kept_and_no_action_of_the_first_unused() -> None:
+    """A model called twice in a step (a siamese loss) under a policy that recomputes in regions: the second
+    call's tensors are kept, said once. The warning also called the first call's region keys and the keeps at
+    their inputs unused, "planned on another version of the model, or edited by hand?" (a QA run): a region's
+    saved tensors pass no hook of the runtime's, and a keep is no action left unused."""
+    name, kwargs = RESNET
+    w = capture(_build(name, kwargs), name=name, batch_size=2)
+    policy = Policy.from_vector(w, _policies(w)["recompute"], hardware="cpu")
+    assert policy.schedule is not None and policy.schedule.regions
+    model, (x, y), loss_fn = _build(name, kwargs)()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with policy.applied(model) as stats:
+            (loss_fn(model, (x, y)) + loss_fn(model, (x.flip(-1), y))).backward()
+    said = [str(c.message) for c in caught if "not in the policy" in str(c.message)]
+    assert stats.regions > 0 and len(said) == 1 and "they are kept" in said[0], said
+    assert "unused" not in said[0], said[0]
+
+
 def test_policy_for_another_model_fails_before_training(tmp_path) -> None:  # type: ignore[no-untyped-def]
     r18 = capture(_build(*RESNET), name="resnet18", batch_size=2)
     gpt = capture(_build(*GPT2), name="gpt2", batch_size=2)
