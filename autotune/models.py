@@ -195,6 +195,9 @@ def build_model(
             else:
                 entry = _build_custom(canonical, batch_size, seq_len, image_size, dev, dtype, overrides)
         except (RuntimeError, MemoryError) as exc:  # a size the device's memory (or a tensor's size) cannot hold
+            said = str(exc).lower()
+            if not isinstance(exc, MemoryError) and not any(s in said for s in ("allocate", "overflow", "memory")):
+                raise
             given = (("--batch-size", batch_size), ("--image-size", image_size), ("--seq-len", seq_len))
             sizes = " ".join(f"{flag} {v}" for flag, v in given if v is not None)
             raise AutotuneError(
