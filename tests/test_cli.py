@@ -1091,7 +1091,8 @@ def test_a_budget_without_a_unit_is_refused_below_a_mebibyte_and_650000B_is_byte
     """``--budget 6`` is a unit left out, not 6 bytes: refused, naming the ways to write it; ``650000B`` is
     650,000 bytes (the message had said such a budget was "not enough to train anything", true of no model)."""
     said = user_error(capsys, "simulate", "--model", "resnet18", "--action", "keep", "--budget", "650000")
-    assert "'650000'" in said and "650000GB" in said and "650000B if you mean bytes" in said
+    assert "'650000'" in said and "e.g. 6GB or 6GiB" in said and "650000B if you mean bytes" in said
+    assert "650000GB" not in said  # a unit on thousands (650 TB) is no likely meaning
     code, out, err = run(capsys, "simulate", "--model", "tests.fixtures_models:make_wide", "--gpu", "cpu",
                          "--action", "keep", "--budget", "650000B", "--json")  # fmt: skip
     assert code == 0, err
