@@ -201,7 +201,7 @@ class MaxBatch:
             except ModelError as e:
                 if not self._workloads:  # the first size: the model, or its settings, do not train at all
                     raise
-                self.untrainable[b] = str(e).split("; does ")[0]
+                self.untrainable[b] = e.reason
                 raise _Untrainable(b) from None
             if self.partition is not None:
                 self._workloads[b] = self.partition(self._plain[b])

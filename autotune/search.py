@@ -496,7 +496,7 @@ def reserved_baselines(outcome: SearchOutcome, budget_bytes: int, expandable_seg
                     key=lambda i: -outcome.baselines[i].result.samples_per_s)  # fmt: skip
     for i in ranked:
         b = outcome.baselines[i]
-        member = outcome.problem.member(b.rival) if b.rival < len(outcome.problem.rivals) else outcome.problem
+        member = outcome.problem.member(b.rival)
         st = reserved_stats(member, b.policy.to_vector(member.workload), b.policy.options, budget_bytes,
                             expandable_segments)  # fmt: skip
         if st is not None:

@@ -130,7 +130,8 @@ def trace_model(req: TraceRequest) -> tuple[Workload, float]:
         raise ModelError(
             f"{e}; does {req.model} run at {sizes}? try another size"
             if sizes
-            else f"{e}; fix the model (its factory, forward or loss), or report it here if it trains without autotune"
+            else f"{e}; fix the model (its factory, forward or loss), or report it here if it trains without autotune",
+            reason=e.reason,
         ) from e.__cause__
     except FakeTraceError as e:
         if req.target is not None and req.target.is_gpu:

@@ -27,7 +27,12 @@ def one_line(exc: BaseException) -> str:
 
 class ModelError(AutotuneError):
     """The model's own training step raised, run before any of autotune's hooks (runtime.trace.capture's
-    warm-up): the model, its loss or the settings it was built with, not autotune's tracing."""
+    warm-up): the model, its loss or the settings it was built with, not autotune's tracing. ``reason``: what
+    the model raised, without the advice a caller adds to the message (the message itself where none did)."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = message if reason is None else reason
 
 
 _SIGINT = [False]
