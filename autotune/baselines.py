@@ -115,13 +115,18 @@ def render(out: Console, problem: Problem, table: list[dict[str, Any]], budget: 
 
 def save(directory: Path, problem: Problem, results: list[SearchResult], budget: Budget | None = None) -> list[Path]:
     """Each method's policy file, recording the budget as typed (the planned one without ``budget``); one that
-    does not fit the budget is named ``<model>.<method>.infeasible.policy.json`` (nothing told them apart)."""
+    does not fit the budget is named ``<model>.<method>.infeasible.policy.json`` (nothing told them apart). A
+    method's file of the other kind, from an earlier run at another budget, goes: the folder said both fitting
+    and not fitting for one method."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for r in results:
-        fits = "" if r.result.feasible else ".infeasible"
-        path = directory / f"{file_stem(problem.workload.model)}.{r.searcher}{fits}.policy.json"
+        stem = f"{file_stem(problem.workload.model)}.{r.searcher}"
+        path, other = (directory / f"{stem}{kind}.policy.json" for kind in ("", ".infeasible"))
+        if not r.result.feasible:
+            path, other = other, path
         record_budget(r.policy, budget if budget is not None else problem.budget_bytes).save(path)
+        other.unlink(missing_ok=True)
         paths.append(path)
     return paths
 

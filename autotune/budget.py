@@ -111,7 +111,10 @@ def plan_budget(text: str, reserve: str | None, hw: HardwareProfile) -> Budget:
 def parse_budget(text: str, option: str = "--budget") -> int:
     """``--budget`` (or ``option``: sweep's ``--budgets``) in bytes; a plain number below 1 MiB is refused as a
     unit left out."""
-    given = parse_size(text)
+    try:
+        given = parse_size(text)
+    except AutotuneError as e:  # which option it was: sweep's list said "invalid size 'abc'" alone (a QA run)
+        raise AutotuneError(f"{option}: {e}") from None
     refuse_unit_left_out(option, text, given)
     return given
 

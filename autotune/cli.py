@@ -1210,7 +1210,8 @@ def sweep(
 
     from autotune import search as sr
     from autotune import sweep as sw
-    from autotune.budget import parse_budget
+    from autotune.budget import parse_budget, warn_over_device
+    from autotune.units import format_size_echo
     from autotune.workloads import TraceRequest
     from runtime.hardware import get_profile, resolve_profile
 
@@ -1246,13 +1247,6 @@ def sweep(
     plans = {(hw.name, b): budget_of(b, reserve, hw) for hw in profiles for b in budget_list}  # --reserve checked
     for plan in plans.values():  # (such cells of a model and profile would all be one study)
         plan.check_left()
-    kept = {hw.name: max(plans[(hw.name, b)].reserve_bytes for b in budget_list) for hw in profiles}
-    if any(kept.values()):
-        on = "" if all(kept.values()) else f" on {', '.join(n for n, k in kept.items() if k)}"
-        err.print(
-            f"planning for each budget less a {sr.format_bytes(max(kept.values()))} reserve for workspaces"
-            f"{on} (--reserve)"
-        )
     from autotune.models import takes_image_size, takes_seq_len
 
     reqs = [
@@ -1272,6 +1266,19 @@ def sweep(
     from agents.optuna_search import check_storage
 
     check_storage(storage)
+    # What was read, once every input is checked (an error is then one line): the budgets as search echoes
+    # its one, a budget that the GPU cannot hold, and the reserve kept back.
+    typed = [b.strip() for b in budgets.split(",") if b.strip()]
+    err.print(f"budgets: {'; '.join(format_size_echo(t, parse_budget(t, '--budgets')) for t in typed)}")
+    for hw in profiles:
+        warn_over_device(err, max(budget_list), hw)
+    kept = {hw.name: max(plans[(hw.name, b)].reserve_bytes for b in budget_list) for hw in profiles}
+    if any(kept.values()):
+        on = "" if all(kept.values()) else f" on {', '.join(n for n, k in kept.items() if k)}"
+        err.print(
+            f"planning for each budget less a {sr.format_bytes(max(kept.values()))} reserve for workspaces"
+            f"{on} (--reserve)"
+        )
     from runtime.target import trace_key
     from runtime.workload import Workload
 
@@ -1291,12 +1298,17 @@ def sweep(
         return choose(w, hw, budget_bytes, retracer(dataclasses.replace(reqs[i], target=hw))).searched(w, budget_bytes)
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    # Not on a terminal (a log file, CI) a bar is redrawn as lines cut to the width: none there.
-    with Progress(*columns, console=err, transient=as_json, disable=not err.is_terminal) as bar:
+    # Not on a terminal (a log file, CI) a bar is redrawn as lines cut to the width: a line per step of a cell
+    # there instead (it said nothing until the last cell was done: minutes, a QA run).
+    lines, started = not err.is_terminal, time.perf_counter()
+    with Progress(*columns, console=err, transient=as_json, disable=lines) as bar:
         task = bar.add_task("sweep", total=len(reqs) * len(profiles) * len(budget_list))
 
         def progress(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, description=what)
+            if lines:
+                err.print(f"{time.perf_counter() - started:.0f} s, {done} of {total} cells done: {what}",
+                          highlight=False, soft_wrap=True)  # fmt: skip
 
         outcome = sw.run_sweep(
             workloads,
@@ -1315,7 +1327,7 @@ def sweep(
     written: list[str] = []
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        for cell in outcome.cells:
+        for cell in outcome.cells:  # (a Ctrl-C from here on stops the sweep after it: nothing is left half-written)
             w = outcome.workload_of(cell)[1]
             policy = sw.best_policy(cell, w, outcome.profiles[cell.profile])
             if policy is not None:
@@ -1330,6 +1342,9 @@ def sweep(
         trials_by_study = rp.study_trials(storage, [c.study_name for c in outcome.cells])
         text = rp.build_report(outcome.cells, outcome.workload_of, outcome.profiles, trials_by_study)
         rp.write_report(report, text)
+    # A Ctrl-C that a finalizer swallowed while the policies or the report were written (runtime.errors
+    # noting_sigint): they are written, the cells all stored; the sweep still says it was stopped, and exits so.
+    outcome.interrupted = outcome.interrupted or sigint_arrived()
     if as_json:
         print(
             json.dumps(
@@ -1354,6 +1369,19 @@ def sweep(
             soft_wrap=True,
         )
         raise SystemExit(_stop_code())
+
+
+def _holds_studies(db: str) -> bool:
+    """Whether SQLite file ``db`` has Optuna's tables, read without writing (an empty file is a database with
+    none); True for a file that is no database at all, which check_storage refuses with SQLite's words."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"{Path(db).resolve().as_uri()}?mode=ro", uri=True)) as conn:
+            query = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'studies'"
+            return conn.execute(query).fetchone() is not None
+    except sqlite3.DatabaseError:
+        return True
 
 
 @app.command()
@@ -1385,6 +1413,11 @@ def dashboard(
         raise AutotuneError(
             f"--storage {storage}: no such file; give the storage `autotune search` or `autotune sweep` wrote "
             "(by default sqlite:///autotune.db in the folder they ran in)"
+        )
+    if db is not None and not _holds_studies(db):  # Optuna would make its tables in it: another program's file
+        raise AutotuneError(
+            f"--storage {storage}: the file holds no Optuna storage (no studies table); give the storage "
+            "`autotune search` or `autotune sweep` wrote (by default sqlite:///autotune.db in the folder they ran in)"
         )
     check_storage(storage)
     _check_listen(host, port)

@@ -18,6 +18,10 @@ NOTE [ Sweep storage ]
     Ctrl-C stops the whole sweep: the cell being searched keeps what its study stored (its Optuna trials,
     its best policy so far, but not ``ppo`` in ``done``), no later cell starts, and the command exits 130
     after the table of the cells it reached; the same command resumes.
+    A cell where keeping everything fits (a heuristic's policy that keeps every saved tensor fits the budget)
+    is answered by it, as `autotune search` answers at once there (the fastest policy there is: every other
+    action adds work): its ``best`` is method ``keep all``, ``keeps_all`` is set, and neither Optuna nor the
+    RL agent runs there (each spent its whole ``--timeout`` to find it again), now or when resumed.
 """
 
 from __future__ import annotations
@@ -225,13 +229,23 @@ def run_cell(
     # many ran to its end (its --timeout): raise --trials to go on. The heuristics are cheap and seed the
     # search: re-run them when it still has work, even if their summary is stored (their policies are not).
     complete = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
-    need_optuna = "optuna" in methods and complete < trials and int(attrs.get("optuna_trials", 0)) < trials
+    keeps_all = bool(attrs.get("keeps_all"))
+    need_optuna = (
+        "optuna" in methods and complete < trials and int(attrs.get("optuna_trials", 0)) < trials and not keeps_all
+    )
     if "optuna" in methods and not need_optuna:
         cell.resumed.append("optuna")
+    need_ppo = "ppo" in methods and "ppo" not in done and not keeps_all
     seeds: list[SearchResult] = []
-    if ("baselines" in methods and "baselines" not in done) or need_optuna:
+    if ("baselines" in methods and "baselines" not in done) or need_optuna or need_ppo:
         say("baselines")
         seeds = [get_searcher(n).search(problem, ctx) for n in baseline_names()]
+        kept_all = best_of(s for s in seeds if s.feasible and not s.policy.to_vector(w).any())
+        if kept_all is not None and not ctx.interrupted:  # NOTE [ Sweep storage ]: the answer, no search
+            _offer(study, "keep all", kept_all, w)
+            study.set_user_attr("keeps_all", True)
+            need_optuna = need_ppo = False
+            _mark_done(study, done, [m for m in methods if m != "baselines"])
         if "baselines" in methods and "baselines" not in done:
             summary = {r.searcher: {**_sim_json(r.result), "status": r.status.value} for r in seeds}
             study.set_user_attr("baselines", summary)
@@ -248,7 +262,7 @@ def run_cell(
         except Exception:
             if not ctx.interrupted:
                 raise  # after a Ctrl-C the storage's connection may be broken: the cell keeps what it stored
-    if "ppo" in methods and "ppo" not in done and not ctx.interrupted:
+    if need_ppo and not ctx.interrupted:
         say("ppo")
         agent = SearchContext(time_limit_s=timeout_s, seed=seed, state=ctx.state, trials=DEFAULT_EPISODES)
         found = get_searcher("ppo").search(problem, agent)
@@ -302,7 +316,8 @@ def _offer(study: Any, method: str, found: SearchResult | None, w: Workload) -> 
 
 
 def _mark_done(study: Any, done: list[str], methods: Sequence[str]) -> None:
-    study.set_user_attr("done", sorted(set(done) | set(methods)))
+    done[:] = sorted(set(done) | set(methods))  # (the caller's list too: it stores what it adds after)
+    study.set_user_attr("done", done)
 
 
 def best_policy(cell: CellResult, w: Workload, hw: HardwareProfile) -> Policy | None:
@@ -324,8 +339,8 @@ def describe(cell: CellResult) -> str:
         return f"{cell.model} {cell.profile} {format_bytes(cell.budget_bytes)}: below what any policy needs"
     got = cell.best["samples_per_s"] if cell.best else None
     sliced = f", {cell.slices}" if cell.partitions else ""
-    return (
-        f"{cell.model} {cell.profile} {format_bytes(cell.budget_bytes)}: "
+    return (  # the budget as typed, as the cell's steps said it (the planned one after them read as another cell)
+        f"{cell.model} {cell.profile} {format_bytes(cell.budget_bytes + cell.reserve_bytes)}: "
         + (f"{got:,.1f} samples/s ({cell.best['method']}{sliced})" if got and cell.best else "no fitting policy")
         + (" (interrupted)" if cell.interrupted else "")
     )

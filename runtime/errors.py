@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -48,8 +49,10 @@ def note_sigint(arrived: bool = True) -> None:
 def noting_sigint() -> Iterator[None]:
     """While inside (a command's whole run, in the main thread where SIGINT has Python's default handler), a
     Ctrl-C is noted (:func:`note_sigint`) before its KeyboardInterrupt is raised: one that lands in a finalizer
-    (a ``__del__`` while a model is built or traced) is dropped by Python, and the search that follows raises it
-    again (agents.base ``SearchContext.noting_sigint``) instead of running to its end."""
+    (a ``__del__`` while a model is built or traced, a weakref callback while a report is built) is dropped by
+    Python, without its "Exception ignored" traceback here, and the search that follows raises it again
+    (agents.base ``SearchContext.noting_sigint``) instead of running to its end; a command with no search after
+    it asks :func:`sigint_arrived`."""
     if threading.current_thread() is not threading.main_thread() or (
         signal.getsignal(signal.SIGINT) is not signal.default_int_handler
     ):
@@ -60,12 +63,19 @@ def noting_sigint() -> Iterator[None]:
         note_sigint()
         signal.default_int_handler(signum, frame)
 
+    def unraisable(info: Any) -> None:
+        if not issubclass(info.exc_type, KeyboardInterrupt):
+            hook(info)
+
     noted.notes_sigint = True  # type: ignore[attr-defined]
+    hook = sys.unraisablehook
     signal.signal(signal.SIGINT, noted)
+    sys.unraisablehook = unraisable
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.unraisablehook = hook
 
 
 def sigint_arrived() -> bool:

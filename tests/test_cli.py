@@ -1000,6 +1000,16 @@ def test_baselines_save_names_files_without_the_factorys_colon(
     code, _, err = run(capsys, "baselines", *args, "--budget", "1GB", "--only", "delta", "--save", str(tmp_path))
     assert code == 0, err
     assert [p.name for p in tmp_path.iterdir()] == ["experiments.user_models_groupnorm_cnn.delta.policy.json"]
+    # Saved again where it does not fit (MegTaiChi plans 19.58 MiB there, without cuBLAS workspaces: conftest),
+    # then where it does: each run leaves one file for the method, of its own kind (the fitting one stayed beside
+    # the over-budget one, a QA run).
+    for budget, name in (("20MB", "megtaichi.infeasible"), ("1GB", "megtaichi")):
+        code, _, err = run(capsys, "baselines", *args, "--reserve", "0", "--budget", budget, "--only", "megtaichi",
+                           "--save", str(tmp_path))  # fmt: skip
+        assert code == 0, err
+        assert sorted(p.name for p in tmp_path.glob("*megtaichi*")) == [
+            f"experiments.user_models_groupnorm_cnn.{name}.policy.json"
+        ]
 
 
 def test_a_study_made_for_another_problem_is_not_resumed(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

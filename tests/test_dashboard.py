@@ -175,3 +175,26 @@ def test_the_best_trial_shown_is_the_best_that_fits(tmp_path: Path) -> None:
     finally:
         server.terminate()
         server.communicate(timeout=30)
+
+
+def test_a_file_that_holds_no_optuna_storage_is_refused_and_left_as_it_was(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """An empty file, or another program's SQLite database, given as --storage was made an Optuna storage (its
+    tables written into the file, 114,688 bytes) and an empty dashboard served (a QA run). The dashboard only
+    reads: such a file is refused in one line and left as it was."""
+    import contextlib
+    import sqlite3
+
+    from tests.test_cli import user_error
+
+    empty, other = tmp_path / "afile", tmp_path / "other.db"
+    empty.touch()
+    with contextlib.closing(sqlite3.connect(other)) as conn:
+        conn.execute("CREATE TABLE t (x)")
+        conn.commit()
+    for path in (empty, other):
+        before = path.read_bytes()
+        line = user_error(capsys, "dashboard", "--storage", f"sqlite:///{path}", "--port", str(_free_port()))
+        assert "the file holds no Optuna storage (no studies table)" in line, line
+        assert path.read_bytes() == before

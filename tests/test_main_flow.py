@@ -750,6 +750,30 @@ def test_a_ctrl_c_that_lands_in_a_finalizer_still_stops_the_search(
     assert 6 <= calls[0] < 40 and load_policy(tmp_path / "p.json").predicted is not None
 
 
+def test_a_ctrl_c_that_a_finalizer_drops_prints_no_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command's own noting of Ctrl-C (runtime.errors.noting_sigint, in force outside any search: while a
+    report is written) keeps Python's "Exception ignored in" traceback of a KeyboardInterrupt that a finalizer
+    drops off stderr, as the searches' does; a finalizer's other errors are still shown."""
+    from runtime.errors import noting_sigint
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT has another handler than Python's here: noting_sigint leaves it alone")
+    shown: list[type[BaseException]] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: shown.append(info.exc_type))
+
+    class Finalized:
+        def __init__(self, exc: BaseException) -> None:
+            self.exc = exc
+
+        def __del__(self) -> None:
+            raise self.exc
+
+    with noting_sigint():
+        Finalized(KeyboardInterrupt())  # dropped at once, its __del__ raising
+        Finalized(ValueError("a finalizer's own bug"))
+    assert shown == [ValueError]
+
+
 def test_from_interrupt_follows_causes_and_contexts() -> None:
     from runtime.errors import from_interrupt
 
