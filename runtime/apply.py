@@ -108,7 +108,9 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         on with the tables learnt for them or learns from there (the keyer's hooks and the recorder entered inside
         the call, the hooks of the model's own call entered by hand; the hooks of the mode it leaves, which PyTorch
         gathered for that call already, do nothing). A DataLoader's smaller last batch, or a sequence length that
-        changes with padding, so learns once and then applies the policy as a step of the planned shape does. Each
+        changes with padding, so learns once and then applies the policy as a step of the planned shape does (inputs
+        larger than the policy's batch, sequence length or image size, read from the model's first tensor argument,
+        warn once: the plan's memory does not hold them). Each
         pack is looked up in its call's table by its ordinal there and checked by shape and dtype (and, for a later
         pack of a handled tensor, by storage); a mismatch keeps that tensor and every later one of the step, warns
         once, and the next step with these inputs learns again. A step is learnt from only when it saved something
@@ -162,6 +164,12 @@ NOTE [ Runtime mechanics ] -- the twin of envs/simulator.py; "Rule n" cites its 
         loop that applies it too), a runtime does nothing more: the outer step is the step. Another policy's
         runtime on the same model inside a step is refused, and so is one on another model in the same thread
         (saved-tensor hooks are the thread's: each runtime would see the other model's packs as its own).
+    R20. Accumulation. A policy is planned for ``grad_accum`` micro-batches per optimizer step (the gradients
+        held through the later ones' forwards). A plain loop does not say how many it runs, so the runtime counts
+        them: a step that starts with the first trainable parameter's gradient unset (``zero_grad()``'s default)
+        begins an optimizer step's run. When two runs in a row have the same length and it is not the policy's,
+        it warns once (one short run is a loader's last batches). A loop that zeroes in place
+        (``set_to_none=False``) is not counted. The integrations check the trainer's setting instead.
 """
 
 from __future__ import annotations
@@ -394,6 +402,10 @@ class PolicyRuntime:
         self._double = False  # a backward with create_graph=True reached a node (R10: checkpoint from then on)
         self._parameters: frozenset[int] = frozenset()  # the trainable parameters the leaves were learnt with
         self._step_thread = -1  # the thread of its step (R19)
+        self._micro = 0  # R20: steps since gradients were last unset (0: not counted)
+        self._runs: list[int] = []  # R20: the last runs' lengths
+        self._said_accum = False
+        self._said_size = False  # R11: inputs larger than planned, said once
         self._recomputing = 0  # regions recomputing in backward now (R16)
         self.stats = RuntimeStats()
         self._ran: set[Frame] = set()  # the regions this step ran: their keys are served (said in _say_unknown)
@@ -438,11 +450,62 @@ class PolicyRuntime:
             )
         self._step_thread = here
         _active[self.model] = self
+        self._count_micro_batch()
         try:
             with self._step(force_hooks) as stats:
                 yield stats
         finally:
             del _active[self.model]
+
+    def _check_planned_size(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """R11: inputs larger than the policy's (a larger batch, longer sequences, larger images: read from the
+        model's first tensor argument) learn and apply it as any, but its memory plan does not hold them; said
+        once (it ran without a word, a QA run). Smaller ones (a loader's last batch) are within the plan."""
+        if self._said_size:
+            return
+        x = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        if x is None:
+            return
+        p, shape = self.policy, tuple(x.shape)
+        larger = [f"batch {shape[0]} (planned {p.batch_size})"] if shape[0] > p.batch_size else []
+        if p.seq_len is not None and len(shape) == 2 and shape[1] > p.seq_len:
+            larger.append(f"sequence length {shape[1]} (planned {p.seq_len})")
+        if p.image_size is not None and len(shape) == 4 and max(shape[2:]) > p.image_size:
+            larger.append(f"images of {shape[2]} x {shape[3]} (planned {p.image_size})")
+        if larger:
+            self._said_size = True
+            warnings.warn(
+                f"autotune: the policy for {p.model} applied to larger inputs than it was planned for: "
+                f"{', '.join(larger)}; it applies, but the step holds more memory than its plan (R11): search one "
+                "for these sizes",
+                stacklevel=2,
+            )
+
+    def _count_micro_batch(self) -> None:
+        """R20: count this step in its optimizer step's run, and warn once where the loop accumulates another
+        number of micro-batches than the policy was planned for."""
+        if self._said_accum or not torch.is_grad_enabled():
+            return
+        first = next((p for p in self.model.parameters() if p.requires_grad), None)
+        if first is None:
+            return
+        if first.grad is not None:
+            self._micro += 1 if self._micro else 0
+            return
+        if self._micro:
+            self._runs = [*self._runs[-1:], self._micro]
+        self._micro = 1
+        k = self.policy.grad_accum
+        if len(self._runs) == 2 and self._runs[0] == self._runs[1] != k:
+            self._said_accum = True
+            n = self._runs[1]
+            warnings.warn(
+                f"autotune: the policy for {self.policy.model} was planned for {k} micro-batch"
+                f"{'es' if k != 1 else ''} per optimizer step, and this loop runs {n} between gradient resets: "
+                "its memory plan holds the gradients through another number of forwards (R20); search one for "
+                f"this loop, `autotune search --grad-accum {n}`",
+                stacklevel=4,
+            )
 
     @contextlib.contextmanager
     def _step(self, force_hooks: bool) -> Iterator[RuntimeStats]:
@@ -573,6 +636,7 @@ class PolicyRuntime:
             if inputs == self._inputs:
                 return
             self._inputs = inputs
+            self._check_planned_size(args, kwargs)
             if steady is not None and self.stats.packs == 0:
                 mode.close()
                 other = self._learnt(inputs, force)
@@ -1446,12 +1510,30 @@ def check_model(policy: Policy, model: torch.nn.Module) -> None:
     if want is None:
         return
     got = parameter_fingerprint(model)
-    inner = getattr(model, "module", None)  # DistributedDataParallel, DataParallel
-    if got != want and isinstance(inner, torch.nn.Module) and parameter_fingerprint(inner) == want:
+    if got == want:
+        return
+    # A wrapper of the model, whose parameter names have its prefix: said as what to apply the policy to (it
+    # was "a model with other parameters", and strict=False then applied nothing, a QA run).
+    for attr, advice in (
+        ("module", "apply it to the model the wrapper holds, policy.applied(wrapper.module), inside the wrapper's "
+         "forward and backward"),  # DistributedDataParallel, DataParallel
+        ("_orig_mod", "torch.compile's wrapper runs the model without autotune's hooks: compile under the policy "
+         "with policy.compiled(model) on the model itself (NOTE [ Compiled policies ]), or train it eagerly with "
+         "policy.applied(model)"),  # torch.compile's OptimizedModule
+        ("model", "a model that policy.compiled returned applies its policy itself: call it as it is, without "
+         "policy.applied"),  # runtime.compiled.CompiledModel
+    ):  # fmt: skip
+        inner = getattr(model, attr, None)
+        if isinstance(inner, torch.nn.Module) and parameter_fingerprint(inner) == want:
+            raise AutotuneError(
+                f"policy for {policy.model} applied to a wrapper of that model ({type(model).__name__}, holding it "
+                f"as .{attr}), whose parameter names have that prefix: {advice}"
+            )
+    inside = next((n for n, m in model.named_modules() if n and parameter_fingerprint(m) == want), None)
+    if inside is not None:  # a LightningModule's network, a model held by another
         raise AutotuneError(
-            f"policy for {policy.model} applied to a wrapper of that model ({type(model).__name__}), whose parameter "
-            "names have its prefix: apply it to the model the wrapper holds, policy.applied(wrapper.module), inside "
-            "the wrapper's forward and backward"
+            f"policy for {policy.model} applied to {type(model).__name__}, which holds that model as {inside!r}: "
+            f"apply it to that submodule (model.get_submodule({inside!r}); the integrations' module={inside!r})"
         )
     if got != want:
         raise AutotuneError(

@@ -53,7 +53,9 @@ NOTE [ Compiled policies ] -- the eager twin is NOTE [ Runtime mechanics ] in ru
         mode), and the report is settled by calls that train: a validation pass first (under ``torch.no_grad``
         or ``model.eval()``, Lightning's sanity check) saves nothing, so a plan made there named no op and
         training ran without the policy ("0 applied, 13 dropped"); a validation compiled later rewrote the
-        report so. Before the first training call the model runs as it is (eagerly), after it compiled.
+        report so. Before the first training call the model runs as it is (eagerly), after it compiled. A
+        call in eval mode with gradients on before it (a model trained in eval mode) warns once that it runs so:
+        it trained eagerly and without the policy, reporting "0 applied, 0 dropped" (a QA run).
     C8. The plan. A compiled step is simulated on the simulator's twin of it (envs/simulator.py Rule 16,
         ``compiled_twin``): no region (C1: one selective-checkpoint region whose recomputed ops the partitioner
         places before their first backward use), each replay's temporaries freed at their last reader in it,
@@ -72,6 +74,7 @@ from __future__ import annotations
 import copy
 import itertools
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -395,6 +398,7 @@ class CompiledModel(torch.nn.Module):
         self.policy = policy
         self.strict = strict
         self._plan: OpPlan | None = None
+        self._said_eval = False  # C7's warning, once
         self._passes: list[_Walk] = []
         passes = self._passes
 
@@ -424,6 +428,15 @@ class CompiledModel(torch.nn.Module):
             check_active(self.policy.precision, device.type)
         if self._plan is None:
             if not training:  # C7: nothing is saved, nothing to plan; the first training call plans
+                if torch.is_grad_enabled() and not self._said_eval:  # trained in eval mode: say it runs as it is
+                    self._said_eval = True
+                    warnings.warn(
+                        f"policy.compiled: {type(self.model).__name__} is in eval mode with gradients on, so it runs "
+                        "as it is, eagerly and without the policy, until a call in training mode (NOTE [ Compiled "
+                        "policies ] C7: eval mode is a validation's); call model.train() before training (a "
+                        "BatchNorm to freeze: its own .eval()), and run validation under torch.no_grad()",
+                        stacklevel=2,
+                    )
                 return self.model(*args, **kwargs)
             self._plan = plan_ops(self.policy, self.model, args, kwargs, strict=self.strict)
         try:

@@ -105,7 +105,8 @@ class _Bench:
         self.force = force
         self.rt: PolicyRuntime | None = None
         if codes is not None:
-            w = capture(lambda: (*net(torch.device("cpu")), _loss), name="host-costs", batch_size=1)
+            batch = self.batch[0].shape[0]  # the policy's own (R11 warns of larger inputs than a policy's)
+            w = capture(lambda: (*net(torch.device("cpu")), _loss), name="host-costs", batch_size=batch)
             self.rt = PolicyRuntime(Policy.from_vector(w, codes(w), hardware=device.type, options=options), self.model)
         self.stats = RuntimeStats()
 

@@ -1161,6 +1161,22 @@ def test_a_policy_applied_to_a_wrapper_of_its_model_names_the_wrapped_model() ->
     with policy.applied(wrapper.module):
         loss_fn(wrapper, batch).backward()
 
+    # torch.compile's wrapper (parameters ``_orig_mod.*``), policy.compiled's model (``model.*``) and a module
+    # holding the model (a LightningModule's ``net``) were each "a model with other parameters", to search a
+    # policy for; strict=False then applied nothing (a QA run). Each says what to apply it to.
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+    for wrapped, said in (
+        (torch.compile(model, backend="eager"), r"holding it as ._orig_mod.*policy.compiled\(model\)"),
+        (policy.compiled(model, backend="eager"), r"holding it as .model.*call it as it is"),
+        (Holder(), r"holds that model as 'net'.*module='net'"),
+    ):
+        with pytest.raises(AutotuneError, match=said), policy.applied(wrapped):
+            pass
+
 
 def test_a_policy_applied_again_inside_its_step_is_the_same_step() -> None:
     """R19: a ``train_step`` helper that applies the policy, called inside a loop that applies it too: the

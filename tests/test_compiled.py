@@ -369,6 +369,27 @@ def test_a_validation_first_leaves_the_plan_to_the_first_training_call(cnn_workl
     assert cm.report.applied == report.applied and not cm.report.dropped
 
 
+def test_a_model_trained_in_eval_mode_is_told_it_runs_without_the_policy(cnn_workload: Workload) -> None:
+    """C7: a model trained in eval mode (gradients on) ran eagerly without the policy, its report "0 applied,
+    0 dropped", with nothing said (a QA run). It warns once; a validation under no_grad says nothing."""
+    import warnings
+
+    model, batch, loss_fn = _cnn()()
+    cm = _policy(cnn_workload, "relu").compiled(model, backend=BACKEND)
+    model.eval()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            cm(batch[0])
+        assert not said
+        loss_fn(cm, batch).backward()
+        loss_fn(cm, batch).backward()
+    assert [str(w.message).split(",")[0] for w in said] == [
+        f"policy.compiled: {type(model).__name__} is in eval mode with gradients on"
+    ]
+    assert not cm.report.applied
+
+
 def test_a_policy_for_another_precision_is_refused_as_policy_applied_refuses_it(cnn_workload: Workload) -> None:
     """An fp32 policy compiled and trained under bf16 autocast reported its decisions applied and ran (a QA
     run), where ``policy.applied`` refuses it: refused in the same words."""

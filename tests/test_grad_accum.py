@@ -96,3 +96,52 @@ def test_measured_peak_of_accumulation_matches_simulated() -> None:
             assert measured > one.peak_bytes  # the gradients live through the later micro-batches' forward
     print({label: f"{e:+.2%}" for label, e in errors.items()})
     assert all(abs(e) <= 0.03 for e in errors.values()), errors
+
+
+@pytest.mark.parametrize(("planned", "runs", "set_to_none", "warns"), [
+    (1, 2, True, True), (2, 2, True, False), (2, 1, True, True), (1, 2, False, False), (1, 1, True, False),
+])  # fmt: skip
+def test_a_plain_loop_that_accumulates_otherwise_than_planned_is_told(
+    planned: int, runs: int, set_to_none: bool, warns: bool
+) -> None:
+    """R20: a policy planned for one micro-batch per optimizer step, applied in a loop of two, ran without a
+    word (a QA run): its plan holds the gradients through another number of forwards. The runtime counts the
+    steps between gradient resets and warns once; a loop that zeroes in place is not counted."""
+    import warnings
+
+    w = capture(_mlp, name="mlp", batch_size=4, grad_accum=planned)
+    policy = Policy.from_vector(w, [Action.RECOMPUTE.code] * len(w.candidates), hardware="cpu")
+    model, batch, loss_fn = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(4):  # optimizer steps
+            for _ in range(runs):
+                with policy.applied(model):
+                    loss_fn(model, batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+    told = [str(s.message) for s in said if "between gradient resets" in str(s.message)]
+    assert len(told) == (1 if warns else 0), told
+    if warns:
+        assert f"planned for {planned} micro-batch" in told[0] and f"runs {runs} between" in told[0], told[0]
+
+
+def test_a_batch_larger_than_planned_is_told_once_and_a_smaller_one_not() -> None:
+    """R11: a policy planned for batch 4 applied at batch 8 ran without a word (a QA run), its plan's memory
+    not holding the step. A larger batch warns once; a loader's smaller last batch says nothing."""
+    import warnings
+
+    w = capture(_mlp, name="mlp", batch_size=4)
+    policy = Policy.from_vector(w, [Action.RECOMPUTE.code] * len(w.candidates), hardware="cpu")
+    model, (x, y), loss_fn = _mlp()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for k in (0.5, 1, 2, 3):  # samples: 2, 4 (planned), 8, 12
+            batch = (x[:2], y[:2]) if k == 0.5 else (x.repeat(int(k), 1), y.repeat(int(k)))
+            with policy.applied(model):
+                loss_fn(model, batch).backward()
+    told = [str(s.message) for s in said if "larger inputs" in str(s.message)]
+    assert told == ["autotune: the policy for mlp applied to larger inputs than it was planned for: batch 8 "
+                    "(planned 4); it applies, but the step holds more memory than its plan (R11): search one for "
+                    "these sizes"]  # fmt: skip
