@@ -38,7 +38,6 @@ import enum
 import importlib
 import logging
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -50,7 +49,7 @@ import numpy as np
 import envs.problem
 from agents.finalists import Finalists
 from envs.simulator import SimResult
-from runtime.errors import AutotuneError, note_sigint, sigint_arrived
+from runtime.errors import AutotuneError, dropped_interrupts, note_sigint, sigint_arrived
 from runtime.policy import Policy, PolicyOptions, Prediction
 from runtime.vocab import COMPRESS, KEEP, RECOMPUTE, SWAP
 
@@ -170,18 +169,12 @@ class SearchContext:
             sqlalchemy.setLevel(logging.CRITICAL)
             signal.default_int_handler(signum, frame)
 
-        def unraisable(info: Any) -> None:
-            if not issubclass(info.exc_type, KeyboardInterrupt):
-                hook(info)
-
-        hook = sys.unraisablehook
         signal.signal(signal.SIGINT, noted)
-        sys.unraisablehook = unraisable
         try:
-            yield
+            with dropped_interrupts():
+                yield
         finally:
             signal.signal(signal.SIGINT, previous)
-            sys.unraisablehook = hook
             sqlalchemy.setLevel(level)
 
     def derive(self, **changes: Any) -> SearchContext:

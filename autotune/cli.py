@@ -1222,7 +1222,8 @@ def sweep(
 
     method_list = sw.check_methods(methods)
     # Each model and budget once, in the order given (400MiB and 419430400 are one budget: one cell, one file).
-    budget_list = list(dict.fromkeys(parse_budget(b, "--budgets") for b in budgets.split(",") if b.strip()))
+    typed = [(b.strip(), parse_budget(b, "--budgets")) for b in budgets.split(",") if b.strip()]
+    budget_list = list(dict.fromkeys(n for _, n in typed))
     names = list(dict.fromkeys(m.strip() for m in models.split(",") if m.strip()))
     if not names or not budget_list:
         raise AutotuneError("give at least one model and one budget, e.g. --models resnet50 --budgets 4GB,6GB")
@@ -1268,8 +1269,7 @@ def sweep(
     check_storage(storage)
     # What was read, once every input is checked (an error is then one line): the budgets as search echoes
     # its one, a budget that the GPU cannot hold, and the reserve kept back.
-    typed = [b.strip() for b in budgets.split(",") if b.strip()]
-    err.print(f"budgets: {'; '.join(format_size_echo(t, parse_budget(t, '--budgets')) for t in typed)}")
+    err.print(f"budgets: {'; '.join(format_size_echo(t, n) for t, n in typed)}")
     for hw in profiles:
         warn_over_device(err, max(budget_list), hw)
     kept = {hw.name: max(plans[(hw.name, b)].reserve_bytes for b in budget_list) for hw in profiles}

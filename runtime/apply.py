@@ -489,8 +489,9 @@ class PolicyRuntime:
         first = next((p for p in self.model.parameters() if p.requires_grad), None)
         if first is None:
             return
-        if first.grad is not None:
-            self._micro += 1 if self._micro else 0
+        if first.grad is not None:  # a later micro-batch of the run being counted (none before the first reset)
+            if self._micro:
+                self._micro += 1
             return
         if self._micro:
             self._runs = [*self._runs[-1:], self._micro]
@@ -1512,35 +1513,33 @@ def check_model(policy: Policy, model: torch.nn.Module) -> None:
     got = parameter_fingerprint(model)
     if got == want:
         return
-    # A wrapper of the model, whose parameter names have its prefix: said as what to apply the policy to (it
-    # was "a model with other parameters", and strict=False then applied nothing, a QA run).
-    for attr, advice in (
-        ("module", "apply it to the model the wrapper holds, policy.applied(wrapper.module), inside the wrapper's "
-         "forward and backward"),  # DistributedDataParallel, DataParallel
-        ("_orig_mod", "torch.compile's wrapper runs the model without autotune's hooks: compile under the policy "
-         "with policy.compiled(model) on the model itself (NOTE [ Compiled policies ]), or train it eagerly with "
-         "policy.applied(model)"),  # torch.compile's OptimizedModule
-        ("model", "a model that policy.compiled returned applies its policy itself: call it as it is, without "
-         "policy.applied"),  # runtime.compiled.CompiledModel
-    ):  # fmt: skip
-        inner = getattr(model, attr, None)
-        if isinstance(inner, torch.nn.Module) and parameter_fingerprint(inner) == want:
-            raise AutotuneError(
-                f"policy for {policy.model} applied to a wrapper of that model ({type(model).__name__}, holding it "
-                f"as .{attr}), whose parameter names have that prefix: {advice}"
-            )
+    # The model held by the one given, whose parameter names have its path as prefix: said as what to apply the
+    # policy to (it was "a model with other parameters", and strict=False then applied nothing, a QA run).
     inside = next((n for n, m in model.named_modules() if n and parameter_fingerprint(m) == want), None)
+    wrapped = {
+        "module": "apply it to the model the wrapper holds, policy.applied(wrapper.module), inside the wrapper's "
+        "forward and backward",  # DistributedDataParallel, DataParallel
+        "_orig_mod": "torch.compile's wrapper runs the model without autotune's hooks: compile under the policy "
+        "with policy.compiled(model) on the model itself (NOTE [ Compiled policies ]), or train it eagerly with "
+        "policy.applied(model)",  # torch.compile's OptimizedModule
+        "model": "a model that policy.compiled returned applies its policy itself: call it as it is, without "
+        "policy.applied",  # runtime.compiled.CompiledModel
+    }
+    if inside in wrapped:
+        raise AutotuneError(
+            f"policy for {policy.model} applied to a wrapper of that model ({type(model).__name__}, holding it "
+            f"as .{inside}), whose parameter names have that prefix: {wrapped[inside]}"
+        )
     if inside is not None:  # a LightningModule's network, a model held by another
         raise AutotuneError(
             f"policy for {policy.model} applied to {type(model).__name__}, which holds that model as {inside!r}: "
             f"apply it to that submodule (model.get_submodule({inside!r}); the integrations' module={inside!r})"
         )
-    if got != want:
-        raise AutotuneError(
-            f"policy for {policy.model} (parameters {want}) applied to a model with other parameters ({got}): its "
-            f"keys would name other tensors; search a policy for this model (`autotune search --model ...`), or "
-            f"in Python pass strict=False to apply what still matches (the rest is kept)"
-        )
+    raise AutotuneError(
+        f"policy for {policy.model} (parameters {want}) applied to a model with other parameters ({got}): its "
+        f"keys would name other tensors; search a policy for this model (`autotune search --model ...`), or "
+        f"in Python pass strict=False to apply what still matches (the rest is kept)"
+    )
 
 
 @contextlib.contextmanager

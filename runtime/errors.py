@@ -63,18 +63,29 @@ def noting_sigint() -> Iterator[None]:
         note_sigint()
         signal.default_int_handler(signum, frame)
 
+    noted.notes_sigint = True  # type: ignore[attr-defined]
+    signal.signal(signal.SIGINT, noted)
+    try:
+        with dropped_interrupts():
+            yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@contextlib.contextmanager
+def dropped_interrupts() -> Iterator[None]:
+    """While inside, a KeyboardInterrupt that Python drops in a finalizer (noted by the handler that raised it)
+    prints no "Exception ignored" traceback; a finalizer's other errors are shown as before."""
+    hook = sys.unraisablehook
+
     def unraisable(info: Any) -> None:
         if not issubclass(info.exc_type, KeyboardInterrupt):
             hook(info)
 
-    noted.notes_sigint = True  # type: ignore[attr-defined]
-    hook = sys.unraisablehook
-    signal.signal(signal.SIGINT, noted)
     sys.unraisablehook = unraisable
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.unraisablehook = hook
 
 
