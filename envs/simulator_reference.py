@@ -123,10 +123,12 @@ def simulate_reference(
     if framed:
         hooked = {f for ci in range(len(cands)) if handled[ci] or ci in carriers for f, _ in cands[ci].packs}
 
+        seen_frames: dict[int, bool] = {}
+
         def observed(f: int) -> bool:
-            if any(within(f, r) for r in regions):
-                return False
-            return any(within(f, h) for h in hooked)
+            if f not in seen_frames:
+                seen_frames[f] = not any(within(f, r) for r in regions) and any(within(f, h) for h in hooked)
+            return seen_frames[f]
 
         in_frame = [0] * len(frames)
         for ci, c in enumerate(cands):
@@ -370,11 +372,35 @@ def simulate_reference(
                     in_place.add(tid)
                     free = w.tensors[tid].free_op
                     extended[op.in_place_into] = max(extended.get(op.in_place_into, -1), n if free is None else free)
+    # What happens at each op, indexed once (the walk reads them in the same order as a scan would).
+    copies_out: dict[int, list[int]] = {}  # Rule 4: the swapped candidates whose copy out starts before op i
+    packs_before: dict[int, list[int]] = {}  # Rules 4, 8: the candidates packed once op i - 1 has ended
+    for ci, c in enumerate(cands):
+        if gpu and act[ci] == SWAP:
+            copies_out.setdefault(c.save_op + 1, []).append(ci)
+        if not c.packed_in_op:
+            packs_before.setdefault(c.save_op + 1, []).append(ci)
+    plain_free: dict[int, list[int]] = {}  # tensors no candidate is, by the op after which they go
+    for t in w.tensors:
+        if t.id not in cand_of:
+            traced = uncached_plain.get(t.id, t.free_op if t.free_op is not None else n)
+            plain_free.setdefault(max(traced, extended.get(t.id, -1)), []).append(t.id)
+    cand_free: dict[int, list[tuple[int, int]]] = {}  # candidates' storages by the op after which they go:
+    for ci, c in enumerate(cands):  # (candidate, 0 kept / 2 dropped / 3 swapped), 1 for a packed form (below)
+        a = act[ci]
+        if a == KEEP:
+            cand_free.setdefault(kept_end[ci], []).append((ci, 0))
+        if a in (RECOMPUTE, COMPRESS):
+            cand_free.setdefault(dropped_end[ci], []).append((ci, 2))
+        if a == SWAP:
+            last = max(c.free_if_dropped_op, release_after[ci]) if gpu else c.free_if_dropped_op
+            cand_free.setdefault(last, []).append((ci, 3))
+    compressed = [ci for ci in range(len(cands)) if act[ci] == COMPRESS]
     for i, op in enumerate(w.ops):
         cur[0] = i
         transient = 0
         transient_parts: list[int] = []
-        for ci in sorted(k for k, c in enumerate(cands) if gpu and act[k] == SWAP and c.save_op + 1 == i):
+        for ci in copies_out.get(i, []):
             begin = max(clock["dev"], clock["d2h"])  # Rule 4: the copy out, after op save_op
             clock["d2h"] = d2h_end[ci] = begin + cands[ci].nbytes / hw.d2h_bytes_per_s
         for ci in sorted(release_before.get(i, [])):
@@ -409,9 +435,8 @@ def simulate_reference(
         for tid in op.outputs:
             if w.tensors[tid].alloc_op == i and tid not in in_place:
                 live[("t", tid)] = size[tid]
-        for ci, c in enumerate(cands):
-            if not c.packed_in_op and c.save_op + 1 == i:  # Rules 4, 8: once op save_op has ended
-                pack_copy(ci)
+        for ci in packs_before.get(i, []):  # Rules 4, 8: once op save_op has ended
+            pack_copy(ci)
         # Op i on the clocks (Rule 1), after the fixed insertions before it.
         clock["busy"] += host_at[i] + host_op[i]
         if gpu:
@@ -433,23 +458,14 @@ def simulate_reference(
             timeline[-1] = max(timeline[-1], sum(live.values()))
 
         # Releases after op i.
-        for t in w.tensors:
-            traced = uncached_plain.get(t.id, t.free_op if t.free_op is not None else n)
-            if t.id not in cand_of and max(traced, extended.get(t.id, -1)) == i:
-                live.pop(("t", t.id), None)
+        for tid in plain_free.get(i, []):
+            live.pop(("t", tid), None)
         for key in [key for key, last in ends.items() if last == i]:
             live.pop(key, None)
             del ends[key]
-        for ci, c in enumerate(cands):
-            a = act[ci]
-            if a == KEEP and kept_end[ci] == i:
-                live.pop(("t", c.tensor), None)
-            if a == COMPRESS and materialized.get(ci) == i:
-                live.pop(("p", ci), None)
-            if a in (RECOMPUTE, COMPRESS) and dropped_end[ci] == i:
-                live.pop(("t", c.tensor), None)
-            if a == SWAP and i == (max(c.free_if_dropped_op, release_after[ci]) if gpu else c.free_if_dropped_op):
-                live.pop(("t", c.tensor), None)
+        unpacked = [(ci, 1) for ci in compressed if materialized.get(ci) == i]  # Rule 8: its kernel is done
+        for ci, what in sorted(cand_free.get(i, []) + unpacked):
+            live.pop(("p", ci) if what == 1 else ("t", cands[ci].tensor), None)
 
     end = max(clock["dev"], clock["host"])
     opt = w.phase_range(Phase.OPTIMIZER)
