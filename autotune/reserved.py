@@ -6,8 +6,8 @@ A run fails when the caching allocator cannot reserve another segment, so on a G
 ``--reserve``), not only its allocated peak (the simulator's). The reserved peak comes from a
 model of the allocator (NOTE [ CUDA caching allocator ] in envs/allocator.py) replaying the policy's
 allocations (``envs.allocator.policy_stats``: the op-by-op simulator's accounting, three iterations): about
-half a second a policy on ResNet-101 at batch 64, so it is computed for the answer and a few rivals, not for
-every policy a search scores. In order:
+a quarter of a second a policy on ResNet-101 at batch 64, so it is computed for the answer and a few rivals,
+not for every policy a search scores. In order:
   1. the search's answer, when three iterations of it run on the model with the device capped at the planned
      budget (``torch.cuda.set_per_process_memory_fraction``, as `autotune train` caps it: the allocator gives
      cached segments back before a request fails, A7);
@@ -23,16 +23,25 @@ every policy a search scores. In order:
      baseline is the fastest that runs on the model with the device so capped, each faster one that runs out
      there marked infeasible. Before, the answer (reserved bytes fit) stood beside a baseline judged by its
      tensors alone: on ResNet-101 b64 within 6GB, 970.0 samples/s against Capuchin's 975.2, whose policy runs
-     out on the model.
-``--budget-kind allocated`` (the default: on an H200 the model is within 3% of ``max_memory_reserved`` for
-keep and swap but 10-12% under for recompute on ResNet-50, whose cuDNN workspaces fake traces lack; README
-"Known limits") plans for the simulator's peak alone, and step 1 only
-reports whether the answer runs within the budget on the model (a warning when it does not, which says
-whether ``expandable_segments:True`` alone would make it run: the cheaper lever, no search). On the CPU there
-is no caching allocator and neither is done. `autotune simulate` reports the model's peaks for any policy, and
-`autotune train --device cuda` the measured ``max_memory_reserved`` beside the model's prediction.
+     out on the model. Where none runs, the heuristics are planned again for ``SHRINK`` of the tensor bytes, at
+     most ``ROUNDS`` times, as the search is (step 3), and the fastest that runs then is the best baseline: in
+     that case none of the nine runs, and Capuchin planned for 5.19 GiB of tensors does, 966.3 samples/s
+     (before, the table said "none fits" beside the answer).
+``--budget-kind allocated`` (the default) plans for the simulator's peak alone, and step 1 only reports whether
+the answer runs within the budget on the model (a warning when it does not, which says whether
+``expandable_segments:True`` alone would make it run: the cheaper lever, no search). On the CPU there is no
+caching allocator and neither is done; with ``--measure`` the finalists are trained capped at the budget, the
+allocator's own verdict, and neither is done either. `autotune simulate` reports the model's peaks for any
+policy, and `autotune train --device cuda` the measured ``max_memory_reserved`` beside the model's prediction.
 ``autotune search --expandable-segments`` plans all of this for PyTorch's ``expandable_segments:True`` (the
 model's A8-A11), the setting ``autotune train --expandable-segments`` trains the answer with.
+Not yet the default, for three reasons. The model under-counts recompute on ResNet-50 by 10-12% on an H200
+(cuDNN's workspaces, which fake traces lack; README "Known limits"). The impossible-budget check
+(``autotune.search.check_budget``) names a budget in tensor bytes, which can then fail here: on resnet18
+b4 for a100-40gb (8 MiB reserve, no cuBLAS workspace) no policy runs on the model within 225MB, three
+searches down to 195 MB of tensors, where the tensors' floor is 181 MB. And the shortcut that answers
+"keeping everything" at once (``run_search``) counts tensors, so with a pool of finalists it is skipped and
+the search runs. Each must count reserved bytes first.
 """
 
 from __future__ import annotations

@@ -49,6 +49,8 @@ class SearchOutcome:
     reserved: ReservedFit | None = None  # --budget-kind reserved on a GPU profile (NOTE [ Reserved budget ])
     # --budget-kind reserved: the best baseline's reserved peak on the allocator's model (step 4)
     baseline_reserved_bytes: int | None = None
+    # step 4: the tensor bytes the best baseline was planned for again, where none planned for the budget ran
+    baseline_planned_bytes: int | None = None
     # --allow-partition with more than one model searched (NOTE [ Choosing a partition ] C4): each one's answer
     searched: list[dict[str, Any]] = field(default_factory=list)
 
@@ -491,18 +493,51 @@ def fit_reserved(
 def reserved_baselines(outcome: SearchOutcome, budget_bytes: int, expandable_segments: bool = False) -> None:
     """Step 4 of NOTE [ Reserved budget ]: the baselines held to the answer's budget kind. The feasible ones
     are checked fastest first on the caching allocator's model with the device capped at ``budget_bytes``; each
-    that runs out there is marked infeasible, up to the first that runs, whose reserved peak is recorded."""
-    ranked = sorted((i for i, b in enumerate(outcome.baselines) if b.feasible),
-                    key=lambda i: -outcome.baselines[i].result.samples_per_s)  # fmt: skip
+    that runs out there is marked infeasible, up to the first that runs, whose reserved peak is recorded. Where
+    none runs, the heuristics are planned again for ``SHRINK`` of the tensor bytes, as the search is (step 3),
+    at most ``ROUNDS`` times, and the fastest that runs then is added to the baselines."""
+    if _first_that_runs(outcome, outcome.baselines, budget_bytes, expandable_segments, mark=True) is not None:
+        return
+    p = outcome.problem
+    planned, floor = p.budget_bytes, budget_floor(p)
+    ctx = SearchContext() if outcome.ctx is None else outcome.ctx.derive(progress=None, seeds=())
+    for _ in range(ROUNDS):
+        planned = scaled_budget(planned)
+        if planned < floor:
+            return
+        tighter = Problem(p.workload, p.hardware, planned, options=p.options, allow_compress=p.allow_compress,
+                          allow_swap=p.allow_swap, compiled=p.compiled)  # fmt: skip
+        again = [get_searcher(name).search(tighter, ctx) for name in baseline_names()]
+        runs = _first_that_runs(outcome, again, budget_bytes, expandable_segments)
+        if runs is not None:
+            outcome.baselines.append(dataclasses.replace(runs, note=f"tensors planned for {format_bytes(planned)}"))
+            outcome.baseline_planned_bytes = planned
+            return
+
+
+def _first_that_runs(
+    outcome: SearchOutcome,
+    baselines: list[SearchResult],
+    budget_bytes: int,
+    expandable_segments: bool,
+    mark: bool = False,
+) -> SearchResult | None:
+    """The fastest feasible one of ``baselines`` that runs on the allocator's model with the device capped at
+    ``budget_bytes`` (its reserved peak recorded in ``outcome``); ``mark``: each faster one marked as running
+    out there."""
+    ranked = sorted((i for i, b in enumerate(baselines) if b.feasible),
+                    key=lambda i: -baselines[i].result.samples_per_s)  # fmt: skip
     for i in ranked:
-        b = outcome.baselines[i]
+        b = baselines[i]
         member = outcome.problem.member(b.rival)
         st = reserved_stats(member, b.policy.to_vector(member.workload), b.policy.options, budget_bytes,
                             expandable_segments)  # fmt: skip
         if st is not None:
             outcome.baseline_reserved_bytes = st.peak_reserved
-            return
-        outcome.baselines[i] = dataclasses.replace(b, status=Status.INFEASIBLE, note=_OVER)
+            return b
+        if mark:
+            baselines[i] = dataclasses.replace(b, status=Status.INFEASIBLE, note=_OVER)
+    return None
 
 
 def check_reserved(problem: Problem, found: SearchResult, expandable_segments: bool = False) -> ReservedFit:
@@ -631,6 +666,7 @@ def to_json(outcome: SearchOutcome) -> dict[str, Any]:
         "budget_kind": "reserved" if outcome.reserved is not None and outcome.reserved.enforced else "allocated",
         "reserved": outcome.reserved.to_dict() if outcome.reserved is not None else None,
         "best_heuristic_reserved_peak_bytes": outcome.baseline_reserved_bytes,
+        "best_heuristic_planned_bytes": outcome.baseline_planned_bytes,  # planned again for fewer tensor bytes
         "partitions_searched": outcome.searched,
     }
 
@@ -678,6 +714,8 @@ def render(out: Console, outcome: SearchOutcome) -> None:
         other = top.policy.partitions != f.policy.partitions
         sliced = f", on {', '.join(str(p) for p in top.policy.partitions) or 'no partition'}" if other else ""
         held = "; reserved bytes fit" if outcome.baseline_reserved_bytes is not None else ""
+        if outcome.baseline_planned_bytes is not None:  # step 4: planned again for fewer tensor bytes
+            held += f", {top.note}"
         row(f"best baseline ({top.searcher}{sliced}{held})", top.result)
     else:
         t.add_row("best baseline", "none fits", "", "", "", "")
@@ -729,6 +767,9 @@ def render(out: Console, outcome: SearchOutcome) -> None:
 def _baselines_held(outcome: SearchOutcome) -> str:
     """What step 4 of NOTE [ Reserved budget ] did to the baselines, for the reserved line."""
     over = sum(b.note == _OVER for b in outcome.baselines)
+    if outcome.baseline_planned_bytes is not None:
+        return (f"none of the {_policies(over)} of the baselines runs there; the best baseline is the fastest that "
+                f"runs with tensors planned for {format_bytes(outcome.baseline_planned_bytes)}")  # fmt: skip
     if outcome.baseline_reserved_bytes is not None:
         return f"the best baseline is held to it too, {over} faster ones running out there"
     return f"none of the {_policies(over)} of the baselines runs there"

@@ -1004,6 +1004,36 @@ def test_budget_kind_reserved_plans_for_what_the_caching_allocator_holds(
     assert code == 2 and "invalid --budget-kind 'cached'" in err and not (tmp_path / "x.json").exists()
 
 
+def test_the_best_baseline_is_planned_again_where_none_of_its_policies_runs_on_the_allocators_model(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Step 4 of NOTE [ Reserved budget ]: the baselines get the search's ladder. resnet18 b4 within 240MB (8 MiB
+    reserve), Capuchin searching: its answer runs on the caching allocator's model only from the third search
+    (tensors planned for 95% and 90.25% of the bytes), and none of the baselines planned for that runs there
+    either, so the heuristics are planned again for 95% of it; Capuchin's policy then runs, and is the table's
+    best baseline (before, "none fits"). Its reserved peak is the model's for that heuristic at those bytes."""
+    from agents.base import SearchContext, get_searcher
+    from envs.allocator import policy_stats
+    from runtime.hardware import get_profile
+
+    code, stdout, err = run(capsys, "search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb",
+                            "--budget", "240MB", "--reserve", "8MiB", "--budget-kind", "reserved", "--searcher",
+                            "capuchin", "--out", str(tmp_path / "c.json"), "--storage",
+                            f"sqlite:///{tmp_path / 'c.db'}", "--json")  # fmt: skip
+    assert code == 0, err
+    d = json.loads(stdout)
+    planned = d["reserved"]["planned_bytes"]
+    assert d["budget_kind"] == "reserved" and d["reserved"]["fits"] and len(planned) == 3, d["reserved"]
+    again = int(planned[-1] * 0.95)
+    assert d["best_heuristic"] == "capuchin" and d["best_heuristic_planned_bytes"] == again
+    hw = get_profile("a100-40gb")
+    w, _ = trace_model(TraceRequest(model="resnet18", batch_size=4, target=hw))
+    got = get_searcher("capuchin").search(Problem(w, hw, again), SearchContext())
+    assert got.feasible and got.result.samples_per_s == d["best_heuristic_samples_per_s"]
+    st = policy_stats(w, hw, got.policy.to_vector(w), got.policy.options, capacity_bytes=planned[0])
+    assert st.peak_reserved == d["best_heuristic_reserved_peak_bytes"] <= planned[0]
+
+
 def test_budget_kind_reserved_plans_for_expandable_segments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """`--expandable-segments`: the same as above on the allocator's model of expandable_segments:True (A8-A11):
     the answer's reserved peak is that model's, three iterations with the device capped at the planned budget,
