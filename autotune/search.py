@@ -830,11 +830,19 @@ def no_answer(outcome: SearchOutcome) -> str:
         )
     rf = outcome.reserved
     if rf is not None and not rf.fits:
+        needs = rf.lowest_reserved_bytes
+        # what the policy of the lowest tensor peak reserves, uncapped, and the reserve back on top of it
+        raise_to = (
+            "raise --budget"
+            if needs is None
+            else f"raise --budget to at least {format_bytes(needs + budget - rf.planned[0])}"
+        )
+        reserves = "" if needs is None else f", which reserves {format_bytes(needs)} there"
         return (
             f"no policy runs within {format_bytes(rf.planned[0])} on the caching allocator's model"
             f"{' with expandable_segments:True' if rf.expandable_segments else ''} ({len(rf.planned)} searches, "
-            f"{_policies(rf.checked)} checked, the lowest tensor peak {format_bytes(rf.lowest_peak_bytes)}): "
-            f"nothing written to {outcome.policy_path}; raise --budget, lower --batch-size, "
+            f"{_policies(rf.checked)} checked, the lowest tensor peak {format_bytes(rf.lowest_peak_bytes)}"
+            f"{reserves}): nothing written to {outcome.policy_path}; {raise_to}, lower --batch-size, "
             + ("" if rf.expandable_segments else "try --expandable-segments, ")
             + "or plan for tensors alone with --budget-kind allocated"
         )

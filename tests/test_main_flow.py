@@ -383,6 +383,39 @@ def test_the_reserved_check_tries_the_finalists_with_room(monkeypatch: pytest.Mo
     assert fit.fits and fit.source == "finalist" and fit.checked == 4
 
 
+def test_where_no_policy_runs_on_the_allocators_model_the_error_names_a_budget_the_lowest_one_runs_within(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [ Reserved budget ] step 3's end on hand-made finalists (budget 1000 bytes): an allocator on which
+    nothing runs capped at the budget, and on which each policy, uncapped, reserves 64 bytes over its planned
+    peak. The error said "raise --budget"; now it names the lowest planned peak (890), what that policy
+    reserves with nothing capping the device (954), and that plus the 24-byte reserve as the budget to use."""
+    from autotune import reserved
+    from autotune import search as sr
+    from autotune.budget import record_budget
+    from envs.allocator import AllocatorStats
+
+    plans = {(1, 0, 0, 0): (1000, 100.0), (1, 1, 1, 0): (960, 80.0), (2, 2, 2, 2): (890, 50.0)}
+    problem, planned, found = _hand_finalists(plans)
+
+    def on_the_model(problem: Problem, actions: np.ndarray, options: object, capacity: int | None,
+                     *_a: object) -> AllocatorStats | None:  # fmt: skip
+        peak = planned[np.asarray(actions, dtype=np.int8).tobytes()].peak_bytes
+        return None if capacity is not None else AllocatorStats(peak, peak + 64, peak, peak, peak + 64, peak)
+
+    monkeypatch.setattr(reserved, "reserved_stats", on_the_model)
+    chosen, fit = reserved.fit_one(problem, found, 1000, rivals=3)
+    assert chosen is None and not fit.fits and fit.checked == 3
+    assert (fit.lowest_peak_bytes, fit.lowest_reserved_bytes) == (890, 954)
+    fit.planned = [1000]
+    record_budget(found.policy, 1024, 24)  # the budget as typed, 24 bytes of it the reserve
+    outcome = sr.SearchOutcome(problem, None, found, [], None, _result(2000, 300.0), Path("p.json"), 0.0,  # type: ignore[arg-type]
+                               reserved=fit)  # fmt: skip
+    said = sr.no_answer(outcome)
+    assert "the lowest tensor peak 890 B, which reserves 954 B there" in said, said
+    assert "raise --budget to at least 978 B" in said, said
+
+
 def test_the_reserved_budget_holds_the_baselines_to_it_too(monkeypatch: pytest.MonkeyPatch) -> None:
     """NOTE [ Reserved budget ] step 4 on hand-made baselines (budget 1000 bytes; an allocator that runs only
     what is planned at 900 bytes or less): the two fastest feasible baselines (1000 and 960 bytes) run out and
