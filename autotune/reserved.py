@@ -1,16 +1,17 @@
 """The budget in the bytes that run out: what PyTorch's CUDA caching allocator reserves for a policy.
 
 NOTE [ Reserved budget ]
-A run fails when the caching allocator cannot reserve another segment, so on a GPU profile `autotune search
---budget-kind reserved` answers with a policy whose *reserved* bytes fit the planned budget (the budget less
-``--reserve``), not only its allocated peak (the simulator's). The reserved peak comes from a
+A run fails when the caching allocator cannot reserve another segment, so on a GPU profile `autotune search`
+(its default ``--budget-kind reserved``) answers with a policy whose *reserved* bytes fit the planned budget
+(the budget less ``--reserve``), not only its allocated peak (the simulator's). The reserved peak comes from a
 model of the allocator (NOTE [ CUDA caching allocator ] in envs/allocator.py) replaying the policy's
 allocations (``envs.allocator.policy_stats``: the op-by-op simulator's accounting, three iterations): about
 a quarter of a second a policy on ResNet-101 at batch 64, so it is computed for the answer and a few rivals,
 not for every policy a search scores. In order:
   1. the search's answer, when three iterations of it run on the model with the device capped at the planned
      budget (``torch.cuda.set_per_process_memory_fraction``, as `autotune train` caps it: the allocator gives
-     cached segments back before a request fails, A7);
+     cached segments back before a request fails, A7); where keeping everything fits the tensors' budget and
+     runs there, it is the answer at once, with no search (``run_search``'s ``keeping_runs``);
   2. else the fastest of its finalists (NOTE [ Finalists ]) that runs so, of at most ``CHECKS``: the fastest
      of each tier that keeps room free (1%, 3%, 10% of the budget), then the fastest of all, tried fastest
      first. The room matters: on ResNet-101 b64 within 6GB the 8 fastest (planned 0-1% under the budget)
@@ -18,10 +19,7 @@ not for every policy a search scores. In order:
      wall; with the tiers' fastest among them, a 3%- or 10%-tier finalist runs there: 969.1 samples/s
      (-0.2%) in 21.2 s, no second search;
   3. else a new search for ``SHRINK`` of the allocated bytes the last one planned for, again 1-2, at most
-     ``ROUNDS`` searches in all; no answer when none runs (the error names a budget: what the policy of the
-     lowest tensor peak reserves on the model with nothing capping the device, which never gives a segment
-     back, plus the reserve; on resnet18 b4 for a100-40gb within 210MB, 234.00 MiB, at which the search then
-     answers; before, "raise --budget").
+     ``ROUNDS`` searches in all, then step 5.
   4. The baselines are held to the same kind (``autotune.search.reserved_baselines``): the table's best
      baseline is the fastest that runs on the model with the device so capped, each faster one that runs out
      there marked infeasible. Before, the answer (reserved bytes fit) stood beside a baseline judged by its
@@ -30,21 +28,28 @@ not for every policy a search scores. In order:
      most ``ROUNDS`` times, as the search is (step 3), and the fastest that runs then is the best baseline: in
      that case none of the nine runs, and Capuchin planned for 5.19 GiB of tensors does, 966.3 samples/s
      (before, the table said "none fits" beside the answer).
-``--budget-kind allocated`` (the default) plans for the simulator's peak alone, and step 1 only reports whether
-the answer runs within the budget on the model (a warning when it does not, which says whether
-``expandable_segments:True`` alone would make it run: the cheaper lever, no search). On the CPU there is no
-caching allocator and neither is done; with ``--measure`` the finalists are trained capped at the budget, the
-allocator's own verdict, and neither is done either. `autotune simulate` reports the model's peaks for any
-policy, and `autotune train --device cuda` the measured ``max_memory_reserved`` beside the model's prediction.
-``autotune search --expandable-segments`` plans all of this for PyTorch's ``expandable_segments:True`` (the
-model's A8-A11), the setting ``autotune train --expandable-segments`` trains the answer with.
-Not yet the default, for three reasons. The model under-counts recompute on ResNet-50 by 10-12% on an H200
-(cuDNN's workspaces, which fake traces lack; README "Known limits"). The impossible-budget check
-(``autotune.search.check_budget``) names a budget in tensor bytes, which can then fail here: on resnet18
-b4 for a100-40gb (8 MiB reserve, no cuBLAS workspace) no policy runs on the model within 225MB, three
-searches down to 195 MB of tensors, where the tensors' floor is 181 MB. And the shortcut that answers
-"keeping everything" at once (``run_search``) counts tensors, so with a pool of finalists it is skipped and
-the search runs. Each must count reserved bytes first.
+  5. Where no search's policy runs: the fastest of the most frugal uniform policies
+     (``envs.simulator.frugal_starts``: recompute everything, every block's inside, swap everything) that
+     runs there, slow as it is; no answer when none does. The error then names a budget: the least one of
+     them reserves on the model with nothing capping the device (which never gives a segment back, so capped
+     there it runs, and this step answers), plus the reserve. The impossible-budget check
+     (``autotune.search.check_budget``) names the same budget: the first error's budget is accepted, not
+     followed by a second error.
+``--budget-kind allocated`` (the opt-out; the default until this round) plans for the simulator's peak alone,
+and step 1 only reports whether the answer runs within the budget on the model (a warning when it does not,
+which says whether ``expandable_segments:True`` alone would make it run: the cheaper lever, no search). On
+the CPU there is no caching allocator and none of this is done; with ``--measure`` the finalists are trained
+capped at the budget, the allocator's own verdict, and none of it is done either; `sweep` and `maxbatch` plan
+allocated bytes (maxbatch checks its answer as step 1 does and warns). `autotune simulate` reports the model's
+peaks for any policy, and `autotune train --device cuda` the measured ``max_memory_reserved`` beside the
+model's prediction. ``autotune search --expandable-segments`` plans all of this for PyTorch's
+``expandable_segments:True`` (the model's A8-A11), the setting ``autotune train --expandable-segments`` trains
+the answer with.
+The model is not the allocator: on an H200 it was within 3% of ``max_memory_reserved`` for keep and swap but
+10-12% under for recompute on ResNet-50, whose cuDNN workspaces fake traces lack (README "Known limits"), so
+the default still under-counts there; it counts what the tensors alone miss. On small models the model's
+segments cost much: resnet18 b4 for a100-40gb (8 MiB reserve, no cuBLAS workspace) runs no policy within
+225MB, three searches down to 195 MB of tensors where the tensors' floor is 181 MB; the error names 228 MiB.
 """
 
 from __future__ import annotations
@@ -104,8 +109,10 @@ class ReservedFit:
     fits: bool
     retries: int = 0  # A7: times the capped allocator gave cached segments back
     lowest_peak_bytes: int = 0  # when none fits: the lowest simulated peak among the policies checked
-    # ... and what that policy reserves on the model with nothing capping the device: a budget it runs within
-    lowest_reserved_bytes: int | None = None
+    # when none fits (step 5): what the most frugal uniform policy reserves on the model with nothing capping
+    # the device (it never gives a segment back: a budget it runs within, where step 5 then answers), and which
+    frugal_reserved_bytes: int | None = None
+    frugal_policy: str = ""
     enforced: bool = True  # --budget-kind reserved: the answer had to fit; else only checked and reported
     checked: int = 0  # policies whose reserved peak was computed
     planned: list[int] = field(default_factory=list)  # the allocated budget of each search
@@ -128,7 +135,8 @@ class ReservedFit:
             "expandable_segments": self.expandable_segments,
             "expandable_peak_bytes": self.expandable_peak_bytes,
             "lowest_peak_bytes": self.lowest_peak_bytes if not self.fits else None,
-            "lowest_reserved_bytes": self.lowest_reserved_bytes,
+            "frugal_reserved_bytes": self.frugal_reserved_bytes,
+            "frugal_policy": self.frugal_policy or None,
         }
 
 
@@ -171,11 +179,8 @@ def fit_one(
             fit.source = "answer" if i == 0 else "finalist"
             fit.expandable_segments = expandable_segments
             return f, fit
-    low = min(candidates, key=lambda f: f.result.peak_bytes)
-    # Uncapped, it never gives segments back: its reserved peak is a budget it runs within (the error's advice).
-    free = reserved_stats(problem, low.actions, low.options, None, expandable_segments)
-    return None, ReservedFit(None, None, False, checked=len(candidates), lowest_peak_bytes=low.result.peak_bytes,
-                             lowest_reserved_bytes=free.peak_reserved if free is not None else None,
+    low = min(f.result.peak_bytes for f in candidates)
+    return None, ReservedFit(None, None, False, checked=len(candidates), lowest_peak_bytes=low,
                              expandable_segments=expandable_segments)  # fmt: skip
 
 

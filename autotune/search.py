@@ -8,6 +8,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,11 +18,12 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from agents.base import Problem, SearchContext, SearchResult, Status, baseline_names, best_of, better, get_searcher
-from agents.finalists import Finalists
+from agents.finalists import Finalist, Finalists
 from autotune.budget import Budget, record_budget, refuse_unit_left_out
 from autotune.measured import ANSWER, MeasuredSearch, answer_policy
 from autotune.reserved import ROUNDS, ReservedFit, as_result, fit_one, new_pool, reserved_stats, scaled_budget
 from autotune.units import format_bytes, format_size_echo, parse_size
+from envs.allocator import AllocatorStats
 from envs.simulator import Floor, SimResult, Simulator, frugal_starts, peak_floor
 from runtime.errors import AutotuneError
 from runtime.hardware import HardwareProfile
@@ -197,34 +199,74 @@ DESCENT_S = 3.0  # seconds of descent on the peak for the budget an impossible-b
 FRUGAL_OPTIONS = PolicyOptions(prefetch_lookahead=1)
 
 
-def smallest_known_budget(problem: Problem) -> tuple[int, str]:
+def smallest_known_budget(
+    problem: Problem, reserved: bool = False, expandable_segments: bool = False
+) -> tuple[int, str]:
     """A budget autotune can certainly meet: the lowest peak among the most memory-frugal uniform policies
     and the descents on the peak from each of them and from no policy (single moves, DESCENT_S seconds in
-    all)."""
+    all). ``reserved`` (NOTE [ Reserved budget ]): what that policy reserves on the caching allocator's model
+    with nothing capping the device (it never gives a segment back: a budget it runs within)."""
     from agents.refine import _repair
 
     tries = frugal_starts(problem.workload)
     opts = FRUGAL_OPTIONS
-    best = min((problem.simulator.run(a, options=opts).peak_bytes, k) for k, a in tries.items())
+    runs = [(problem.simulator.run(a, options=opts).peak_bytes, k, a, opts) for k, a in tries.items()]
+    best = min(runs, key=lambda r: r[:2])
     tries["no policy"] = problem.keep_all()
     for how, start in tries.items():  # a share of the time each
         deadline = time.perf_counter() + DESCENT_S / len(tries)
         result = problem.simulator.run(start, options=opts, budget_bytes=problem.budget_bytes)
-        _, _, lowest = _repair(problem, start, opts, result, deadline)
-        best = min(best, (lowest.peak_bytes, f"{how}, then a descent on the peak"))
-    return best
+        actions, options, lowest = _repair(problem, start, opts, result, deadline)
+        best = min(best, (lowest.peak_bytes, f"{how}, then a descent on the peak", actions, options),
+                   key=lambda r: r[:2])  # fmt: skip
+    if reserved:  # what step 5 of NOTE [ Reserved budget ] then answers with: one error, not a chain
+        least, name = least_frugal_reserved(problem, expandable_segments)
+        return least, f"{name}, reserved on the caching allocator's model with nothing capping the device"
+    return best[0], best[1]
 
 
-def check_budget(problem: Problem, budget: Budget | None = None, *, partitioning: bool = False) -> None:
+def frugal_on_the_model(
+    problem: Problem, budget_bytes: int | None, expandable_segments: bool = False
+) -> list[tuple[str, Finalist, AllocatorStats | None]]:
+    """Step 5 of NOTE [ Reserved budget ]: each most frugal uniform policy (``frugal_starts``) this problem
+    allows, and its stats on the caching allocator's model with the device capped at ``budget_bytes`` (None:
+    nothing caps it; None stats: it runs out)."""
+    out = []
+    for name, actions in frugal_starts(problem.workload).items():
+        if not problem.allow_swap and (actions == Action.SWAP.code).any():
+            continue
+        result = problem.evaluate(actions, FRUGAL_OPTIONS)
+        if result.host_over_bytes:
+            continue
+        st = reserved_stats(problem, actions, FRUGAL_OPTIONS, budget_bytes, expandable_segments)
+        out.append((name, Finalist(actions, FRUGAL_OPTIONS, result), st))
+    return out
+
+
+def least_frugal_reserved(problem: Problem, expandable_segments: bool = False) -> tuple[int, str]:
+    """The least a most frugal uniform policy reserves on the model with nothing capping the device, and which."""
+    runs = [(st.peak_reserved, name) for name, _, st in frugal_on_the_model(problem, None, expandable_segments) if st]
+    return min(runs)
+
+
+def check_budget(
+    problem: Problem,
+    budget: Budget | None = None,
+    *,
+    partitioning: bool = False,
+    reserved: bool = False,
+    expandable_segments: bool = False,
+) -> None:
     """Fail at once, with the smallest budget that works, when no policy can meet the budget.
     ``problem.budget_bytes`` is what is planned for: ``budget`` as typed less its reserve (NOTE [ Budget and
     reserve ] in autotune.budget), which the message adds back. ``partitioning``: --allow-partition was given
-    (and chose no slices), so the message does not suggest it."""
+    (and chose no slices), so the message does not suggest it. ``reserved``: the budget is in reserved bytes
+    (NOTE [ Reserved budget ]), and so is the one suggested."""
     f = peak_floor(problem.workload, problem.hardware)
     floor = f.bytes
     reserve = budget.reserve_bytes if budget is not None else 0
     if problem.budget_bytes < floor or (budget is not None and budget.given_bytes <= reserve):
-        smallest, how = smallest_known_budget(problem)
+        smallest, how = smallest_known_budget(problem, reserved, expandable_segments)
         given = problem.budget_bytes + reserve if budget is None else budget.given_bytes
         kept = f", the {format_bytes(reserve)} reserve for workspaces (--reserve) included" * (reserve > 0)
         raise AutotuneError(
@@ -261,11 +303,14 @@ def planned_problem(
     allow_swap: bool = True,
     partitioning: bool = False,
     compiled: str | None = None,
+    reserved: bool = False,
+    expandable_segments: bool = False,
 ) -> Problem:
     """The problem a planning command solves: ``w`` on ``hw`` within ``budget`` as planned for (its reserve
     kept back, NOTE [ Budget and reserve ]), compression (lossy) only where allowed, under torch.compile with
     backend ``compiled`` (simulator Rule 16) where given; checked at once
-    (:func:`check_budget`; ``partitioning``: --allow-partition given), before any search."""
+    (:func:`check_budget`; ``partitioning``: --allow-partition given; ``reserved``: in the caching allocator's
+    bytes, NOTE [ Reserved budget ]), before any search."""
     problem = Problem(
         w,
         hw,
@@ -276,7 +321,8 @@ def planned_problem(
         finalists=finalists,
         compiled=compiled,
     )
-    check_budget(problem, budget, partitioning=partitioning)
+    check_budget(problem, budget, partitioning=partitioning, reserved=reserved,
+                 expandable_segments=expandable_segments)  # fmt: skip
     return problem
 
 
@@ -296,12 +342,15 @@ def run_search(
     quiet: bool,
     user_budget_bytes: int | None = None,
     plain: Workload | None = None,
+    keeping_runs: Callable[[Problem, SearchResult], bool] | None = None,
 ) -> SearchOutcome:
     """Baselines, then ``searcher``; ``out`` is where the answer goes (:func:`write_answer`, once the caller
     has it: nothing is written for a policy that does not fit). ``problem.budget_bytes`` is what the search
     plans for; ``user_budget_bytes`` (the budget before the reserve) is what the policy file records, and
     what `autotune train` caps the device at. ``plain``: the model without partitions, where the problem's
-    workload has them (runtime/partition.py): no policy is that model's."""
+    workload has them (runtime/partition.py): no policy is that model's. ``keeping_runs``: whether keeping
+    everything, where its tensors fit, also runs where the answer must (the caching allocator's model, NOTE
+    [ Reserved budget ]); without it, a problem with finalists (--measure) is searched."""
     started = time.perf_counter()
     get_searcher(searcher)  # an unknown name fails before any work
     no_policy = plain_no_policy(problem, plain)
@@ -356,10 +405,14 @@ def run_search(
         # plan that fits can run out when trained). Among rival partitions only where the model as it is fits
         # (else keeping everything on slices can be slower than another policy without them).
         kept_all = None
-        if (no_policy.feasible or not problem.rivals) and problem.finalists is None and not ctx.interrupted:
+        settles = problem.finalists is None or keeping_runs is not None
+        if (no_policy.feasible or not problem.rivals) and settles and not ctx.interrupted:
             kept_all = best_of(
                 b for b in baselines if b.feasible and not b.policy.to_vector(problem.member(b.rival).workload).any()
             )
+            member = problem.member(kept_all.rival) if kept_all is not None else problem
+            if kept_all is not None and keeping_runs is not None and not keeping_runs(member, kept_all):
+                kept_all = None  # its tensors fit, its segments do not: a search
         if milp and kept_all is None and not ctx.interrupted:
             report("milp (exact, coarsened)", None)
             try:
@@ -483,11 +536,35 @@ def fit_reserved(
             break
         current = again
     assert lowest is not None
-    lowest.checked, lowest.planned, lowest.fits = checked, planned, False
+    frugal = frugal_on_the_model(outcome.problem, budget, expandable_segments)  # step 5
+    runs = [(f, st) for _, f, st in frugal if st is not None]
+    if runs:
+        f, st = max(runs, key=lambda r: r[0].result.samples_per_s)
+        found = dataclasses.replace(as_result(outcome.problem, outcome.found, f), status=Status.FEASIBLE)
+        fit = ReservedFit(st.peak_reserved, st.peak_allocated, True, retries=st.retries, source="frugal policy",
+                          checked=checked + len(frugal), planned=planned,
+                          expandable_segments=expandable_segments)  # fmt: skip
+        outcome.found, outcome.reserved, outcome.wall_s = found, fit, wall
+        reserved_baselines(outcome, budget, expandable_segments)
+        return outcome
+    lowest.checked, lowest.planned, lowest.fits = checked + len(frugal), planned, False
+    if frugal:  # what one of them needs with nothing capping the device: a budget step 5 answers within
+        lowest.frugal_reserved_bytes, lowest.frugal_policy = least_frugal_reserved(outcome.problem, expandable_segments)
     outcome.reserved, outcome.wall_s = lowest, wall
     outcome.found = dataclasses.replace(outcome.found, status=Status.INFEASIBLE, note=_OVER)
     reserved_baselines(outcome, budget, expandable_segments)
     return outcome
+
+
+def runs_reserved(budget_bytes: int, expandable_segments: bool = False) -> Callable[[Problem, SearchResult], bool]:
+    """For :func:`run_search`'s ``keeping_runs``: whether a result for a problem runs on the caching
+    allocator's model with the device capped at ``budget_bytes`` (NOTE [ Reserved budget ])."""
+
+    def runs(problem: Problem, r: SearchResult) -> bool:
+        actions = r.policy.to_vector(problem.workload)
+        return reserved_stats(problem, actions, r.policy.options, budget_bytes, expandable_segments) is not None
+
+    return runs
 
 
 def reserved_baselines(outcome: SearchOutcome, budget_bytes: int, expandable_segments: bool = False) -> None:
@@ -830,14 +907,14 @@ def no_answer(outcome: SearchOutcome) -> str:
         )
     rf = outcome.reserved
     if rf is not None and not rf.fits:
-        needs = rf.lowest_reserved_bytes
-        # what the policy of the lowest tensor peak reserves, uncapped, and the reserve back on top of it
+        needs = rf.frugal_reserved_bytes
+        # step 5: what a most frugal policy reserves with nothing capping the device, and the reserve on top
         raise_to = (
             "raise --budget"
             if needs is None
             else f"raise --budget to at least {format_bytes(needs + budget - rf.planned[0])}"
         )
-        reserves = "" if needs is None else f", which reserves {format_bytes(needs)} there"
+        reserves = "" if needs is None else f"; {rf.frugal_policy} reserves {format_bytes(needs)} there"
         return (
             f"no policy runs within {format_bytes(rf.planned[0])} on the caching allocator's model"
             f"{' with expandable_segments:True' if rf.expandable_segments else ''} ({len(rf.planned)} searches, "

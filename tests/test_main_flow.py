@@ -383,37 +383,66 @@ def test_the_reserved_check_tries_the_finalists_with_room(monkeypatch: pytest.Mo
     assert fit.fits and fit.source == "finalist" and fit.checked == 4
 
 
-def test_where_no_policy_runs_on_the_allocators_model_the_error_names_a_budget_the_lowest_one_runs_within(
+def test_where_no_policy_runs_on_the_allocators_model_the_error_names_a_budget_a_frugal_one_runs_within(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """NOTE [ Reserved budget ] step 3's end on hand-made finalists (budget 1000 bytes): an allocator on which
-    nothing runs capped at the budget, and on which each policy, uncapped, reserves 64 bytes over its planned
-    peak. The error said "raise --budget"; now it names the lowest planned peak (890), what that policy
-    reserves with nothing capping the device (954), and that plus the 24-byte reserve as the budget to use."""
+    """NOTE [ Reserved budget ] step 5's end on hand-made finalists (budget 1000 bytes): an allocator on which
+    nothing runs capped at the budget. The error said "raise --budget"; now it names the lowest planned peak
+    (890), what the most frugal uniform policy reserves with nothing capping the device (954: a budget step 5
+    answers within), and that plus the 24-byte reserve as the budget to use."""
     from autotune import reserved
     from autotune import search as sr
     from autotune.budget import record_budget
-    from envs.allocator import AllocatorStats
 
     plans = {(1, 0, 0, 0): (1000, 100.0), (1, 1, 1, 0): (960, 80.0), (2, 2, 2, 2): (890, 50.0)}
-    problem, planned, found = _hand_finalists(plans)
+    problem, _, found = _hand_finalists(plans)
 
-    def on_the_model(problem: Problem, actions: np.ndarray, options: object, capacity: int | None,
-                     *_a: object) -> AllocatorStats | None:  # fmt: skip
-        peak = planned[np.asarray(actions, dtype=np.int8).tobytes()].peak_bytes
-        return None if capacity is not None else AllocatorStats(peak, peak + 64, peak, peak, peak + 64, peak)
-
-    monkeypatch.setattr(reserved, "reserved_stats", on_the_model)
+    monkeypatch.setattr(reserved, "reserved_stats", lambda *_a, **_k: None)
     chosen, fit = reserved.fit_one(problem, found, 1000, rivals=3)
-    assert chosen is None and not fit.fits and fit.checked == 3
-    assert (fit.lowest_peak_bytes, fit.lowest_reserved_bytes) == (890, 954)
-    fit.planned = [1000]
+    assert chosen is None and not fit.fits and fit.checked == 3 and fit.lowest_peak_bytes == 890
+    fit.planned, fit.frugal_reserved_bytes, fit.frugal_policy = [1000], 954, "recompute everything"
     record_budget(found.policy, 1024, 24)  # the budget as typed, 24 bytes of it the reserve
     outcome = sr.SearchOutcome(problem, None, found, [], None, _result(2000, 300.0), Path("p.json"), 0.0,  # type: ignore[arg-type]
                                reserved=fit)  # fmt: skip
     said = sr.no_answer(outcome)
-    assert "the lowest tensor peak 890 B, which reserves 954 B there" in said, said
+    assert "the lowest tensor peak 890 B; recompute everything reserves 954 B there" in said, said
     assert "raise --budget to at least 978 B" in said, said
+
+
+def test_where_no_searched_policy_runs_on_the_allocators_model_a_frugal_one_is_the_answer(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [ Reserved budget ] step 5 from the command line: resnet18 b4 within 250MB (8 MiB reserve), on an
+    allocator's model where, capped at the budget, only swapping everything runs (what the model says of it,
+    220 MiB reserved; the others out of memory). No search's answer or finalist runs in three searches; the
+    answer is then swapping everything, the one frugal uniform policy that runs, and its file is that policy."""
+    from autotune import reserved
+    from autotune import search as sr
+    from envs.simulator import frugal_starts
+    from runtime.policy import load_policy
+
+    real = reserved.reserved_stats
+
+    def only_swap_all(problem: Problem, actions: np.ndarray, options: object, capacity: int | None = None,
+                      expandable: bool = False) -> object:  # fmt: skip
+        swap_all = frugal_starts(problem.workload)["swap everything"]
+        if capacity is not None and not np.array_equal(np.asarray(actions), swap_all):
+            return None
+        return real(problem, actions, options, capacity, expandable)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(reserved, "reserved_stats", only_swap_all)
+    monkeypatch.setattr(sr, "reserved_stats", only_swap_all)
+    out = tmp_path / "f.json"
+    code, stdout, err = run(capsys, "search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb",
+                            "--budget", "250MB", "--reserve", "8MiB", "--searcher", "capuchin", "--out", str(out),
+                            "--storage", f"sqlite:///{tmp_path / 'f.db'}", "--json")  # fmt: skip
+    assert code == 0, err
+    d = json.loads(stdout)
+    r = d["reserved"]
+    assert r["fits"] and r["source"] == "frugal policy" and len(r["planned_bytes"]) == 3, r
+    assert r["reserved_peak_bytes"] <= r["planned_bytes"][0] and d["feasible"] and out.exists()
+    w, _ = trace_model(TraceRequest(model="resnet18", batch_size=4))
+    assert np.array_equal(load_policy(out).to_vector(w), frugal_starts(w)["swap everything"])
 
 
 def test_the_reserved_budget_holds_the_baselines_to_it_too(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -885,7 +914,7 @@ def test_ctrl_c_stops_the_whole_sweep_and_keeps_what_its_cell_found(tmp_path: Pa
 def test_resuming_a_study_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     store = f"sqlite:///{tmp_path / 'r.db'}"
     args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "200MB",
-            "--reserve", "8MiB", "--searcher", "optuna-tpe", "--storage", store,
+            "--reserve", "8MiB", "--searcher", "optuna-tpe", "--storage", store, "--budget-kind", "allocated",
             "--out", str(tmp_path / "p.json")]  # fmt: skip
     code, _, err = run(capsys, *args, "--trials", "3")
     assert code == 0 and "resuming" not in err, err
@@ -919,7 +948,8 @@ def test_a_budget_below_the_floor_is_refused_before_any_search(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """One byte under what no policy can go below: exit 2 at once, the op where the floor lies named, and
-    nothing left behind (the storage's check made an empty SQLite database there, a QA run)."""
+    nothing left behind (the storage's check made an empty SQLite database there, a QA run). In tensor bytes:
+    at the floor itself no policy runs on the caching allocator's model."""
     from agents.base import Problem
     from autotune.search import budget_floor
     from runtime.hardware import get_profile
@@ -929,7 +959,8 @@ def test_a_budget_below_the_floor_is_refused_before_any_search(
     out = tmp_path / "p.json"
     store = f"sqlite:///{tmp_path / 'f.db'}"
     args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--reserve", "0",
-            "--timeout", "4", "--trials", "3", "--out", str(out), "--storage", store]  # fmt: skip
+            "--timeout", "4", "--trials", "3", "--out", str(out), "--storage", store, "--budget-kind",
+            "allocated"]  # fmt: skip
     code, _, err = run(capsys, *args, "--budget", str(floor - 1))
     assert code == 2 and not out.exists() and not (tmp_path / "f.db").exists(), err
     line = [x for x in err.splitlines() if x.startswith("error:")]
@@ -977,7 +1008,7 @@ def test_progress_shows_where_stderr_is_no_terminal(
 
     monkeypatch.setattr(sr, "PLAIN_EVERY_S", 0.0)
     code, _, err = run(capsys, "search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget",
-                       "200MB", "--reserve", "8MiB", "--trials", "3", "--timeout", "30",
+                       "200MB", "--reserve", "8MiB", "--trials", "3", "--timeout", "30", "--budget-kind", "allocated",
                        "--out", str(tmp_path / "p.json"), "--storage", f"sqlite:///{tmp_path / 'g.db'}")  # fmt: skip
     assert code == 0, err
     lines = [x for x in err.splitlines() if " s: " in x]
@@ -990,15 +1021,14 @@ def test_budget_kind_reserved_plans_for_what_the_caching_allocator_holds(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """NOTE [ Reserved budget ]: resnet18 at batch 4 within 250MB (8 MiB reserve). Planned for tensors alone
-    (the default) the answer runs out of memory on the allocator's model with the device capped at the
-    budget: said, not changed. With --budget-kind reserved no policy of the first search runs there; the
-    second, for 95% of the bytes, answers with one that does; a bad kind is refused at once. (At 240MB, before
-    the GPU profiles carried an H200 host's costs, it took three searches; now one.)"""
+    (--budget-kind allocated) the answer runs out of memory on the allocator's model with the device capped at
+    the budget: said, not changed. By default (reserved) no policy of the first search runs there; the second,
+    for 95% of the bytes, answers with one that does; a bad kind is refused at once. (At 240MB, before the GPU
+    profiles carried an H200 host's costs, it took three searches; now one.)"""
     common = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "250MB",
               "--reserve", "8MiB", "--timeout", "20", "--json"]  # fmt: skip
-    code, stdout, err = run(
-        capsys, *common, "--out", str(tmp_path / "a.json"), "--storage", f"sqlite:///{tmp_path / 'a.db'}"
-    )
+    code, stdout, err = run(capsys, *common, "--budget-kind", "allocated", "--out", str(tmp_path / "a.json"),
+                            "--storage", f"sqlite:///{tmp_path / 'a.db'}")  # fmt: skip
     assert code == 0, err
     plain = json.loads(stdout)
     assert plain["budget_kind"] == "allocated" and plain["peak_bytes"] <= plain["planned_budget_bytes"]
@@ -1018,8 +1048,8 @@ def test_budget_kind_reserved_plans_for_what_the_caching_allocator_holds(
     except OutOfMemory:
         grown = 0
     assert plain["reserved"]["expandable_peak_bytes"] == grown
-    code, stdout, err = run(capsys, *common, "--budget-kind", "reserved", "--out", str(tmp_path / "r.json"),
-                            "--storage", f"sqlite:///{tmp_path / 'r.db'}")  # fmt: skip
+    code, stdout, err = run(capsys, *common, "--out", str(tmp_path / "r.json"), "--storage",
+                            f"sqlite:///{tmp_path / 'r.db'}")  # fmt: skip
     assert code == 0, err
     d = json.loads(stdout)
     r = d["reserved"]
