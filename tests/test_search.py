@@ -377,9 +377,6 @@ def test_optuna_records_the_budget_as_a_constraint(tmp_path: Path) -> None:
 # -- the command -----------------------------------------------------------------------------------------------
 SEARCH = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--timeout", "20"]
 SEARCH += ["--reserve", "8MiB"]
-# In tensor bytes: at this size no policy below the no-policy peak runs on the caching allocator's model (the
-# default, --budget-kind reserved, NOTE [ Reserved budget ]; tests/test_main_flow.py tests it).
-SEARCH += ["--budget-kind", "allocated"]
 
 
 def test_portfolio_stops_early_once_converged_with_the_optimum() -> None:
@@ -426,7 +423,6 @@ def test_search_stops_early_once_converged_and_says_so(capsys: pytest.CaptureFix
     """`autotune search` as users type it (no --trials): bounded by --timeout, done before it once converged."""
     out = tmp_path / "p.json"
     args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "200MB"]
-    args += ["--budget-kind", "allocated"]  # as SEARCH
     code, stdout, err = run(capsys, *args, "--reserve", "8MiB", "--timeout", "120", "--out", str(out))
     assert code == 0, err
     assert "converged, stopped before the time limit" in stdout and out.exists()
@@ -508,12 +504,15 @@ def test_ctrl_c_of_a_searcher_without_a_study_names_none_to_resume(
     assert "resume with" not in err and optuna.get_all_study_names(url) == []
 
 
+@pytest.mark.parametrize("kind", ["allocated", "reserved"])
 def test_a_budget_below_the_default_reserve_names_a_budget_that_works(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, kind: str
 ) -> None:
     """The first error names the budget to use (the reserve included), and that budget is then accepted:
-    one error, not a chain of them (a 1KB budget used to suggest --reserve 0, which failed next)."""
-    args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb"]
+    one error, not a chain of them (a 1KB budget used to suggest --reserve 0, which failed next). In reserved
+    bytes (NOTE [ Reserved budget ] step 5) too: what a frugal policy reserves there, where the tensors' floor
+    alone failed again (no policy of three searches ran on the caching allocator's model)."""
+    args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget-kind", kind]
     for budget in ("1KB", "100MB"):
         code, _, err = run(capsys, *args, "--budget", budget)
         assert code == 2 and "128.00 MiB reserve for workspaces (--reserve) included" in err, err
@@ -621,14 +620,16 @@ def test_an_answer_that_does_not_fit_is_not_said_to_have_won(tmp_path: Path) -> 
     assert "won by" not in shown and "found (portfolio, does not fit the budget; nearest: " in shown
 
 
+@pytest.mark.parametrize("kind", ["allocated", "reserved"])
 def test_a_budget_that_holds_the_model_as_it_is_says_no_policy_is_needed(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, kind: str
 ) -> None:
     """resnet18 b2 (a 187 MiB peak) within 30 GB: the answer keeps everything, and the table said it was
     "won by capuchin". Keeping everything is the fastest policy there is, so the search (6.8 s to converge on it in
-    a QA run) is not run: the baselines' evaluations only."""
+    a QA run) is not run: the baselines' evaluations only. With --budget-kind reserved too, where keeping
+    everything runs on the caching allocator's model (before, its pool of finalists made the search run)."""
     code, out, err = run(capsys, "search", "--model", "resnet18", "--batch-size", "2", "--gpu", "a100-40gb",
-                         "--budget", "30GB", "--out", str(tmp_path / "p.json"), "--storage",
+                         "--budget", "30GB", "--budget-kind", kind, "--out", str(tmp_path / "p.json"), "--storage",
                          f"sqlite:///{tmp_path / 's.db'}", "--json")  # fmt: skip
     assert code == 0, err
     got = json.loads(out)
