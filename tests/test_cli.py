@@ -859,7 +859,9 @@ def test_a_portfolio_search_run_again_says_it_resumes_its_studies(
     code, _, err = run(capsys, *args)
     assert code == 0 and "resuming" not in err, err
     code, _, err = run(capsys, *args)
-    assert code == 0 and "resuming the search's Optuna studies" in err and "again.seeded (" in err, err
+    # Which of its phases the first run's 4 s reached depends on the machine's load: one of them is named.
+    said = "again.seeded (" in err or "again.explore (" in err
+    assert code == 0 and "resuming the search's Optuna studies" in err and said, err
 
 
 def test_an_unknown_hardware_profile_in_a_policy_file_names_the_file(
