@@ -208,21 +208,19 @@ def smallest_known_budget(
     with nothing capping the device (it never gives a segment back: a budget it runs within)."""
     from agents.refine import _repair
 
+    if reserved:  # what step 5 of NOTE [ Reserved budget ] then answers with: one error, not a chain
+        least, name = least_frugal_reserved(problem, expandable_segments)
+        return least, f"{name}, reserved on the caching allocator's model with nothing capping the device"
     tries = frugal_starts(problem.workload)
     opts = FRUGAL_OPTIONS
-    runs = [(problem.simulator.run(a, options=opts).peak_bytes, k, a, opts) for k, a in tries.items()]
-    best = min(runs, key=lambda r: r[:2])
+    best = min((problem.simulator.run(a, options=opts).peak_bytes, k) for k, a in tries.items())
     tries["no policy"] = problem.keep_all()
     for how, start in tries.items():  # a share of the time each
         deadline = time.perf_counter() + DESCENT_S / len(tries)
         result = problem.simulator.run(start, options=opts, budget_bytes=problem.budget_bytes)
-        actions, options, lowest = _repair(problem, start, opts, result, deadline)
-        best = min(best, (lowest.peak_bytes, f"{how}, then a descent on the peak", actions, options),
-                   key=lambda r: r[:2])  # fmt: skip
-    if reserved:  # what step 5 of NOTE [ Reserved budget ] then answers with: one error, not a chain
-        least, name = least_frugal_reserved(problem, expandable_segments)
-        return least, f"{name}, reserved on the caching allocator's model with nothing capping the device"
-    return best[0], best[1]
+        _, _, lowest = _repair(problem, start, opts, result, deadline)
+        best = min(best, (lowest.peak_bytes, f"{how}, then a descent on the peak"))
+    return best
 
 
 def frugal_on_the_model(
@@ -410,8 +408,8 @@ def run_search(
             kept_all = best_of(
                 b for b in baselines if b.feasible and not b.policy.to_vector(problem.member(b.rival).workload).any()
             )
-            member = problem.member(kept_all.rival) if kept_all is not None else problem
-            if kept_all is not None and keeping_runs is not None and not keeping_runs(member, kept_all):
+            runs = keeping_runs is None or kept_all is None or keeping_runs(problem.member(kept_all.rival), kept_all)
+            if not runs:
                 kept_all = None  # its tensors fit, its segments do not: a search
         if milp and kept_all is None and not ctx.interrupted:
             report("milp (exact, coarsened)", None)
