@@ -612,12 +612,14 @@ def search(
     reserve: ReserveOpt = None,
     host_memory: HostOpt = None,
     budget_kind: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help="allocated: the policy's tensors fit the budget; reserved: it also runs within the budget on a "
-            "model of PyTorch's CUDA caching allocator (cached blocks and split ends; GPU profiles, without --measure)."
+            help="reserved: the policy runs within the budget on a model of PyTorch's CUDA caching allocator "
+            "(cached blocks and split ends: what runs out); allocated: its tensors alone fit \\[default: reserved "
+            "on a GPU profile; allocated on cpu, which has no caching allocator, and with --measure, whose finalists "
+            "run capped at the budget]."
         ),
-    ] = "allocated",
+    ] = None,
     expandable_segments: Annotated[
         bool,
         typer.Option(
@@ -699,7 +701,8 @@ def search(
     get_searcher(searcher)  # unknown names fail before tracing
     from autotune.reserved import check_kind, new_pool
 
-    check_kind(budget_kind)
+    if budget_kind is not None:
+        check_kind(budget_kind)
     parts = parse_partition_option(partition)
     sliced = bool(parts) or allow_partition
     if compile_ and (sliced or allow_compress):  # before the profile: calibrating the CPU's takes seconds
@@ -789,7 +792,8 @@ def search(
     rivals = [w]
     # No policy is the unpartitioned model's, whatever the answer partitions.
     plain = _trace(dataclasses.replace(req, partitions=()))[0] if parts else w
-    reserved = budget_kind == "reserved" and hw.is_gpu and not k  # NOTE [ Reserved budget ]
+    # NOTE [ Reserved budget ]: what the caching allocator reserves, by default on a GPU profile
+    reserved = budget_kind != "allocated" and hw.is_gpu and not k
     # C5: a searcher that chooses the partition among its own decisions searches them together (its finalists,
     # measured or checked on the allocator's model, are one partition's: there they are searched in turn).
     chooser = searcher if get_searcher(searcher).chooses_partition and not k and not reserved else ""

@@ -510,8 +510,8 @@ def render(
             highlight=False,
         )
     warn_reserved(
-        out, outcome.reserved, f"`autotune search --batch-size {outcome.max_batch} --budget-kind reserved` plans for "
-        "that, at this batch or a smaller one",
+        out, outcome.reserved, f"`autotune search --batch-size {outcome.max_batch}` (its default --budget-kind "
+        "reserved) plans for that, at this batch or a smaller one",
     )  # fmt: skip
     if outcome.measured is not None:
         sr.render_measured(out, outcome.measured.measured)

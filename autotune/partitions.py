@@ -41,7 +41,7 @@ NOTE [ Choosing a partition ]
         to the others (same key, same action), keeping the fastest. Its answer says which
         (``Proposal.rival``). The exact solver (MILP) is exact per partition: C4's turns take the best of
         them. Where the answer is measured (``--measure``) or checked on the allocator's model (``--budget-kind
-        reserved``) the finalists are one partition's, and the partitions are
+        reserved``, the default on a GPU profile) the finalists are one partition's, and the partitions are
         searched in turn. On the GroupNorm CNN above, together against in turn at equal time: optuna-tpe
         7,304.9 against 7,140.8 samples/s in 10 s and 7,379.7 against 7,508.4 in 20 s, ppo 8,435.9 against
         8,677.0 and 8,262.6 both, all on ``blocks.0/4``.

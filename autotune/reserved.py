@@ -1,9 +1,9 @@
 """The budget in the bytes that run out: what PyTorch's CUDA caching allocator reserves for a policy.
 
 NOTE [ Reserved budget ]
-A run fails when the caching allocator cannot reserve another segment, so on a GPU profile `autotune search
---budget-kind reserved` answers with a policy whose *reserved* bytes fit the planned budget (the budget less
-``--reserve``), not only its allocated peak (the simulator's). The reserved peak comes from a
+A run fails when the caching allocator cannot reserve another segment, so on a GPU profile `autotune search`
+(its default ``--budget-kind reserved``) answers with a policy whose *reserved* bytes fit the planned budget
+(the budget less ``--reserve``), not only its allocated peak (the simulator's). The reserved peak comes from a
 model of the allocator (NOTE [ CUDA caching allocator ] in envs/allocator.py) replaying the policy's
 allocations (``envs.allocator.policy_stats``: the op-by-op simulator's accounting, three iterations): about
 a quarter of a second a policy on ResNet-101 at batch 64, so it is computed for the answer and a few rivals,
@@ -35,8 +35,8 @@ not for every policy a search scores. In order:
      there it runs, and this step answers), plus the reserve. The impossible-budget check
      (``autotune.search.check_budget``) names the same budget: the first error's budget is accepted, not
      followed by a second error.
-``--budget-kind allocated`` (the default) plans for the simulator's peak alone, and step 1 only reports whether
-the answer runs within the budget on the model (a warning when it does not, which says whether
+``--budget-kind allocated`` (the opt-out; the default before) plans for the simulator's peak alone, and step 1
+only reports whether the answer runs within the budget on the model (a warning when it does not, which says whether
 ``expandable_segments:True`` alone would make it run: the cheaper lever, no search). On the CPU there is no
 caching allocator and none of this is done; with ``--measure`` the finalists are trained capped at the budget,
 the allocator's own verdict, and none of it is done either; `sweep` and `maxbatch` plan allocated bytes
@@ -44,13 +44,20 @@ the allocator's own verdict, and none of it is done either; `sweep` and `maxbatc
 policy, and `autotune train --device cuda` the measured ``max_memory_reserved`` beside the model's prediction.
 ``autotune search --expandable-segments`` plans all of this for PyTorch's ``expandable_segments:True`` (the
 model's A8-A11), the setting ``autotune train --expandable-segments`` trains the answer with.
-Not yet the default. The model is not the allocator: on an H200 it was within 3% of ``max_memory_reserved``
-for keep and swap but 10-12% under for recompute on ResNet-50, whose cuDNN workspaces fake traces lack (README
-"Known limits"), and it has not been checked on a GPU below that size, where its segments cost the most:
-resnet18 b64 for a100-40gb within 1GB (825.67 MiB planned) runs no searched policy there (two searches; the
-lowest tensor peak 776.49 MiB), and the error names 1.26 GiB, what swapping everything reserves, where no
-policy needs 1.44 GiB: a budget that works, not the least that does, which would need a search of its own.
-As the default it would turn budgets users give into errors on that evidence alone.
+The default, and what it rests on. Counted in tensors alone, the main job's answer (`autotune search --model
+resnet101 --budget 6GB`) and the best baseline's policy both run out on the model: a default that hands users
+a policy its own model says fails is the wrong way round. The model's rules are PyTorch's code, and replaying
+the requests an H200's allocator got reproduces ``max_memory_reserved`` to the byte (README "Results"); what
+a fake trace asks for is within 0.72% of that with no policy, and under policies within 0.11% on GPT-2, within
+3% for keep and swap on ResNet-50, but 10-12% under for recompute and a mix there. That gap is cuDNN's
+convolution workspaces, which fake traces lack; with the device capped a workspace is not a request that
+fails: PyTorch's cuDNN convolutions (aten/src/ATen/native/cudnn/Conv_v8.cpp, ``generate_and_filter_plans``;
+Conv_v7.cpp, ``try_all``) catch the allocator's out-of-memory error and take a plan with a smaller workspace.
+What is not checked on a GPU: sizes below ResNet-50 b64, where the segments of A4 weigh most. There the
+default turns some budgets into errors: resnet18 b64 for a100-40gb within 1GB (825.67 MiB planned) runs no
+searched policy on the model (two searches; the lowest tensor peak 776.49 MiB), and the error names 1.26 GiB,
+what swapping everything reserves (1,160 MiB, the least it runs within capped too), where no policy needs
+1.44 GiB: a budget that works, not the least that does. ``--budget-kind allocated`` plans as before.
 """
 
 from __future__ import annotations

@@ -628,7 +628,9 @@ def check_reserved(problem: Problem, found: SearchResult, expandable_segments: b
     return fit
 
 
-def warn_reserved(out: Console, rf: ReservedFit | None, lever: str = "--budget-kind reserved plans for that") -> None:
+def warn_reserved(
+    out: Console, rf: ReservedFit | None, lever: str = "--budget-kind reserved (the default) plans for that"
+) -> None:
     """The warning for an answer checked (not enforced) that runs out on the caching allocator's model;
     ``lever``: what plans for it in the command that printed the answer."""
     if rf is None or rf.enforced or rf.fits:

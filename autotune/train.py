@@ -463,7 +463,7 @@ def render(out: Console, report: TrainReport) -> None:
             f"[yellow]the caching allocator ran out of room within the budget in {len(report.steps)} steps and "
             f"freed {d['segments_freed']} cached segments to go on ({d['alloc_retries']} times all it held; each "
             "cudaFree a device synchronisation): steps run slower than planned; a policy searched with "
-            "--budget-kind reserved leaves the allocator its room[/]"
+            "--budget-kind reserved (a simulated search's default on a GPU profile) leaves the allocator its room[/]"
         )
     if report.expandable_in_effect is False:
         out.print("[yellow]the caching allocator reports expandable_segments off: this torch or platform ignored it[/]")

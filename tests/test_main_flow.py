@@ -434,9 +434,8 @@ def test_where_no_searched_policy_runs_on_the_allocators_model_a_frugal_one_is_t
     monkeypatch.setattr(sr, "reserved_stats", only_swap_all)
     out = tmp_path / "f.json"
     code, stdout, err = run(capsys, "search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb",
-                            "--budget", "250MB", "--reserve", "8MiB", "--budget-kind", "reserved", "--searcher",
-                            "capuchin", "--out", str(out), "--storage", f"sqlite:///{tmp_path / 'f.db'}",
-                            "--json")  # fmt: skip
+                            "--budget", "250MB", "--reserve", "8MiB", "--searcher", "capuchin", "--out", str(out),
+                            "--storage", f"sqlite:///{tmp_path / 'f.db'}", "--json")  # fmt: skip
     assert code == 0, err
     d = json.loads(stdout)
     r = d["reserved"]
@@ -915,7 +914,7 @@ def test_ctrl_c_stops_the_whole_sweep_and_keeps_what_its_cell_found(tmp_path: Pa
 def test_resuming_a_study_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     store = f"sqlite:///{tmp_path / 'r.db'}"
     args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "200MB",
-            "--reserve", "8MiB", "--searcher", "optuna-tpe", "--storage", store,
+            "--reserve", "8MiB", "--searcher", "optuna-tpe", "--storage", store, "--budget-kind", "allocated",
             "--out", str(tmp_path / "p.json")]  # fmt: skip
     code, _, err = run(capsys, *args, "--trials", "3")
     assert code == 0 and "resuming" not in err, err
@@ -949,7 +948,8 @@ def test_a_budget_below_the_floor_is_refused_before_any_search(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """One byte under what no policy can go below: exit 2 at once, the op where the floor lies named, and
-    nothing left behind (the storage's check made an empty SQLite database there, a QA run)."""
+    nothing left behind (the storage's check made an empty SQLite database there, a QA run). In tensor bytes:
+    at the floor itself no policy runs on the caching allocator's model."""
     from agents.base import Problem
     from autotune.search import budget_floor
     from runtime.hardware import get_profile
@@ -959,7 +959,8 @@ def test_a_budget_below_the_floor_is_refused_before_any_search(
     out = tmp_path / "p.json"
     store = f"sqlite:///{tmp_path / 'f.db'}"
     args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--reserve", "0",
-            "--timeout", "4", "--trials", "3", "--out", str(out), "--storage", store]  # fmt: skip
+            "--timeout", "4", "--trials", "3", "--out", str(out), "--storage", store, "--budget-kind",
+            "allocated"]  # fmt: skip
     code, _, err = run(capsys, *args, "--budget", str(floor - 1))
     assert code == 2 and not out.exists() and not (tmp_path / "f.db").exists(), err
     line = [x for x in err.splitlines() if x.startswith("error:")]
@@ -1007,7 +1008,7 @@ def test_progress_shows_where_stderr_is_no_terminal(
 
     monkeypatch.setattr(sr, "PLAIN_EVERY_S", 0.0)
     code, _, err = run(capsys, "search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget",
-                       "200MB", "--reserve", "8MiB", "--trials", "3", "--timeout", "30",
+                       "200MB", "--reserve", "8MiB", "--trials", "3", "--timeout", "30", "--budget-kind", "allocated",
                        "--out", str(tmp_path / "p.json"), "--storage", f"sqlite:///{tmp_path / 'g.db'}")  # fmt: skip
     assert code == 0, err
     lines = [x for x in err.splitlines() if " s: " in x]
@@ -1020,15 +1021,14 @@ def test_budget_kind_reserved_plans_for_what_the_caching_allocator_holds(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """NOTE [ Reserved budget ]: resnet18 at batch 4 within 250MB (8 MiB reserve). Planned for tensors alone
-    (the default) the answer runs out of memory on the allocator's model with the device capped at the
-    budget: said, not changed. With --budget-kind reserved no policy of the first search runs there; the
-    second, for 95% of the bytes, answers with one that does; a bad kind is refused at once. (At 240MB, before
-    the GPU profiles carried an H200 host's costs, it took three searches; now one.)"""
+    (--budget-kind allocated) the answer runs out of memory on the allocator's model with the device capped at
+    the budget: said, not changed. By default (reserved) no policy of the first search runs there; the second,
+    for 95% of the bytes, answers with one that does; a bad kind is refused at once. (At 240MB, before the GPU
+    profiles carried an H200 host's costs, it took three searches; now one.)"""
     common = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "250MB",
               "--reserve", "8MiB", "--timeout", "20", "--json"]  # fmt: skip
-    code, stdout, err = run(
-        capsys, *common, "--out", str(tmp_path / "a.json"), "--storage", f"sqlite:///{tmp_path / 'a.db'}"
-    )
+    code, stdout, err = run(capsys, *common, "--budget-kind", "allocated", "--out", str(tmp_path / "a.json"),
+                            "--storage", f"sqlite:///{tmp_path / 'a.db'}")  # fmt: skip
     assert code == 0, err
     plain = json.loads(stdout)
     assert plain["budget_kind"] == "allocated" and plain["peak_bytes"] <= plain["planned_budget_bytes"]
@@ -1048,8 +1048,8 @@ def test_budget_kind_reserved_plans_for_what_the_caching_allocator_holds(
     except OutOfMemory:
         grown = 0
     assert plain["reserved"]["expandable_peak_bytes"] == grown
-    code, stdout, err = run(capsys, *common, "--budget-kind", "reserved", "--out", str(tmp_path / "r.json"),
-                            "--storage", f"sqlite:///{tmp_path / 'r.db'}")  # fmt: skip
+    code, stdout, err = run(capsys, *common, "--out", str(tmp_path / "r.json"), "--storage",
+                            f"sqlite:///{tmp_path / 'r.db'}")  # fmt: skip
     assert code == 0, err
     d = json.loads(stdout)
     r = d["reserved"]

@@ -315,7 +315,7 @@ def test_the_search_chooses_which_call_to_slice(capsys: pytest.CaptureFixture[st
     path, store = tmp_path / "p.json", f"sqlite:///{tmp_path / 's.db'}"
     code, out, err = run(capsys, "search", "--model", CNN, "--batch-size", "64", "--gpu", "a100-40gb", "--budget",
                          "350MiB", "--allow-partition", "--timeout", "6", "--out", str(path), "--storage", store,
-                         "--json")  # fmt: skip
+                         "--json", "--budget-kind", "allocated")  # fmt: skip
     assert code == 0, err
     assert "partition: blocks/2 " in err and "searching 2 partitions in turn (blocks/2, blocks.0/4)" in err
     found = json.loads(out)
@@ -554,7 +554,7 @@ def test_optuna_chooses_the_partition_as_one_of_its_parameters(
     path, store = tmp_path / "p.json", f"sqlite:///{tmp_path / 's.db'}"
     code, out, err = run(capsys, "search", "--model", CNN, "--batch-size", "64", "--gpu", "a100-40gb", "--budget",
                          "350MiB", "--allow-partition", "--searcher", "optuna-tpe", "--trials", "40", "--timeout", "60",
-                         "--out", str(path), "--storage", store, "--json")  # fmt: skip
+                         "--out", str(path), "--storage", store, "--json", "--budget-kind", "allocated")  # fmt: skip
     assert code == 0, err
     assert "searching 2 partitions together (blocks/2, blocks.0/4): optuna-tpe chooses the partition among its" in err
     found = json.loads(out)
@@ -575,7 +575,7 @@ def test_a_studys_name_resumes_the_search_that_chose_among_partitions(
     path, store = tmp_path / "p.json", f"sqlite:///{tmp_path / 's.db'}"
     args = ["search", "--model", CNN, "--batch-size", "64", "--gpu", "a100-40gb", "--budget", "350MiB",
             "--allow-partition", "--searcher", "optuna-tpe", "--timeout", "60", "--out", str(path), "--storage", store,
-            "--json"]  # fmt: skip
+            "--json", "--budget-kind", "allocated"]  # fmt: skip
     code, out, err = run(capsys, *args, "--trials", "6")
     assert code == 0, err
     name = json.loads(out)["study_name"]

@@ -377,6 +377,9 @@ def test_optuna_records_the_budget_as_a_constraint(tmp_path: Path) -> None:
 # -- the command -----------------------------------------------------------------------------------------------
 SEARCH = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--timeout", "20"]
 SEARCH += ["--reserve", "8MiB"]
+# In tensor bytes: at this size no policy below the no-policy peak runs on the caching allocator's model (the
+# default, --budget-kind reserved, NOTE [ Reserved budget ]; tests/test_main_flow.py tests it).
+SEARCH += ["--budget-kind", "allocated"]
 
 
 def test_portfolio_stops_early_once_converged_with_the_optimum() -> None:
@@ -423,6 +426,7 @@ def test_search_stops_early_once_converged_and_says_so(capsys: pytest.CaptureFix
     """`autotune search` as users type it (no --trials): bounded by --timeout, done before it once converged."""
     out = tmp_path / "p.json"
     args = ["search", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "200MB"]
+    args += ["--budget-kind", "allocated"]  # as SEARCH
     code, stdout, err = run(capsys, *args, "--reserve", "8MiB", "--timeout", "120", "--out", str(out))
     assert code == 0, err
     assert "converged, stopped before the time limit" in stdout and out.exists()
