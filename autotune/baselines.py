@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ from rich.table import Table
 
 from agents.base import Problem, SearchContext, SearchResult, Status, baseline_names, get_searcher, list_searchers
 from autotune.budget import Budget, record_budget
+from autotune.reserved import OVER, result_stats
 from autotune.units import file_stem, format_bytes
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError
@@ -56,12 +59,42 @@ def run_baselines(problem: Problem, ctx: SearchContext, methods: list[str], err:
     return results
 
 
-def rows(problem: Problem, results: list[SearchResult], plain: SimResult | None = None) -> list[dict[str, Any]]:
+@dataclass
+class Held:
+    """Each method's policy held to the bytes the caching allocator reserves (NOTE [ Reserved budget ]): its
+    reserved peak on the allocator's model with the device capped at the planned budget, by the method's
+    position; None where it runs out there; absent where it was not checked (over the budget in tensors)."""
+
+    reserved_bytes: dict[int, int | None]
+    expandable_segments: bool = False
+
+
+def held_to_reserved(
+    problem: Problem, results: list[SearchResult], expandable_segments: bool = False
+) -> tuple[list[SearchResult], Held]:
+    """Every feasible method's policy run on the caching allocator's model, the device capped at the planned
+    budget, as `autotune search` holds its answer and its best baseline (step 4 of NOTE [ Reserved budget ]);
+    one that runs out there is infeasible, with that note."""
+    held, out = Held({}, expandable_segments), []
+    for i, r in enumerate(results):
+        if r.feasible:
+            st = result_stats(problem, r, problem.budget_bytes, expandable_segments)
+            held.reserved_bytes[i] = None if st is None else st.peak_reserved
+            r = r if st is not None else dataclasses.replace(r, status=Status.INFEASIBLE, note=OVER)
+        out.append(r)
+    return out, held
+
+
+def rows(
+    problem: Problem, results: list[SearchResult], plain: SimResult | None = None, held: Held | None = None
+) -> list[dict[str, Any]]:
     """One JSON-able row per method; ``slowdown`` is against keeping everything, on the model without slices
-    (``plain``: its no policy) where the problem's is partitioned."""
+    (``plain``: its no policy) where the problem's is partitioned; ``held``: each policy's reserved peak on
+    the caching allocator's model (``reserved_peak_bytes``, None where it runs out or was not checked)."""
     base = plain if plain is not None else problem.evaluate(problem.keep_all())
     out = []
-    for r in results:
+    for i, r in enumerate(results):
+        checked = held is not None and i in held.reserved_bytes
         out.append(
             {
                 "method": r.searcher,
@@ -76,6 +109,10 @@ def rows(problem: Problem, results: list[SearchResult], plain: SimResult | None 
                 "evaluations": r.evaluations,
                 "gap": r.gap,
                 "note": r.note,
+                "reserved_peak_bytes": held.reserved_bytes[i] if held is not None and checked else None,
+                "runs_on_allocator_model": (held.reserved_bytes[i] is not None)
+                if held is not None and checked
+                else None,
             }
         )
     return out
@@ -87,22 +124,28 @@ def best_heuristic(table: list[dict[str, Any]]) -> dict[str, Any] | None:
     return max(feasible, key=lambda r: r["samples_per_s"]) if feasible else None
 
 
-def render(out: Console, problem: Problem, table: list[dict[str, Any]], budget: Budget | None = None) -> None:
+def render(
+    out: Console, problem: Problem, table: list[dict[str, Any]], budget: Budget | None = None, held: Held | None = None
+) -> None:
     w = problem.workload
     best = best_heuristic(table)
     shown = format_bytes(problem.budget_bytes if budget is None else budget.given_bytes)
     if budget is not None and budget.given_bytes != problem.budget_bytes:
         shown += f" (planned for {format_bytes(problem.budget_bytes)})"
     t = Table(title=f"{w.model}, batch {w.batch_size}, {problem.hardware.name}, budget {shown}")
-    for col in ("method", "status", "peak", "iteration", "samples/s", "slowdown", "solve"):
+    cols = ("method", "status", "peak", *(("reserved",) if held is not None else ()), "iteration", "samples/s",
+            "slowdown", "solve")  # fmt: skip
+    for col in cols:
         t.add_column(col, justify="left" if col in ("method", "status") else "right")
     for r in table:
+        shown_reserved = () if held is None else (_reserved_cell(r),)
         style = "bold green" if best is not None and r is best else ("dim" if not r["feasible"] else "")
         status = r["status"] + (f" (gap {r['gap']:.1%})" if r["gap"] else "")
         t.add_row(
             r["method"] + (" *" if r["exact"] else ""),
             status,
             format_bytes(r["peak_bytes"]),
+            *shown_reserved,
             f"{r['iter_s'] * 1e3:.1f} ms",
             f"{r['samples_per_s']:,.1f}",
             f"{r['slowdown']:+.1%}",
@@ -111,6 +154,25 @@ def render(out: Console, problem: Problem, table: list[dict[str, Any]], budget: 
         )
     out.print(t)
     out.print("* exact solver (optimal for its own model of the problem). Green: the fastest feasible heuristic.")
+    if held is not None:
+        es = " with expandable_segments:True" if held.expandable_segments else ""
+        over = sum(r["runs_on_allocator_model"] is False for r in table)
+        none = " none runs there: `autotune search` plans the heuristics again for fewer tensor bytes;" * (
+            best is None and over > 0
+        )
+        out.print(
+            f"reserved: what PyTorch's CUDA caching allocator reserves for the policy (a model{es}, three iterations, "
+            f"the device capped at the planned budget, as `autotune search` holds its answer); {over} of the "
+            f"policies that fit in tensors run out there, shown infeasible;{none} --budget-kind allocated counts "
+            "tensors alone",
+            highlight=False,
+        )
+
+
+def _reserved_cell(row: dict[str, Any]) -> str:
+    if row["runs_on_allocator_model"] is None:
+        return ""
+    return format_bytes(row["reserved_peak_bytes"]) if row["runs_on_allocator_model"] else "runs out"
 
 
 def save(directory: Path, problem: Problem, results: list[SearchResult], budget: Budget | None = None) -> list[Path]:
@@ -123,7 +185,7 @@ def save(directory: Path, problem: Problem, results: list[SearchResult], budget:
     for r in results:
         stem = f"{file_stem(problem.workload.model)}.{r.searcher}"
         path, other = (directory / f"{stem}{kind}.policy.json" for kind in ("", ".infeasible"))
-        if not r.result.feasible:
+        if not r.feasible:
             path, other = other, path
         record_budget(r.policy, budget if budget is not None else problem.budget_bytes).save(path)
         other.unlink(missing_ok=True)
@@ -137,9 +199,11 @@ def to_json(
     budget: Budget | None = None,
     plain: SimResult | None = None,
     saved: Path | None = None,
+    held: Held | None = None,
 ) -> str:
     """The problem (as `search --json` names it), no policy (``plain``: on the model without slices, as in
-    :func:`rows`), the fastest feasible heuristic and one row per method (``methods``)."""
+    :func:`rows`), the fastest feasible heuristic and one row per method (``methods``); ``budget_kind``
+    reserved where ``held``."""
     w = problem.workload
     base = plain if plain is not None else problem.evaluate(problem.keep_all())
     top = best_heuristic(table)
@@ -153,6 +217,8 @@ def to_json(
             "budget_bytes": problem.budget_bytes if budget is None else budget.given_bytes,
             "planned_budget_bytes": problem.budget_bytes,
             "partitions": list(w.meta.get("partitions", ())),
+            "budget_kind": "reserved" if held is not None else "allocated",
+            "expandable_segments": held is not None and held.expandable_segments,
             "no_policy_samples_per_s": base.samples_per_s,
             "no_policy_peak_bytes": base.peak_bytes,
             "best_heuristic": top["method"] if top else None,
@@ -162,4 +228,14 @@ def to_json(
     )
 
 
-__all__ = ["Status", "best_heuristic", "render", "rows", "run_baselines", "save", "select_methods"]
+__all__ = [
+    "Held",
+    "Status",
+    "best_heuristic",
+    "held_to_reserved",
+    "render",
+    "rows",
+    "run_baselines",
+    "save",
+    "select_methods",
+]

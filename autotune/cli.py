@@ -105,6 +105,24 @@ HostOpt = Annotated[
         "not fit \\[default: this machine's memory where the plan is for its GPU, else unbounded].",
     ),
 ]
+BudgetKindOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--budget-kind",
+        help="reserved: a policy runs within the budget on a model of PyTorch's CUDA caching allocator (cached blocks "
+        "and split ends: what runs out); allocated: its tensors alone fit \\[default: reserved on a GPU profile; "
+        "allocated on cpu, which has no caching allocator, and with --measure, whose finalists run capped at the "
+        "budget].",
+    ),
+]
+ExpandableOpt = Annotated[
+    bool,
+    typer.Option(
+        "--expandable-segments",
+        help="Check the reserved bytes on the allocator's model of expandable_segments:True (train with autotune "
+        "train --expandable-segments).",
+    ),
+]
 ReserveOpt = Annotated[
     str | None,
     typer.Option(
@@ -250,6 +268,21 @@ def _check_seed(seed: int) -> None:
 def _check_heartbeat(heartbeat: float | None) -> None:
     if heartbeat is not None and not _positive(heartbeat):
         raise AutotuneError(f"invalid --heartbeat {heartbeat}: expected a positive number of seconds, e.g. 60")
+
+
+def _check_budget_kind(budget_kind: str | None, expandable_segments: bool, gpu: str | None) -> None:
+    """--budget-kind and --expandable-segments (NOTE [ Reserved budget ]): a known kind, and none of the GPU
+    caching allocator's options on the CPU."""
+    from autotune.reserved import check_kind
+
+    if budget_kind is not None:
+        check_kind(budget_kind)
+    if gpu == "cpu" and (budget_kind == "reserved" or expandable_segments):  # the GPU's caching allocator
+        what = "--budget-kind reserved" if budget_kind == "reserved" else "--expandable-segments"
+        raise AutotuneError(
+            f"{what} with --gpu cpu: the CPU has no CUDA caching allocator to reserve memory; drop {what}, or plan "
+            "for a GPU (--gpu a100-40gb)"
+        )
 
 
 def _early_checks(
@@ -515,9 +548,12 @@ def baselines(
     optimizer: Annotated[str, typer.Option(help="sgd (momentum 0.9), adam or adamw.")] = "sgd",
     precision: PrecisionOpt = "fp32",
     grad_accum: AccumOpt = 1,
+    budget_kind: BudgetKindOpt = None,
+    expandable_segments: ExpandableOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Run every published heuristic and exact solver at the budget and compare them."""
+    """Run every published heuristic and exact solver at the budget and compare them; on a GPU profile each
+    policy is held, as `autotune search` holds its answer, to the bytes the caching allocator reserves."""
     from agents.base import SearchContext
     from autotune import baselines as bl
     from autotune import search as sr
@@ -531,8 +567,10 @@ def baselines(
     _early_checks(model, budget, reserve, batch_size=batch_size, seq_len=seq_len, image_size=image_size,
                   optimizer=optimizer, precision=precision, grad_accum=grad_accum, partition=partition,
                   allow_partition=allow_partition)  # fmt: skip
+    _check_budget_kind(budget_kind, expandable_segments, gpu)
     methods = bl.select_methods(only)
     hw, note = resolve_profile(gpu)
+    reserved = budget_kind != "allocated" and hw.is_gpu  # NOTE [ Reserved budget ]: as search holds its answer
     plan = plan_budget(budget, reserve, hw)
     parts = parse_partition_option(partition)
     if not as_json:
@@ -557,21 +595,26 @@ def baselines(
     if allow_partition and not parts:
         # The methods compare on one model: the unpartitioned one where the budget is above its floor.
         w = _choose_partition(w, hw, plan.planned_bytes, req, others=False)[-1]
-    problem = sr.planned_problem(w, hw, plan, allow_compress=allow_compress, partitioning=allow_partition)
+    problem = sr.planned_problem(w, hw, plan, allow_compress=allow_compress, partitioning=allow_partition,
+                                 reserved=reserved, expandable_segments=expandable_segments)  # fmt: skip
     results = bl.run_baselines(problem, SearchContext(time_limit_s=time_limit), methods, err)
+    held = None
+    if reserved:
+        with err.status("checking the reserved bytes (the caching allocator's model)…", spinner="dots"):
+            results, held = bl.held_to_reserved(problem, results, expandable_segments)
     # No policy is the model without slices, whatever the methods partition (as search says).
     plain = (
         sr.plain_no_policy(problem, _trace(dataclasses.replace(req, partitions=()))[0])
         if w.meta.get("partitions")
         else None
     )
-    table = bl.rows(problem, results, plain)
+    table = bl.rows(problem, results, plain, held)
     if save is not None:
         bl.save(save, problem, results, plan)
     if as_json:
-        print(bl.to_json(problem, table, plan, plain, save))
+        print(bl.to_json(problem, table, plan, plain, save, held))
         return
-    bl.render(out, problem, table, plan)
+    bl.render(out, problem, table, plan, held)
     if save is not None:
         over = sum(1 for r in results if not r.result.feasible)
         named = f" ({over} over the budget: *.infeasible.policy.json)" if over else ""
@@ -611,23 +654,8 @@ def search(
     milp: Annotated[bool, typer.Option(help="Also run the MILP solver (exact on a coarsened model).")] = False,
     reserve: ReserveOpt = None,
     host_memory: HostOpt = None,
-    budget_kind: Annotated[
-        str | None,
-        typer.Option(
-            help="reserved: the policy runs within the budget on a model of PyTorch's CUDA caching allocator "
-            "(cached blocks and split ends: what runs out); allocated: its tensors alone fit \\[default: reserved "
-            "on a GPU profile; allocated on cpu, which has no caching allocator, and with --measure, whose finalists "
-            "run capped at the budget]."
-        ),
-    ] = None,
-    expandable_segments: Annotated[
-        bool,
-        typer.Option(
-            "--expandable-segments",
-            help="Check the reserved bytes on the allocator's model of expandable_segments:True (train the answer "
-            "with autotune train --expandable-segments).",
-        ),
-    ] = False,
+    budget_kind: BudgetKindOpt = None,
+    expandable_segments: ExpandableOpt = False,
     allow_compress: Annotated[bool, typer.Option(help="Let searchers propose compression (lossy).")] = False,
     partition: Annotated[
         str | None,
@@ -699,10 +727,9 @@ def search(
     from agents.base import get_searcher
 
     get_searcher(searcher)  # unknown names fail before tracing
-    from autotune.reserved import check_kind, new_pool
+    from autotune.reserved import new_pool
 
-    if budget_kind is not None:
-        check_kind(budget_kind)
+    _check_budget_kind(budget_kind, expandable_segments, gpu)
     parts = parse_partition_option(partition)
     sliced = bool(parts) or allow_partition
     if compile_ and (sliced or allow_compress):  # before the profile: calibrating the CPU's takes seconds
@@ -726,12 +753,6 @@ def search(
         precision=precision, grad_accum=grad_accum, device=device, measure=measure, partition=partition,
         allow_partition=allow_partition, host_memory=host_memory,
     )  # fmt: skip
-    if gpu == "cpu" and (budget_kind == "reserved" or expandable_segments):  # the GPU's caching allocator
-        what = "--budget-kind reserved" if budget_kind == "reserved" else "--expandable-segments"
-        raise AutotuneError(
-            f"{what} with --gpu cpu: the CPU has no CUDA caching allocator to reserve memory; drop {what}, or plan "
-            "for a GPU (--gpu a100-40gb)"
-        )
     check_storage(storage)  # before the profile: --gpu cpu calibrates this CPU first (seconds)
     hw, note = resolve_profile(gpu)
     here = sr.plan_device(hw, device)

@@ -27,7 +27,9 @@ not for every policy a search scores. In order:
      out on the model. Where none runs, the heuristics are planned again for ``SHRINK`` of the tensor bytes, at
      most ``ROUNDS`` times, as the search is (step 3), and the fastest that runs then is the best baseline: in
      that case none of the nine runs, and Capuchin planned for 5.19 GiB of tensors does, 966.3 samples/s
-     (before, the table said "none fits" beside the answer).
+     (before, the table said "none fits" beside the answer). `autotune baselines` holds its table the same way
+     by default (``autotune.baselines.held_to_reserved``): every policy that fits in tensors is checked, each that
+     runs out is infeasible, and none is planned again.
   5. Where no search's policy runs: the fastest of the most frugal uniform policies
      (``envs.simulator.frugal_starts``: recompute everything, every block's inside, swap everything) that
      runs there, slow as it is; no answer when none does. The error then names a budget: the least one of
@@ -40,7 +42,8 @@ only reports whether the answer runs within the budget on the model (a warning w
 ``expandable_segments:True`` alone would make it run: the cheaper lever, no search). On the CPU there is no
 caching allocator and none of this is done; with ``--measure`` the finalists are trained capped at the budget,
 the allocator's own verdict, and none of it is done either; `sweep` and `maxbatch` plan allocated bytes
-(maxbatch checks its answer as step 1 does and warns). `autotune simulate` reports the model's peaks for any
+(maxbatch checks its answer as step 1 does and warns; sweep checks each cell's chosen policy and says which
+run out, NOTE [ Sweep storage ]). `autotune simulate` reports the model's peaks for any
 policy, and `autotune train --device cuda` the measured ``max_memory_reserved`` beside the model's prediction.
 ``autotune search --expandable-segments`` plans all of this for PyTorch's ``expandable_segments:True`` (the
 model's A8-A11), the setting ``autotune train --expandable-segments`` trains the answer with.
@@ -79,6 +82,7 @@ CHECKS = 8  # finalists whose reserved peak is computed per search (NOTE [ Reser
 ROUNDS = 3  # searches at most (step 3)
 POOL = 8  # finalists kept per tier for step 2
 SHRINK = 0.95  # step 3: the next search plans for this share of the allocated bytes of the last
+OVER = "reserved bytes over budget"  # the note of a policy that runs out on the allocator's model
 
 
 def check_kind(kind: str) -> str:
@@ -106,6 +110,15 @@ def reserved_stats(
                             expandable_segments=expandable_segments)  # fmt: skip
     except OutOfMemory:
         return None
+
+
+def result_stats(
+    problem: Problem, r: SearchResult, capacity_bytes: int | None, expandable_segments: bool = False
+) -> AllocatorStats | None:
+    """:func:`reserved_stats` of a searcher's policy, on the workload it is for (``r.rival``)."""
+    member = problem.member(r.rival)
+    return reserved_stats(member, r.policy.to_vector(member.workload), r.policy.options, capacity_bytes,
+                          expandable_segments)  # fmt: skip
 
 
 @dataclass

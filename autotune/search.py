@@ -21,7 +21,17 @@ from agents.base import Problem, SearchContext, SearchResult, Status, baseline_n
 from agents.finalists import Finalist, Finalists
 from autotune.budget import Budget, record_budget, refuse_unit_left_out
 from autotune.measured import ANSWER, MeasuredSearch, answer_policy
-from autotune.reserved import ROUNDS, ReservedFit, as_result, fit_one, new_pool, reserved_stats, scaled_budget
+from autotune.reserved import OVER as _OVER
+from autotune.reserved import (
+    ROUNDS,
+    ReservedFit,
+    as_result,
+    fit_one,
+    new_pool,
+    reserved_stats,
+    result_stats,
+    scaled_budget,
+)
 from autotune.units import format_bytes, format_size_echo, parse_size
 from envs.allocator import AllocatorStats
 from envs.simulator import Floor, SimResult, Simulator, frugal_starts, peak_floor
@@ -478,9 +488,6 @@ def _keeping_everything(problem: Problem, found: SearchResult, no_policy: SimRes
     return f"keeping everything fits only as applied{how}"
 
 
-_OVER = "reserved bytes over budget"  # the note of a policy that runs out on the allocator's model
-
-
 def fit_reserved(
     outcome: SearchOutcome,
     searcher: str,
@@ -604,9 +611,7 @@ def _first_that_runs(
                     key=lambda i: -baselines[i].result.samples_per_s)  # fmt: skip
     for i in ranked:
         b = baselines[i]
-        member = outcome.problem.member(b.rival)
-        st = reserved_stats(member, b.policy.to_vector(member.workload), b.policy.options, budget_bytes,
-                            expandable_segments)  # fmt: skip
+        st = result_stats(outcome.problem, b, budget_bytes, expandable_segments)
         if st is not None:
             outcome.baseline_reserved_bytes = st.peak_reserved
             return b

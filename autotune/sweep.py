@@ -18,6 +18,10 @@ NOTE [ Sweep storage ]
     Ctrl-C stops the whole sweep: the cell being searched keeps what its study stored (its Optuna trials,
     its best policy so far, but not ``ppo`` in ``done``), no later cell starts, and the command exits 130
     after the table of the cells it reached; the same command resumes.
+    On a GPU profile a cell plans the tensors' bytes (``--budget-kind allocated`` in `autotune search`'s terms),
+    and its chosen policy is then run three iterations on the model of PyTorch's caching allocator with the
+    device capped at the planned budget (NOTE [ Reserved budget ] in autotune/reserved.py): the table, the
+    JSON and the report say where it runs out there; it is not stored (a resumed cell checks again).
     A cell where keeping everything fits (a heuristic's policy that keeps every saved tensor fits the budget)
     is answered by it, as `autotune search` answers at once there (the fastest policy there is: every other
     action adds work): its ``best`` is method ``keep all``, ``keeps_all`` is set, and neither Optuna nor the
@@ -33,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -41,6 +46,7 @@ from agents.optuna_search import create_study, storage_for
 from agents.rl import DEFAULT_EPISODES
 from autotune.budget import budget_of, record_budget
 from autotune.partitions import partition_tag
+from autotune.reserved import reserved_stats
 from autotune.search import budget_floor, format_bytes, plain_no_policy
 from envs.simulator import SimResult
 from runtime.errors import AutotuneError
@@ -102,12 +108,24 @@ class CellResult:
     reserve_bytes: int = 0
     partitions: list[dict[str, Any]] = field(default_factory=list)  # --allow-partition: the slices searched
     interrupted: bool = False  # Ctrl-C stopped this cell's search: it holds what was found until then
+    # the chosen policy's reserved peak on the caching allocator's model, capped at the planned budget (NOTE
+    # [ Sweep storage ]): None where it runs out there; absent (``reserved_checked`` False) off a GPU profile
+    reserved_bytes: int | None = None
+    reserved_checked: bool = False
 
     def floor_text(self) -> str:
         """A cell below its floor, with the floor as a budget to type (the reserve added back)."""
         if self.floor_bytes is None:
             return "below the floor"
         return f"below the floor: no policy under {format_bytes(self.floor_bytes + self.reserve_bytes)}"
+
+    def reserved_text(self) -> str:
+        """What the chosen policy does on the caching allocator's model, where checked."""
+        if not self.reserved_checked:
+            return ""
+        if self.reserved_bytes is None:
+            return "runs out on the caching allocator's model"
+        return f"{format_bytes(self.reserved_bytes)} reserved on the caching allocator's model"
 
     @property
     def slices(self) -> str:
@@ -140,6 +158,8 @@ class CellResult:
             "wall_s": self.wall_s,
             "partitions": self.partitions,
             "interrupted": self.interrupted,
+            "reserved_peak_bytes": self.reserved_bytes,
+            "runs_on_allocator_model": (self.reserved_bytes is not None) if self.reserved_checked else None,
         }
 
     def best_heuristic(self) -> tuple[str, dict[str, Any]] | None:
@@ -283,6 +303,10 @@ def run_cell(
     cell.ppo = attrs.get("ppo")
     cell.best = attrs.get("best")
     cell.per_method = attrs.get("per_method", {})
+    if hw.is_gpu and cell.best is not None and cell.best.get("actions") is not None:
+        options = PolicyOptions(**cell.best["options"], allow_partition=bool(w.meta.get("partitions")))
+        st = reserved_stats(problem, np.asarray(cell.best["actions"], dtype=np.int8), options, budget_bytes)
+        cell.reserved_bytes, cell.reserved_checked = (None if st is None else st.peak_reserved), True
     cell.wall_s = time.perf_counter() - started
     return cell
 
@@ -487,7 +511,8 @@ def render(out: Console, outcome: SweepOutcome, storage: str, report: Path | Non
             if cell.best is None
             else f"{f(j['samples_per_s'])} {j['best_method'] or ''}"
             + (f" on {cell.slices}" if cell.partitions else "")
-            + (" (interrupted)" if cell.interrupted else ""),
+            + (" (interrupted)" if cell.interrupted else "")
+            + (" (runs out on the allocator's model)" if cell.reserved_checked and cell.reserved_bytes is None else ""),
         )
     out.print(t)
     names = [cell.study_name for cell in outcome.cells]  # the budget in them is the planned bytes, not as typed
@@ -502,6 +527,15 @@ def render(out: Console, outcome: SweepOutcome, storage: str, report: Path | Non
             + (f" and {len(unmet) - 3} more" if len(unmet) > 3 else "")
             + "), above what no policy can go below: `autotune search` at such a budget refines the heuristics'"
             " policies tensor by tensor, which the sweep's methods do not",
+            highlight=False,
+        )
+    over = [c for c in outcome.cells if c.reserved_checked and c.reserved_bytes is None]
+    if over:  # NOTE [ Sweep storage ]: the cells plan tensor bytes
+        out.print(
+            f"{len(over)} of the chosen policies run out on a model of PyTorch's CUDA caching allocator with the "
+            "device capped at the budget (cached blocks and split ends; the sweep plans the tensors' bytes): "
+            "`autotune search` at such a cell plans for what the allocator reserves (its default --budget-kind "
+            "reserved)",
             highlight=False,
         )
     out.print(

@@ -96,6 +96,7 @@ def _summary_table(cells: Sequence[CellResult]) -> str:
         chosen = c.floor_text() if c.below_floor else f"{f(j['samples_per_s'])} ({j['best_method'] or '—'})"
         chosen += f" on {c.slices}" if c.partitions and not c.below_floor else ""  # a submodule run on slices
         chosen += " (interrupted)" if c.interrupted else ""  # as the terminal's table says
+        chosen += f"; {c.reserved_text()}" if c.reserved_checked and not c.below_floor else ""
         rows.append(
             [
                 c.model,

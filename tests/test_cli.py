@@ -446,15 +446,15 @@ def test_every_planning_command_keeps_the_same_reserve(capsys: pytest.CaptureFix
     for the same bytes, and a saved policy records the budget as typed."""
     from runtime.policy import load_policy
 
-    common = ["--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "330MB"]
+    # In tensor bytes (--budget-kind allocated): the default, reserved, holds the policies to the caching
+    # allocator's model, where none of these runs at this size; the reserve is the same either way.
+    common = ["--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budget", "330MB", "--budget-kind",
+              "allocated"]  # fmt: skip
     code, out, err = run(capsys, "baselines", *common, "--only", "capuchin", "--save", str(tmp_path))
     assert code == 0 and "budget 314.71 MiB (planned for 186.71 MiB)" in out, (out, err)
     saved = load_policy(tmp_path / "resnet18.capuchin.policy.json")
-    # --budget-kind allocated, as `baselines` plans (search's default, reserved, holds its answer to the caching
-    # allocator's model, where none of these policies runs at this size)
     code, out, err2 = run(capsys, "search", *common, "--searcher", "capuchin", "--out", str(tmp_path / "s.json"),
-                          "--storage", f"sqlite:///{tmp_path / 's.db'}", "--json", "--budget-kind",
-                          "allocated")  # fmt: skip
+                          "--storage", f"sqlite:///{tmp_path / 's.db'}", "--json")  # fmt: skip
     assert code == 0, err2
     found = json.loads(out)
     planned = 330_000_000 - 128 * 2**20
@@ -962,7 +962,9 @@ def test_simulate_plans_a_saved_policy_as_its_search_did(capsys: pytest.CaptureF
     from autotune.budget import DEFAULT_GPU_RESERVE
     from runtime.policy import load_policy
 
-    args = ["--model", "resnet18", "--batch-size", "16", "--gpu", "a100-40gb", "--budget", "484MB"]
+    # in tensor bytes, as simulate's "feasible" counts them (the caching allocator's model: the test below)
+    args = ["--model", "resnet18", "--batch-size", "16", "--gpu", "a100-40gb", "--budget", "484MB", "--budget-kind",
+            "allocated"]  # fmt: skip
     methods = "capuchin,megtaichi,delta"
     code, out, err = run(capsys, "baselines", *args, "--only", methods, "--save", str(tmp_path), "--json")
     assert code == 0 and err == "", err  # --json writes nothing else, not even the bar's empty line

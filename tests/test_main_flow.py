@@ -445,12 +445,76 @@ def test_where_no_searched_policy_runs_on_the_allocators_model_a_frugal_one_is_t
     assert np.array_equal(load_policy(out).to_vector(w), frugal_starts(w)["swap everything"])
 
 
+def test_baselines_hold_each_policy_to_the_reserved_bytes_as_search_does(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`autotune baselines` on a GPU profile listed every heuristic feasible by its tensors where `autotune search`
+    (reserved bytes by default) held the same policies to the caching allocator's model: on resnet18 b64 within
+    1.26GiB, Capuchin feasible at 5,401.6 samples/s in one table, running out and planned again at 5,306.6 in the
+    other. Now each policy that fits in tensors runs three iterations on the model, the device capped at the
+    planned budget: on resnet18 b4 within 300MB each runs, reserving what ``policy_stats`` gives for its saved
+    file; on an allocator that runs only what is planned at 400,000,000 bytes or less (resnet18 b16 within
+    560MB) the others run out, are infeasible and saved as such, and the best heuristic is the fastest that runs.
+    --budget-kind allocated counts tensors alone, as before; on the CPU reserved is refused."""
+    from autotune import reserved
+    from envs.allocator import AllocatorStats, policy_stats
+    from runtime.hardware import get_profile
+
+    b4 = ["baselines", "--model", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--reserve", "8MiB"]
+    code, out, err = run(capsys, *b4, "--budget", "300MB", "--only", "capuchin,vdnn", "--save", str(tmp_path),
+                         "--json")  # fmt: skip
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["budget_kind"] == "reserved" and d["best_heuristic"] == "capuchin"
+    hw = get_profile("a100-40gb")
+    w, _ = trace_model(TraceRequest(model="resnet18", batch_size=4, target=hw))
+    for row in d["methods"]:
+        p = load_policy(tmp_path / f"resnet18.{row['method']}.policy.json")
+        st = policy_stats(w, hw, p.to_vector(w), p.options, capacity_bytes=d["planned_budget_bytes"])
+        assert row["feasible"] and row["runs_on_allocator_model"] and row["reserved_peak_bytes"] == st.peak_reserved
+        assert row["peak_bytes"] < st.peak_reserved <= d["planned_budget_bytes"]
+    code, out, err = run(capsys, *b4, "--budget", "300MB", "--only", "capuchin", "--budget-kind", "allocated", "--json")
+    a = json.loads(out)
+    assert code == 0 and a["budget_kind"] == "allocated" and a["methods"][0]["reserved_peak_bytes"] is None, err
+
+    real = reserved.reserved_stats
+
+    def within_400mb(problem: Problem, actions: np.ndarray, options: PolicyOptions, *a: object) -> object:
+        if problem.evaluate(actions, options).peak_bytes > 400_000_000:
+            return None
+        return AllocatorStats(peak_reserved=400_000_000) if real(problem, actions, options) else None
+
+    monkeypatch.setattr(reserved, "reserved_stats", within_400mb)
+    saved = tmp_path / "b16"
+    b16 = ["baselines", "--model", "resnet18", "--batch-size", "16", "--gpu", "a100-40gb", "--budget", "560MB"]
+    code, out, err = run(capsys, *b16, "--save", str(saved), "--json")
+    assert code == 0, err
+    rows = json.loads(out)["methods"]
+    fits = {r["method"] for r in rows if r["peak_bytes"] <= 425_782_272}  # the planned budget, in tensors
+    runs = {r["method"] for r in rows if r["peak_bytes"] <= 400_000_000}
+    assert runs and fits - runs, rows  # both kinds among them
+    for r in rows:
+        assert r["feasible"] == (r["method"] in runs), r
+        assert r["runs_on_allocator_model"] == ((r["method"] in runs) if r["method"] in fits else None), r
+        assert r["reserved_peak_bytes"] == (400_000_000 if r["method"] in runs else None)
+        assert (saved / f"resnet18.{r['method']}{'' if r['feasible'] else '.infeasible'}.policy.json").exists()
+    fastest = max((r for r in rows if r["method"] in runs and not r["exact"]), key=lambda r: r["samples_per_s"])
+    assert json.loads(out)["best_heuristic"] == fastest["method"]
+    code, out, err = run(capsys, *b16)
+    shown = " ".join(out.split())
+    assert code == 0 and f"{len(fits - runs)} of the policies that fit in tensors run out" in shown
+    said = user_error(capsys, "baselines", "--model", "resnet18", "--gpu", "cpu", "--budget", "1GB", "--budget-kind",
+                      "reserved")  # fmt: skip
+    assert "--budget-kind reserved with --gpu cpu" in said
+
+
 def test_the_reserved_budget_holds_the_baselines_to_it_too(monkeypatch: pytest.MonkeyPatch) -> None:
     """NOTE [ Reserved budget ] step 4 on hand-made baselines (budget 1000 bytes; an allocator that runs only
     what is planned at 900 bytes or less): the two fastest feasible baselines (1000 and 960 bytes) run out and
     are marked so, the third (890) is the best baseline and its reserved peak is reported; the slowest (850) is
     not checked, nor the infeasible one (1200). Where none runs, none is the best."""
     from agents.base import Status
+    from autotune import reserved
     from autotune import search as sr
     from envs.allocator import AllocatorStats
 
@@ -473,7 +537,7 @@ def test_the_reserved_budget_holds_the_baselines_to_it_too(monkeypatch: pytest.M
                                     status, 0.0, 0))  # fmt: skip
         return out
 
-    monkeypatch.setattr(sr, "reserved_stats", on_the_model)
+    monkeypatch.setattr(reserved, "reserved_stats", on_the_model)  # the baselines' policies are checked there
     outcome = sr.SearchOutcome(problem, None, found, baselines(), None, _result(2000, 300.0), Path("p.json"), 0.0)  # type: ignore[arg-type]
     sr.reserved_baselines(outcome, 1000)
     assert tried == [1000, 960, 890] and outcome.baseline_reserved_bytes == 890 + 7
@@ -482,7 +546,7 @@ def test_the_reserved_budget_holds_the_baselines_to_it_too(monkeypatch: pytest.M
     assert top is not None and top.searcher == "b890"
     assert sr._baselines_held(outcome) == "the best baseline is held to it too, 2 faster ones running out there"
     # an allocator on which nothing runs: no baseline is the best
-    monkeypatch.setattr(sr, "reserved_stats", lambda *_a, **_k: None)
+    monkeypatch.setattr(reserved, "reserved_stats", lambda *_a, **_k: None)
     outcome = sr.SearchOutcome(problem, None, found, baselines(), None, _result(2000, 300.0), Path("p.json"), 0.0)  # type: ignore[arg-type]
     sr.reserved_baselines(outcome, 1000)
     assert sr.best_heuristic(outcome) is None and outcome.baseline_reserved_bytes is None

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from agents.optuna_search import retried_trial_number
+from autotune.workloads import TraceRequest, trace_model
 from tests.conftest import SWEEP_ARGS, SweepRun, autotune
 
 
@@ -480,3 +481,47 @@ def test_a_ctrl_c_a_finalizer_swallowed_while_the_report_is_written_is_still_the
                          f"sqlite:///{tmp_path / 's.db'}", "--report", str(report))  # fmt: skip
     assert code == 130 and "interrupted after 1 of 1 cells; the same command resumes" in err, (code, err)
     assert report.exists() and "sweep: 1 cell in" in out
+
+
+def test_each_cells_chosen_policy_is_checked_on_the_caching_allocators_model(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A sweep plans the tensors' bytes, where `autotune search` plans what PyTorch's caching allocator reserves
+    by default: a cell's answer could run out on the allocator's model and the table said nothing. Now each
+    chosen policy on a GPU profile runs there with the device capped at the planned budget (NOTE [ Sweep
+    storage ]): resnet18 b4 keeps everything within both 250MB and 300MB (8 MiB reserve; its peak is 220,300,800
+    bytes), which reserves more than the first's 241,611,392 planned bytes on the model and runs within the
+    second's, reserving what ``policy_stats`` gives; the table and the report say which ran out; on the cpu
+    profile nothing is checked."""
+    from envs.allocator import OutOfMemory, policy_stats
+    from runtime.hardware import get_profile
+    from runtime.policy import load_policy
+    from tests.test_cli import run
+
+    report, files = tmp_path / "r.html", tmp_path / "p"
+    args = ["sweep", "--models", "resnet18", "--batch-size", "4", "--gpu", "a100-40gb", "--budgets", "250MB,300MB",
+            "--reserve", "8MiB", "--methods", "baselines", "--storage", f"sqlite:///{tmp_path / 's.db'}",
+            "--out-dir", str(files)]  # fmt: skip
+    code, out, err = run(capsys, *args, "--json")
+    assert code == 0, err
+    cells = json.loads(out)["cells"]
+    runs = [c["runs_on_allocator_model"] for c in cells]
+    assert [c["best_method"] for c in cells] == ["keep all"] * 2 and runs == [False, True], cells
+    hw = get_profile("a100-40gb")
+    w, _ = trace_model(TraceRequest(model="resnet18", batch_size=4, target=hw))
+    policies = sorted(files.glob("*.policy.json"))
+    assert len(policies) == 2
+    for c in cells:
+        p = next(load_policy(f) for f in policies if load_policy(f).budget_bytes == c["budget_bytes"])
+        try:
+            st = policy_stats(w, hw, p.to_vector(w), p.options, capacity_bytes=c["planned_budget_bytes"])
+            assert c["reserved_peak_bytes"] == st.peak_reserved and c["peak_bytes"] < st.peak_reserved, c
+        except OutOfMemory:
+            assert c["reserved_peak_bytes"] is None and c["planned_budget_bytes"] == 241_611_392, c
+    code, out, err = run(capsys, *args, "--report", str(report))
+    shown = " ".join(out.split())
+    assert code == 0 and "1 of the chosen policies run out on a model of PyTorch's CUDA caching allocator" in shown
+    assert "runs out on the caching allocator" in report.read_text()
+    code, out, err = run(capsys, *args[:6], "cpu", "--budgets", "300MB", "--methods", "baselines", "--storage",
+                         f"sqlite:///{tmp_path / 'c.db'}", "--json")  # fmt: skip
+    assert code == 0 and json.loads(out)["cells"][0]["runs_on_allocator_model"] is None, err
