@@ -18,8 +18,14 @@ not for every policy a search scores. In order:
      all ran out on the model, and a second search for 95% of the bytes answered 970.9 samples/s in 36.0 s
      wall; with the tiers' fastest among them, a 3%- or 10%-tier finalist runs there: 969.1 samples/s
      (-0.2%) in 21.2 s, no second search;
-  3. else a new search for ``SHRINK`` of the allocated bytes the last one planned for, again 1-2, at most
-     ``ROUNDS`` searches in all, then step 5.
+  3. else a new search, for the budget over the factor the last answer needs on the model (the least
+     capacity it runs within, found to 1% of the budget by bisection, over its tensors' peak:
+     ``next_planned``), at most ``SHRINK`` of the allocated bytes the last one planned for and not below the
+     floor; again 1-2, at most ``ROUNDS`` searches in all, then step 5. A fixed ``SHRINK`` a search fell short
+     where the allocator costs much: GPT-2 small b8 within 8GB (a100-40gb) needs about 1.2x its tensors (the
+     logits' segments), its three searches (7.33, 6.96, 6.61 GiB of tensors) ran none, and the answer was
+     swapping everything, 7.8 samples/s; with the factor (1.20, then 1.25) the third search, for 5.80 GiB,
+     answers 17.5 (the answer planned for tensors alone, 18.1, runs out there).
   4. The baselines are held to the same kind (``autotune.search.reserved_baselines``): the table's best
      baseline is the fastest that runs on the model with the device so capped, each faster one that runs out
      there marked infeasible. Before, the answer (reserved bytes fit) stood beside a baseline judged by its
@@ -137,6 +143,7 @@ class ReservedFit:
     enforced: bool = True  # --budget-kind reserved: the answer had to fit; else only checked and reported
     checked: int = 0  # policies whose reserved peak was computed
     planned: list[int] = field(default_factory=list)  # the allocated budget of each search
+    factors: list[float] = field(default_factory=list)  # step 3: the answer's reserve factor behind each later one
     source: str = "answer"  # "answer", "finalist", or "search N"
     expandable_segments: bool = False  # the model of expandable_segments:True (A8-A11), not the default's
     # only checked, not enforced, and over on the default's model: the answer's reserved peak on the model of
@@ -151,6 +158,7 @@ class ReservedFit:
             "retries": self.retries,
             "checked": self.checked,
             "planned_bytes": self.planned,
+            "reserve_factors": self.factors,
             "source": self.source,
             "enforced": self.enforced,
             "expandable_segments": self.expandable_segments,
@@ -213,8 +221,44 @@ def as_result(problem: Problem, found: SearchResult, f: Finalist) -> SearchResul
 
 
 def scaled_budget(planned_bytes: int) -> int:
-    """Step 3: the allocated budget of the next search."""
+    """Step 3 (the baselines' step 4): the allocated budget of the next search at most."""
     return int(planned_bytes * SHRINK)
+
+
+def least_capacity(
+    problem: Problem,
+    actions: np.ndarray,
+    options: PolicyOptions,
+    tolerance_bytes: int,
+    expandable_segments: bool = False,
+) -> int:
+    """The least device capacity (within ``tolerance_bytes``) at which a policy runs on the allocator's model: by
+    bisection between its allocated peak (below which nothing runs) and what it reserves with nothing capping
+    the device (within which it runs: a capped allocator that never reaches its cap acts as an uncapped one)."""
+    st = reserved_stats(problem, actions, options, None, expandable_segments)
+    assert st is not None  # nothing caps the device
+    lo, hi = st.peak_allocated - 1, st.peak_reserved
+    while hi - lo > tolerance_bytes:
+        mid = (lo + hi) // 2
+        if reserved_stats(problem, actions, options, mid, expandable_segments) is None:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def next_planned(
+    problem: Problem, found: SearchResult, budget_bytes: int, expandable_segments: bool = False
+) -> tuple[int, float]:
+    """Step 3: the tensor bytes the next search plans for, and the answer's reserve factor that set them. The
+    answer needs ``factor`` times its tensors' peak on the model (:func:`least_capacity`, to 1% of the budget);
+    the next search plans for the budget over that factor (on GPT-2 small b8 within 8GB about 1.21-1.28: the
+    logits' segments), and at most ``SHRINK`` of what this one planned for (the factor grows as tensors shrink)."""
+    w = problem.workload
+    need = least_capacity(problem, found.policy.to_vector(w), found.policy.options, max(budget_bytes // 100, 1),
+                          expandable_segments)  # fmt: skip
+    factor = need / max(found.result.peak_bytes, 1)
+    return min(scaled_budget(problem.budget_bytes), int(budget_bytes / factor)), factor
 
 
 def new_pool(budget_bytes: int) -> Finalists:
@@ -230,7 +274,9 @@ __all__ = [
     "as_result",
     "check_kind",
     "fit_one",
+    "least_capacity",
     "new_pool",
+    "next_planned",
     "reserved_stats",
     "scaled_budget",
 ]

@@ -28,6 +28,7 @@ from autotune.reserved import (
     as_result,
     fit_one,
     new_pool,
+    next_planned,
     reserved_stats,
     result_stats,
     scaled_budget,
@@ -505,6 +506,7 @@ def fit_reserved(
         outcome.reserved = check_reserved(outcome.problem, outcome.found, expandable_segments)
         return outcome
     current, planned, checked = outcome, [budget], 0
+    factors: list[float] = []
     lowest: ReservedFit | None = None
     wall = outcome.wall_s
     for n in range(1, ROUNDS + 1):
@@ -514,19 +516,21 @@ def fit_reserved(
             if fit.source == "finalist":
                 current.found = as_result(current.problem, current.found, chosen)
             fit.source = fit.source if n == 1 else f"{fit.source} of search {n}"
-            fit.checked, fit.planned = checked, planned
+            fit.checked, fit.planned, fit.factors = checked, planned, factors
             current.reserved, current.wall_s = fit, wall
             reserved_baselines(current, budget, expandable_segments)
             return current
         if lowest is None or fit.lowest_peak_bytes < lowest.lowest_peak_bytes:
             lowest = fit
-        nxt = scaled_budget(current.problem.budget_bytes)
-        if n == ROUNDS or current.interrupted or nxt < budget_floor(current.problem):
+        floor = budget_floor(current.problem)
+        if n == ROUNDS or current.interrupted or current.problem.budget_bytes <= floor:
             break
+        nxt, factor = next_planned(current.problem, current.found, budget, expandable_segments)
+        nxt = max(nxt, floor)  # no policy goes below it
         err.print(
             f"none of {fit.checked} policies runs within {format_bytes(budget)} on the caching allocator's model "
-            f"(cached blocks and split ends): searching again for {format_bytes(nxt)} of tensors "
-            "(--budget-kind allocated plans for tensors alone)",
+            f"(cached blocks and split ends; the answer needs {factor:.2f}x its tensors' peak there): searching "
+            f"again for {format_bytes(nxt)} of tensors (--budget-kind allocated plans for tensors alone)",
             highlight=False,
         )
         p = current.problem
@@ -537,6 +541,7 @@ def fit_reserved(
                            quiet=quiet, user_budget_bytes=outcome.found.policy.budget_bytes)  # fmt: skip
         wall += again.wall_s
         planned.append(nxt)
+        factors.append(factor)
         if not again.found.feasible:
             break
         current = again
@@ -547,12 +552,12 @@ def fit_reserved(
         f, st = max(runs, key=lambda r: r[0].result.samples_per_s)
         found = dataclasses.replace(as_result(outcome.problem, outcome.found, f), status=Status.FEASIBLE)
         fit = ReservedFit(st.peak_reserved, st.peak_allocated, True, retries=st.retries, source="frugal policy",
-                          checked=checked + len(frugal), planned=planned,
+                          checked=checked + len(frugal), planned=planned, factors=factors,
                           expandable_segments=expandable_segments)  # fmt: skip
         outcome.found, outcome.reserved, outcome.wall_s = found, fit, wall
         reserved_baselines(outcome, budget, expandable_segments)
         return outcome
-    lowest.checked, lowest.planned, lowest.fits = checked + len(frugal), planned, False
+    lowest.checked, lowest.planned, lowest.factors, lowest.fits = checked + len(frugal), planned, factors, False
     if frugal:  # what one of them needs with nothing capping the device: a budget step 5 answers within
         lowest.frugal_reserved_bytes, lowest.frugal_policy = least_frugal_reserved(outcome.problem, expandable_segments)
     outcome.reserved, outcome.wall_s = lowest, wall
@@ -707,6 +712,13 @@ def memory_by_action(problem: Problem, policy: Policy) -> dict[str, int]:
     return {_DONE[a]: n for a, n in policy.bytes_by_action(problem.workload).items()}
 
 
+def planned_bytes(outcome: SearchOutcome) -> int:
+    """The budget as planned for (as typed less its reserve): the problem's, or where a later search planned
+    fewer tensor bytes (NOTE [ Reserved budget ] step 3), the first's."""
+    rf = outcome.reserved
+    return rf.planned[0] if rf is not None and rf.planned else outcome.problem.budget_bytes
+
+
 def to_json(outcome: SearchOutcome) -> dict[str, Any]:
     p, f = outcome.problem, outcome.found
     top = best_heuristic(outcome)
@@ -717,7 +729,7 @@ def to_json(outcome: SearchOutcome) -> dict[str, Any]:
         "grad_accum": p.workload.grad_accum,
         "gpu": p.hardware.name,
         "budget_bytes": f.policy.budget_bytes,
-        "planned_budget_bytes": p.budget_bytes,
+        "planned_budget_bytes": planned_bytes(outcome),
         "searcher": f.searcher,
         "note": f.note,
         "status": f.status.value,
@@ -774,7 +786,8 @@ def render(out: Console, outcome: SearchOutcome) -> None:
     top = best_heuristic(outcome)
     base = outcome.no_policy
     budget = format_bytes(f.policy.budget_bytes or p.budget_bytes)
-    planned = f" (planned for {format_bytes(p.budget_bytes)})" if f.policy.budget_bytes != p.budget_bytes else ""
+    plan = planned_bytes(outcome)
+    planned = f" (planned for {format_bytes(plan)})" if f.policy.budget_bytes != plan else ""
     t = Table(title=f"{w.model}, batch {w.batch_size}, {p.hardware.name}, budget {budget}{planned}")
     for col in ("policy", "peak", "fits", "iteration", "samples/s", "slowdown"):
         t.add_column(col, justify="left" if col == "policy" else "right")
@@ -783,7 +796,7 @@ def render(out: Console, outcome: SearchOutcome) -> None:
         t.add_row(
             label,
             format_bytes(r.peak_bytes),
-            "yes" if r.peak_bytes <= p.budget_bytes and not r.host_over_bytes else "no",
+            "yes" if r.peak_bytes <= plan and not r.host_over_bytes else "no",
             f"{r.iter_s * 1e3:.1f} ms",
             f"{r.samples_per_s:,.1f}",
             f"{base.samples_per_s / r.samples_per_s - 1:+.1%}",
