@@ -33,7 +33,11 @@ not for every policy a search scores. In order:
      out on the model. Where none runs, the heuristics are planned again for ``SHRINK`` of the tensor bytes, at
      most ``ROUNDS`` times, as the search is (step 3), and the fastest that runs then is the best baseline: in
      that case none of the nine runs, and Capuchin planned for 5.19 GiB of tensors does, 966.3 samples/s
-     (before, the table said "none fits" beside the answer). `autotune baselines` holds its table the same way
+     (before, the table said "none fits" beside the answer). Where the best baseline so held runs and is faster
+     than the answer (a roomy finalist, a frugal policy, or none at all), it is the answer
+     (``autotune.search.adopt_baseline``): on ViT-B/16 b64 within 6GB (a100-40gb) the fastest finalist that
+     runs was at 153.9 samples/s and Capuchin planned for 5.19 GiB of tensors at 162.4 beside it, now the
+     answer. `autotune baselines` holds its table the same way
      by default (``autotune.baselines.held_to_reserved``): every policy that fits in tensors is checked, each that
      runs out is infeasible, and none is planned again.
   5. Where no search's policy runs: the fastest of the most frugal uniform policies

@@ -519,6 +519,7 @@ def fit_reserved(
             fit.checked, fit.planned, fit.factors = checked, planned, factors
             current.reserved, current.wall_s = fit, wall
             reserved_baselines(current, budget, expandable_segments)
+            adopt_baseline(current, budget, expandable_segments)
             return current
         if lowest is None or fit.lowest_peak_bytes < lowest.lowest_peak_bytes:
             lowest = fit
@@ -556,6 +557,7 @@ def fit_reserved(
                           expandable_segments=expandable_segments)  # fmt: skip
         outcome.found, outcome.reserved, outcome.wall_s = found, fit, wall
         reserved_baselines(outcome, budget, expandable_segments)
+        adopt_baseline(outcome, budget, expandable_segments)
         return outcome
     lowest.checked, lowest.planned, lowest.factors, lowest.fits = checked + len(frugal), planned, factors, False
     if frugal:  # what one of them needs with nothing capping the device: a budget step 5 answers within
@@ -563,7 +565,28 @@ def fit_reserved(
     outcome.reserved, outcome.wall_s = lowest, wall
     outcome.found = dataclasses.replace(outcome.found, status=Status.INFEASIBLE, note=_OVER)
     reserved_baselines(outcome, budget, expandable_segments)
+    adopt_baseline(outcome, budget, expandable_segments)
     return outcome
+
+
+def adopt_baseline(outcome: SearchOutcome, budget_bytes: int, expandable_segments: bool = False) -> None:
+    """Step 4 of NOTE [ Reserved budget ], last: where the best baseline held to the budget runs on the model and
+    is faster than the answer (a roomier finalist, a frugal policy, or none), it is the answer."""
+    top, rf = best_heuristic(outcome), outcome.reserved
+    if top is None or rf is None or outcome.baseline_reserved_bytes is None or top.rival != -1:
+        return
+    if rf.fits and top.result.samples_per_s <= outcome.found.result.samples_per_s:
+        return
+    st = result_stats(outcome.problem, top, budget_bytes, expandable_segments)
+    if st is None:  # held on another workload's problem than this one's (cannot be: rival -1); keep the answer
+        return
+    w = outcome.problem.workload
+    f = Finalist(top.policy.to_vector(w), top.policy.options, top.result)
+    by = dataclasses.replace(outcome.found, searcher=top.searcher, status=Status.FEASIBLE, note="")
+    outcome.found = as_result(outcome.problem, by, f)
+    outcome.reserved = ReservedFit(st.peak_reserved, st.peak_allocated, True, retries=st.retries,
+                                   source="best baseline", checked=rf.checked, planned=rf.planned, factors=rf.factors,
+                                   expandable_segments=expandable_segments)  # fmt: skip
 
 
 def runs_reserved(budget_bytes: int, expandable_segments: bool = False) -> Callable[[Problem, SearchResult], bool]:
