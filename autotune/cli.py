@@ -616,7 +616,7 @@ def baselines(
         return
     bl.render(out, problem, table, plan, held)
     if save is not None:
-        over = sum(1 for r in results if not r.result.feasible)
+        over = sum(1 for r in results if not r.feasible)  # in tensors, or on the allocator's model where held
         named = f" ({over} over the budget: *.infeasible.policy.json)" if over else ""
         out.print(f"policies written to {save}/{named}")
 

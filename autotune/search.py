@@ -578,7 +578,7 @@ def adopt_baseline(outcome: SearchOutcome, budget_bytes: int, expandable_segment
     if rf.fits and top.result.samples_per_s <= outcome.found.result.samples_per_s:
         return
     st = result_stats(outcome.problem, top, budget_bytes, expandable_segments)
-    if st is None:  # held on another workload's problem than this one's (cannot be: rival -1); keep the answer
+    if st is None:  # cannot be: step 4 found it running on this problem's model
         return
     w = outcome.problem.workload
     f = Finalist(top.policy.to_vector(w), top.policy.options, top.result)
