@@ -95,6 +95,7 @@ def rows(
     out = []
     for i, r in enumerate(results):
         checked = held is not None and i in held.reserved_bytes
+        reserved = held.reserved_bytes[i] if held is not None and checked else None
         out.append(
             {
                 "method": r.searcher,
@@ -109,10 +110,8 @@ def rows(
                 "evaluations": r.evaluations,
                 "gap": r.gap,
                 "note": r.note,
-                "reserved_peak_bytes": held.reserved_bytes[i] if held is not None and checked else None,
-                "runs_on_allocator_model": (held.reserved_bytes[i] is not None)
-                if held is not None and checked
-                else None,
+                "reserved_peak_bytes": reserved,
+                "runs_on_allocator_model": (reserved is not None) if checked else None,
             }
         )
     return out

@@ -419,7 +419,7 @@ def run_search(
             kept_all = best_of(
                 b for b in baselines if b.feasible and not b.policy.to_vector(problem.member(b.rival).workload).any()
             )
-            runs = keeping_runs is None or kept_all is None or keeping_runs(problem.member(kept_all.rival), kept_all)
+            runs = keeping_runs is None or kept_all is None or keeping_runs(problem, kept_all)
             if not runs:
                 kept_all = None  # its tensors fit, its segments do not: a search
         if milp and kept_all is None and not ctx.interrupted:
@@ -594,8 +594,7 @@ def runs_reserved(budget_bytes: int, expandable_segments: bool = False) -> Calla
     allocator's model with the device capped at ``budget_bytes`` (NOTE [ Reserved budget ])."""
 
     def runs(problem: Problem, r: SearchResult) -> bool:
-        actions = r.policy.to_vector(problem.workload)
-        return reserved_stats(problem, actions, r.policy.options, budget_bytes, expandable_segments) is not None
+        return result_stats(problem, r, budget_bytes, expandable_segments) is not None
 
     return runs
 

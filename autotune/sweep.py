@@ -37,7 +37,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -303,9 +302,9 @@ def run_cell(
     cell.ppo = attrs.get("ppo")
     cell.best = attrs.get("best")
     cell.per_method = attrs.get("per_method", {})
-    if hw.is_gpu and cell.best is not None and cell.best.get("actions") is not None:
-        options = PolicyOptions(**cell.best["options"], allow_partition=bool(w.meta.get("partitions")))
-        st = reserved_stats(problem, np.asarray(cell.best["actions"], dtype=np.int8), options, budget_bytes)
+    chosen = best_policy(cell, w, hw) if hw.is_gpu else None
+    if chosen is not None:
+        st = reserved_stats(problem, chosen.to_vector(w), chosen.options, budget_bytes)
         cell.reserved_bytes, cell.reserved_checked = (None if st is None else st.peak_reserved), True
     cell.wall_s = time.perf_counter() - started
     return cell
